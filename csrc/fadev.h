@@ -1,0 +1,112 @@
+/* fadev public C API: formats and rounding, metrics, attention kernels.
+ *
+ * Every public function returns fadev_status (FADEV_OK = 0) and never exits or aborts.
+ * Arrays are raw pointers to contiguous float64 (or float32 where noted) data; the Python
+ * binding (module.c) validates, converts and releases the GIL before calling in here.
+ * All arithmetic that must be bit-reproducible is compiled with -ffp-contract=off. */
+#ifndef FADEV_H
+#define FADEV_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum fadev_status {
+    FADEV_OK = 0,
+    FADEV_ERR_INVALID_FORMAT,   /* a format's parameters are out of range */
+    FADEV_ERR_INVALID_MODE,     /* unknown rounding mode */
+    FADEV_ERR_INVALID_ARGUMENT, /* a size, tile or option is out of range */
+    FADEV_ERR_SHAPE,            /* shapes do not agree */
+    FADEV_ERR_OVERFLOW,         /* a size computation overflows size_t */
+    FADEV_ERR_NO_MEMORY,        /* an allocation failed */
+    FADEV_ERR_THREAD,           /* a worker thread could not be started */
+    FADEV_ERR_NOT_REPRESENTABLE,/* bit-pattern conversion asked of a format with no bit layout */
+    FADEV_ERR_CUDA,             /* a CUDA runtime call failed (see fadev_cuda_last_error) */
+    FADEV_ERR_NO_CUDA,          /* the module was built without CUDA, or no device is present */
+    FADEV_STATUS_COUNT
+} fadev_status;
+
+const char *fadev_status_string(fadev_status status);
+
+/* ---------------------------------------------------------------- formats */
+
+typedef enum fadev_overflow {
+    FADEV_OVERFLOW_INF = 0,      /* IEEE: a magnitude rounded above `largest` becomes +-inf */
+    FADEV_OVERFLOW_NAN = 1,      /* becomes NaN (OCP E4M3FN, as ml_dtypes converts) */
+    FADEV_OVERFLOW_SATURATE = 2  /* clamps to +-largest (and +-inf inputs too) */
+} fadev_overflow;
+
+typedef enum fadev_rounding {
+    FADEV_ROUND_NEAREST_EVEN = 0, /* round to nearest, ties to even significand */
+    FADEV_ROUND_TOWARD_ZERO = 1,  /* truncate; a finite value never becomes inf or NaN (IEEE) */
+    FADEV_ROUND_STOCHASTIC = 2    /* up with probability (|x| - lo) / gap, Philox bits per element */
+} fadev_rounding;
+
+/* A binary floating-point format. Values are carried as float64 numbers exactly representable
+ * in the format. Normal numbers are m * 2^e with 1 <= m < 2 (p significand bits), emin <= e <= emax. */
+typedef struct fadev_format {
+    int32_t precision;  /* p: significand bits including the implicit one, 1..53 */
+    int32_t emin;       /* exponent of the smallest normal number 2^emin */
+    int32_t emax;       /* exponent of the largest binade */
+    int32_t subnormals; /* 1: gradual underflow below 2^emin; 0: values below 2^emin round to 0 or 2^emin */
+    int32_t has_inf;    /* 1: the format has infinities (an inf input stays inf) */
+    int32_t overflow;   /* fadev_overflow: what a magnitude rounded above `largest` becomes */
+    double largest;     /* largest finite magnitude (OCP E4M3FN: 448, not 480) */
+} fadev_format;
+
+/* Fill *fmt from parameters; largest <= 0 means the full top binade (2 - 2^(1-p)) * 2^emax. */
+fadev_status fadev_format_make(int precision, int emin, int emax, int subnormals, int has_inf,
+                               int overflow, double largest, fadev_format *fmt);
+/* Bit layout of an IEEE-style encoding of fmt: sign, exponent_bits, precision - 1 fraction bits. */
+fadev_status fadev_format_layout(const fadev_format *fmt, int *exponent_bits, int *total_bits);
+
+/* out[i] = round(x[i]) to fmt; x and out may alias. seed and index_offset key the stochastic
+ * generator: element i draws from Philox(counter = (index_offset + i, stream), key = seed). */
+fadev_status fadev_round_f64(const double *x, double *out, size_t n, const fadev_format *fmt,
+                             int mode, uint64_t seed, uint64_t stream, uint64_t index_offset);
+fadev_status fadev_round_f32(const float *x, double *out, size_t n, const fadev_format *fmt,
+                             int mode, uint64_t seed, uint64_t stream, uint64_t index_offset);
+
+/* Bit patterns: encode values (must already be exact in fmt, else rounded to nearest even first)
+ * into width-byte unsigned integers (width = 1, 2, 4 or 8), or decode them back to float64. */
+fadev_status fadev_to_bits(const double *x, void *bits, int width, size_t n, const fadev_format *fmt);
+fadev_status fadev_from_bits(const void *bits, int width, double *out, size_t n, const fadev_format *fmt);
+
+/* count of elements of x that are exactly representable in fmt (NaN counts as representable). */
+fadev_status fadev_count_representable(const double *x, size_t n, const fadev_format *fmt, size_t *count);
+
+/* ---------------------------------------------------------------- threads */
+
+/* Worker threads used by every multi-threaded kernel (default: online CPUs, or FADEV_NUM_THREADS).
+ * Results never depend on the thread count. */
+int fadev_get_num_threads(void);
+fadev_status fadev_set_num_threads(int n);
+
+/* Run fn(ctx, task) for task in [0, n_tasks) on up to fadev_get_num_threads() threads. Tasks are
+ * handed out in order; fn must write only to task-owned memory. Returns the first non-OK status. */
+typedef fadev_status (*fadev_task_fn)(void *ctx, size_t task);
+fadev_status fadev_parallel_for(size_t n_tasks, fadev_task_fn fn, void *ctx);
+
+/* ---------------------------------------------------------------- CUDA (cuda/) */
+
+/* 1 if the module was compiled with nvcc. */
+int fadev_cuda_compiled(void);
+/* number of usable CUDA devices (0 if none, no driver, or not compiled). Never fails. */
+int fadev_cuda_device_count(void);
+/* name, compute capability, memory of device `device`. */
+fadev_status fadev_cuda_device_info(int device, char *name, size_t name_len, int *major, int *minor,
+                                    size_t *total_memory);
+/* Round n float64 values on the GPU (host pointers in and out): bit-identical to fadev_round_f64. */
+fadev_status fadev_cuda_round_f64(const double *x, double *out, size_t n, const fadev_format *fmt,
+                                  int mode, uint64_t seed, uint64_t stream, uint64_t index_offset);
+/* the last CUDA error message seen by this thread (empty if none). */
+const char *fadev_cuda_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FADEV_H */

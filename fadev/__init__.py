@@ -1,0 +1,37 @@
+"""fadev: numerical deviation of attention kernels.
+
+Baseline and flash attention under a per-stage precision policy, low-precision formats bit-exact
+against ml_dtypes, and deviation metrics against an fp64 golden answer. See README.md.
+"""
+from . import _core
+from .formats import (Format, as_format, custom_format, formats, from_bits, from_ml_dtypes, round, to_bits,
+                      to_ml_dtypes)
+
+__version__ = "0.1.0"
+
+
+def get_num_threads() -> int:
+    """Worker threads used by fadev's C kernels (results never depend on it)."""
+    return _core.get_num_threads()
+
+
+def set_num_threads(n: int) -> None:
+    """Set the number of worker threads (1..256); FADEV_NUM_THREADS sets the default."""
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n must be an int, got {n!r}")
+    _core.set_num_threads(n)
+
+
+def cuda_available() -> bool:
+    """True when fadev was built with CUDA and a CUDA device can run its kernels."""
+    info = _core.cuda_info()
+    return bool(info["compiled"] and info["devices"])
+
+
+def cuda_info() -> dict:
+    """{'compiled': bool, 'devices': [{'index', 'name', 'capability', 'total_memory'}, ...]}."""
+    return _core.cuda_info()
+
+
+__all__ = ["Format", "as_format", "custom_format", "formats", "round", "to_bits", "from_bits", "to_ml_dtypes",
+           "from_ml_dtypes", "get_num_threads", "set_num_threads", "cuda_available", "cuda_info"]

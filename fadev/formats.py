@@ -1,0 +1,228 @@
+"""Floating-point formats and rounding.
+
+A :class:`Format` is a binary floating-point format described by its significand precision ``p``
+(implicit bit included), exponent range ``[emin, emax]``, subnormal support, infinities and an
+overflow rule. Values "in" a format are carried as float64 numbers exactly representable in it.
+Anywhere a format is expected, its name (``"bf16"``) works too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from . import _core
+
+OVERFLOW_RULES = {"inf": 0, "nan": 1, "saturate": 2}
+ROUNDING_MODES = {"rne": 0, "nearest": 0, "rtz": 1, "toward_zero": 1, "stochastic": 2, "sr": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """A binary floating-point format.
+
+    Attributes: ``name``; ``precision`` p (significand bits incl. the implicit one); ``emin``, ``emax``
+    (exponents of the smallest normal and of the largest binade); ``subnormals``; ``has_inf``;
+    ``overflow`` ("inf", "nan" or "saturate": what a magnitude rounded above ``largest`` becomes under
+    nearest-even and stochastic rounding; toward-zero rounding always clamps, as IEEE does);
+    ``largest`` (largest finite magnitude).
+    """
+
+    name: str
+    precision: int
+    emin: int
+    emax: int
+    subnormals: bool = True
+    has_inf: bool = True
+    overflow: str = "inf"
+    largest: float = 0.0
+
+    def __post_init__(self):
+        if self.overflow not in OVERFLOW_RULES:
+            raise ValueError(f"overflow must be one of {sorted(OVERFLOW_RULES)}, got {self.overflow!r}")
+        for field in ("precision", "emin", "emax"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"{field} must be an integer, got {value!r}")
+        if not 1 <= self.precision <= 53:
+            raise ValueError(f"precision must be in 1..53, got {self.precision}")
+        if not -1022 <= self.emin <= self.emax <= 1023:
+            raise ValueError(f"need -1022 <= emin <= emax <= 1023, got emin={self.emin}, emax={self.emax}")
+        if self.overflow == "inf" and not self.has_inf:
+            raise ValueError("overflow='inf' needs has_inf=True (use 'nan' or 'saturate')")
+        full = math.ldexp(2.0 - math.ldexp(1.0, 1 - self.precision), self.emax)
+        largest = float(self.largest) if self.largest else full
+        if not math.ldexp(1.0, self.emax) <= largest <= full:
+            raise ValueError(f"largest must lie in the top binade [2^emax, {full}], got {self.largest!r}")
+        object.__setattr__(self, "largest", largest)
+        _core.format_layout(self._c)  # C-side validation (largest must be a value of the format)
+
+    @property
+    def _c(self):
+        return (int(self.precision), int(self.emin), int(self.emax), int(self.subnormals), int(self.has_inf),
+                OVERFLOW_RULES[self.overflow], float(self.largest))
+
+    @property
+    def smallest_normal(self) -> float:
+        return math.ldexp(1.0, self.emin)
+
+    @property
+    def smallest_subnormal(self) -> float:
+        """Smallest positive value (the smallest normal when subnormals are off)."""
+        return math.ldexp(1.0, self.emin - self.precision + 1) if self.subnormals else self.smallest_normal
+
+    @property
+    def unit_roundoff(self) -> float:
+        """u = 2^-p: the relative error bound of round-to-nearest."""
+        return math.ldexp(1.0, -self.precision)
+
+    @property
+    def epsilon(self) -> float:
+        """Machine epsilon 2^(1-p): the gap between 1 and the next value."""
+        return math.ldexp(1.0, 1 - self.precision)
+
+    @property
+    def exponent_bits(self) -> int:
+        return _core.format_layout(self._c)[0]
+
+    @property
+    def bits(self) -> int:
+        """Width of the format's IEEE-style encoding (sign, exponent, precision-1 fraction bits)."""
+        return _core.format_layout(self._c)[1]
+
+    def __str__(self):
+        return self.name
+
+
+def _builtin():
+    return {
+        "fp64": Format("fp64", 53, -1022, 1023),
+        "fp32": Format("fp32", 24, -126, 127),
+        "tf32": Format("tf32", 11, -126, 127),
+        "fp16": Format("fp16", 11, -14, 15),
+        "bf16": Format("bf16", 8, -126, 127),
+        "fp8_e4m3": Format("fp8_e4m3", 4, -6, 8, has_inf=False, overflow="nan", largest=448.0),
+        "fp8_e5m2": Format("fp8_e5m2", 3, -14, 15),
+    }
+
+
+formats = _builtin()
+"""The built-in formats by name: fp64, fp32, tf32, fp16, bf16, fp8_e4m3 (OCP E4M3FN), fp8_e5m2."""
+
+_ALIASES = {"float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32", "float16": "fp16",
+            "half": "fp16", "bfloat16": "bf16", "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
+            "e5m2": "fp8_e5m2", "float8_e5m2": "fp8_e5m2"}
+
+
+def as_format(fmt, name: str = "fmt") -> Format:
+    """A Format from a Format or a name ("bf16", "fp8_e4m3", aliases such as "bfloat16")."""
+    if isinstance(fmt, Format):
+        return fmt
+    if isinstance(fmt, str):
+        key = _ALIASES.get(fmt.lower(), fmt.lower())
+        if key in formats:
+            return formats[key]
+        raise ValueError(f"{name}: unknown format {fmt!r}; known: {', '.join(formats)}")
+    raise TypeError(f"{name}: expected a fadev.Format or a format name, got {type(fmt).__name__}")
+
+
+def custom_format(precision, emin, emax, subnormals=True, has_inf=True, overflow=None, largest=None, name=None):
+    """A format from its parameters, e.g. ``custom_format(5, -30, 31)``."""
+    if overflow is None:
+        overflow = "inf" if has_inf else "nan"
+    name = name or f"p{precision}_e{emin}_{emax}"
+    return Format(name, precision, emin, emax, bool(subnormals), bool(has_inf), overflow, largest or 0.0)
+
+
+def _mode(mode) -> int:
+    if mode in ROUNDING_MODES:
+        return ROUNDING_MODES[mode]
+    raise ValueError(f"mode must be one of 'rne', 'rtz', 'stochastic', got {mode!r}")
+
+
+def _numeric(x, name="x"):
+    arr = np.asarray(x)
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_) \
+            or np.issubdtype(arr.dtype, np.complexfloating):
+        if arr.dtype.kind == "V" and arr.dtype.itemsize in (1, 2):  # ml_dtypes arrays
+            return arr.astype(np.float32)
+        raise TypeError(f"{name}: expected a real numeric array, got dtype {arr.dtype}")
+    return arr
+
+
+def round(x, fmt, mode: str = "rne", seed: int = 0, stream: int = 0):  # noqa: A001 (numeric rounding)
+    """Round ``x`` to ``fmt``; returns a float64 array of values exactly representable in ``fmt``.
+
+    ``mode``: "rne" (nearest, ties to even), "rtz" (toward zero), "stochastic" (up with probability
+    equal to the distance to the lower neighbour over the gap; element i draws Philox4x32-10 bits keyed
+    by ``seed`` at counter (i, ``stream``), so results are reproducible and thread-independent).
+    float32 input is read as float32 (exact), anything else is converted to float64 first.
+    """
+    fmt = as_format(fmt)
+    m = _mode(mode)
+    arr = _numeric(x)
+    if arr.dtype != np.float32:
+        arr = arr.astype(np.float64, copy=False)
+    return _core.round(arr, fmt._c, m, _u64(seed, "seed"), _u64(stream, "stream"), 0)
+
+
+def _u64(v, name):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= int(v) < 2**64:
+        raise ValueError(f"{name} must be an integer in [0, 2^64), got {v!r}")
+    return int(v)
+
+
+def _width(fmt: Format) -> int:
+    bits = fmt.bits
+    for w in (1, 2, 4, 8):
+        if bits <= 8 * w:
+            return w
+    raise ValueError(f"format {fmt} has no encoding up to 64 bits")
+
+
+def to_bits(x, fmt):
+    """Bit patterns of ``x`` (rounded to nearest even first) in ``fmt``'s IEEE-style encoding, as the
+    narrowest unsigned integer array that holds them (uint8 for fp8, uint16 for fp16/bf16, ...)."""
+    fmt = as_format(fmt)
+    return _core.to_bits(_numeric(x).astype(np.float64, copy=False), fmt._c, _width(fmt))
+
+
+def from_bits(bits, fmt):
+    """float64 values of the bit patterns ``bits`` (an unsigned integer array) in ``fmt``."""
+    fmt = as_format(fmt)
+    bits = np.asarray(bits)
+    if bits.dtype.kind != "u":
+        raise TypeError(f"bits: expected an unsigned integer array, got dtype {bits.dtype}")
+    if bits.dtype.itemsize * 8 < fmt.bits and fmt.bits <= 64:
+        raise ValueError(f"bits: {bits.dtype} is too narrow for {fmt} ({fmt.bits} bits)")
+    return _core.from_bits(bits, fmt._c)
+
+
+_ML_DTYPES = {"bf16": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+def to_ml_dtypes(x, fmt):
+    """``x`` rounded to ``fmt`` as an array of the matching ml_dtypes/numpy dtype (bf16, fp8_e4m3,
+    fp8_e5m2 -> ml_dtypes; fp16 -> numpy float16; fp32 -> float32), built from bit patterns."""
+    fmt = as_format(fmt)
+    if fmt.name == "fp16":
+        return to_bits(x, fmt).view(np.float16)
+    if fmt.name == "fp32":
+        return to_bits(x, fmt).view(np.float32)
+    if fmt.name not in _ML_DTYPES:
+        raise ValueError(f"fmt: no ml_dtypes type for {fmt.name!r}; use one of bf16, fp16, fp32, fp8_e4m3, fp8_e5m2")
+    import ml_dtypes
+    return to_bits(x, fmt).view(getattr(ml_dtypes, _ML_DTYPES[fmt.name]))
+
+
+def from_ml_dtypes(arr):
+    """float64 values of an ml_dtypes (bfloat16, float8_e4m3fn, float8_e5m2) or float16/float32 array."""
+    arr = np.asarray(arr)
+    names = {"bfloat16": "bf16", "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "float16": "fp16",
+             "float32": "fp32"}
+    if arr.dtype.name not in names:
+        raise TypeError(f"arr: expected bfloat16, float8_e4m3fn, float8_e5m2, float16 or float32, got {arr.dtype}")
+    fmt = formats[names[arr.dtype.name]]
+    uint = {1: np.uint8, 2: np.uint16, 4: np.uint32}[arr.dtype.itemsize]
+    return from_bits(np.ascontiguousarray(arr).view(uint), fmt)

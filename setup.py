@@ -1,0 +1,93 @@
+"""Build fadev._core: the C core (csrc/*.c) and, when nvcc is available, the CUDA kernels (cuda/*.cu).
+
+Environment:
+  FADEV_CUDA=0      build without CUDA even if nvcc is found
+  FADEV_CUDA=1      require nvcc (error if it is missing)
+  CUDA_HOME         CUDA toolkit root (else nvcc is looked up on PATH)
+  FADEV_CFLAGS      extra C compiler flags (e.g. the sanitizer flags used by .ci/run)
+  FADEV_LDFLAGS     extra linker flags
+  FADEV_CUDA_ARCH   space-separated SM numbers (default "80 90")
+
+Like cupy's build_ext: .cu files are compiled to objects by nvcc and handed to the linker as extra
+objects; the CUDA runtime is linked statically so `import fadev` never needs libcudart.
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def find_nvcc():
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
+        return os.path.join(home, "bin", "nvcc"), home
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return nvcc, os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    return None, None
+
+
+def cuda_wanted():
+    flag = os.environ.get("FADEV_CUDA", "").strip()
+    nvcc, home = find_nvcc()
+    if flag == "0":
+        return None, None
+    if flag == "1" and nvcc is None:
+        sys.exit("FADEV_CUDA=1 but nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+    return nvcc, home
+
+
+class BuildExt(build_ext):
+    """Compiles cuda/*.cu with nvcc into objects linked into fadev._core."""
+
+    def build_extensions(self):
+        nvcc, home = cuda_wanted()
+        for ext in self.extensions:
+            if nvcc:
+                ext.define_macros.append(("FADEV_WITH_CUDA", "1"))
+                ext.extra_objects.extend(self.compile_cuda(nvcc))
+                libdirs = [os.path.join(home, d) for d in ("lib64", "lib", "targets/x86_64-linux/lib")]
+                ext.library_dirs.extend(d for d in libdirs if os.path.isdir(d))
+                ext.libraries.extend(["cudart_static", "rt", "dl"])
+                ext.extra_link_args.append("-lstdc++")
+        super().build_extensions()
+
+    def compile_cuda(self, nvcc):
+        archs = os.environ.get("FADEV_CUDA_ARCH", "80 90").split()
+        gencode = []
+        for a in archs:
+            gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        objects = []
+        build_dir = os.path.join(self.build_temp, "cuda")
+        os.makedirs(build_dir, exist_ok=True)
+        for src in sorted(glob.glob(os.path.join(ROOT, "cuda", "*.cu"))):
+            obj = os.path.join(build_dir, os.path.basename(src) + ".o")
+            cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "--fmad=false", "-Xcompiler", "-fPIC",
+                   "-Xcompiler", "-ffp-contract=off", "-cudart", "static", *gencode]
+            print(" ".join(cmd))
+            subprocess.check_call(cmd)
+            objects.append(obj)
+        return objects
+
+
+extra_compile = ["-std=c11", "-O3", "-Wall", "-Wextra", "-ffp-contract=off", "-fno-math-errno",
+                 "-pthread"] + os.environ.get("FADEV_CFLAGS", "").split()
+extra_link = ["-pthread", "-lm"] + os.environ.get("FADEV_LDFLAGS", "").split()
+
+core = Extension(
+    "fadev._core",
+    sources=sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", "*.c"))),
+    include_dirs=[numpy.get_include(), "csrc"],
+    depends=glob.glob(os.path.join(ROOT, "csrc", "*.h")),
+    extra_compile_args=extra_compile,
+    extra_link_args=extra_link,
+)
+
+setup(ext_modules=[core], cmdclass={"build_ext": BuildExt})
