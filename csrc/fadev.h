@@ -78,6 +78,50 @@ fadev_status fadev_from_bits(const void *bits, int width, double *out, size_t n,
 /* count of elements of x that are exactly representable in fmt (NaN counts as representable). */
 fadev_status fadev_count_representable(const double *x, size_t n, const fadev_format *fmt, size_t *count);
 
+/* ---------------------------------------------------------------- precision policy */
+
+/* The format of every intermediate of attention (../shared/DESIGN.md, "Precision policy").
+ * Accumulators hold the running sum inside one reduction; stored values are tensors between operations. */
+typedef struct fadev_policy {
+    fadev_format input;       /* stored: Q, K, V rounded on entry */
+    fadev_format score_acc;   /* accumulator: each Q.K dot product, every partial sum rounded */
+    fadev_format score;       /* stored: S = scale * QK^T (dot product rounded, then the scaled value) */
+    fadev_format softmax;     /* stored: S - m and exp(S - m) */
+    fadev_format sum_acc;     /* accumulator: each row sum of exp(S - m) within one block */
+    fadev_format stats;       /* stored: row sum l, its update a*l + rowsum, LSE = m + log l */
+    fadev_format rescale;     /* stored, flash only: a = exp(m_old - m_new) and the difference */
+    fadev_format p;           /* stored: P as fed to the P.V product */
+    fadev_format pv_acc;      /* accumulator: each P.V dot product within one block */
+    fadev_format out_acc;     /* stored, flash only: running O between K/V blocks */
+    fadev_format state_out;   /* stored, flash kv_outer only: O as written to memory between K/V blocks */
+    fadev_format state_stats; /* stored, flash kv_outer only: l as written to memory between K/V blocks */
+    fadev_format out;         /* stored: the output */
+    int32_t rounding;         /* fadev_rounding used at every stage */
+    uint64_t seed;            /* key of the stochastic-rounding generator */
+} fadev_policy;
+
+typedef enum fadev_loop_order { FADEV_Q_OUTER = 0, FADEV_KV_OUTER = 1 } fadev_loop_order;
+typedef enum fadev_normalize { FADEV_DEFERRED = 0, FADEV_EAGER = 1 } fadev_normalize;
+typedef enum fadev_exp_form { FADEV_EXP = 0, FADEV_EXP2 = 1 } fadev_exp_form;
+
+/* Shapes and options of one attention call. q: (batch, heads, seq_q, dim); k, v: (batch, heads_kv,
+ * seq_kv, dim); out: like q; lse: (batch, heads, seq_q). All contiguous float64. */
+typedef struct fadev_attention_params {
+    int64_t batch;      /* B */
+    int64_t heads;      /* H: query heads */
+    int64_t heads_kv;   /* H_kv: key/value heads; heads % heads_kv == 0 (grouped-query) */
+    int64_t seq_q;      /* Nq: query rows */
+    int64_t seq_kv;     /* Nk: key/value rows */
+    int64_t dim;        /* D: head dimension, 1..256 */
+    double scale;       /* multiplies Q K^T (1/sqrt(D) by default, chosen by the caller) */
+    int32_t causal;     /* 1: query i sees keys j <= i + seq_kv - seq_q (bottom-right aligned) */
+    int32_t block_q;    /* flash: Br, query rows per block (>= 1) */
+    int32_t block_kv;   /* flash: Bc, key/value rows per block (>= 1) */
+    int32_t loop_order; /* flash: fadev_loop_order */
+    int32_t normalize;  /* flash: fadev_normalize */
+    int32_t exp_form;   /* flash: fadev_exp_form */
+} fadev_attention_params;
+
 /* ---------------------------------------------------------------- threads */
 
 /* Worker threads used by every multi-threaded kernel (default: online CPUs, or FADEV_NUM_THREADS).

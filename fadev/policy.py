@@ -1,0 +1,200 @@
+"""Precision policies: the format of every intermediate of attention.
+
+A :class:`Policy` names one format per stage (../shared/DESIGN.md, "Precision policy"); every
+arithmetic result is rounded to the format of the stage it belongs to. Presets model real
+computations; ``pol.replace(p="fp32")`` changes one stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .formats import Format, ROUNDING_MODES, as_format, formats
+
+STAGES = ("input", "score_acc", "score", "softmax", "sum_acc", "stats", "rescale", "p", "pv_acc", "out_acc",
+          "state", "out")
+"""Stage names in data-flow order. ``state`` may be None: O and l then keep out_acc and stats."""
+
+STAGE_DOCS = {
+    "input": "stored: Q, K, V rounded on entry",
+    "score_acc": "accumulator: each Q.K dot product; products exact, each partial sum rounded",
+    "score": "stored: S = scale * QK^T (the dot product rounded, then the scaled value)",
+    "softmax": "stored: S - m, and exp(S - m)",
+    "sum_acc": "accumulator: each row sum of exp(S - m) within one block",
+    "stats": "stored: row sum l, its update a*l + rowsum (each term and the sum), LSE = m + log l",
+    "rescale": "stored, flash only: a = exp(m_old - m_new) (the difference rounded too)",
+    "p": "stored: P as fed to the P.V product (baseline: exp(S - m) / l)",
+    "pv_acc": "accumulator: each P.V dot product within one block",
+    "out_acc": "stored, flash only: running O between K/V blocks, O = a*O + PV, each step rounded",
+    "state": "stored, flash kv_outer only: O and l as written to memory between K/V blocks (None: out_acc, stats)",
+    "out": "stored: the output (flash deferred: O / l; baseline: the P.V result)",
+}
+
+LOOP_ORDERS = ("q_outer", "kv_outer")
+NORMALIZE = ("deferred", "eager")
+EXP_FORMS = ("exp", "exp2")
+
+
+def _acc(f: Format) -> Format:
+    """A = fp32 when F is narrower than fp32, else F."""
+    return formats["fp32"] if f.precision < 24 else f
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The format of every attention stage, the rounding mode, and the flash tiling defaults.
+
+    Stage fields take a :class:`~fadev.Format` or a name. ``rounding`` is "rne", "rtz" or "stochastic"
+    (keyed by ``seed``). ``block_q``, ``block_kv``, ``loop_order``, ``normalize``, ``exp`` are what
+    ``flash_attention`` uses when the caller passes None.
+    """
+
+    input: Format
+    score_acc: Format
+    score: Format
+    softmax: Format
+    sum_acc: Format
+    stats: Format
+    rescale: Format
+    p: Format
+    pv_acc: Format
+    out_acc: Format
+    state: Format | None
+    out: Format
+    rounding: str = "rne"
+    seed: int = 0
+    block_q: int = 64
+    block_kv: int = 64
+    loop_order: str = "q_outer"
+    normalize: str = "deferred"
+    exp: str = "exp"
+    name: str = "custom"
+
+    def __post_init__(self):
+        for stage in STAGES:
+            value = getattr(self, stage)
+            if stage == "state" and value is None:
+                continue
+            object.__setattr__(self, stage, as_format(value, name=stage))
+        if self.rounding not in ROUNDING_MODES:
+            raise ValueError(f"rounding must be 'rne', 'rtz' or 'stochastic', got {self.rounding!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
+        for field in ("block_q", "block_kv"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{field} must be a positive integer, got {v!r}")
+        for field, allowed in (("loop_order", LOOP_ORDERS), ("normalize", NORMALIZE), ("exp", EXP_FORMS)):
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"{field} must be one of {allowed}, got {getattr(self, field)!r}")
+
+    def replace(self, **changes) -> "Policy":
+        """A copy with some fields changed, e.g. ``pol.replace(p="fp32", block_kv=128)``."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"unknown policy field(s): {', '.join(sorted(unknown))}; stages are {', '.join(STAGES)}")
+        if "name" not in changes and any(k in STAGES or k == "rounding" for k in changes):
+            changes["name"] = f"{self.name}+" + ",".join(f"{k}={changes[k]}" for k in sorted(changes))
+        return dataclasses.replace(self, **changes)
+
+    def stages(self) -> dict:
+        """{stage: format name} with ``state`` resolved."""
+        out = {s: getattr(self, s) for s in STAGES}
+        return {s: (f.name if f is not None else None) for s, f in out.items()}
+
+    @property
+    def state_out(self) -> Format:
+        return self.state if self.state is not None else self.out_acc
+
+    @property
+    def state_stats(self) -> Format:
+        return self.state if self.state is not None else self.stats
+
+    def __str__(self):
+        body = " ".join(f"{s}={getattr(self, s)}" for s in STAGES if getattr(self, s) is not None)
+        return f"Policy[{self.name}]({body}, rounding={self.rounding})"
+
+    @property
+    def _c(self):
+        """The tuple the C binding turns into a fadev_policy."""
+        fmts = [self.input, self.score_acc, self.score, self.softmax, self.sum_acc, self.stats, self.rescale, self.p,
+                self.pv_acc, self.out_acc, self.state_out, self.state_stats, self.out]
+        return tuple(f._c for f in fmts) + (ROUNDING_MODES[self.rounding], int(self.seed))
+
+    # ------------------------------------------------------------ presets
+
+    @classmethod
+    def golden(cls) -> "Policy":
+        """Every stage in fp64: the reference answer."""
+        f = formats["fp64"]
+        return cls(f, f, f, f, f, f, f, f, f, f, None, f, name="golden")
+
+    @classmethod
+    def paper(cls, fmt) -> "Policy":
+        """Golden et al.'s microbenchmark: flash attention re-implemented with PyTorch tensors in F.
+        Every stored tensor is F; each matmul or reduction accumulates in A (fp32 for narrower F) as
+        the tensor library does, and rounds its result to F."""
+        F = as_format(fmt)
+        A = _acc(F)
+        return cls(F, A, F, F, A, F, F, F, A, F, None, F, name=f"paper({F})")
+
+    @classmethod
+    def naive(cls, fmt) -> "Policy":
+        """Standard PyTorch attention in F (matmul, fused softmax, matmul): the paper's baseline at F.
+        The matmuls accumulate in A and round S and O to F; the fused softmax works in A and writes P in F."""
+        F = as_format(fmt)
+        A = _acc(F)
+        return cls(F, A, F, A, A, A, A, F, A, A, None, F, name=f"naive({F})")
+
+    @classmethod
+    def fa2(cls, fmt) -> "Policy":
+        """FlashAttention-2's CUDA kernel: scores, softmax and statistics in fp32 registers, P rounded
+        to F for the tensor-core P.V product, O accumulated in fp32, written once in F. exp2 with log2(e)
+        folded into the scale, deferred normalisation, query blocks outer, 128x64 tiles."""
+        F = as_format(fmt)
+        A = formats["fp32"] if F.precision <= 24 else F
+        return cls(F, A, A, A, A, A, A, F, A, A, None, F, block_q=128, block_kv=64, loop_order="q_outer",
+                   normalize="deferred", exp="exp2", name=f"fa2({F})")
+
+    @classmethod
+    def fa1(cls, fmt) -> "Policy":
+        """FlashAttention-1: fp32 arithmetic as fa2, but K/V blocks outer (each query block's O and l
+        written to memory in F between K/V blocks: state = F) and O renormalised every block (eager)."""
+        F = as_format(fmt)
+        A = formats["fp32"] if F.precision <= 24 else F
+        return cls(F, A, A, A, A, A, A, F, A, A, F, F, block_q=128, block_kv=128, loop_order="kv_outer",
+                   normalize="eager", exp="exp", name=f"fa1({F})")
+
+    @classmethod
+    def torch_math(cls, fmt) -> "Policy":
+        """PyTorch SDPA's math backend on fp16/bf16: inputs upcast to fp32, everything in fp32, the
+        output rounded to F."""
+        F = as_format(fmt)
+        A = formats["fp32"] if F.precision <= 24 else F
+        return cls(F, A, A, A, A, A, A, A, A, A, None, F, name=f"torch_math({F})")
+
+    @classmethod
+    def preset(cls, name: str, fmt=None) -> "Policy":
+        """A preset by name: ``Policy.preset("fa2", "bf16")``, or ``Policy.preset("golden")``."""
+        makers = {"golden": cls.golden, "paper": cls.paper, "naive": cls.naive, "fa2": cls.fa2, "fa1": cls.fa1,
+                  "torch_math": cls.torch_math}
+        if name not in makers:
+            raise ValueError(f"preset: unknown preset {name!r}; known: {', '.join(makers)}")
+        if name == "golden":
+            return cls.golden()
+        if fmt is None:
+            raise ValueError(f"preset {name!r} needs a format, e.g. Policy.preset({name!r}, 'bf16')")
+        return makers[name](fmt)
+
+
+def as_policy(policy, name: str = "policy") -> Policy:
+    """A Policy from a Policy, a preset name ("golden") or "preset:format" / "preset(format)" strings."""
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str):
+        text = policy.strip()
+        for sep in (":", "("):
+            if sep in text:
+                preset, fmt = text.split(sep, 1)
+                return Policy.preset(preset.strip(), fmt.rstrip(")").strip())
+        return Policy.preset(text)
+    raise TypeError(f"{name}: expected a fadev.Policy or a preset name like 'fa2:bf16', got {type(policy).__name__}")
