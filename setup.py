@@ -24,14 +24,35 @@ from setuptools.command.build_ext import build_ext
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+CUDA_LIB_DIRS = ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib"),
+                 os.path.join("targets", "sbsa-linux", "lib"))
+
+
+def nvcc_top(nvcc):
+    """The toolkit root nvcc itself reports (`#$ TOP=...` of a dry run); nvcc may be a wrapper script."""
+    try:
+        out = subprocess.run([nvcc, "-dryrun", "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in (out.stdout + out.stderr).splitlines():
+        if line.startswith("#$ TOP="):
+            return os.path.normpath(line.split("=", 1)[1].strip())
+    return None
+
+
 def find_nvcc():
+    """(nvcc, toolkit root holding libcudart_static.a), or (None, None)."""
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
         return os.path.join(home, "bin", "nvcc"), home
     nvcc = shutil.which("nvcc")
-    if nvcc:
-        return nvcc, os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-    return None, None
+    if not nvcc:
+        return None, None
+    candidates = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), nvcc_top(nvcc), "/usr/local/cuda"]
+    for root in candidates:
+        if root and any(os.path.exists(os.path.join(root, d, "libcudart_static.a")) for d in CUDA_LIB_DIRS):
+            return nvcc, root
+    return nvcc, candidates[0]
 
 
 def cuda_wanted():
@@ -53,7 +74,7 @@ class BuildExt(build_ext):
             if nvcc:
                 ext.define_macros.append(("FADEV_WITH_CUDA", "1"))
                 ext.extra_objects.extend(self.compile_cuda(nvcc))
-                libdirs = [os.path.join(home, d) for d in ("lib64", "lib", "targets/x86_64-linux/lib")]
+                libdirs = [os.path.join(home, d) for d in CUDA_LIB_DIRS]
                 ext.library_dirs.extend(d for d in libdirs if os.path.isdir(d))
                 ext.libraries.extend(["cudart_static", "rt", "dl"])
                 ext.extra_link_args.append("-lstdc++")

@@ -71,7 +71,8 @@ fadev_status fadev_round_f32(const float *x, double *out, size_t n, const fadev_
                              int mode, uint64_t seed, uint64_t stream, uint64_t index_offset);
 
 /* Bit patterns: encode values (must already be exact in fmt, else rounded to nearest even first)
- * into width-byte unsigned integers (width = 1, 2, 4 or 8), or decode them back to float64. */
+ * into width-byte unsigned integers (width = 1, 2, 4 or 8), or decode them back to float64.
+ * fadev_to_bits returns FADEV_ERR_INVALID_ARGUMENT for a NaN in a format without a NaN code (OCP MX fn). */
 fadev_status fadev_to_bits(const double *x, void *bits, int width, size_t n, const fadev_format *fmt);
 fadev_status fadev_from_bits(const void *bits, int width, double *out, size_t n, const fadev_format *fmt);
 
@@ -121,6 +122,66 @@ typedef struct fadev_attention_params {
     int32_t normalize;  /* flash: fadev_normalize */
     int32_t exp_form;   /* flash: fadev_exp_form */
 } fadev_attention_params;
+
+/* ---------------------------------------------------------------- metrics (metrics.c, sort.c) */
+
+/* Deviation of `test` from `ref`, d = test - ref in fp64 (NaN/inf rules: metrics.c, top comment). */
+typedef struct fadev_deviation {
+    double max_abs;   /* max |d| */
+    double mean_diff; /* mean of d */
+    double std_diff;  /* population (ddof = 0) standard deviation of d */
+    double mean_abs;  /* mean of |d| */
+    double rmse;      /* sqrt(mean of d^2) */
+    double rel_l2;    /* ||d||_2 / ||ref||_2; 0 when d == 0, inf when ref == 0 != d */
+    double max_rel;   /* max of |d| / |ref| over ref != 0; NaN when every ref is 0 */
+    uint64_t n;       /* elements */
+    uint64_t n_nan;   /* elements where test or ref is NaN */
+    uint64_t n_inf;   /* elements where neither is NaN and test or ref is +-inf */
+} fadev_deviation;
+
+/* All deviation metrics of test vs ref (n >= 1 values each) in one pass; identical bits for any
+ * thread count (compensated sums over fixed chunks combined in chunk order). */
+fadev_status fadev_deviation_stats(const double *test, const double *ref, size_t n, fadev_deviation *out);
+
+typedef enum fadev_w1_method {
+    FADEV_W1_AUTO = 0, /* counting when both inputs fit bf16 or fp16 and n_a + n_b >= 65536, else sorting */
+    FADEV_W1_SORT = 1, /* radix sort both, integrate |Q_a(u) - Q_b(u)| over u (O(n log n)) */
+    FADEV_W1_COUNT = 2 /* histogram by 16-bit pattern (O(n + 2^16)); FADEV_ERR_NOT_REPRESENTABLE if
+                          some value is not a finite bf16 or fp16 number in both inputs */
+} fadev_w1_method;
+
+/* Exact Wasserstein-1 distance between the empirical distributions of a (n_a >= 1 values) and b
+ * (n_b >= 1): the integral of |F_a - F_b|. *method_used receives FADEV_W1_SORT or FADEV_W1_COUNT. */
+fadev_status fadev_wasserstein(const double *a, size_t n_a, const double *b, size_t n_b, int method,
+                               double *out, int *method_used);
+
+/* out = x sorted ascending in IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN);
+ * x and out must not overlap. Multi-threaded LSD radix sort. */
+fadev_status fadev_sort_f64(const double *x, double *out, size_t n);
+
+/* out[i] = |test[i] - ref[i]| / ulp(ref[i]) with ulp(r) = 2^(max(e, emin) - p + 1), r in [2^e, 2^(e+1)),
+ * fmt's p and emin (the binade rule extends past emax; below 2^emin without subnormals: 2^emin, as
+ * fadev.ulp). NaN when test or ref is NaN or ref is +-inf. */
+fadev_status fadev_ulp_error(const double *test, const double *ref, size_t n, const fadev_format *fmt,
+                             double *out);
+/* counts[k] = elements with ULP error in [k, k+1) for k < max_ulp, counts[max_ulp] = error >= max_ulp
+ * (inf included); *n_nan = elements whose error is NaN. 1 <= max_ulp <= 2^20. */
+fadev_status fadev_ulp_histogram(const double *test, const double *ref, size_t n, const fadev_format *fmt,
+                                 size_t max_ulp, uint64_t *counts, uint64_t *n_nan);
+
+/* ---------------------------------------------------------------- attention (baseline.c, flash.c) */
+
+/* Attention forward under `policy`, operation by operation as docs/numerics.md specifies (one policy
+ * and one tiling give one bit pattern, on any thread count). q (B, H, Nq, D), k and v (B, Hkv, Nk, D),
+ * out (B, H, Nq, D), lse (B, H, Nq) or NULL; all contiguous float64. Baseline ignores the flash fields
+ * of params (block_q, block_kv, loop_order, normalize, exp_form). Errors: FADEV_ERR_INVALID_ARGUMENT
+ * (a size < 1, dim > 256, tiles < 1, an enum out of range, scale not finite, a NULL pointer, stochastic
+ * rounding with Nq or Nk >= 2^21), FADEV_ERR_SHAPE (heads % heads_kv != 0), FADEV_ERR_INVALID_FORMAT,
+ * FADEV_ERR_INVALID_MODE, FADEV_ERR_OVERFLOW (sizes), FADEV_ERR_NO_MEMORY. */
+fadev_status fadev_baseline_attention(const double *q, const double *k, const double *v, double *out, double *lse,
+                                      const fadev_attention_params *params, const fadev_policy *policy);
+fadev_status fadev_flash_attention(const double *q, const double *k, const double *v, double *out, double *lse,
+                                   const fadev_attention_params *params, const fadev_policy *policy);
 
 /* ---------------------------------------------------------------- threads */
 

@@ -28,7 +28,7 @@ static PyObject *raise_status(fadev_status st, const char *what) {
     case FADEV_ERR_NO_MEMORY: kind = PyExc_MemoryError; break;
     default: break;
     }
-    if (st == FADEV_ERR_CUDA)
+    if (st == FADEV_ERR_CUDA || st == FADEV_ERR_NO_CUDA)
         PyErr_Format(kind, "%s: %s (%s)", what, fadev_status_string(st), fadev_cuda_last_error());
     else
         PyErr_Format(kind, "%s: %s", what, fadev_status_string(st));
@@ -238,7 +238,242 @@ static PyObject *py_cuda_round(PyObject *self, PyObject *args) {
 
 /* ------------------------------------------------------------ metrics */
 
+/* test and ref as contiguous float64 arrays of one size (the Python layer has checked the shapes). */
+static int metric_pair(PyObject *tobj, PyObject *robj, const char *tname, const char *rname, int same_size,
+                       PyArrayObject **t, PyArrayObject **r) {
+    *t = as_array(tobj, NPY_FLOAT64, tname);
+    if (!*t) return 0;
+    *r = as_array(robj, NPY_FLOAT64, rname);
+    if (!*r) {
+        Py_DECREF(*t);
+        return 0;
+    }
+    if (same_size && PyArray_SIZE(*t) != PyArray_SIZE(*r)) {
+        PyErr_Format(PyExc_ValueError, "%s and %s must have the same size, got %zd and %zd", tname, rname,
+                     (Py_ssize_t)PyArray_SIZE(*t), (Py_ssize_t)PyArray_SIZE(*r));
+    } else if (PyArray_SIZE(*t) == 0 || PyArray_SIZE(*r) == 0) {
+        PyErr_Format(PyExc_ValueError, "%s: empty array", PyArray_SIZE(*t) == 0 ? tname : rname);
+    } else {
+        return 1;
+    }
+    Py_DECREF(*t);
+    Py_DECREF(*r);
+    return 0;
+}
+
+static PyObject *py_deviation(PyObject *self, PyObject *args) {
+    PyObject *tobj, *robj;
+    if (!PyArg_ParseTuple(args, "OO", &tobj, &robj)) return NULL;
+    PyArrayObject *t, *r;
+    if (!metric_pair(tobj, robj, "test", "ref", 1, &t, &r)) return NULL;
+    fadev_deviation dev;
+    fadev_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fadev_deviation_stats((const double *)PyArray_DATA(t), (const double *)PyArray_DATA(r),
+                               (size_t)PyArray_SIZE(t), &dev);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(t);
+    Py_DECREF(r);
+    if (st != FADEV_OK) return raise_status(st, "deviation");
+    return Py_BuildValue("{s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:K,s:K,s:K}", "max_abs", dev.max_abs, "mean_diff",
+                         dev.mean_diff, "std_diff", dev.std_diff, "mean_abs", dev.mean_abs, "rmse", dev.rmse,
+                         "rel_l2", dev.rel_l2, "max_rel", dev.max_rel, "n", (unsigned long long)dev.n, "n_nan",
+                         (unsigned long long)dev.n_nan, "n_inf", (unsigned long long)dev.n_inf);
+}
+
+static PyObject *py_wasserstein(PyObject *self, PyObject *args) {
+    PyObject *aobj, *bobj;
+    int method;
+    if (!PyArg_ParseTuple(args, "OOi", &aobj, &bobj, &method)) return NULL;
+    PyArrayObject *a, *b;
+    if (!metric_pair(aobj, bobj, "a", "b", 0, &a, &b)) return NULL;
+    double w = 0;
+    int used = 0;
+    fadev_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fadev_wasserstein((const double *)PyArray_DATA(a), (size_t)PyArray_SIZE(a), (const double *)PyArray_DATA(b),
+                           (size_t)PyArray_SIZE(b), method, &w, &used);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(a);
+    Py_DECREF(b);
+    if (st == FADEV_ERR_NOT_REPRESENTABLE)
+        return PyErr_Format(PyExc_ValueError, "method='count' needs every value of a and b to be a finite "
+                                              "bf16 number, or every value a finite fp16 number");
+    if (st != FADEV_OK) return raise_status(st, "wasserstein");
+    return Py_BuildValue("(di)", w, used);
+}
+
+static PyObject *py_sort(PyObject *self, PyObject *args) {
+    PyObject *xobj;
+    if (!PyArg_ParseTuple(args, "O", &xobj)) return NULL;
+    PyArrayObject *x = as_array(xobj, NPY_FLOAT64, "x");
+    if (!x) return NULL;
+    npy_intp n = PyArray_SIZE(x);
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, &n, NPY_FLOAT64);
+    if (!out) {
+        Py_DECREF(x);
+        return NULL;
+    }
+    fadev_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fadev_sort_f64((const double *)PyArray_DATA(x), (double *)PyArray_DATA(out), (size_t)n);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(x);
+    if (st != FADEV_OK) {
+        Py_DECREF(out);
+        return raise_status(st, "sort");
+    }
+    return (PyObject *)out;
+}
+
+static PyObject *py_ulp_error(PyObject *self, PyObject *args) {
+    PyObject *tobj, *robj;
+    fadev_format fmt;
+    if (!PyArg_ParseTuple(args, "OOO&", &tobj, &robj, parse_format, &fmt)) return NULL;
+    PyArrayObject *t, *r;
+    if (!metric_pair(tobj, robj, "test", "ref", 1, &t, &r)) return NULL;
+    PyArrayObject *out = new_like(t, NPY_FLOAT64);
+    fadev_status st = FADEV_OK;
+    if (out) {
+        Py_BEGIN_ALLOW_THREADS
+        st = fadev_ulp_error((const double *)PyArray_DATA(t), (const double *)PyArray_DATA(r), (size_t)PyArray_SIZE(t),
+                             &fmt, (double *)PyArray_DATA(out));
+        Py_END_ALLOW_THREADS
+    }
+    Py_DECREF(t);
+    Py_DECREF(r);
+    if (out && st != FADEV_OK) {
+        Py_CLEAR(out);
+        return raise_status(st, "ulp_error");
+    }
+    return (PyObject *)out;
+}
+
+static PyObject *py_ulp_histogram(PyObject *self, PyObject *args) {
+    PyObject *tobj, *robj;
+    fadev_format fmt;
+    Py_ssize_t max_ulp;
+    if (!PyArg_ParseTuple(args, "OOO&n", &tobj, &robj, parse_format, &fmt, &max_ulp)) return NULL;
+    if (max_ulp < 1 || max_ulp > (1 << 20))
+        return PyErr_Format(PyExc_ValueError, "max_ulp must be in 1..2^20, got %zd", max_ulp);
+    PyArrayObject *t, *r;
+    if (!metric_pair(tobj, robj, "test", "ref", 1, &t, &r)) return NULL;
+    npy_intp len = (npy_intp)max_ulp + 1;
+    PyArrayObject *counts = (PyArrayObject *)PyArray_SimpleNew(1, &len, NPY_UINT64);
+    uint64_t n_nan = 0;
+    fadev_status st = FADEV_OK;
+    if (counts) {
+        Py_BEGIN_ALLOW_THREADS
+        st = fadev_ulp_histogram((const double *)PyArray_DATA(t), (const double *)PyArray_DATA(r),
+                                 (size_t)PyArray_SIZE(t), &fmt, (size_t)max_ulp, (uint64_t *)PyArray_DATA(counts),
+                                 &n_nan);
+        Py_END_ALLOW_THREADS
+    }
+    Py_DECREF(t);
+    Py_DECREF(r);
+    if (!counts) return NULL;
+    if (st != FADEV_OK) {
+        Py_DECREF(counts);
+        return raise_status(st, "ulp_histogram");
+    }
+    return Py_BuildValue("(NK)", counts, (unsigned long long)n_nan);
+}
+
 /* ------------------------------------------------------------ attention */
+
+/* A policy arrives as Policy._c: 13 format tuples in fadev_policy field order, rounding, seed. */
+static int parse_policy(PyObject *obj, void *out) {
+    fadev_policy *pol = (fadev_policy *)out;
+    int rounding;
+    unsigned long long seed;
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 15) {
+        PyErr_Format(PyExc_TypeError, "policy must be a tuple of 13 format tuples, rounding and seed (Policy._c), "
+                                      "got %.100s", Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    if (!PyArg_ParseTuple(obj, "O&O&O&O&O&O&O&O&O&O&O&O&O&iK;policy must be Policy._c", parse_format, &pol->input,
+                          parse_format, &pol->score_acc, parse_format, &pol->score, parse_format, &pol->softmax,
+                          parse_format, &pol->sum_acc, parse_format, &pol->stats, parse_format, &pol->rescale,
+                          parse_format, &pol->p, parse_format, &pol->pv_acc, parse_format, &pol->out_acc,
+                          parse_format, &pol->state_out, parse_format, &pol->state_stats, parse_format, &pol->out,
+                          &rounding, &seed))
+        return 0;
+    pol->rounding = rounding;
+    pol->seed = seed;
+    return 1;
+}
+
+/* Shared by both kernels: q, k, v as 4-D float64 arrays -> params shapes, out and lse arrays, the call. */
+static PyObject *attention_call(PyObject *qobj, PyObject *kobj, PyObject *vobj, fadev_attention_params *pr,
+                                const fadev_policy *pol, int flash) {
+    const char *what = flash ? "flash_attention" : "baseline_attention";
+    PyArrayObject *q = as_array(qobj, NPY_FLOAT64, "q"), *k = NULL, *v = NULL, *out = NULL, *lse = NULL;
+    if (!q || !(k = as_array(kobj, NPY_FLOAT64, "k")) || !(v = as_array(vobj, NPY_FLOAT64, "v"))) goto fail;
+    if (PyArray_NDIM(q) != 4 || PyArray_NDIM(k) != 4 || PyArray_NDIM(v) != 4) {
+        PyErr_Format(PyExc_ValueError, "%s: q, k, v must be 4-D (batch, heads, seq, dim), got %d-D, %d-D, %d-D", what,
+                     PyArray_NDIM(q), PyArray_NDIM(k), PyArray_NDIM(v));
+        goto fail;
+    }
+    npy_intp *qs = PyArray_DIMS(q), *ks = PyArray_DIMS(k), *vs = PyArray_DIMS(v);
+    if (ks[0] != vs[0] || ks[1] != vs[1] || ks[2] != vs[2] || ks[3] != vs[3] || ks[0] != qs[0] || ks[3] != qs[3]) {
+        PyErr_Format(PyExc_ValueError, "%s: shapes do not agree: q (%zd, %zd, %zd, %zd), k (%zd, %zd, %zd, %zd), "
+                     "v (%zd, %zd, %zd, %zd)", what, qs[0], qs[1], qs[2], qs[3], ks[0], ks[1], ks[2], ks[3], vs[0],
+                     vs[1], vs[2], vs[3]);
+        goto fail;
+    }
+    pr->batch = qs[0], pr->heads = qs[1], pr->seq_q = qs[2], pr->dim = qs[3];
+    pr->heads_kv = ks[1], pr->seq_kv = ks[2];
+    npy_intp lse_dims[3] = {qs[0], qs[1], qs[2]};
+    out = (PyArrayObject *)PyArray_SimpleNew(4, qs, NPY_FLOAT64);
+    lse = (PyArrayObject *)PyArray_SimpleNew(3, lse_dims, NPY_FLOAT64);
+    if (!out || !lse) goto fail;
+    fadev_status st;
+    Py_BEGIN_ALLOW_THREADS
+    if (flash)
+        st = fadev_flash_attention((const double *)PyArray_DATA(q), (const double *)PyArray_DATA(k),
+                                   (const double *)PyArray_DATA(v), (double *)PyArray_DATA(out),
+                                   (double *)PyArray_DATA(lse), pr, pol);
+    else
+        st = fadev_baseline_attention((const double *)PyArray_DATA(q), (const double *)PyArray_DATA(k),
+                                      (const double *)PyArray_DATA(v), (double *)PyArray_DATA(out),
+                                      (double *)PyArray_DATA(lse), pr, pol);
+    Py_END_ALLOW_THREADS
+    if (st != FADEV_OK) {
+        raise_status(st, what);
+        goto fail;
+    }
+    Py_DECREF(q), Py_DECREF(k), Py_DECREF(v);
+    return Py_BuildValue("(NN)", out, lse);
+fail:
+    Py_XDECREF(q), Py_XDECREF(k), Py_XDECREF(v), Py_XDECREF(out), Py_XDECREF(lse);
+    return NULL;
+}
+
+static PyObject *py_baseline_attention(PyObject *self, PyObject *args) {
+    PyObject *q, *k, *v;
+    fadev_policy pol;
+    fadev_attention_params pr;
+    memset(&pr, 0, sizeof pr);
+    int causal;
+    if (!PyArg_ParseTuple(args, "OOOO&dp", &q, &k, &v, parse_policy, &pol, &pr.scale, &causal)) return NULL;
+    pr.causal = causal;
+    return attention_call(q, k, v, &pr, &pol, 0);
+}
+
+static PyObject *py_flash_attention(PyObject *self, PyObject *args) {
+    PyObject *q, *k, *v;
+    fadev_policy pol;
+    fadev_attention_params pr;
+    memset(&pr, 0, sizeof pr);
+    int causal, block_q, block_kv, loop_order, normalize, exp_form;
+    if (!PyArg_ParseTuple(args, "OOOO&dpiiiii", &q, &k, &v, parse_policy, &pol, &pr.scale, &causal, &block_q,
+                          &block_kv, &loop_order, &normalize, &exp_form))
+        return NULL;
+    pr.causal = causal, pr.block_q = block_q, pr.block_kv = block_kv;
+    pr.loop_order = loop_order, pr.normalize = normalize, pr.exp_form = exp_form;
+    return attention_call(q, k, v, &pr, &pol, 1);
+}
+
 
 /* ------------------------------------------------------------ module */
 
@@ -253,7 +488,16 @@ static PyMethodDef core_methods[] = {
     {"cuda_info", py_cuda_info, METH_NOARGS, "cuda_info() -> dict(compiled, devices)"},
     {"cuda_round", py_cuda_round, METH_VARARGS, "cuda_round(x, fmt, mode, seed, stream, offset) -> float64 array"},
     /* metrics methods */
+    {"deviation", py_deviation, METH_VARARGS, "deviation(test, ref) -> dict of metrics"},
+    {"wasserstein", py_wasserstein, METH_VARARGS, "wasserstein(a, b, method) -> (w1, method_used)"},
+    {"sort", py_sort, METH_VARARGS, "sort(x) -> flat float64 array in IEEE total order"},
+    {"ulp_error", py_ulp_error, METH_VARARGS, "ulp_error(test, ref, fmt) -> float64 array"},
+    {"ulp_histogram", py_ulp_histogram, METH_VARARGS, "ulp_histogram(test, ref, fmt, max_ulp) -> (counts, n_nan)"},
     /* attention methods */
+    {"baseline_attention", py_baseline_attention, METH_VARARGS,
+     "baseline_attention(q, k, v, policy, scale, causal) -> (out, lse); q, k, v 4-D"},
+    {"flash_attention", py_flash_attention, METH_VARARGS,
+     "flash_attention(q, k, v, policy, scale, causal, block_q, block_kv, loop_order, normalize, exp_form) -> (out, lse)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -111,7 +111,10 @@ FADEV_HD double fadev_round_one(double x, const fadev_format *f, int mode, uint6
             int up = 0;
             if (mode == FADEV_ROUND_NEAREST_EVEN) {
                 uint64_t half = 1ull << (shift - 1);
-                up = dropped > half || (dropped == half && ((r >> shift) & 1));
+                /* the kept significand's last bit; with p = 1 that is the implicit 1 (odd), not the
+                 * exponent's low bit, so a tie goes up, as in the subnormal branch below */
+                uint64_t odd = f->precision > 1 ? (r >> shift) & 1 : 1;
+                up = dropped > half || (dropped == half && odd);
             } else if (mode == FADEV_ROUND_STOCHASTIC) {
                 up = fadev_stochastic_up(dropped, shift, random53);
             }

@@ -56,7 +56,10 @@ __global__ void round_kernel(const double *x, double *out, size_t n, fadev_forma
 extern "C" fadev_status fadev_cuda_round_f64(const double *x, double *out, size_t n, const fadev_format *fmt,
                                              int mode, uint64_t seed, uint64_t stream, uint64_t index_offset) {
     if (mode < FADEV_ROUND_NEAREST_EVEN || mode > FADEV_ROUND_STOCHASTIC) return FADEV_ERR_INVALID_MODE;
-    if (fadev_cuda_device_count() == 0) return FADEV_ERR_NO_CUDA;
+    if (fadev_cuda_device_count() == 0) {
+        snprintf(last_error, sizeof last_error, "fadev was built with CUDA, but no CUDA device was found");
+        return FADEV_ERR_NO_CUDA;
+    }
     if (n == 0) return FADEV_OK;
     double *d_buf = NULL;
     CUDA_CHECK(cudaMalloc(&d_buf, n * sizeof(double)));

@@ -5,7 +5,11 @@ against ml_dtypes, and deviation metrics against an fp64 golden answer. See READ
 """
 from . import _core
 from .formats import (Format, as_format, custom_format, formats, from_bits, from_ml_dtypes, round, to_bits,
-                      to_ml_dtypes)
+                      to_ml_dtypes, ulp)
+from .metrics import (Comparison, UlpHistogram, compare, max_abs, max_rel, mean_abs, mean_diff, rel_l2, rmse,
+                      std_diff, ulp_error, ulp_histogram, wasserstein)
+from .policy import STAGES, Policy, as_policy
+from .attention import baseline_attention, flash_attention, random_qkv
 
 __version__ = "0.1.0"
 
@@ -34,4 +38,7 @@ def cuda_info() -> dict:
 
 
 __all__ = ["Format", "as_format", "custom_format", "formats", "round", "to_bits", "from_bits", "to_ml_dtypes",
-           "from_ml_dtypes", "get_num_threads", "set_num_threads", "cuda_available", "cuda_info"]
+           "from_ml_dtypes", "ulp", "get_num_threads", "set_num_threads", "cuda_available", "cuda_info"]
+__all__ += ["Comparison", "compare", "max_abs", "mean_diff", "std_diff", "mean_abs", "rmse", "rel_l2", "max_rel",
+            "wasserstein", "ulp_error", "ulp_histogram", "UlpHistogram"]
+__all__ += ["Policy", "as_policy", "STAGES", "baseline_attention", "flash_attention", "random_qkv"]

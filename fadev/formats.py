@@ -91,6 +91,18 @@ class Format:
         """Width of the format's IEEE-style encoding (sign, exponent, precision-1 fraction bits)."""
         return _core.format_layout(self._c)[1]
 
+    @property
+    def has_nan_code(self) -> bool:
+        """Whether the bit encoding has a NaN pattern. IEEE-style formats (``has_inf``) use the all-ones
+        exponent field with a nonzero fraction; formats without inf use the all-ones pattern when it lies
+        above ``largest`` (E4M3FN's S.1111.111). OCP MX float6/float4 "fn" formats have none: NaN can
+        still be a value in fadev, but :func:`to_bits` refuses to encode it."""
+        if self.has_inf:
+            return self.precision > 1
+        all_ones_field = 2 ** self.exponent_bits - 1
+        full = math.ldexp(2.0 - math.ldexp(1.0, 1 - self.precision), self.emax)
+        return all_ones_field > self.emax + 1 - self.emin or self.largest < full
+
     def __str__(self):
         return self.name
 
@@ -185,7 +197,26 @@ def to_bits(x, fmt):
     """Bit patterns of ``x`` (rounded to nearest even first) in ``fmt``'s IEEE-style encoding, as the
     narrowest unsigned integer array that holds them (uint8 for fp8, uint16 for fp16/bf16, ...)."""
     fmt = as_format(fmt)
-    return _core.to_bits(_numeric(x).astype(np.float64, copy=False), fmt._c, _width(fmt))
+    arr = _numeric(x).astype(np.float64, copy=False)
+    if not fmt.has_nan_code and np.isnan(arr).any():
+        raise ValueError(f"x: contains NaN, which format {fmt} has no bit pattern for")
+    return _core.to_bits(arr, fmt._c, _width(fmt))
+
+
+def ulp(x, fmt):
+    """Spacing of ``fmt`` at ``x``: the gap between ``|round(x, fmt, "rtz")|`` and the next larger value
+    of the format, 2^(max(e, emin) - p + 1) for 2^e <= |x| < 2^(e+1) (2^emin - wide steps below 2^emin
+    when the format has no subnormals; above the range, the spacing the binade of x would have). NaN for
+    NaN and inf. Returns a float64 array."""
+    fmt = as_format(fmt)
+    a = np.abs(_numeric(x).astype(np.float64))
+    _, e = np.frexp(a)  # a = m * 2^e with 0.5 <= m < 1, so the binade exponent is e - 1
+    e = np.where(a == 0, fmt.emin, np.maximum(e.astype(np.int64) - 1, fmt.emin))
+    q = e - fmt.precision + 1
+    if not fmt.subnormals:
+        q = np.where(a < fmt.smallest_normal, fmt.emin, q)
+    out = np.ldexp(1.0, q)
+    return np.where(np.isfinite(a), out, np.nan)
 
 
 def from_bits(bits, fmt):

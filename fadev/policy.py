@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from .formats import Format, ROUNDING_MODES, as_format, formats
 
 STAGES = ("input", "score_acc", "score", "softmax", "sum_acc", "stats", "rescale", "p", "pv_acc", "out_acc",
@@ -34,6 +36,10 @@ NORMALIZE = ("deferred", "eager")
 EXP_FORMS = ("exp", "exp2")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def _acc(f: Format) -> Format:
     """A = fp32 when F is narrower than fp32, else F."""
     return formats["fp32"] if f.precision < 24 else f
@@ -42,6 +48,10 @@ def _acc(f: Format) -> Format:
 @dataclasses.dataclass(frozen=True)
 class Policy:
     """The format of every attention stage, the rounding mode, and the flash tiling defaults.
+
+    Policies compare equal when every numeric field is equal (``name`` is a label, not compared).
+    Presets are defined for any format F; "fp32" stages in the fa2/fa1/torch_math presets mean
+    "fp32, or F when F is wider" (so ``Policy.fa2("fp64")`` is all fp64 arithmetic).
 
     Stage fields take a :class:`~fadev.Format` or a name. ``rounding`` is "rne", "rtz" or "stochastic"
     (keyed by ``seed``). ``block_q``, ``block_kv``, ``loop_order``, ``normalize``, ``exp`` are what
@@ -67,7 +77,7 @@ class Policy:
     loop_order: str = "q_outer"
     normalize: str = "deferred"
     exp: str = "exp"
-    name: str = "custom"
+    name: str = dataclasses.field(default="custom", compare=False)
 
     def __post_init__(self):
         for stage in STAGES:
@@ -77,12 +87,14 @@ class Policy:
             object.__setattr__(self, stage, as_format(value, name=stage))
         if self.rounding not in ROUNDING_MODES:
             raise ValueError(f"rounding must be 'rne', 'rtz' or 'stochastic', got {self.rounding!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))
         for field in ("block_q", "block_kv"):
             v = getattr(self, field)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not _is_int(v) or v < 1:
                 raise ValueError(f"{field} must be a positive integer, got {v!r}")
+            object.__setattr__(self, field, int(v))
         for field, allowed in (("loop_order", LOOP_ORDERS), ("normalize", NORMALIZE), ("exp", EXP_FORMS)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field} must be one of {allowed}, got {getattr(self, field)!r}")

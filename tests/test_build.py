@@ -1,0 +1,94 @@
+"""The package as built and installed: public names, version, worker threads, the command line, and
+the C sources compiling warning-free under the project's flags."""
+import glob
+import os
+import subprocess
+import sys
+import sysconfig
+import tomllib
+
+import numpy as np
+import pytest
+
+import fadev
+from fadev.__main__ import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FADEV_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(fadev.__file__)))
+
+
+def run_python(args, env=None, **kw):
+    """Run `python args` outside the checkout (so the installed or in-place fadev is the one imported)."""
+    full_env = dict(os.environ, PYTHONPATH=FADEV_PARENT, **(env or {}))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=full_env, timeout=120, **kw)
+
+
+def test_public_names_and_version():
+    for name in fadev.__all__:
+        assert hasattr(fadev, name), name
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["version"] == fadev.__version__
+    assert fadev._core.__doc__.startswith("fadev's C core")
+
+
+def test_num_threads():
+    fadev.set_num_threads(3)
+    assert fadev.get_num_threads() == 3
+    for bad in (0, 257, -1):
+        with pytest.raises(ValueError, match=f"n must be between 1 and 256, got {bad}"):
+            fadev.set_num_threads(bad)
+    for bad in (1.5, True, "2"):
+        with pytest.raises(TypeError, match="n must be an int"):
+            fadev.set_num_threads(bad)
+    assert fadev.get_num_threads() == 3
+
+
+@pytest.mark.parametrize("value,expected", [("3", 3), ("1", 1), ("0", None), ("lots", None)])
+def test_num_threads_environment(value, expected, tmp_path):
+    r = run_python(["-c", "import fadev, os; print(fadev.get_num_threads(), os.cpu_count())"],
+                   env={"FADEV_NUM_THREADS": value}, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    threads, cpus = map(int, r.stdout.split())
+    assert threads == (expected if expected is not None else cpus)  # invalid values fall back to the CPUs
+
+
+def test_demo_in_process(capsys):
+    assert main(["demo", "--n", "2000", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split() and line.split()[0] in fadev.formats}
+    assert set(rows) == set(fadev.formats)
+    assert [float(v) for v in rows["fp64"][4:9]] == [0.0] * 5  # fp64 rounds nothing
+    for name in ("fp32", "bf16"):  # no subnormals or overflow in this sample: max_rel <= u = 2^-p
+        assert 0 < float(rows[name][5]) <= fadev.formats[name].unit_roundoff
+    assert int(rows["fp8_e4m3"][-1]) > 0 and int(rows["bf16"][-1]) == 0  # overflow counted: 448 < 2^12
+
+
+def test_demo_modes_differ(capsys):
+    main(["demo", "--n", "500", "--mode", "rtz"])
+    rtz = capsys.readouterr().out
+    main(["demo", "--n", "500", "--mode", "stochastic"])
+    assert capsys.readouterr().out != rtz
+
+
+def test_command_line(tmp_path):
+    r = run_python(["-m", "fadev", "demo", "--n", "300"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "fp8_e5m2" in r.stdout and "wasserstein" in r.stdout
+    r = run_python(["-m", "fadev"], cwd=tmp_path)
+    assert r.returncode == 2 and "usage: fadev" in r.stderr
+    r = run_python(["-m", "fadev", "demo", "--n", "0"], cwd=tmp_path)
+    assert r.returncode == 2 and "--n: must be >= 1, got 0" in r.stderr
+    r = run_python(["-m", "fadev", "--version"], cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == f"fadev {fadev.__version__}"
+
+
+def test_c_sources_compile_warning_free(tmp_path):
+    """Every csrc/*.c under the flags setup.py uses, warnings as errors (the shop's -Wall -Wextra rule)."""
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.c")))
+    assert sources, "csrc/*.c not found next to tests/"
+    includes = ["-I" + os.path.join(ROOT, "csrc"), "-I" + np.get_include(), "-I" + sysconfig.get_paths()["include"]]
+    for src in sources:
+        cmd = ["gcc", "-std=c11", "-O3", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off", "-fno-math-errno",
+               "-pthread", "-fPIC", *includes, "-c", src, "-o", str(tmp_path / "x.o")]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, f"{os.path.basename(src)}:\n{r.stderr}"
