@@ -79,8 +79,8 @@ def main():
         a16, b16 = fadev.round(a, "bf16"), fadev.round(b, "bf16")
         validate(a, b, a16, b16)
         rows = [
-            ("wasserstein fp64", "scipy", lambda: scipy.stats.wasserstein_distance(a, b), lambda: fadev.wasserstein(a, b),
-             args.scipy_repeat),
+            ("wasserstein fp64", "scipy", lambda: scipy.stats.wasserstein_distance(a, b),
+             lambda: fadev.wasserstein(a, b), args.scipy_repeat),
             ("wasserstein bf16", "scipy", lambda: scipy.stats.wasserstein_distance(a16, b16),
              lambda: fadev.wasserstein(a16, b16), args.scipy_repeat),
             ("compare w/o W1", "numpy", lambda: numpy_stats(a, b), lambda: _core.deviation(a, b), args.repeat),

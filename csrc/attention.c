@@ -109,6 +109,11 @@ static int inside_fp32(const fadev_format *f) {
     return f->precision <= 24 && f->emin >= -126 && f->largest <= (double)FLT_MAX && lowest >= -149;
 }
 
+double att_round_slow(const att_stage *st, double x, uint64_t stream, uint64_t index) {
+    uint64_t bits = st->mode == FADEV_ROUND_STOCHASTIC ? fadev_random53(st->seed, stream, index) : 0;
+    return fadev_round_one(x, &st->fmt, st->mode, bits);
+}
+
 static att_stage make_stage(const fadev_format *f, const fadev_policy *pol) {
     att_stage st;
     st.fmt = *f;

@@ -58,7 +58,11 @@ typedef struct att_stage {
     int shift;
 } att_stage;
 
-static inline double att_round(const att_stage *st, double x, uint64_t stream, uint64_t index) {
+/* The general rounding event (any format and mode), kept out of line. */
+ATT_INTERNAL double att_round_slow(const att_stage *st, double x, uint64_t stream, uint64_t index);
+
+__attribute__((always_inline)) static inline double att_round(const att_stage *st, double x, uint64_t stream,
+                                                              uint64_t index) {
     if (st->kind == ATT_EXACT) return x;
     if (st->kind == ATT_F32) return (double)(float)x;
     if (st->kind == ATT_RNE) {
@@ -67,10 +71,8 @@ static inline double att_round(const att_stage *st, double x, uint64_t stream, u
             uint64_t r = (a + st->half_m1 + ((a >> st->shift) & 1)) & st->keep_mask;
             if (r <= st->hi_bits) return fadev_double_of(r | (u ^ a));
         }
-        return fadev_round_one(x, &st->fmt, FADEV_ROUND_NEAREST_EVEN, 0);
     }
-    uint64_t bits = st->mode == FADEV_ROUND_STOCHASTIC ? fadev_random53(st->seed, stream, index) : 0;
-    return fadev_round_one(x, &st->fmt, st->mode, bits);
+    return att_round_slow(st, x, stream, index);
 }
 
 /* Exact maximum that propagates NaN (numpy.maximum). */

@@ -101,6 +101,21 @@ typedef struct fadev_policy {
     uint64_t seed;            /* key of the stochastic-rounding generator */
 } fadev_policy;
 
+/* Backward stages (docs/numerics.md, "Backward"); used with the forward fadev_policy, whose stages govern
+ * the recomputation of S and P and whose rounding mode and seed apply here too. */
+typedef struct fadev_policy_backward {
+    fadev_format bwd_p;     /* stored: recomputed P as fed to the dV and dS products */
+    fadev_format dp_acc;    /* accumulator: each dP = dO.V dot product */
+    fadev_format dp;        /* stored: dP after its product */
+    fadev_format delta_acc; /* accumulator: D = rowsum(dO * O) (flash) / sum_j P dP (baseline) */
+    fadev_format dsoft;     /* stored: D, dP - D, P * (dP - D) */
+    fadev_format ds;        /* stored: dS as fed to the dQ and dK products */
+    fadev_format grad_acc;  /* accumulator: each dV, dK, dQ dot product within one block */
+    fadev_format dq_acc;    /* stored: dQ accumulated across K/V blocks */
+    fadev_format dkv_acc;   /* stored: dK, dV accumulated across query blocks and the heads of a group */
+    fadev_format grad;      /* stored: the returned dq, dk, dv */
+} fadev_policy_backward;
+
 typedef enum fadev_loop_order { FADEV_Q_OUTER = 0, FADEV_KV_OUTER = 1 } fadev_loop_order;
 typedef enum fadev_normalize { FADEV_DEFERRED = 0, FADEV_EAGER = 1 } fadev_normalize;
 typedef enum fadev_exp_form { FADEV_EXP = 0, FADEV_EXP2 = 1 } fadev_exp_form;

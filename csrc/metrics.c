@@ -13,10 +13,10 @@
  *   ref holds an infinity (inf/inf), inf when some d_i is infinite where ref_i != 0.
  * Sums are Neumaier-compensated within fixed chunks of CHUNK elements; chunk results are combined in
  * chunk order with the same compensation, so the bits do not depend on the thread count and the
- * error stays ~eps for 10^9 elements. std_diff: per chunk the sums of (d - mean_c) and (d - mean_c)^2
- * from the cache-resident chunk, shifted exactly to the global mean (corrected two-pass). If max |d| or max |ref|
- * lies outside [2^-448, 2^448] the sums are redone with d and ref scaled by exact powers of two, so
- * squares neither overflow nor underflow.
+ * error bound (2u|S| + O(n u^2) sum|x|) stays ~u for 10^9 elements. std_diff: per chunk the sums of
+ * (d - mean_c) and (d - mean_c)^2 from the cache-resident chunk, shifted exactly to the global mean
+ * (corrected two-pass). If max |d| or max |ref| lies outside [2^-448, 2^448] the sums are redone with
+ * d and ref scaled by exact powers of two, so squares neither overflow nor underflow.
  *
  * Wasserstein-1 between the empirical distributions of a (n_a values) and b (n_b values):
  *   W1 = integral |F_a(x) - F_b(x)| dx = integral_0^1 |Q_a(u) - Q_b(u)| du   (Q: quantile functions).
@@ -32,9 +32,9 @@
  *
  * ULP error of test against ref in format (p, emin): |test - ref| / 2^(max(e, emin) - p + 1) with
  * 2^e <= |ref| < 2^(e+1) (ref = 0: e = emin; below 2^emin in a format without subnormals: / 2^emin,
- * as fadev.ulp); NaN when either is NaN or ref is infinite. The division
- * is by a power of two, so the only rounding is that of test - ref. Histogram bucket k holds errors
- * in [k, k+1), the last bucket errors >= max_ulp. */
+ * as fadev.ulp); NaN when either is NaN or ref is infinite. The division is by a power of two, so
+ * the only rounding is that of test - ref. Histogram bucket k holds errors in [k, k+1), the last
+ * bucket errors >= max_ulp; NaN errors are counted apart. */
 #include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _core
 from .formats import ROUNDING_MODES, _numeric, as_format, round as _round
-from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, Policy, as_policy
+from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, as_policy
 
 MAX_DIM = 256
 _INT32_MAX = 2**31 - 1
@@ -180,4 +180,4 @@ def random_qkv(shape, dist="normal", seed=0, fmt=None, heads_kv=None, seq_kv=Non
     return draw(shape), draw(tuple(kv_shape)), draw(tuple(kv_shape))
 
 
-__all__ = ["baseline_attention", "flash_attention", "random_qkv", "sram_tiles", "Policy"]
+__all__ = ["baseline_attention", "flash_attention", "random_qkv", "sram_tiles"]

@@ -183,7 +183,8 @@ def ulp_error(test, ref, fmt):
     ulp(ref) is the spacing of format ``fmt`` (a :class:`~fadev.Format` or a name) at ref:
     2^(max(e, emin) - p + 1) with 2^e <= |ref| < 2^(e+1) (ref = 0 counts as below 2^emin, so its ulp
     is the subnormal spacing, or 2^emin in a format without subnormals; the binade rule also extends
-    past the format's largest value) -- the same as :func:`fadev.ulp`. Dividing by a power of two is exact, so the only rounding is fp64's test - ref.
+    past the format's largest value) -- the same as :func:`fadev.ulp`. Dividing by a power of two is
+    exact, so the only rounding is fp64's test - ref.
     NaN where test or ref is NaN or ref is infinite (the ulp of an infinity is undefined); inf where
     test is infinite and ref finite.
     """

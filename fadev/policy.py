@@ -31,6 +31,27 @@ STAGE_DOCS = {
     "out": "stored: the output (flash deferred: O / l; baseline: the P.V result)",
 }
 
+BACKWARD_STAGES = ("bwd_p", "dp_acc", "dp", "delta_acc", "dsoft", "ds", "grad_acc", "dq_acc", "dkv_acc", "grad")
+"""Backward stage names (docs/numerics.md, "Backward"). None in the constructor derives them from the
+forward stages: bwd_p = p, dp_acc = pv_acc, dp = score, delta_acc = sum_acc, dsoft = softmax, ds = p,
+grad_acc = pv_acc, dq_acc = dkv_acc = out_acc, grad = out."""
+
+BACKWARD_STAGE_DOCS = {
+    "bwd_p": "stored: recomputed P as fed to the dV and dS products",
+    "dp_acc": "accumulator: each dP = dO.V dot product",
+    "dp": "stored: dP as stored after its product",
+    "delta_acc": "accumulator: D = rowsum(dO * O) (flash) / sum_j P*dP (baseline, as autograd)",
+    "dsoft": "stored: the softmax-backward arithmetic D, dP - D, P*(dP - D)",
+    "ds": "stored: dS as fed to the dQ and dK products",
+    "grad_acc": "accumulator: each dV, dK, dQ dot product within one block",
+    "dq_acc": "stored: dQ accumulated across K/V blocks",
+    "dkv_acc": "stored: dK, dV accumulated across query blocks (and query heads of a K/V group)",
+    "grad": "stored: the returned gradients dq, dk, dv",
+}
+
+_BACKWARD_DEFAULTS = {"bwd_p": "p", "dp_acc": "pv_acc", "dp": "score", "delta_acc": "sum_acc", "dsoft": "softmax",
+                      "ds": "p", "grad_acc": "pv_acc", "dq_acc": "out_acc", "dkv_acc": "out_acc", "grad": "out"}
+
 LOOP_ORDERS = ("q_outer", "kv_outer")
 NORMALIZE = ("deferred", "eager")
 EXP_FORMS = ("exp", "exp2")
@@ -70,6 +91,16 @@ class Policy:
     out_acc: Format
     state: Format | None
     out: Format
+    bwd_p: Format | None = None
+    dp_acc: Format | None = None
+    dp: Format | None = None
+    delta_acc: Format | None = None
+    dsoft: Format | None = None
+    ds: Format | None = None
+    grad_acc: Format | None = None
+    dq_acc: Format | None = None
+    dkv_acc: Format | None = None
+    grad: Format | None = None
     rounding: str = "rne"
     seed: int = 0
     block_q: int = 64
@@ -85,6 +116,10 @@ class Policy:
             if stage == "state" and value is None:
                 continue
             object.__setattr__(self, stage, as_format(value, name=stage))
+        for stage in BACKWARD_STAGES:
+            value = getattr(self, stage)
+            value = getattr(self, _BACKWARD_DEFAULTS[stage]) if value is None else as_format(value, name=stage)
+            object.__setattr__(self, stage, value)
         if self.rounding not in ROUNDING_MODES:
             raise ValueError(f"rounding must be 'rne', 'rtz' or 'stochastic', got {self.rounding!r}")
         if not _is_int(self.seed) or not 0 <= self.seed < 2**64:
@@ -104,14 +139,15 @@ class Policy:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ValueError(f"unknown policy field(s): {', '.join(sorted(unknown))}; stages are {', '.join(STAGES)}")
-        if "name" not in changes and any(k in STAGES or k == "rounding" for k in changes):
+        if "name" not in changes and any(k in STAGES or k in BACKWARD_STAGES or k == "rounding" for k in changes):
             changes["name"] = f"{self.name}+" + ",".join(f"{k}={changes[k]}" for k in sorted(changes))
         return dataclasses.replace(self, **changes)
 
-    def stages(self) -> dict:
-        """{stage: format name} with ``state`` resolved."""
-        out = {s: getattr(self, s) for s in STAGES}
-        return {s: (f.name if f is not None else None) for s, f in out.items()}
+    def stages(self, backward: bool = False) -> dict:
+        """{stage: format name} of the forward stages (``state`` None when unset), and of the backward
+        stages too when ``backward``."""
+        names = STAGES + (BACKWARD_STAGES if backward else ())
+        return {s: (getattr(self, s).name if getattr(self, s) is not None else None) for s in names}
 
     @property
     def state_out(self) -> Format:
@@ -132,13 +168,18 @@ class Policy:
                 self.pv_acc, self.out_acc, self.state_out, self.state_stats, self.out]
         return tuple(f._c for f in fmts) + (ROUNDING_MODES[self.rounding], int(self.seed))
 
+    @property
+    def _c_backward(self):
+        """The tuple the C binding turns into a fadev_policy_backward (BACKWARD_STAGES order)."""
+        return tuple(getattr(self, s)._c for s in BACKWARD_STAGES)
+
     # ------------------------------------------------------------ presets
 
     @classmethod
     def golden(cls) -> "Policy":
         """Every stage in fp64: the reference answer."""
         f = formats["fp64"]
-        return cls(f, f, f, f, f, f, f, f, f, f, None, f, name="golden")
+        return cls(f, f, f, f, f, f, f, f, f, f, None, f, *[f] * 10, name="golden")
 
     @classmethod
     def paper(cls, fmt) -> "Policy":
@@ -147,7 +188,9 @@ class Policy:
         the tensor library does, and rounds its result to F."""
         F = as_format(fmt)
         A = _acc(F)
-        return cls(F, A, F, F, A, F, F, F, A, F, None, F, name=f"paper({F})")
+        return cls(F, A, F, F, A, F, F, F, A, F, None, F,
+                   bwd_p=F, dp_acc=A, dp=F, delta_acc=A, dsoft=F, ds=F, grad_acc=A, dq_acc=F, dkv_acc=F, grad=F,
+                   name=f"paper({F})")
 
     @classmethod
     def naive(cls, fmt) -> "Policy":
@@ -155,7 +198,9 @@ class Policy:
         The matmuls accumulate in A and round S and O to F; the fused softmax works in A and writes P in F."""
         F = as_format(fmt)
         A = _acc(F)
-        return cls(F, A, F, A, A, A, A, F, A, A, None, F, name=f"naive({F})")
+        return cls(F, A, F, A, A, A, A, F, A, A, None, F,
+                   bwd_p=F, dp_acc=A, dp=F, delta_acc=A, dsoft=A, ds=F, grad_acc=A, dq_acc=A, dkv_acc=A, grad=F,
+                   name=f"naive({F})")
 
     @classmethod
     def fa2(cls, fmt) -> "Policy":
@@ -164,7 +209,8 @@ class Policy:
         folded into the scale, deferred normalisation, query blocks outer, 128x64 tiles."""
         F = as_format(fmt)
         A = formats["fp32"] if F.precision <= 24 else F
-        return cls(F, A, A, A, A, A, A, F, A, A, None, F, block_q=128, block_kv=64, loop_order="q_outer",
+        return cls(F, A, A, A, A, A, A, F, A, A, None, F, *_fa_backward(F, A), block_q=128, block_kv=64,
+                   loop_order="q_outer",
                    normalize="deferred", exp="exp2", name=f"fa2({F})")
 
     @classmethod
@@ -173,7 +219,8 @@ class Policy:
         written to memory in F between K/V blocks: state = F) and O renormalised every block (eager)."""
         F = as_format(fmt)
         A = formats["fp32"] if F.precision <= 24 else F
-        return cls(F, A, A, A, A, A, A, F, A, A, F, F, block_q=128, block_kv=128, loop_order="kv_outer",
+        return cls(F, A, A, A, A, A, A, F, A, A, F, F, *_fa_backward(F, A), block_q=128, block_kv=128,
+                   loop_order="kv_outer",
                    normalize="eager", exp="exp", name=f"fa1({F})")
 
     @classmethod
@@ -182,7 +229,7 @@ class Policy:
         output rounded to F."""
         F = as_format(fmt)
         A = formats["fp32"] if F.precision <= 24 else F
-        return cls(F, A, A, A, A, A, A, A, A, A, None, F, name=f"torch_math({F})")
+        return cls(F, A, A, A, A, A, A, A, A, A, None, F, *[A] * 9, F, name=f"torch_math({F})")
 
     @classmethod
     def preset(cls, name: str, fmt=None) -> "Policy":
@@ -196,6 +243,13 @@ class Policy:
         if fmt is None:
             raise ValueError(f"preset {name!r} needs a format, e.g. Policy.preset({name!r}, 'bf16')")
         return makers[name](fmt)
+
+
+def _fa_backward(F, A):
+    """FlashAttention-2's backward: P and dS rounded to F before their tensor-core products, dP and the
+    softmax backward in fp32 registers, dQ accumulated in fp32 across K/V blocks (atomics in fp32), dK/dV in
+    fp32 across query blocks, gradients written in F."""
+    return (F, A, A, A, A, F, A, A, A, F)
 
 
 def as_policy(policy, name: str = "policy") -> Policy:

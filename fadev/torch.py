@@ -1,0 +1,508 @@
+"""PyTorch bridge: fadev's attention kernels as a differentiable torch op, an SDPA patch, and shadow runs.
+
+``import fadev.torch`` needs PyTorch; ``import fadev`` never imports it.
+
+* :func:`attention` -- ``torch.nn.functional.scaled_dot_product_attention``'s conventions, computed by
+  fadev's C kernels (forward and backward) under a precision policy, as a ``torch.autograd.Function``.
+* :func:`patch_sdpa` -- a context manager that routes every ``F.scaled_dot_product_attention`` call
+  (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``, Hugging Face-style attention) through fadev.
+* :func:`shadow` -- at every SDPA call compute a reference and a candidate policy on the same inputs,
+  continue the model with one of them and log the deviation of the other (Golden et al.'s method).
+
+What is copied. The kernels read C-contiguous float64 memory. A contiguous float64 CPU tensor is handed
+to them as ``tensor.numpy()`` (no copy), and their float64 results become tensors through
+``torch.from_numpy`` (no copy): in float64 nothing is copied on the way in or out. Any other input
+(float32, float16, bfloat16, or non-contiguous) is converted once into a contiguous float64 copy (exact:
+every value of these dtypes is a float64); results are converted once into the input dtype (exact when
+the policy's ``out`` / ``grad`` format fits in the dtype, e.g. fa2(bf16) into bfloat16 or float32;
+otherwise rounded to nearest-even once, by fadev, not twice through float32). The forward saves the
+float64 inputs (the tensors themselves when they are float64), the float64 output and the row
+log-sum-exp for the backward, which recomputes nothing else.
+
+Tensors must be on the CPU: fadev's GPU kernels are not wired to PyTorch yet (NotImplementedError).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.modules import module as _torch_module
+
+import fadev as _fadev
+from .attention import baseline_attention, flash_attention, sram_tiles
+from .formats import Format, formats, round as _round
+from .metrics import compare
+from .policy import Policy, as_policy
+
+KERNELS = ("flash", "baseline")
+FLASH_TILING = ("block_q", "block_kv", "sram_bytes", "loop_order", "normalize", "exp")
+"""Keyword arguments ``**tiling`` may hold (flash only): those of :func:`fadev.flash_attention`."""
+
+_FORMAT_OF = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+DTYPES = tuple(_FORMAT_OF)
+
+
+class UnsupportedSDPA(NotImplementedError):
+    """An SDPA call fadev cannot compute exactly as PyTorch would (dropout, a general attn_mask, ...).
+    :func:`patch_sdpa` raises it unless ``fallback=True``."""
+
+
+# ---------------------------------------------------------------- tensors <-> float64 NumPy buffers
+
+def _check_tensor(t, name):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise NotImplementedError(
+            f"{name}: fadev.torch computes on CPU tensors only, got a tensor on {t.device}; fadev's GPU "
+            f"kernels are not wired to PyTorch yet -- move the inputs with .cpu()")
+    if t.dtype not in _FORMAT_OF:
+        raise TypeError(f"{name}: dtype must be one of float64, float32, float16, bfloat16, got {t.dtype}")
+    if t.is_nested or t.layout != torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}"
+                        f"{' (nested)' if t.is_nested else ''}")
+
+
+def _zero_copy(t) -> bool:
+    return t.dtype == torch.float64 and t.is_contiguous()
+
+
+def _float64(t) -> torch.Tensor:
+    """``t`` as a contiguous float64 tensor without autograd history: ``t`` itself's memory when it
+    already is one, else one exact copy."""
+    t = t.detach()
+    if _zero_copy(t):
+        return t
+    return t.to(dtype=torch.float64, memory_format=torch.contiguous_format)
+
+
+def _fits(fmt: Format, dtype) -> bool:
+    """Every value of ``fmt`` is a value of the torch dtype (so converting to it is exact)."""
+    target = formats[_FORMAT_OF[dtype]]
+    return (fmt.precision <= target.precision and fmt.largest <= target.largest
+            and fmt.smallest_subnormal >= target.smallest_subnormal)
+
+
+def _to_dtype(arr: np.ndarray, dtype, fmt: Format) -> torch.Tensor:
+    """A float64 result ``arr`` (values in ``fmt``) as a tensor of ``dtype``; shares memory in float64."""
+    t = torch.from_numpy(arr)
+    if dtype == torch.float64:
+        return t
+    if dtype != torch.float32 and not _fits(fmt, dtype):
+        # torch converts float64 to half/bfloat16 through float32 (two roundings); round once here
+        t = torch.from_numpy(_round(arr, _FORMAT_OF[dtype]))
+    return t.to(dtype)
+
+
+# ---------------------------------------------------------------- one attention configuration
+
+def _backward_fn(kernel):
+    name = f"{kernel}_attention_backward"
+    fn = getattr(_fadev, name, None)
+    if fn is None:
+        raise NotImplementedError(f"fadev.{name} is not available in this build of fadev, so fadev.torch "
+                                  f"cannot compute gradients")
+    return fn
+
+
+def _check_kernel(kernel, tiling):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be 'flash' or 'baseline', got {kernel!r}")
+    unknown = sorted(set(tiling) - set(FLASH_TILING))
+    if unknown:
+        raise TypeError(f"unknown tiling argument(s) {', '.join(unknown)}; flash takes {', '.join(FLASH_TILING)}")
+    if kernel == "baseline" and tiling:
+        raise ValueError(f"kernel='baseline' has no tiling, got {', '.join(sorted(tiling))}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kernel:
+    """A policy, a kernel and its tiling: computes forward and backward on 4-D float64 arrays."""
+
+    policy: Policy
+    kernel: str
+    tiling: tuple  # sorted (name, value) pairs
+
+    @classmethod
+    def make(cls, policy, kernel, tiling, name="policy"):
+        _check_kernel(kernel, tiling)
+        return cls(as_policy(policy, name), kernel, tuple(sorted(tiling.items())))
+
+    def forward(self, q, k, v, causal, scale):
+        if self.kernel == "flash":
+            return flash_attention(q, k, v, self.policy, causal=causal, scale=scale, return_lse=True,
+                                   **dict(self.tiling))
+        return baseline_attention(q, k, v, self.policy, causal=causal, scale=scale, return_lse=True)
+
+    def backward(self, q, k, v, out, lse, dout, causal, scale):
+        fn = _backward_fn(self.kernel)
+        if self.kernel == "baseline":
+            return fn(q, k, v, out, lse, dout, self.policy, causal=causal, scale=scale)
+        tiling = dict(self.tiling)
+        block_q, block_kv = tiling.get("block_q"), tiling.get("block_kv")
+        if tiling.get("sram_bytes") is not None:
+            block_q, block_kv = sram_tiles(tiling["sram_bytes"], q.shape[-1])
+        return fn(q, k, v, out, lse, dout, self.policy, block_q=block_q, block_kv=block_kv, exp=tiling.get("exp"),
+                  causal=causal, scale=scale)
+
+
+def _shape4(shape):
+    """(B, H, N, D) of an SDPA shape (..., H, N, D); every leading dim folds into B."""
+    if len(shape) == 2:
+        return (1, 1) + tuple(shape)
+    return (math.prod(shape[:-3]),) + tuple(shape[-3:])
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """fadev attention as an autograd op. Inputs are validated by :func:`_validate`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, kern, causal, scale, sink):
+        q64, k64, v64 = _float64(q), _float64(k), _float64(v)
+        qs, ks = _shape4(q.shape), _shape4(k.shape)
+        out, lse = kern.forward(q64.numpy().reshape(qs), k64.numpy().reshape(ks), v64.numpy().reshape(ks),
+                                causal, scale)
+        if sink is not None:
+            sink.append(out)
+        out = out.reshape(q.shape)
+        result = _to_dtype(out, q.dtype, kern.policy.out)
+        out64 = result if q.dtype == torch.float64 else torch.from_numpy(out)
+        # float64 inputs are saved as themselves, so autograd notices if they are modified in place
+        ctx.save_for_backward(*(t if _zero_copy(t) else t64 for t, t64 in ((q, q64), (k, k64), (v, v64))),
+                              out64, torch.from_numpy(lse))
+        ctx.kern, ctx.causal, ctx.scale = kern, causal, scale
+        return result
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        qs, ks = _shape4(q.shape), _shape4(k.shape)
+        arrays = [_float64(t).numpy().reshape(s) for t, s in ((q, qs), (k, ks), (v, ks), (out, qs))]
+        dq, dk, dv = ctx.kern.backward(*arrays, lse.numpy(), _float64(dout).numpy().reshape(qs),
+                                       ctx.causal, ctx.scale)
+        grad = ctx.kern.policy.grad
+        dtypes = [t.dtype for t in ctx.inputs_dtypes] if hasattr(ctx, "inputs_dtypes") else None
+        del dtypes
+        dtype = dout.dtype
+        return (_to_dtype(np.asarray(dq).reshape(q.shape), dtype, grad),
+                _to_dtype(np.asarray(dk).reshape(k.shape), dtype, grad),
+                _to_dtype(np.asarray(dv).reshape(v.shape), dtype, grad), None, None, None, None)
+
+
+def _validate(q, k, v, is_causal, enable_gqa):
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        _check_tensor(t, name)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"query, key and value must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dim() < 2 or not q.dim() == k.dim() == v.dim():
+        raise ValueError(f"query, key and value must have the same rank >= 2 ((N, D), (H, N, D) or (..., H, N, D)),"
+                         f" got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"key and value must have the same shape (fadev needs value's head dim = key's), got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"query's head dim {q.shape[-1]} does not match key's {k.shape[-1]}")
+    if q.shape[:-3] != k.shape[:-3]:
+        raise ValueError(f"query's batch dims {tuple(q.shape[:-3])} differ from key's {tuple(k.shape[:-3])} "
+                         f"(fadev does not broadcast them)")
+    if q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
+        hq, hk = q.shape[-3], k.shape[-3]
+        if not enable_gqa:
+            raise ValueError(f"query has {hq} heads but key/value have {hk}; pass enable_gqa=True for "
+                             f"grouped-query attention")
+        if hq % hk:
+            raise ValueError(f"grouped-query attention needs query heads ({hq}) to be a multiple of key/value "
+                             f"heads ({hk})")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    if is_causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"is_causal with {q.shape[-2]} queries and {k.shape[-2]} keys: SDPA's causal mask is "
+                         f"aligned top-left, fadev's bottom-right; they agree only for equal lengths")
+
+
+def attention(q, k, v, policy, kernel="flash", is_causal=False, scale=None, enable_gqa=False, **tiling):
+    """softmax(scale q k^T) v by fadev's C kernels under ``policy``, differentiable (torch.autograd).
+
+    Shapes and arguments follow ``torch.nn.functional.scaled_dot_product_attention``: q (..., H, N, D)
+    or (N, D), k and v (..., H_kv, N_kv, D); ``scale`` defaults to 1/sqrt(D); ``is_causal`` masks key
+    j > query i (needs N == N_kv); ``enable_gqa`` lets H be a multiple of H_kv (query head h reads
+    K/V head h // (H / H_kv)). ``kernel``: "flash" (``**tiling``: block_q, block_kv, sram_bytes,
+    loop_order, normalize, exp, as :func:`fadev.flash_attention`; the backward uses block_q, block_kv
+    and exp) or "baseline". dtypes float64, float32, float16, bfloat16 (all three the same); the
+    output and the gradients have the input dtype. What is copied: see the module docstring.
+    The backward runs fadev's backward kernel under the same policy (its backward stages).
+    """
+    kern = _Kernel.make(policy, kernel, tiling)
+    _validate(q, k, v, is_causal, enable_gqa)
+    return _AttentionFunction.apply(q, k, v, kern, bool(is_causal), scale, None)
+
+
+# ---------------------------------------------------------------- routing SDPA calls
+
+def _mask_kind(mask, L, S):
+    """'none' if ``mask`` lets every query see every key, 'causal' if it is SDPA's causal mask (query i
+    sees key j <= i), else None. Boolean masks: True = attend; float masks: 0 = attend, -inf or the
+    dtype's most negative finite value (Hugging Face's choice) = masked."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.device.type != "cpu" or mask.is_nested:
+        return None
+    if mask.shape[-2] not in (1, L) or mask.shape[-1] not in (1, S):
+        return None
+    mask = mask.broadcast_to(mask.shape[:-2] + (L, S))
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point():
+        blocked = (mask == -math.inf) | (mask == torch.finfo(mask.dtype).min)
+        if not bool(((mask == 0) | blocked).all()):
+            return None
+        allowed = mask == 0
+    else:
+        return None
+    if bool(allowed.all()):
+        return "none"
+    if L == S and bool((allowed == torch.ones(L, S, dtype=torch.bool).tril()).all()):
+        return "causal"
+    return None
+
+
+def _unsupported(q, k, v, attn_mask, dropout_p, is_causal):
+    """(reason or None, is_causal) for one SDPA call; a causal-equivalent mask becomes is_causal."""
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return "query, key and value must be tensors", is_causal
+    if any(t.device.type != "cpu" for t in tensors):
+        return f"tensors on {q.device}: fadev's GPU kernels are not wired to PyTorch yet", is_causal
+    if any(t.dtype not in _FORMAT_OF for t in tensors):
+        return f"dtype {q.dtype} (fadev takes float64, float32, float16, bfloat16)", is_causal
+    if any(t.is_nested for t in tensors):
+        return "nested tensors", is_causal
+    if dropout_p != 0.0:
+        return (f"dropout_p={dropout_p}: fadev attention has no dropout (set the model's attention dropout to 0, "
+                f"or call model.eval())"), is_causal
+    if v.dim() >= 1 and k.dim() >= 1 and v.shape[-1] != k.shape[-1]:
+        return f"value head dim {v.shape[-1]} != key head dim {k.shape[-1]}", is_causal
+    if attn_mask is not None:
+        if is_causal:
+            return "attn_mask together with is_causal=True", is_causal
+        kind = _mask_kind(attn_mask, q.shape[-2], k.shape[-2])
+        if kind is None:
+            return (f"attn_mask of shape {tuple(attn_mask.shape)} and dtype {attn_mask.dtype} is neither all-"
+                    f"visible nor the causal mask (fadev supports attn_mask=None and is_causal=True)"), is_causal
+        is_causal = kind == "causal"
+    if is_causal and q.shape[-2] != k.shape[-2]:
+        return (f"is_causal with {q.shape[-2]} queries and {k.shape[-2]} keys (SDPA aligns the mask top-left, fadev "
+                f"bottom-right)"), is_causal
+    return None, is_causal
+
+
+class _SdpaRoute:
+    """Replaces ``torch.nn.functional.scaled_dot_product_attention`` while active (and turns off the
+    MultiheadAttention / TransformerEncoderLayer inference fast path, which bypasses SDPA)."""
+
+    def __init__(self, fallback):
+        if not isinstance(fallback, (bool, np.bool_)):
+            raise TypeError(f"fallback must be a bool, got {fallback!r}")
+        self.fallback = bool(fallback)
+        self.calls = 0
+        """SDPA calls computed by fadev."""
+        self.fallbacks = 0
+        """SDPA calls handed to PyTorch (only with fallback=True)."""
+        self._original = None
+
+    def __enter__(self):
+        if self._original is not None:
+            raise RuntimeError(f"{type(self).__name__} is already active (it cannot be entered twice)")
+        self._original = F.scaled_dot_product_attention
+        self._fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        F.scaled_dot_product_attention = self._sdpa
+        return self
+
+    def __exit__(self, *exc):
+        F.scaled_dot_product_attention = self._original
+        torch.backends.mha.set_fastpath_enabled(self._fastpath)
+        self._original = None
+        return False
+
+    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+        reason, causal = _unsupported(query, key, value, attn_mask, dropout_p, is_causal)
+        if reason is not None:
+            if not self.fallback:
+                raise UnsupportedSDPA(f"fadev.torch.{self._what}: unsupported scaled_dot_product_attention call: "
+                                      f"{reason}; pass fallback=True to hand such calls to PyTorch")
+            self.fallbacks += 1
+            return self._original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                  scale=scale, enable_gqa=enable_gqa)
+        _validate(query, key, value, causal, enable_gqa)
+        self.calls += 1
+        return self._attend(query, key, value, causal, scale)
+
+
+class patch_sdpa(_SdpaRoute):  # noqa: N801 (used as a context manager, like torch's own)
+    """``with fadev.torch.patch_sdpa(policy, kernel="flash", fallback=False, **tiling) as patch:``
+
+    Inside the block every ``torch.nn.functional.scaled_dot_product_attention(...)`` call -- made by
+    user code, ``nn.MultiheadAttention(need_weights=False)``, ``nn.TransformerEncoderLayer`` /
+    ``nn.TransformerDecoderLayer`` (train and eval: the inference fast path is turned off meanwhile),
+    Hugging Face's sdpa attention -- is computed by :func:`attention` under ``policy``. Supported:
+    ``attn_mask`` None, all-visible, or the causal mask (bool, or float with 0 / -inf / dtype min),
+    ``is_causal``, ``scale``, ``enable_gqa``, ``dropout_p == 0``. Anything else raises
+    :class:`UnsupportedSDPA`, or with ``fallback=True`` runs PyTorch's original. ``patch.calls``
+    counts calls fadev computed, ``patch.fallbacks`` those handed to PyTorch. The original function
+    is restored on exit, also after an exception.
+
+    Not routed: ``nn.MultiheadAttention`` with ``need_weights=True`` (its default; it computes attention
+    by bmm and softmax, not SDPA), and code that bound the function at import time (``from
+    torch.nn.functional import scaled_dot_product_attention``).
+    """
+
+    _what = "patch_sdpa"
+
+    def __init__(self, policy, kernel="flash", fallback=False, **tiling):
+        super().__init__(fallback)
+        self.kernel = _Kernel.make(policy, kernel, tiling)
+        self.policy = self.kernel.policy
+
+    def _attend(self, q, k, v, causal, scale):
+        return _AttentionFunction.apply(q, k, v, self.kernel, causal, scale, None)
+
+
+# ---------------------------------------------------------------- shadow runs
+
+class _ModuleTracker:
+    """The innermost module whose forward is running, via global module hooks, and its qualified name
+    (``layers.0.self_attn``: attribute names from the outermost running module, or from ``model``)."""
+
+    def __init__(self, model=None):
+        self.stack = []
+        self.names = {}
+        if model is not None:
+            for name, mod in model.named_modules():
+                self.names.setdefault(mod, name)
+        self._handles = []
+
+    def __enter__(self):
+        self._handles = [_torch_module.register_module_forward_pre_hook(self._pre),
+                         _torch_module.register_module_forward_hook(self._post, always_call=True)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.stack = []
+
+    def _pre(self, mod, args):
+        if mod not in self.names:
+            name = ""
+            if self.stack:
+                parent = self.stack[-1]
+                attr = next((n for n, m in parent._modules.items() if m is mod), type(mod).__name__)
+                name = f"{self.names[parent]}.{attr}" if self.names[parent] else attr
+            self.names[mod] = name
+        self.stack.append(mod)
+
+    def _post(self, mod, args, output):
+        while self.stack:
+            if self.stack.pop() is mod:
+                break
+
+    def current(self):
+        """(qualified name, class name) of the innermost running module, or (None, None)."""
+        if not self.stack:
+            return None, None
+        mod = self.stack[-1]
+        return self.names[mod] or type(mod).__name__, type(mod).__name__
+
+
+METRICS = ("n", "n_nan", "n_inf", "max_abs", "mean_diff", "std_diff", "mean_abs", "rmse", "rel_l2", "max_rel",
+           "wasserstein")
+
+
+class shadow(_SdpaRoute):  # noqa: N801 (a context manager)
+    """``with fadev.torch.shadow(reference=pol_a, candidate=pol_b, use="reference") as log:``
+
+    Routes SDPA calls as :class:`patch_sdpa` does (fallback=False), but computes each call under both
+    policies on identical inputs, continues the model with the ``use`` one ("reference" or "candidate";
+    gradients flow through it, the other is computed without autograd) and appends to ``log.records``
+    one dict per call: ``call`` (0, 1, ...), ``module`` (qualified name of the innermost running module,
+    e.g. "layers.0.self_attn", or None outside modules; names come from ``model`` when given),
+    ``module_type``, ``q_shape``, ``k_shape``, ``v_shape``, ``dtype``, ``is_causal``, ``reference``,
+    ``candidate``, ``use``, and the :func:`fadev.compare` metrics (n, max_abs, rmse, rel_l2, wasserstein,
+    ...) of the candidate's float64 output against the reference's. With ``golden=True`` also
+    ``reference_vs_golden_<metric>`` and ``candidate_vs_golden_<metric>`` against the golden policy
+    (computed with the reference's kernel). ``kernel`` is "flash", "baseline" or a pair
+    (reference kernel, candidate kernel); ``**tiling`` applies to the flash ones.
+    ``log.to_dataframe()`` gives the records as a pandas DataFrame.
+    """
+
+    _what = "shadow"
+
+    def __init__(self, reference, candidate, use="reference", kernel="flash", golden=False, model=None, **tiling):
+        super().__init__(False)
+        if use not in ("reference", "candidate"):
+            raise ValueError(f"use must be 'reference' or 'candidate', got {use!r}")
+        if not isinstance(golden, (bool, np.bool_)):
+            raise TypeError(f"golden must be a bool, got {golden!r}")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+        kernels = (kernel, kernel) if isinstance(kernel, str) else tuple(kernel)
+        if len(kernels) != 2:
+            raise ValueError(f"kernel must be 'flash', 'baseline' or a (reference, candidate) pair, got {kernel!r}")
+        self.reference = _Kernel.make(reference, kernels[0], tiling if kernels[0] == "flash" else {}, "reference")
+        self.candidate = _Kernel.make(candidate, kernels[1], tiling if kernels[1] == "flash" else {}, "candidate")
+        self.golden = (_Kernel.make(Policy.golden(), kernels[0], tiling if kernels[0] == "flash" else {})
+                       if golden else None)
+        self.use = use
+        self.records = []
+        self._tracker = _ModuleTracker(model)
+
+    def __enter__(self):
+        super().__enter__()
+        try:
+            self._tracker.__enter__()
+        except BaseException:
+            super().__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self._tracker.__exit__(*exc)
+        finally:
+            super().__exit__(*exc)
+        return False
+
+    def _attend(self, q, k, v, causal, scale):
+        used, other = (self.reference, self.candidate) if self.use == "reference" else (self.candidate, self.reference)
+        sink = []
+        result = _AttentionFunction.apply(q, k, v, used, causal, scale, sink)
+        q64, k64, v64 = (_float64(t).numpy().reshape(_shape4(t.shape)) for t in (q, k, v))
+        outs = {self.use: sink[0], ("candidate" if self.use == "reference" else "reference"):
+                other.forward(q64, k64, v64, causal, scale)[0].reshape(q.shape)}
+        module, module_type = self._tracker.current()
+        rec = {"call": len(self.records), "module": module, "module_type": module_type, "q_shape": tuple(q.shape),
+               "k_shape": tuple(k.shape), "v_shape": tuple(v.shape), "dtype": str(q.dtype).replace("torch.", ""),
+               "is_causal": causal, "reference": self.reference.policy.name, "candidate": self.candidate.policy.name,
+               "use": self.use}
+        rec.update(compare(outs["candidate"], outs["reference"]).as_dict())
+        if self.golden is not None:
+            gold = self.golden.forward(q64, k64, v64, causal, scale)[0].reshape(q.shape)
+            for side in ("reference", "candidate"):
+                for key, value in compare(outs[side], gold).as_dict().items():
+                    rec[f"{side}_vs_golden_{key}"] = value
+        self.records.append(rec)
+        return result
+
+    def to_dataframe(self):
+        """``records`` as a pandas DataFrame (one row per SDPA call)."""
+        import pandas as pd
+        return pd.DataFrame.from_records(self.records)
+
+
+__all__ = ["attention", "patch_sdpa", "shadow", "UnsupportedSDPA", "KERNELS", "FLASH_TILING", "DTYPES", "METRICS"]
