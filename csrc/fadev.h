@@ -198,6 +198,16 @@ fadev_status fadev_baseline_attention(const double *q, const double *k, const do
 fadev_status fadev_flash_attention(const double *q, const double *k, const double *v, double *out, double *lse,
                                    const fadev_attention_params *params, const fadev_policy *policy);
 
+/* ---------------------------------------------------------------- Hadamard rotation (hadamard.c) */
+
+/* Rotate each of `rows` rows of x (rows x dim, contiguous) by the normalised Walsh-Hadamard transform:
+ * forward (inverse = 0) out = H (signs * x) / sqrt(dim); inverse (inverse = 1) out = signs * (H x) / sqrt(dim),
+ * H the Sylvester Hadamard matrix, computed with dim log2(dim) fp64 butterflies. signs: dim values, each
+ * +1 or -1, or NULL for all +1. out is x itself or disjoint from it. FADEV_ERR_INVALID_ARGUMENT: a NULL
+ * array, rows or dim 0, dim not a power of two, a sign not +-1, inverse not 0/1; FADEV_ERR_OVERFLOW. */
+fadev_status fadev_hadamard_f64(const double *x, double *out, size_t rows, size_t dim, const double *signs,
+                                int inverse);
+
 /* ---------------------------------------------------------------- threads */
 
 /* Worker threads used by every multi-threaded kernel (default: online CPUs, or FADEV_NUM_THREADS).

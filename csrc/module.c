@@ -475,6 +475,46 @@ static PyObject *py_flash_attention(PyObject *self, PyObject *args) {
 }
 
 
+/* ------------------------------------------------------------ hadamard */
+
+/* hadamard(x, signs or None, inverse): x (..., D) float64 -> rotated copy of the same shape. */
+static PyObject *py_hadamard(PyObject *self, PyObject *args) {
+    PyObject *xobj, *sobj;
+    int inverse;
+    if (!PyArg_ParseTuple(args, "OOp", &xobj, &sobj, &inverse)) return NULL;
+    PyArrayObject *x = as_array(xobj, NPY_FLOAT64, "x"), *s = NULL, *out = NULL;
+    if (!x) return NULL;
+    if (PyArray_NDIM(x) < 1 || PyArray_SIZE(x) == 0) {
+        PyErr_Format(PyExc_ValueError, "x: expected a non-empty array of at least 1 dimension");
+        goto fail;
+    }
+    size_t dim = (size_t)PyArray_DIM(x, PyArray_NDIM(x) - 1), rows = (size_t)PyArray_SIZE(x) / dim;
+    if (sobj != Py_None) {
+        if (!(s = as_array(sobj, NPY_FLOAT64, "signs"))) goto fail;
+        if (PyArray_NDIM(s) != 1 || (size_t)PyArray_DIM(s, 0) != dim) {
+            PyErr_Format(PyExc_ValueError, "signs: expected shape (%zu,), got %zd elements in %d dimension(s)", dim,
+                         (Py_ssize_t)PyArray_SIZE(s), PyArray_NDIM(s));
+            goto fail;
+        }
+    }
+    if (!(out = new_like(x, NPY_FLOAT64))) goto fail;
+    fadev_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fadev_hadamard_f64((const double *)PyArray_DATA(x), (double *)PyArray_DATA(out), rows, dim,
+                            s ? (const double *)PyArray_DATA(s) : NULL, inverse);
+    Py_END_ALLOW_THREADS
+    if (st != FADEV_OK) {
+        raise_status(st, "hadamard (dim must be a power of two, signs +-1)");
+        goto fail;
+    }
+    Py_DECREF(x);
+    Py_XDECREF(s);
+    return (PyObject *)out;
+fail:
+    Py_XDECREF(x), Py_XDECREF(s), Py_XDECREF(out);
+    return NULL;
+}
+
 /* ------------------------------------------------------------ module */
 
 static PyMethodDef core_methods[] = {
@@ -498,6 +538,8 @@ static PyMethodDef core_methods[] = {
      "baseline_attention(q, k, v, policy, scale, causal) -> (out, lse); q, k, v 4-D"},
     {"flash_attention", py_flash_attention, METH_VARARGS,
      "flash_attention(q, k, v, policy, scale, causal, block_q, block_kv, loop_order, normalize, exp_form) -> (out, lse)"},
+    /* hadamard methods */
+    {"hadamard", py_hadamard, METH_VARARGS, "hadamard(x, signs or None, inverse) -> rotated float64 array"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.modules import module as _torch_module
 
 import fadev as _fadev
-from .attention import baseline_attention, flash_attention, sram_tiles
+from .attention import MAX_DIM, baseline_attention, flash_attention, sram_tiles
 from .formats import Format, formats, round as _round
 from .metrics import compare
 from .policy import Policy, as_policy
@@ -68,7 +68,7 @@ def _check_tensor(t, name):
 
 
 def _zero_copy(t) -> bool:
-    return t.dtype == torch.float64 and t.is_contiguous()
+    return t.dtype == torch.float64 and t.is_contiguous() and not t.is_neg() and not t.is_conj()
 
 
 def _float64(t) -> torch.Tensor:
@@ -166,15 +166,15 @@ class _AttentionFunction(torch.autograd.Function):
         qs, ks = _shape4(q.shape), _shape4(k.shape)
         out, lse = kern.forward(q64.numpy().reshape(qs), k64.numpy().reshape(ks), v64.numpy().reshape(ks),
                                 causal, scale)
+        out = out.reshape(q.shape)
         if sink is not None:
             sink.append(out)
-        out = out.reshape(q.shape)
         result = _to_dtype(out, q.dtype, kern.policy.out)
         out64 = result if q.dtype == torch.float64 else torch.from_numpy(out)
         # float64 inputs are saved as themselves, so autograd notices if they are modified in place
         ctx.save_for_backward(*(t if _zero_copy(t) else t64 for t, t64 in ((q, q64), (k, k64), (v, v64))),
                               out64, torch.from_numpy(lse))
-        ctx.kern, ctx.causal, ctx.scale = kern, causal, scale
+        ctx.kern, ctx.causal, ctx.scale, ctx.dtype = kern, causal, scale, q.dtype
         return result
 
     @staticmethod
@@ -185,10 +185,7 @@ class _AttentionFunction(torch.autograd.Function):
         arrays = [_float64(t).numpy().reshape(s) for t, s in ((q, qs), (k, ks), (v, ks), (out, qs))]
         dq, dk, dv = ctx.kern.backward(*arrays, lse.numpy(), _float64(dout).numpy().reshape(qs),
                                        ctx.causal, ctx.scale)
-        grad = ctx.kern.policy.grad
-        dtypes = [t.dtype for t in ctx.inputs_dtypes] if hasattr(ctx, "inputs_dtypes") else None
-        del dtypes
-        dtype = dout.dtype
+        grad, dtype = ctx.kern.policy.grad, ctx.dtype
         return (_to_dtype(np.asarray(dq).reshape(q.shape), dtype, grad),
                 _to_dtype(np.asarray(dk).reshape(k.shape), dtype, grad),
                 _to_dtype(np.asarray(dv).reshape(v.shape), dtype, grad), None, None, None, None)
@@ -283,8 +280,14 @@ def _unsupported(q, k, v, attn_mask, dropout_p, is_causal):
     if dropout_p != 0.0:
         return (f"dropout_p={dropout_p}: fadev attention has no dropout (set the model's attention dropout to 0, "
                 f"or call model.eval())"), is_causal
-    if v.dim() >= 1 and k.dim() >= 1 and v.shape[-1] != k.shape[-1]:
-        return f"value head dim {v.shape[-1]} != key head dim {k.shape[-1]}", is_causal
+    if min(q.dim(), k.dim(), v.dim()) >= 2:
+        if v.shape[-1] != k.shape[-1]:
+            return f"value head dim {v.shape[-1]} != key head dim {k.shape[-1]}", is_causal
+        if q.shape[-1] > MAX_DIM:
+            return f"head dim {q.shape[-1]} > {MAX_DIM}", is_causal
+        if q.dim() == k.dim() == v.dim() and not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+            return (f"batch dims {tuple(q.shape[:-3])}, {tuple(k.shape[:-3])}, {tuple(v.shape[:-3])} differ (fadev "
+                    f"does not broadcast them)"), is_causal
     if attn_mask is not None:
         if is_causal:
             return "attn_mask together with is_causal=True", is_causal
@@ -402,7 +405,8 @@ class _ModuleTracker:
             name = ""
             if self.stack:
                 parent = self.stack[-1]
-                attr = next((n for n, m in parent._modules.items() if m is mod), type(mod).__name__)
+                # a descendant, not always a child: TransformerEncoder calls its ModuleList's layers itself
+                attr = next((n for n, m in parent.named_modules() if m is mod and n), type(mod).__name__)
                 name = f"{self.names[parent]}.{attr}" if self.names[parent] else attr
             self.names[mod] = name
         self.stack.append(mod)
