@@ -208,6 +208,26 @@ fadev_status fadev_flash_attention(const double *q, const double *k, const doubl
 fadev_status fadev_hadamard_f64(const double *x, double *out, size_t rows, size_t dim, const double *signs,
                                 int inverse);
 
+/* ---------------------------------------------------------------- backward (backward.c) */
+
+/* Attention backward under `policy` (it recomputes S and P; its rounding mode and seed apply to every
+ * backward event) and `policy_backward`, operation by operation as docs/numerics.md "Backward" specifies
+ * (one policy and one tiling give one bit pattern, on any thread count). q, out, dout, dq (B, H, Nq, D);
+ * k, v, dk, dv (B, Hkv, Nk, D); lse (B, H, Nq); all contiguous float64. out and lse are the forward's
+ * results (the baseline reads neither: it recomputes P and D_i as autograd does). params: as the
+ * forward; flash uses block_q, block_kv and exp_form, both ignore loop_order and normalize. Errors as
+ * the forward's, plus FADEV_ERR_INVALID_ARGUMENT for a NULL lse, dout, dq, dk, dv or policy_backward and
+ * FADEV_ERR_INVALID_FORMAT for a backward format. */
+fadev_status fadev_baseline_attention_backward(const double *q, const double *k, const double *v, const double *out,
+                                               const double *lse, const double *dout, double *dq, double *dk,
+                                               double *dv, const fadev_attention_params *params,
+                                               const fadev_policy *policy,
+                                               const fadev_policy_backward *policy_backward);
+fadev_status fadev_flash_attention_backward(const double *q, const double *k, const double *v, const double *out,
+                                            const double *lse, const double *dout, double *dq, double *dk, double *dv,
+                                            const fadev_attention_params *params, const fadev_policy *policy,
+                                            const fadev_policy_backward *policy_backward);
+
 /* ---------------------------------------------------------------- threads */
 
 /* Worker threads used by every multi-threaded kernel (default: online CPUs, or FADEV_NUM_THREADS).

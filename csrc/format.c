@@ -1,6 +1,8 @@
 /* Formats: construction, bit layouts, and array rounding (the scalar rule lives in round.h, shared
  * with the CUDA kernels). Arrays are split into fixed 32768-element tasks so any thread count gives
- * the same bits; the stochastic generator is keyed by the element's global index, not the task. */
+ * the same bits; the stochastic generator is keyed by the element's global index, not the task.
+ * Nearest-even and toward-zero take a vectorised fast path for elements in the target's normal range
+ * (see round_fast) and the scalar rule for the rest, so results are the scalar rule's bit for bit. */
 #include <math.h>
 #include <string.h>
 

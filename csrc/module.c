@@ -475,6 +475,103 @@ static PyObject *py_flash_attention(PyObject *self, PyObject *args) {
 }
 
 
+/* ------------------------------------------------------------ backward */
+
+/* A backward policy arrives as Policy._c_backward: 10 format tuples in fadev_policy_backward field order. */
+static int parse_policy_backward(PyObject *obj, void *out) {
+    fadev_policy_backward *pb = (fadev_policy_backward *)out;
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 10) {
+        PyErr_Format(PyExc_TypeError, "policy_backward must be a tuple of 10 format tuples (Policy._c_backward), "
+                                      "got %.100s", Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    return PyArg_ParseTuple(obj, "O&O&O&O&O&O&O&O&O&O&;policy_backward must be Policy._c_backward", parse_format,
+                            &pb->bwd_p, parse_format, &pb->dp_acc, parse_format, &pb->dp, parse_format,
+                            &pb->delta_acc, parse_format, &pb->dsoft, parse_format, &pb->ds, parse_format,
+                            &pb->grad_acc, parse_format, &pb->dq_acc, parse_format, &pb->dkv_acc, parse_format,
+                            &pb->grad);
+}
+
+/* Shared by both kernels: q, k, v, out, lse, dout as float64 arrays (4-D; out and dout shaped like q, lse
+ * like q without D) -> params shapes, dq, dk, dv arrays, the call. */
+static PyObject *backward_call(PyObject *const objs[6], fadev_attention_params *pr, const fadev_policy *pol,
+                               const fadev_policy_backward *pb, int flash) {
+    const char *what = flash ? "flash_attention_backward" : "baseline_attention_backward";
+    static const char *names[6] = {"q", "k", "v", "out", "lse", "dout"};
+    PyArrayObject *a[6] = {NULL, NULL, NULL, NULL, NULL, NULL}, *dq = NULL, *dk = NULL, *dv = NULL;
+    for (int x = 0; x < 6; x++)
+        if (!(a[x] = as_array(objs[x], NPY_FLOAT64, names[x]))) goto fail;
+    for (int x = 0; x < 6; x++)
+        if (PyArray_NDIM(a[x]) != (x == 4 ? 3 : 4)) {
+            PyErr_Format(PyExc_ValueError, "%s: %s must be %d-D, got %d-D", what, names[x], x == 4 ? 3 : 4,
+                         PyArray_NDIM(a[x]));
+            goto fail;
+        }
+    npy_intp *qs = PyArray_DIMS(a[0]), *ks = PyArray_DIMS(a[1]), *vs = PyArray_DIMS(a[2]), *ls = PyArray_DIMS(a[4]);
+    int agree = ks[0] == qs[0] && ks[3] == qs[3] && ls[0] == qs[0] && ls[1] == qs[1] && ls[2] == qs[2];
+    for (int d = 0; d < 4; d++)
+        agree = agree && vs[d] == ks[d] && PyArray_DIMS(a[3])[d] == qs[d] && PyArray_DIMS(a[5])[d] == qs[d];
+    if (!agree) {
+        PyErr_Format(PyExc_ValueError, "%s: shapes do not agree: q (%zd, %zd, %zd, %zd), k (%zd, %zd, %zd, %zd), "
+                     "v (%zd, %zd, %zd, %zd), lse (%zd, %zd, %zd); out and dout must be shaped like q", what, qs[0],
+                     qs[1], qs[2], qs[3], ks[0], ks[1], ks[2], ks[3], vs[0], vs[1], vs[2], vs[3], ls[0], ls[1], ls[2]);
+        goto fail;
+    }
+    pr->batch = qs[0], pr->heads = qs[1], pr->seq_q = qs[2], pr->dim = qs[3];
+    pr->heads_kv = ks[1], pr->seq_kv = ks[2];
+    if (!(dq = new_like(a[0], NPY_FLOAT64)) || !(dk = new_like(a[1], NPY_FLOAT64)) || !(dv = new_like(a[2], NPY_FLOAT64)))
+        goto fail;
+    const double *in[6];
+    for (int x = 0; x < 6; x++) in[x] = (const double *)PyArray_DATA(a[x]);
+    double *gq = (double *)PyArray_DATA(dq), *gk = (double *)PyArray_DATA(dk), *gv = (double *)PyArray_DATA(dv);
+    fadev_status st;
+    Py_BEGIN_ALLOW_THREADS
+    if (flash)
+        st = fadev_flash_attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], gq, gk, gv, pr, pol, pb);
+    else
+        st = fadev_baseline_attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], gq, gk, gv, pr, pol, pb);
+    Py_END_ALLOW_THREADS
+    if (st != FADEV_OK) {
+        raise_status(st, what);
+        goto fail;
+    }
+    for (int x = 0; x < 6; x++) Py_DECREF(a[x]);
+    return Py_BuildValue("(NNN)", dq, dk, dv);
+fail:
+    for (int x = 0; x < 6; x++) Py_XDECREF(a[x]);
+    Py_XDECREF(dq), Py_XDECREF(dk), Py_XDECREF(dv);
+    return NULL;
+}
+
+static PyObject *py_baseline_attention_backward(PyObject *self, PyObject *args) {
+    PyObject *objs[6];
+    fadev_policy pol;
+    fadev_policy_backward pb;
+    fadev_attention_params pr;
+    memset(&pr, 0, sizeof pr);
+    int causal;
+    if (!PyArg_ParseTuple(args, "OOOOOOO&O&dp", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          parse_policy, &pol, parse_policy_backward, &pb, &pr.scale, &causal))
+        return NULL;
+    pr.causal = causal;
+    return backward_call(objs, &pr, &pol, &pb, 0);
+}
+
+static PyObject *py_flash_attention_backward(PyObject *self, PyObject *args) {
+    PyObject *objs[6];
+    fadev_policy pol;
+    fadev_policy_backward pb;
+    fadev_attention_params pr;
+    memset(&pr, 0, sizeof pr);
+    int causal, block_q, block_kv, exp_form;
+    if (!PyArg_ParseTuple(args, "OOOOOOO&O&dpiii", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          parse_policy, &pol, parse_policy_backward, &pb, &pr.scale, &causal, &block_q, &block_kv,
+                          &exp_form))
+        return NULL;
+    pr.causal = causal, pr.block_q = block_q, pr.block_kv = block_kv, pr.exp_form = exp_form;
+    return backward_call(objs, &pr, &pol, &pb, 1);
+}
+
 /* ------------------------------------------------------------ hadamard */
 
 /* hadamard(x, signs or None, inverse): x (..., D) float64 -> rotated copy of the same shape. */
@@ -538,6 +635,11 @@ static PyMethodDef core_methods[] = {
      "baseline_attention(q, k, v, policy, scale, causal) -> (out, lse); q, k, v 4-D"},
     {"flash_attention", py_flash_attention, METH_VARARGS,
      "flash_attention(q, k, v, policy, scale, causal, block_q, block_kv, loop_order, normalize, exp_form) -> (out, lse)"},
+    {"baseline_attention_backward", py_baseline_attention_backward, METH_VARARGS,
+     "baseline_attention_backward(q, k, v, out, lse, dout, policy, policy_backward, scale, causal) -> (dq, dk, dv)"},
+    {"flash_attention_backward", py_flash_attention_backward, METH_VARARGS,
+     "flash_attention_backward(q, k, v, out, lse, dout, policy, policy_backward, scale, causal, block_q, block_kv, "
+     "exp_form) -> (dq, dk, dv)"},
     /* hadamard methods */
     {"hadamard", py_hadamard, METH_VARARGS, "hadamard(x, signs or None, inverse) -> rotated float64 array"},
     {NULL, NULL, 0, NULL},

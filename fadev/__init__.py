@@ -10,6 +10,7 @@ from .metrics import (Comparison, UlpHistogram, compare, max_abs, max_rel, mean_
                       std_diff, ulp_error, ulp_histogram, wasserstein)
 from .policy import STAGES, Policy, as_policy
 from .attention import baseline_attention, flash_attention, random_qkv
+from .backward import baseline_attention_backward, flash_attention_backward
 
 __version__ = "0.1.0"
 
@@ -42,3 +43,4 @@ __all__ = ["Format", "as_format", "custom_format", "formats", "round", "to_bits"
 __all__ += ["Comparison", "compare", "max_abs", "mean_diff", "std_diff", "mean_abs", "rmse", "rel_l2", "max_rel",
             "wasserstein", "ulp_error", "ulp_histogram", "UlpHistogram"]
 __all__ += ["Policy", "as_policy", "STAGES", "baseline_attention", "flash_attention", "random_qkv"]
+__all__ += ["baseline_attention_backward", "flash_attention_backward"]

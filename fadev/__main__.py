@@ -3,6 +3,8 @@
 Subcommands:
   demo   round a fixed random sample to every built-in format and print its deviation from the fp64
          original (max |d|, max relative, RMSE, relative L2, Wasserstein-1).
+  sweep  run a parameter sweep from a TOML config, one row per point appended to a results file
+         (resumable; see fadev/sweep.py).
 
 Each subcommand is a function ``cmd_NAME(args) -> int`` registered in :func:`build_parser`.
 """
@@ -64,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="sample seed, also the stochastic-rounding seed")
     demo.add_argument("--mode", default="rne", choices=["rne", "rtz", "stochastic"], help="rounding mode")
     demo.set_defaults(func=cmd_demo)
+
+    from .sweep import add_subcommand as add_sweep  # sweep: run a TOML parameter sweep (fadev/sweep.py)
+    add_sweep(sub)
     return parser
 
 

@@ -320,14 +320,17 @@ class _SdpaRoute:
         if self._original is not None:
             raise RuntimeError(f"{type(self).__name__} is already active (it cannot be entered twice)")
         self._original = F.scaled_dot_product_attention
-        self._fastpath = torch.backends.mha.get_fastpath_enabled()
-        torch.backends.mha.set_fastpath_enabled(False)
+        mha = getattr(torch.backends, "mha", None)  # torch >= 2.2
+        self._fastpath = mha.get_fastpath_enabled() if mha is not None else None
+        if mha is not None:
+            mha.set_fastpath_enabled(False)
         F.scaled_dot_product_attention = self._sdpa
         return self
 
     def __exit__(self, *exc):
         F.scaled_dot_product_attention = self._original
-        torch.backends.mha.set_fastpath_enabled(self._fastpath)
+        if self._fastpath is not None:
+            torch.backends.mha.set_fastpath_enabled(self._fastpath)
         self._original = None
         return False
 
@@ -339,8 +342,9 @@ class _SdpaRoute:
                 raise UnsupportedSDPA(f"fadev.torch.{self._what}: unsupported scaled_dot_product_attention call: "
                                       f"{reason}; pass fallback=True to hand such calls to PyTorch")
             self.fallbacks += 1
+            extra = {"enable_gqa": True} if enable_gqa else {}  # torch < 2.5 has no enable_gqa
             return self._original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                  scale=scale, enable_gqa=enable_gqa)
+                                  scale=scale, **extra)
         _validate(query, key, value, causal, enable_gqa)
         self.calls += 1
         return self._attend(query, key, value, causal, scale)

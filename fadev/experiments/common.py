@@ -1,0 +1,170 @@
+"""Pieces every experiment shares: inputs, the golden answer, metric columns, output fingerprints.
+
+Query-row sampling. Every query row of attention is computed independently of the others (the
+softmax normalises along the keys of one row), so the deviation statistics of an N x N attention are
+those of its rows. The experiments therefore compute ``n_query`` query rows (i.i.d. draws, like every
+other row) against all N keys: paper-scale sequence lengths (16k and beyond) then cost
+O(n_query * N * D) instead of O(N^2 * D). With ``n_query = N`` this is the full attention.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from .. import sweep
+from ..attention import baseline_attention, random_qkv
+from ..metrics import compare
+from ..policy import Policy
+
+METRICS = ("max_abs", "mean_diff", "std_diff", "mean_abs", "rmse", "rel_l2")
+"""The :class:`fadev.Comparison` fields an experiment records for each comparison (prefix_metric)."""
+
+
+@functools.lru_cache(maxsize=4)
+def inputs(n, n_query, dim, seed, fmt=None, dist="normal", heads=1, batch=1):
+    """(q, k, v): q (batch, heads, n_query, dim), k and v (batch, heads, n, dim), drawn by
+    :func:`fadev.random_qkv` (seed) and rounded to ``fmt`` (None: left in fp64). Cached (read-only arrays):
+    the experiments evaluate several kernels on one input."""
+    q, k, v = random_qkv((batch, heads, n_query, dim), dist=dist, seed=seed, fmt=fmt, seq_kv=n)
+    for t in (q, k, v):
+        t.setflags(write=False)
+    return q, k, v
+
+
+@functools.lru_cache(maxsize=4)
+def golden(n, n_query, dim, seed, fmt=None, dist="normal", heads=1, batch=1):
+    """The fp64 answer for :func:`inputs` with the same arguments (baseline attention, every stage fp64)."""
+    q, k, v = inputs(n, n_query, dim, seed, fmt, dist, heads, batch)
+    out = baseline_attention(q, k, v, Policy.golden())
+    out.setflags(write=False)
+    return out
+
+
+def metrics(prefix, test, ref) -> dict:
+    """{prefix_metric: value} for the METRICS of test against ref."""
+    c = compare(test, ref)
+    return {f"{prefix}_{m}": float(getattr(c, m)) for m in METRICS}
+
+
+def fingerprint(arr) -> str:
+    """A short hash of an array's float64 bytes: equal fingerprints mean bit-identical outputs."""
+    return hashlib.sha1(np.ascontiguousarray(arr, dtype=np.float64).tobytes()).hexdigest()[:16]
+
+
+def check_size(size):
+    if size not in ("quick", "full"):
+        raise ValueError(f"size must be 'quick' or 'full', got {size!r}")
+    return size
+
+
+# ------------------------------------------------------------------ running and aggregating
+
+FORMAT_ORDER = ("fp8_e5m2", "fp8_e4m3", "bf16", "fp16", "tf32", "fp32", "fp64")
+"""Formats by significand bits (fewest first), the x axis of the precision figures."""
+
+
+def results_path(out, name):
+    """out/NAME.jsonl, or None when out is None (nothing written)."""
+    if out is None:
+        return None
+    os.makedirs(out, exist_ok=True)
+    return os.path.join(out, f"{name}.jsonl")
+
+
+def run_points(points, out, name, workers=1, progress=False):
+    """Run sweep points through :func:`fadev.sweep.run` (rows appended to out/NAME.jsonl, resumable)."""
+    return sweep.run(points, results_path(out, name), workers=workers, progress=progress)
+
+
+def point_key(point) -> str:
+    """Hash of a custom (non-sweep) point: 16 hex digits of sha256 over its sorted JSON."""
+    text = json.dumps(point, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def run_custom(points, evaluate, out, name, progress=False):
+    """Run points that the sweep engine cannot express (fp8 scaling, PyTorch's kernels) with the same file
+    contract: one JSON line per point appended (flushed, fsynced) to out/NAME.jsonl as it finishes, points
+    whose key is already there skipped. ``evaluate(point) -> dict`` of metric columns. Returns a DataFrame
+    in the order of ``points``."""
+    import pandas as pd
+    path = results_path(out, name)
+    done = {}
+    if path is not None and os.path.exists(path):
+        old = sweep.load(path)
+        if len(old):
+            done = {r["key"]: r for r in old.to_dict("records")}
+    rows = []
+    fh = open(path, "ab") if path is not None else None
+    try:
+        for i, point in enumerate(points):
+            key = point_key(point)
+            if key in done:
+                rows.append(done[key])
+                continue
+            start = time.perf_counter()
+            row = {"key": key, **point, **evaluate(point)}
+            row["wall_s"] = time.perf_counter() - start
+            if fh is not None:
+                fh.write((json.dumps(row, separators=(",", ":")) + "\n").encode())
+                fh.flush()
+                os.fsync(fh.fileno())
+            rows.append(row)
+            if progress:
+                print(f"\r{name}: {i + 1}/{len(points)}", end="", file=sys.stderr, flush=True)
+        if progress and points:
+            print(file=sys.stderr)
+    finally:
+        if fh is not None:
+            fh.close()
+    return pd.DataFrame(rows)
+
+
+def mean_std(df, by, metrics):
+    """Mean, std (ddof=1) and count over seeds of each metric column, grouped by ``by`` (fadev.sweep.aggregate);
+    a metric column that is NaN in a group stays NaN."""
+    return sweep.aggregate(df, by=list(by), metrics=list(metrics))
+
+
+def identical(df, metric_prefix="vs_golden"):
+    """Boolean Series: rows whose every recorded metric equals the previous row's bit for bit."""
+    cols = [c for c in df.columns if c.startswith(metric_prefix + ".")]
+    return (df[cols].shift() == df[cols]).all(axis=1)
+
+
+@dataclasses.dataclass
+class Finding:
+    """One claim of the report: what we measured next to what the paper says, and whether it holds
+    (None: not a paper claim, or not measurable on this machine)."""
+
+    claim: str
+    ours: str
+    paper: str = ""
+    holds: bool | None = None
+
+    def markdown(self) -> str:
+        verdict = {True: "**holds**", False: "**does not hold**", None: "(no verdict)"}[self.holds]
+        paper = f"; paper: {self.paper}" if self.paper else ""
+        return f"- {self.claim}: {self.ours}{paper} — {verdict}"
+
+
+def sizes(table, size, overrides=None):
+    """table[size] with ``overrides`` (non-None values) applied; unknown override names are an error."""
+    chosen = dict(table[check_size(size)])
+    for name, value in (overrides or {}).items():
+        if name not in chosen:
+            raise ValueError(f"unknown size parameter {name!r}; known: {', '.join(chosen)}")
+        if value is not None:
+            chosen[name] = value
+    return chosen
+
+
+def fmt_ratio(x) -> str:
+    return "n/a" if x is None or not np.isfinite(x) else f"{x:.3g}x"

@@ -1,0 +1,944 @@
+"""Parameter sweeps: run many attention configurations, one result row per point, resumably.
+
+A *point* is a flat dict of parameters (:data:`PARAMS`; every one has a default). Each point draws
+inputs (``batch``, ``heads``, ``N``, ``D``, ``dist``, ``seed``, ...), runs the *test* attention
+(``kernel`` under ``policy`` with its tiling) and compares its output with the references the point
+names: ``golden`` (baseline under ``Policy.golden()`` on the same inputs, cached per input within a
+process) and optionally a second run ``ref_kernel`` / ``ref_policy`` / ``ref_block_kv`` ... . Example,
+the paper's comparison (flash at paper(bf16) and baseline at naive(bf16), both against golden)::
+
+    {"kernel": "flash", "policy": "paper:bf16", "ref_kernel": "baseline", "ref_policy": "naive:bf16",
+     "N": 1024, "D": 64, "seed": 0}
+
+Per-stage overrides: ``"stage.p": "fp32"`` (or ``"override": {"p": "fp32"}``), ``"ref_stage.p"``.
+Free labels: ``"tag.NAME": value`` (part of the point). A row holds the canonical parameters, ``key``
+(a hash of them), metric columns ``vs_golden.max_abs``, ``vs_ref.rmse``, ``ref_vs_golden.max_abs``
+(``lse_`` prefixed with ``lse=True``; metrics of :class:`fadev.Comparison`), ``policy_name``,
+resolved flash tiling ``used.block_kv`` ..., ``wall_s``, ``test_s`` and ``fadev_version``;
+:func:`point_from_row` gives the point back and :func:`evaluate` on it reproduces the metrics bit
+for bit.
+
+:func:`run` validates every point first (one ValueError listing every problem), appends each row to a
+JSON Lines or CSV file as it finishes (flushed and fsynced), skips points already in the file, and
+spreads points over worker processes. :func:`load`, :func:`aggregate` (mean/std/count over seeds) and
+:func:`export` (CSV, Parquet) read results back. ``python -m fadev sweep CONFIG.toml`` runs a TOML
+config (:func:`load_config`).
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import difflib
+import hashlib
+import itertools
+import json
+import math
+import multiprocessing
+import numbers
+import os
+import time
+
+import numpy as np
+
+from . import __version__
+from .attention import DISTRIBUTIONS, MAX_DIM, baseline_attention, flash_attention, random_qkv, sram_tiles
+from .formats import ROUNDING_MODES, Format, as_format, formats
+from .metrics import compare
+from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, STAGES, Policy, as_policy
+
+MAX_SEQ = 2**20
+"""Largest N / N_kv a sweep accepts."""
+
+_FLASH_ONLY = ("block_q", "block_kv", "sram_bytes", "loop_order", "normalize", "exp")
+_REF_FIELDS = ("policy", "rounding", "rounding_seed") + _FLASH_ONLY
+
+PARAMS = {
+    "kernel": ("flash", "test run's kernel: 'flash' or 'baseline'"),
+    "policy": ("paper:bf16", "test run's policy preset: 'golden' or 'PRESET:FORMAT' (paper, naive, fa2, fa1, "
+                             "torch_math; e.g. 'fa2:bf16'); stage overrides as 'stage.NAME'"),
+    "rounding": (None, "rounding mode 'rne', 'rtz' or 'stochastic' (None: the preset's, rne)"),
+    "rounding_seed": (None, "stochastic-rounding seed (None: the point's seed); None unless rounding is stochastic"),
+    "block_q": (None, "flash: query block Br (None: the policy's); None for baseline"),
+    "block_kv": (None, "flash: key/value block Bc (None: the policy's); None for baseline"),
+    "sram_bytes": (None, "flash: tiles by FlashAttention-1's rule Bc = ceil(M/4D), Br = min(Bc, D)"),
+    "loop_order": (None, "flash: 'q_outer' or 'kv_outer' (None: the policy's)"),
+    "normalize": (None, "flash: 'deferred' or 'eager' (None: the policy's)"),
+    "exp": (None, "flash: 'exp' or 'exp2' (None: the policy's)"),
+    "causal": (False, "causal mask (bottom-right aligned)"),
+    "scale": (None, "softmax scale (None: 1/sqrt(D))"),
+    "batch": (1, "batch size B"),
+    "heads": (1, "query heads H"),
+    "heads_kv": (None, "key/value heads (grouped-query; must divide heads; None: heads)"),
+    "N": (256, f"query sequence length, 1..{MAX_SEQ}"),
+    "N_kv": (None, "key/value sequence length (None: N)"),
+    "D": (64, f"head dimension, 1..{MAX_DIM}"),
+    "dist": ("normal", "input distribution: " + ", ".join(DISTRIBUTIONS)),
+    "seed": (0, "input seed (numpy PCG64), a non-negative integer"),
+    "input_fmt": ("policy", "inputs rounded to this format before every run and golden ('policy': the test "
+                            "policy's input format; 'fp64': raw draws)"),
+    "device": ("cpu", "device of the test and ref runs: 'cpu' or 'cuda' (golden always runs on cpu)"),
+    "golden": (True, "compare with golden (vs_golden.*, ref_vs_golden.*)"),
+    "lse": (False, "also compare the log-sum-exp (lse_vs_golden.*, lse_vs_ref.*, lse_ref_vs_golden.*)"),
+    "ref_kernel": (None, "second run to compare with: 'flash' or 'baseline' (None: none)"),
+    "ref_policy": (None, "ref run's preset (None: the test run's full policy, overrides and rounding included)"),
+    "ref_rounding": (None, "ref run's rounding override"),
+    "ref_rounding_seed": (None, "ref run's stochastic-rounding seed (None: the point's seed)"),
+    "ref_block_q": (None, "ref run's flash tiling (None: the ref policy's)"),
+    "ref_block_kv": (None, "ref run's flash tiling"),
+    "ref_sram_bytes": (None, "ref run's flash tiling by FlashAttention-1's rule"),
+    "ref_loop_order": (None, "ref run's loop order"),
+    "ref_normalize": (None, "ref run's normalisation"),
+    "ref_exp": (None, "ref run's exp form"),
+}
+"""{name: (default, description)} of every point parameter. Besides these: ``stage.NAME`` and
+``ref_stage.NAME`` (a format per policy stage; input aliases ``override`` / ``ref_override``: a dict
+{stage: format}) and ``tag.NAME`` (a free label: str, int, float or bool)."""
+
+_PREFIXES = ("stage.", "ref_stage.", "tag.")
+PRESETS = ("golden", "paper", "naive", "fa2", "fa1", "torch_math")
+METRICS = ("max_abs", "mean_diff", "std_diff", "mean_abs", "rmse", "rel_l2", "max_rel", "wasserstein")
+"""The float metrics of each compared pair (rows also hold the counts n, n_nan, n_inf)."""
+
+KERNELS = {}
+"""{(kernel, device): fn(q, k, v, policy, causal, scale, tiles) -> (out, lse)}; GPU kernels register here."""
+KERNELS[("baseline", "cpu")] = lambda q, k, v, pol, causal, scale, tiles: baseline_attention(
+    q, k, v, pol, causal=causal, scale=scale, return_lse=True)
+KERNELS[("flash", "cpu")] = lambda q, k, v, pol, causal, scale, tiles: flash_attention(
+    q, k, v, pol, causal=causal, scale=scale, return_lse=True, **tiles)
+
+
+class _Bad(Exception):
+    """One problem with one parameter value (collected, then raised together as ValueError)."""
+
+
+# ------------------------------------------------------------------ validation and canonical form
+
+def _is_int(v):
+    return isinstance(v, (numbers.Integral, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _int(lo, hi):
+    def check(v):
+        if not _is_int(v):
+            raise _Bad(f"must be an integer, got {v!r}")
+        if not lo <= int(v) <= hi:
+            raise _Bad(f"must be in [{lo}, {hi}], got {v!r}")
+        return int(v)
+    return check
+
+
+def _choice(*allowed):
+    def check(v):
+        if v not in allowed:
+            raise _Bad(f"must be one of {', '.join(map(repr, allowed))}, got {v!r}")
+        return v
+    return check
+
+
+def _bool(v):
+    if not isinstance(v, (bool, np.bool_)):
+        raise _Bad(f"must be true or false, got {v!r}")
+    return bool(v)
+
+
+def _fmt(v):
+    if isinstance(v, Format):
+        if formats.get(v.name) == v:
+            return v.name
+        raise _Bad(f"custom format {v.name!r} cannot be named in a sweep; use a built-in: {', '.join(formats)}")
+    if not isinstance(v, str):
+        raise _Bad(f"must be a format name ({', '.join(formats)}), got {v!r}")
+    try:
+        return as_format(v).name
+    except ValueError:
+        raise _Bad(f"unknown format {v!r}; known: {', '.join(formats)}") from None
+
+
+def _policy(v):
+    """Canonical preset string: 'golden' or 'PRESET:FORMAT'."""
+    if isinstance(v, Policy):
+        try:
+            ok = _policy(v.name.replace("(", ":").rstrip(")"))
+        except _Bad:
+            ok = None
+        if ok is None or as_policy(ok) != v:
+            raise _Bad(f"a Policy object must be an unmodified preset, got {v.name!r}; name the preset "
+                       f"('paper:bf16') and give stage.NAME overrides")
+        return ok
+    if not isinstance(v, str):
+        raise _Bad(f"must be a preset string like 'paper:bf16', got {v!r}")
+    preset, fmt = v.strip(), None
+    for sep in (":", "("):
+        if sep in preset:
+            preset, fmt = (part.strip() for part in preset.split(sep, 1))
+            fmt = fmt.rstrip(")").strip()
+            break
+    if preset not in PRESETS:
+        raise _Bad(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    if preset == "golden":
+        if fmt is not None:
+            raise _Bad(f"'golden' takes no format (it is all fp64), got {v!r}")
+        return "golden"
+    if not fmt:
+        raise _Bad(f"preset {preset!r} needs a format, e.g. '{preset}:bf16', got {v!r}")
+    return f"{preset}:{_fmt(fmt)}"
+
+
+def _rounding(v):
+    if v not in ROUNDING_MODES:
+        raise _Bad(f"must be one of 'rne', 'rtz', 'stochastic', got {v!r}")
+    return {0: "rne", 1: "rtz", 2: "stochastic"}[ROUNDING_MODES[v]]
+
+
+def _scale(v):
+    if not isinstance(v, (numbers.Real, np.floating, np.integer)) or isinstance(v, (bool, np.bool_)) \
+            or not math.isfinite(float(v)):
+        raise _Bad(f"must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _tag(v):
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    if _is_int(v):
+        return int(v)
+    if isinstance(v, (float, np.floating)) and math.isfinite(v):
+        return float(v)
+    if isinstance(v, str):
+        return v
+    raise _Bad(f"must be a string, an integer, a finite number or a bool, got {v!r}")
+
+
+_TILE = _int(1, 2**31 - 1)
+_CHECKS = {
+    "kernel": _choice("flash", "baseline"), "policy": _policy, "rounding": _rounding,
+    "rounding_seed": _int(0, 2**64 - 1), "block_q": _TILE, "block_kv": _TILE, "sram_bytes": _TILE,
+    "loop_order": _choice(*LOOP_ORDERS), "normalize": _choice(*NORMALIZE), "exp": _choice(*EXP_FORMS),
+    "causal": _bool, "scale": _scale, "batch": _int(1, 2**16), "heads": _int(1, 2**16), "heads_kv": _int(1, 2**16),
+    "N": _int(1, MAX_SEQ), "N_kv": _int(1, MAX_SEQ), "D": _int(1, MAX_DIM), "dist": _choice(*DISTRIBUTIONS),
+    "seed": _int(0, 2**63 - 1), "input_fmt": lambda v: v if v == "policy" else _fmt(v),
+    "device": _choice("cpu", "cuda"), "golden": _bool, "lse": _bool, "ref_kernel": _choice("flash", "baseline"),
+}
+for _f in _REF_FIELDS:
+    _CHECKS["ref_" + _f] = _CHECKS[_f]
+_STR_COLUMNS = {"key", "kernel", "policy", "rounding", "loop_order", "normalize", "exp", "dist", "input_fmt", "device",
+                "ref_kernel", "ref_policy", "ref_rounding", "ref_loop_order", "ref_normalize", "ref_exp",
+                "policy_name", "ref_policy_name", "fadev_version"}
+_INT_PARAMS = {"rounding_seed", "block_q", "block_kv", "sram_bytes", "batch", "heads", "heads_kv", "N", "N_kv", "D",
+               "seed", "ref_rounding_seed", "ref_block_q", "ref_block_kv", "ref_sram_bytes"}
+
+
+def _flatten_input(point):
+    """Expand 'override' / 'ref_override' / nested 'stage' / 'ref_stage' / 'tag' dicts into flat keys."""
+    flat, problems = {}, []
+    for name, value in point.items():
+        if not isinstance(name, str):
+            problems.append(f"parameter names must be strings, got {name!r}")
+            continue
+        alias = {"override": "stage", "ref_override": "ref_stage"}.get(name, name)
+        if alias in ("stage", "ref_stage", "tag") and isinstance(value, dict):
+            pairs = [(f"{alias}.{sub}", v) for sub, v in value.items()]
+        elif name in ("override", "ref_override"):
+            problems.append(f"{name}: must be a table {{stage: format}}, got {value!r}")
+            continue
+        else:
+            pairs = [(name, value)]
+        for key, v in pairs:
+            if key in flat:
+                problems.append(f"{key}: given twice (as {key!r} and inside an override/stage table)")
+            flat[key] = v
+    return flat, problems
+
+
+def _canonical(point):
+    """(canonical point, [problems]) -- never raises for bad values."""
+    if not isinstance(point, dict):
+        return None, [f"a point must be a dict of parameters, got {type(point).__name__}"]
+    flat, problems = _flatten_input(point)
+    out = {}
+    for name, (default, _doc) in PARAMS.items():
+        value = flat.get(name, default)
+        if value is None and default is not None:
+            problems.append(f"{name}: must not be None (default {default!r})")
+            value = default
+        if value is None or name not in _CHECKS:
+            out[name] = value
+            continue
+        try:
+            out[name] = _CHECKS[name](value)
+        except _Bad as e:
+            problems.append(f"{name}: {e}")
+            out[name] = default
+    extra = {}
+    for name in flat:
+        if name in PARAMS:
+            continue
+        prefix = next((p for p in _PREFIXES if name.startswith(p)), None)
+        if prefix is None:
+            near = difflib.get_close_matches(name, list(PARAMS) + ["stage.p", "ref_stage.p", "tag.NAME"], 1)
+            problems.append(f"unknown parameter {name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+            continue
+        sub, value = name[len(prefix):], flat[name]
+        try:
+            if prefix == "tag.":
+                if not sub:
+                    raise _Bad("tag needs a name: tag.NAME")
+                if value is not None:
+                    extra[name] = _tag(value)
+            elif sub not in STAGES:
+                raise _Bad(f"unknown stage {sub!r}; stages: {', '.join(STAGES)}")
+            elif value is not None:
+                extra[name] = _fmt(value)
+        except _Bad as e:
+            problems.append(f"{name}: {e}")
+    problems += _normalise(out, extra)
+    order = {s: i for i, s in enumerate(STAGES)}
+    for prefix in _PREFIXES:
+        keys = [k for k in extra if k.startswith(prefix)]
+        keys.sort(key=lambda k: (order.get(k[len(prefix):], 0), k))
+        out.update((k, extra[k]) for k in keys)
+    return out, problems
+
+
+def _normalise(p, extra):
+    """Cross-parameter checks; drops parameters that do not apply (so equal runs share one key)."""
+    problems = []
+    for pre in ("", "ref_"):
+        if p[pre + "kernel"] == "baseline" or (pre and p["ref_kernel"] is None):
+            for f in _FLASH_ONLY:
+                p[pre + f] = None
+        if p[pre + "sram_bytes"] is not None and (p[pre + "block_q"] is not None or p[pre + "block_kv"] is not None):
+            problems.append(f"{pre}sram_bytes derives {pre}block_q and {pre}block_kv; do not set them too "
+                            f"(got {pre}block_q={p[pre + 'block_q']!r}, {pre}block_kv={p[pre + 'block_kv']!r})")
+    if p["ref_kernel"] is None:
+        stray = [f"ref_{f}" for f in ("policy", "rounding", "rounding_seed") if p[f"ref_{f}"] is not None]
+        stray += [k for k in extra if k.startswith("ref_stage.")]
+        if stray:
+            problems.append(f"{', '.join(stray)} set but ref_kernel is None (name the ref run's kernel)")
+        for f in ("policy", "rounding", "rounding_seed"):
+            p["ref_" + f] = None
+        for k in [k for k in extra if k.startswith("ref_stage.")]:
+            del extra[k]
+    if not p["golden"] and p["ref_kernel"] is None:
+        problems.append("golden is false and ref_kernel is None: the point compares nothing")
+    if p["heads_kv"] is not None and p["heads"] % p["heads_kv"]:
+        problems.append(f"heads_kv={p['heads_kv']} must divide heads={p['heads']}")
+    if p["N_kv"] == p["N"]:
+        p["N_kv"] = None
+    if p["heads_kv"] == p["heads"]:
+        p["heads_kv"] = None
+    if p["device"] == "cuda":
+        from . import cuda_available
+        if not cuda_available():
+            problems.append("device='cuda' but no CUDA device is usable (fadev.cuda_available() is False: "
+                            "build with FADEV_CUDA=1 on a machine with a GPU, or use device='cpu')")
+        else:
+            for pre in ("", "ref_"):
+                kernel = p[pre + "kernel"]
+                if kernel is not None and (kernel, "cuda") not in KERNELS:
+                    problems.append(f"{pre}kernel={kernel!r} has no CUDA implementation in this build")
+    for pre in ("", "ref_"):
+        if pre == "ref_" and p["ref_kernel"] is None:
+            continue
+        try:
+            pol = _build_policy(p, extra, pre)
+        except (ValueError, TypeError) as e:
+            problems.append(f"{pre}policy: {e}")
+            continue
+        if pol.rounding != "stochastic":
+            p[pre + "rounding_seed"] = None
+        elif max(p["N"], p["N_kv"] or 0) >= 2**21:
+            problems.append("stochastic rounding needs N, N_kv < 2^21")
+    return problems
+
+
+def _build_policy(p, extra, pre=""):
+    """The Policy of the test run (pre='') or the ref run (pre='ref_')."""
+    if pre and p["ref_policy"] is None:
+        pol = _build_policy(p, extra, "")
+    else:
+        pol = as_policy(p[pre + "policy"])
+    stages = {k[len(pre) + 6:]: v for k, v in extra.items() if k.startswith(pre + "stage.")}
+    changes = dict(stages)
+    if p[pre + "rounding"] is not None:
+        changes["rounding"] = p[pre + "rounding"]
+    return pol.replace(**changes) if changes else pol
+
+
+def canonical(point):
+    """The point with every parameter present, defaults filled in, names and values canonical
+    ('paper(bfloat16)' -> 'paper:bf16', override dicts -> 'stage.NAME' keys, parameters that do not
+    apply set to None). Raises one ValueError listing every problem."""
+    out, problems = _canonical(point)
+    if problems:
+        raise ValueError("invalid sweep point:\n  " + "\n  ".join(problems))
+    return out
+
+
+def _ranges(indices):
+    parts, start = [], None
+    for i, j in zip(indices, indices[1:] + [None]):
+        start = i if start is None else start
+        if j != i + 1:
+            parts.append(f"{start}" if start == i else f"{start}-{i}")
+            start = None
+    return ", ".join(parts)
+
+
+def validate(points):
+    """Canonical form of every point, checking all of them before returning. Raises ONE ValueError that
+    lists every distinct problem with the indices of the points it occurs in."""
+    if isinstance(points, dict):
+        points = [points]
+    canon, where = [], {}
+    for i, point in enumerate(points):
+        out, problems = _canonical(point)
+        for msg in dict.fromkeys(problems):
+            where.setdefault(msg, []).append(i)
+        canon.append(out)
+    if where:
+        n_bad = len(set().union(*map(set, where.values())))
+        lines = [f"  - {msg}  [point{'s' if len(ix) > 1 else ''} {_ranges(ix)}]" for msg, ix in where.items()]
+        raise ValueError(f"{n_bad} of {len(canon)} sweep points are invalid ({len(where)} problems):\n" +
+                         "\n".join(lines))
+    return canon
+
+
+def point_key(point) -> str:
+    """Canonical hash (16 hex digits) of a point's parameters: the row key used to skip finished points.
+
+    Parameters at their default are left out of the hash, so a parameter added later (defaulting to the
+    old behaviour) keeps old results files valid; a default must therefore never change meaning."""
+    p = canonical(point)
+    text = json.dumps({k: v for k, v in p.items() if k not in PARAMS or v != PARAMS[k][0]}, sort_keys=True,
+                      separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def expand(grid=None, points=None, base=None):
+    """Points of a sweep: every combination of ``grid`` ({name: [values]}: cartesian product, in key
+    order, the last key varying fastest) combined with every entry of ``points`` (a list of dicts), all on
+    top of ``base`` ({name: value}). With only a grid or only points, that one alone; neither: [base].
+    A name given by both a point and the grid (or twice) is an error. Points are not validated here."""
+    base, grid = dict(base or {}), dict(grid or {})
+    for name, values in list(grid.items()):
+        if isinstance(values, dict) and name in ("stage", "ref_stage", "tag"):
+            del grid[name]
+            grid.update({f"{name}.{k}": v for k, v in values.items()})
+    problems = [f"grid[{name!r}] must be a list of values, got {values!r} (fixed values go in base)"
+                for name, values in grid.items() if not isinstance(values, (list, tuple))]
+    problems += [f"grid[{name!r}] is empty" for name, values in grid.items()
+                 if isinstance(values, (list, tuple)) and not values]
+    if problems:
+        raise ValueError("invalid sweep grid:\n  " + "\n  ".join(problems))
+    names = list(grid)
+    combos = [dict(zip(names, values)) for values in itertools.product(*(grid[n] for n in names))]
+    listed = list(points) if points is not None else [{}]
+    if points is not None and not listed:
+        raise ValueError("points is an empty list")
+    result = []
+    for entry in listed:
+        if not isinstance(entry, dict):
+            raise ValueError(f"each entry of points must be a dict, got {entry!r}")
+        clash = sorted(set(entry) & set(names))
+        if clash:
+            raise ValueError(f"point {entry!r} sets {', '.join(clash)}, which the grid also varies")
+        for combo in combos:
+            result.append({**base, **entry, **combo})
+    return result
+
+
+# ------------------------------------------------------------------ evaluation
+
+_CACHE_ENTRIES, _CACHE_BYTES = 8, 256 << 20
+_cache = collections.OrderedDict()
+
+
+def _input_fmt(p):
+    """The format inputs are rounded to ('fp64': none)."""
+    if p["input_fmt"] != "policy":
+        return p["input_fmt"]
+    return p.get("stage.input") or as_policy(p["policy"]).input.name
+
+
+def _inputs_and_golden(p, input_fmt, need_golden):
+    """(q, k, v, golden_out, golden_lse) for the point's inputs, from a small per-process LRU cache."""
+    key = (p["batch"], p["heads"], p["heads_kv"], p["N"], p["N_kv"], p["D"], p["dist"], p["seed"], input_fmt,
+           p["causal"], p["scale"])
+    entry = _cache.pop(key, None)
+    if entry is None:
+        fmt = None if input_fmt == "fp64" else input_fmt
+        entry = list(random_qkv((p["batch"], p["heads"], p["N"], p["D"]), dist=p["dist"], seed=p["seed"], fmt=fmt,
+                                heads_kv=p["heads_kv"], seq_kv=p["N_kv"])) + [None, None]
+    if need_golden and entry[3] is None:
+        entry[3], entry[4] = baseline_attention(*entry[:3], Policy.golden(), causal=p["causal"], scale=p["scale"],
+                                                return_lse=True)
+    _cache[key] = entry
+    size = sum(a.nbytes for e in _cache.values() for a in e if a is not None)
+    while len(_cache) > 1 and (len(_cache) > _CACHE_ENTRIES or size > _CACHE_BYTES):
+        size -= sum(a.nbytes for a in _cache.popitem(last=False)[1] if a is not None)
+    return entry
+
+
+def _tiles(p, pol, pre):
+    """Resolved flash parameters (what the kernel is called with), or None for baseline."""
+    if p[pre + "kernel"] != "flash":
+        return None
+    if p[pre + "sram_bytes"] is not None:
+        bq, bkv = sram_tiles(p[pre + "sram_bytes"], p["D"])
+    else:
+        bq = pol.block_q if p[pre + "block_q"] is None else p[pre + "block_q"]
+        bkv = pol.block_kv if p[pre + "block_kv"] is None else p[pre + "block_kv"]
+    pick = {f: (getattr(pol, f) if p[pre + f] is None else p[pre + f]) for f in ("loop_order", "normalize", "exp")}
+    return {"block_q": bq, "block_kv": bkv, **pick}
+
+
+def _metrics(prefix, test, ref):
+    return {f"{prefix}.{name}": value for name, value in compare(test, ref).as_dict().items()}
+
+
+def evaluate(point) -> dict:
+    """Run one point and return its row (a flat dict; see the module docstring for the columns).
+    Deterministic: the same point gives the same metrics on any thread count or worker."""
+    start = time.perf_counter()
+    p = canonical(point)
+    extra = {k: v for k, v in p.items() if k.startswith(_PREFIXES)}
+    row = {"key": point_key(p), **p}
+    runs = {}
+    for pre in ("", "ref_"):
+        if pre and p["ref_kernel"] is None:
+            continue
+        pol = _build_policy(p, extra, pre)
+        seed = p[pre + "rounding_seed"] if p[pre + "rounding_seed"] is not None else p["seed"]
+        if pol.rounding == "stochastic":
+            pol = pol.replace(seed=seed)
+        runs[pre] = (pol, _tiles(p, pol, pre))
+        row[pre + "policy_name"] = pol.name
+        for f in ("block_q", "block_kv", "loop_order", "normalize", "exp"):
+            row[f"{pre}used.{f}"] = runs[pre][1][f] if runs[pre][1] else None
+    q, k, v, g_out, g_lse = _inputs_and_golden(p, _input_fmt(p), p["golden"])
+    results = {}
+    for pre, (pol, tiles) in runs.items():
+        kernel = KERNELS[(p[pre + "kernel"], p["device"])]
+        t0 = time.perf_counter()
+        results[pre] = kernel(q, k, v, pol, p["causal"], p["scale"], tiles or {})
+        if not pre:
+            row["test_s"] = time.perf_counter() - t0
+    pairs = []
+    if p["golden"]:
+        pairs.append(("vs_golden", results[""], (g_out, g_lse)))
+    if "ref_" in results:
+        pairs.append(("vs_ref", results[""], results["ref_"]))
+        if p["golden"]:
+            pairs.append(("ref_vs_golden", results["ref_"], (g_out, g_lse)))
+    for name, (out, lse), (ref_out, ref_lse) in pairs:
+        row.update(_metrics(name, out, ref_out))
+        if p["lse"]:
+            row.update(_metrics("lse_" + name, lse, ref_lse))
+    row["fadev_version"] = __version__
+    row["wall_s"] = time.perf_counter() - start
+    return row
+
+
+def point_from_row(row) -> dict:
+    """The canonical point a row (a dict, or a pandas Series from :func:`load`) was computed from.
+    Missing values read back from CSV or a DataFrame (NaN) count as None; integral floats of integer
+    parameters (pandas widens int columns holding None) are converted back."""
+    items = row.items() if hasattr(row, "items") else dict(row).items()
+    point = {}
+    for name, value in items:
+        if not isinstance(name, str) or not (name in PARAMS or name.startswith(_PREFIXES)):
+            continue
+        if isinstance(value, np.generic):
+            value = value.item()
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            if name.startswith(_PREFIXES):
+                continue
+            value = None
+        elif isinstance(value, float) and value.is_integer() and name in _INT_PARAMS:
+            value = int(value)
+        point[name] = value
+    point = canonical(point)
+    key = row.get("key") if hasattr(row, "get") else None
+    if isinstance(key, str) and key != point_key(point):
+        raise ValueError(f"row key {key!r} does not match its parameters (key {point_key(point)!r}): the row lost "
+                         f"types on the way (e.g. a CSV tag '1' read back as 1) or was written by another fadev "
+                         f"version; parameters read: {point!r}")
+    return point
+
+
+# ------------------------------------------------------------------ results files
+
+def _file_kind(path):
+    ext = os.path.splitext(str(path))[1].lower()
+    if ext in (".jsonl", ".ndjson", ".json"):
+        return "jsonl"
+    if ext in (".csv", ".parquet"):
+        return ext[1:]
+    raise ValueError(f"results file {str(path)!r}: unknown extension {ext!r}; use .jsonl, .csv (or .parquet "
+                     f"for export)")
+
+
+def _csv_cell(value):
+    return "" if value is None else repr(value) if isinstance(value, float) else str(value)
+
+
+class _Results:
+    """An append-only results file held under an exclusive lock: the rows already in it, and append()."""
+
+    def __init__(self, path):
+        import fcntl
+        self.path, self.kind = str(path), _file_kind(path)
+        if self.kind == "parquet":
+            raise ValueError(f"results file {self.path!r}: Parquet cannot be appended row by row; run into a "
+                             f".jsonl file and export(path, 'results.parquet') afterwards")
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self.fh = open(self.path, "a+b")
+        try:
+            fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.fh.close()
+            raise RuntimeError(f"results file {self.path!r} is locked by another running sweep") from None
+        self.header = None
+        self.rows = self._recover()
+
+    def _recover(self):
+        """Parse the file; drop a partial last line (a sweep killed mid-write) by truncating it away."""
+        self.fh.seek(0)
+        data = self.fh.read()
+        good = data.rfind(b"\n") + 1
+        lines = data[:good].decode().splitlines()
+        rows, tail = [], data[good:]
+        if self.kind == "jsonl":
+            for i, line in enumerate(lines):
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    if i != len(lines) - 1:
+                        raise ValueError(f"results file {self.path!r}: line {i + 1} is not JSON (and is not the "
+                                         f"last line, so it is not a killed write): {line[:80]!r}") from None
+                    good -= len(line.encode()) + 1
+                    tail = line.encode() + b"\n" + tail
+        else:
+            import csv
+            table = list(csv.reader(lines))
+            if table:
+                self.header = table[0]
+                for i, cells in enumerate(table[1:], 2):
+                    if len(cells) != len(self.header):
+                        raise ValueError(f"results file {self.path!r}: line {i} has {len(cells)} fields, the "
+                                         f"header {len(self.header)}")
+                    rows.append(dict(zip(self.header, cells)))
+        if tail:
+            self.fh.truncate(good)
+            self.fh.flush()
+            os.fsync(self.fh.fileno())
+        return rows
+
+    def append(self, row):
+        if self.kind == "jsonl":
+            data = json.dumps(row, separators=(",", ":")) + "\n"
+        else:
+            import csv
+            import io
+            if self.header is None or not set(row) <= set(self.header):
+                self._widen([c for c in row if c not in (self.header or [])])
+            buf = io.StringIO()
+            csv.writer(buf, lineterminator="\n").writerow([_csv_cell(row.get(c)) for c in self.header])
+            data = buf.getvalue()
+        self.fh.seek(0, os.SEEK_END)
+        self.fh.write(data.encode())
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+
+    def _widen(self, new_columns):
+        """CSV only: rewrite the file with more header columns (atomically: temp file, fsync, rename)."""
+        import csv
+        import fcntl
+        self.header = (self.header or []) + new_columns
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", newline="") as out:
+            writer = csv.writer(out, lineterminator="\n")
+            writer.writerow(self.header)
+            for row in self.rows:
+                writer.writerow([row.get(c, "") for c in self.header])
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.path)
+        old, self.fh = self.fh, open(self.path, "a+b")
+        fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        old.close()
+
+    def close(self):
+        self.fh.close()
+
+
+def load(path):
+    """Results of a sweep (.jsonl or .csv; .parquet with pyarrow) as a pandas DataFrame, one row per line,
+    in file order. A partial last line (a sweep killed mid-write) is ignored."""
+    import pandas as pd
+    kind = _file_kind(path)
+    if kind == "parquet":
+        _need_pyarrow("read")
+        return pd.read_parquet(path)
+    if kind == "csv":
+        import io
+        with open(path, "rb") as fh:
+            data = fh.read()
+        data = data[:data.rfind(b"\n") + 1]
+        if not data:
+            return pd.DataFrame()
+        header = data[:data.find(b"\n")].decode().split(",")
+        text = [c for c in header if c in _STR_COLUMNS or c.startswith(("stage.", "ref_stage."))]
+        exact = {"float_precision": "round_trip"} if int(pd.__version__.split(".")[0]) < 3 else {}  # 3: default
+        return pd.read_csv(io.BytesIO(data), dtype={c: str for c in text}, **exact)
+    rows = []
+    with open(path, "rb") as fh:
+        lines = fh.read().split(b"\n")
+    for i, line in enumerate(lines[:-1]):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 2:
+                raise ValueError(f"results file {str(path)!r}: line {i + 1} is not JSON") from None
+    return pd.DataFrame(rows)
+
+
+def _need_pyarrow(what):
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise ImportError(f"cannot {what} Parquet: pyarrow is not installed (pip install pyarrow), or use .csv / "
+                          f".jsonl") from None
+
+
+def export(results, path):
+    """Write results (a DataFrame or a results file path) to ``path``: .csv, .jsonl or .parquet (needs
+    pyarrow; ImportError naming it otherwise). Returns the path."""
+    import pandas as pd
+    kind = _file_kind(path)
+    df = results if isinstance(results, pd.DataFrame) else load(results)
+    if kind == "parquet":
+        _need_pyarrow("write")
+        df.to_parquet(path, index=False)
+    elif kind == "csv":
+        df.to_csv(path, index=False)
+    else:
+        df.to_json(path, orient="records", lines=True, double_precision=15)
+    return str(path)
+
+
+# ------------------------------------------------------------------ running
+
+def _worker_init():
+    from . import set_num_threads
+    set_num_threads(1)
+
+
+def _evaluate_chunk(points):
+    return [evaluate(p) for p in points]
+
+
+def _golden_group(p):
+    return (p["batch"], p["heads"], repr(p["heads_kv"]), p["N"], repr(p["N_kv"]), p["D"], p["dist"], p["seed"],
+            _input_fmt(p), p["causal"], repr(p["scale"]))
+
+
+def run(points, out=None, *, workers=1, progress=True, resume=True):
+    """Run a sweep; returns its rows as a DataFrame in the order of ``points`` (one per distinct point).
+
+    ``points``: a list of point dicts (see :func:`expand`), all validated before any work starts (one
+    ValueError listing every problem). ``out``: a .jsonl or .csv file; each row is appended, flushed and
+    fsynced as its point finishes, and with ``resume`` points whose key is already in the file are
+    skipped (their rows are read back), so an interrupted sweep loses nothing. ``workers`` > 1 runs
+    points in that many spawned processes (one kernel thread each); the results equal a serial run's.
+    ``progress`` shows a tqdm bar with ETA on stderr.
+    """
+    import pandas as pd
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    canon = validate(points)
+    keys = [point_key(p) for p in canon]
+    order = list(dict.fromkeys(keys))
+    unique = dict(zip(keys, canon))
+    file = _Results(out) if out is not None else None
+    try:
+        done = {}
+        if file is not None and resume:
+            done = {r["key"]: r for r in file.rows if r.get("key") in unique}
+        todo = [k for k in order if k not in done]
+        todo.sort(key=lambda k: _golden_group(unique[k]))  # stable: shared inputs run together (golden cache)
+        new = {}
+        from tqdm import tqdm
+        bar = tqdm(total=len(order), initial=len(order) - len(todo), disable=not progress, desc="sweep",
+                   unit="pt", dynamic_ncols=True)
+        try:
+            for row in _execute([unique[k] for k in todo], workers):
+                if file is not None:
+                    file.append(row)
+                new[row["key"]] = row
+                bar.update(1)
+        finally:
+            bar.close()
+    finally:
+        if file is not None:
+            file.close()
+    if done and file is not None:
+        reread = load(out)
+        reread = reread[reread["key"].isin(done)].drop_duplicates("key")
+        done = {r["key"]: r for r in reread.to_dict("records")}
+    rows = [new.get(k) or done[k] for k in order]
+    return pd.DataFrame(rows)
+
+
+def _execute(points, workers):
+    """Yield rows as points finish: in order when serial; chunks of points sharing inputs when parallel."""
+    if workers == 1 or len(points) <= 1:
+        for p in points:
+            try:
+                row = evaluate(p)
+            except Exception as e:
+                raise RuntimeError(f"sweep point failed: {type(e).__name__}: {e}; point: {p!r}") from e
+            yield row
+        return
+    size = max(1, min(8, len(points) // (4 * workers)))
+    chunks, current = [], []
+    for p in points:
+        if current and (len(current) == size or _golden_group(p) != _golden_group(current[0])):
+            chunks.append(current)
+            current = []
+        current.append(p)
+    chunks.append(current)
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
+        futures = {pool.submit(_evaluate_chunk, c): c for c in chunks}
+        try:
+            for fut in concurrent.futures.as_completed(futures):
+                try:
+                    rows = fut.result()
+                except Exception as e:
+                    raise RuntimeError(f"sweep point failed: {type(e).__name__}: {e}; one of the points: "
+                                       f"{futures[fut]!r}") from e
+                yield from rows
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+def aggregate(df, by=None, metrics=None):
+    """Mean, sample standard deviation (ddof=1) and count of each metric over the rows of each group
+    of ``by`` (e.g. over seeds, for error bars). Returns one row per group (first-seen order): the
+    ``by`` columns, ``rows`` (rows in the group) and ``METRIC.mean``, ``METRIC.std``, ``METRIC.count``.
+
+    Defaults: ``by`` every parameter column except seed, rounding_seed, ref_rounding_seed (stage and
+    tag columns included); ``metrics`` every float metric column (``vs_golden.max_abs`` ...). None/NaN
+    parameter values form groups of their own. A NaN metric (a run that overflowed) is not skipped: it
+    makes its group's mean and std NaN; ``count`` counts the non-NaN values (so count < rows shows it).
+    """
+    import pandas as pd
+    if metrics is None:
+        metrics = [c for c in df.columns if "vs_" in c and c.rsplit(".", 1)[-1] in METRICS]
+    if by is None:
+        skip = ("seed", "rounding_seed", "ref_rounding_seed")
+        by = [c for c in df.columns if (c in PARAMS or c.startswith(_PREFIXES)) and c not in skip]
+    by, metrics = list(by), list(metrics)
+    missing = [c for c in by + metrics if c not in df.columns]
+    if missing:
+        raise ValueError(f"aggregate: no column(s) {', '.join(map(repr, missing))} in the results; columns: "
+                         f"{', '.join(map(str, df.columns))}")
+    values = df[metrics].apply(pd.to_numeric, errors="coerce")
+    keys = df[by].astype(object).where(df[by].notna(), None)
+    frame = pd.concat([keys, values], axis=1)
+    frame["_one"] = 1
+    grouped = frame.groupby(by if by else [0] * len(frame), dropna=False, sort=False)
+    size = grouped["_one"].sum()
+    count = grouped[metrics].count()
+    mean = grouped[metrics].mean().where(count.eq(size, axis=0))
+    std = grouped[metrics].std().where(count.eq(size, axis=0))
+    out = pd.DataFrame(index=size.index)
+    out["rows"] = size
+    for m in metrics:
+        out[f"{m}.mean"], out[f"{m}.std"], out[f"{m}.count"] = mean[m], std[m], count[m]
+    return out.reset_index(drop=not by).infer_objects()
+
+
+# ------------------------------------------------------------------ configs and the command line
+
+def load_config(path):
+    """(points, options) from a TOML config: ``[base]`` fixed parameters, ``[grid]`` lists (cartesian
+    product), ``[[points]]`` explicit points (each combined with the grid), ``[sweep]`` options ``out``
+    and ``workers``. Points are validated by :func:`run`."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise ImportError("reading TOML configs needs Python >= 3.11 (tomllib) or the tomli package") from None
+    with open(path, "rb") as fh:
+        try:
+            cfg = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: not valid TOML: {e}") from None
+    unknown = set(cfg) - {"base", "grid", "points", "sweep"}
+    if unknown:
+        raise ValueError(f"{path}: unknown top-level key(s) {', '.join(sorted(unknown))}; expected [base], [grid], "
+                         f"[[points]], [sweep]")
+    options = dict(cfg.get("sweep", {}))
+    bad = set(options) - {"out", "workers"}
+    if bad:
+        raise ValueError(f"{path}: unknown [sweep] option(s) {', '.join(sorted(bad))}; known: out, workers")
+    return expand(cfg.get("grid"), cfg.get("points"), cfg.get("base")), options
+
+
+def _positive(text):
+    import argparse
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_subcommand(subparsers):
+    """Register ``sweep`` on an argparse subparsers object (fadev/__main__.py calls this)."""
+    sp = subparsers.add_parser(
+        "sweep", help="run a parameter sweep from a TOML config; rows appended to a results file",
+        description="Run every point of CONFIG (TOML: [base] fixed parameters, [grid] lists combined as a "
+                    "cartesian product, [[points]] explicit points, [sweep] out/workers defaults). Each point's "
+                    "row is appended to the results file as it finishes; rerunning skips finished points. "
+                    "Parameters: " + ", ".join(PARAMS) + ", stage.NAME, ref_stage.NAME, tag.NAME.")
+    sp.add_argument("config", metavar="CONFIG.toml", help="sweep configuration (see examples/sweep_example.toml)")
+    sp.add_argument("--out", help="results file, .jsonl or .csv (default: [sweep] out in the config, else "
+                                  "results/CONFIG_NAME.jsonl)")
+    sp.add_argument("--workers", type=_positive, help="worker processes (default: [sweep] workers, else 1)")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sp.add_argument("--dry-run", action="store_true", help="validate the points and print how many there are")
+    sp.set_defaults(func=cmd_sweep)
+    return sp
+
+
+def cmd_sweep(args) -> int:
+    import sys
+    try:
+        points, options = load_config(args.config)
+        canon = validate(points)
+    except (OSError, ValueError) as e:
+        print(f"fadev sweep: {e}", file=sys.stderr)
+        return 2
+    out = args.out or options.get("out") or os.path.join(
+        "results", os.path.splitext(os.path.basename(args.config))[0] + ".jsonl")
+    workers = args.workers or options.get("workers", 1)
+    distinct = len({point_key(p) for p in canon})
+    if args.dry_run:
+        print(f"{len(points)} points ({distinct} distinct), all valid; results would go to {out}")
+        return 0
+    try:
+        df = run(canon, out, workers=workers, progress=not args.no_progress)
+    except (OSError, ValueError, RuntimeError) as e:
+        print(f"fadev sweep: {e}", file=sys.stderr)
+        return 1
+    print(f"{len(df)} rows in {out}")
+    return 0
