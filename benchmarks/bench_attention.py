@@ -17,27 +17,17 @@ import math
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 
 import fadev
+from timing import best_seconds
 
 
 def numpy_attention(q, k, v):
     s = (q @ np.swapaxes(k, -1, -2)) * q.dtype.type(1.0 / math.sqrt(q.shape[-1]))
     e = np.exp(s - s.max(-1, keepdims=True))
     return (e / e.sum(-1, keepdims=True)) @ v
-
-
-def best_seconds(fn, repeat):
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def validate(q, k, v):

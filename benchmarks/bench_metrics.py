@@ -12,23 +12,13 @@ fadev runs with 1 and with 2 worker threads; NumPy and scipy are single-threaded
 of --repeat runs (scipy: --scipy-repeat runs, it is slow) after one warm-up.
 """
 import argparse
-import time
 
 import numpy as np
 import scipy.stats
 
 import fadev
 from fadev import _core
-
-
-def best_seconds(fn, repeat):
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+from timing import best_seconds, with_threads
 
 
 def numpy_stats(t, r):
@@ -38,15 +28,6 @@ def numpy_stats(t, r):
     return {"max_abs": ad.max(), "mean_diff": d.mean(), "std_diff": d.std(), "mean_abs": ad.mean(),
             "rmse": np.sqrt(np.mean(d * d)), "rel_l2": np.linalg.norm(d) / np.linalg.norm(r),
             "max_rel": np.max(ad[nz] / np.abs(r[nz]))}
-
-
-def with_threads(n, fn):
-    old = fadev.get_num_threads()
-    fadev.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        fadev.set_num_threads(old)
 
 
 def validate(a, b, a16, b16):

@@ -9,25 +9,15 @@ buffers' first-touch page faults are not what is measured). The ml_dtypes column
 rounds float64 through float32 (double rounding); fadev rounds float64 once.
 """
 import argparse
-import time
 
 import ml_dtypes
 import numpy as np
 
 import fadev
+from timing import best_seconds
 
 ML = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp8_e4m3": ml_dtypes.float8_e4m3fn,
       "fp8_e5m2": ml_dtypes.float8_e5m2, "fp32": np.float32}
-
-
-def best_seconds(fn, repeat):
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def same_bits(a, b):
