@@ -519,8 +519,8 @@ static PyObject *backward_call(PyObject *const objs[6], fadev_attention_params *
     }
     pr->batch = qs[0], pr->heads = qs[1], pr->seq_q = qs[2], pr->dim = qs[3];
     pr->heads_kv = ks[1], pr->seq_kv = ks[2];
-    if (!(dq = new_like(a[0], NPY_FLOAT64)) || !(dk = new_like(a[1], NPY_FLOAT64)) || !(dv = new_like(a[2], NPY_FLOAT64)))
-        goto fail;
+    dq = new_like(a[0], NPY_FLOAT64), dk = new_like(a[1], NPY_FLOAT64), dv = new_like(a[2], NPY_FLOAT64);
+    if (!dq || !dk || !dv) goto fail;
     const double *in[6];
     for (int x = 0; x < 6; x++) in[x] = (const double *)PyArray_DATA(a[x]);
     double *gq = (double *)PyArray_DATA(dq), *gk = (double *)PyArray_DATA(dk), *gv = (double *)PyArray_DATA(dv);

@@ -5,6 +5,9 @@ Subcommands:
          original (max |d|, max relative, RMSE, relative L2, Wasserstein-1).
   sweep  run a parameter sweep from a TOML config, one row per point appended to a results file
          (resumable; see fadev/sweep.py).
+  reproduce  run the reproduction of Golden et al. (arXiv 2405.02803): experiments, figures, report.md;
+         precision, seqlen, algorithm, attribution, kernels, fp8 run one experiment each
+         (fadev/experiments/).
 
 Each subcommand is a function ``cmd_NAME(args) -> int`` registered in :func:`build_parser`.
 """
@@ -69,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .sweep import add_subcommand as add_sweep  # sweep: run a TOML parameter sweep (fadev/sweep.py)
     add_sweep(sub)
+
+    from .experiments.cli import add_subcommands as add_experiments  # reproduce + one per experiment
+    add_experiments(sub)
     return parser
 
 

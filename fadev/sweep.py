@@ -11,12 +11,25 @@ the paper's comparison (flash at paper(bf16) and baseline at naive(bf16), both a
      "N": 1024, "D": 64, "seed": 0}
 
 Per-stage overrides: ``"stage.p": "fp32"`` (or ``"override": {"p": "fp32"}``), ``"ref_stage.p"``.
-Free labels: ``"tag.NAME": value`` (part of the point). A row holds the canonical parameters, ``key``
-(a hash of them), metric columns ``vs_golden.max_abs``, ``vs_ref.rmse``, ``ref_vs_golden.max_abs``
-(``lse_`` prefixed with ``lse=True``; metrics of :class:`fadev.Comparison`), ``policy_name``,
-resolved flash tiling ``used.block_kv`` ..., ``wall_s``, ``test_s`` and ``fadev_version``;
-:func:`point_from_row` gives the point back and :func:`evaluate` on it reproduces the metrics bit
-for bit.
+Free labels: ``"tag.NAME": value`` (part of the point). Inputs are rounded to ``input_fmt`` (default:
+the test policy's input format) before golden and every run, so the errors are the kernels' own.
+
+A row (flat dict / DataFrame row) holds:
+
+* ``key``: hash of the point (:func:`point_key`); every parameter of :data:`PARAMS`, canonical (None
+  where it does not apply, e.g. tiles of a baseline run), then ``stage.*``, ``ref_stage.*``, ``tag.*``;
+* ``policy_name`` / ``ref_policy_name`` (e.g. "paper(bf16)+p=fp32") and the flash parameters the run
+  really used, ``used.block_q``, ``used.block_kv``, ``used.loop_order``, ``used.normalize``,
+  ``used.exp`` (``ref_used.*``; None for baseline);
+* per compared pair, ``PAIR.n``, ``PAIR.n_nan``, ``PAIR.n_inf`` and ``PAIR.METRIC`` for each of
+  :data:`METRICS` (a :class:`fadev.Comparison`), PAIR = ``vs_golden`` (test - golden), ``vs_ref``
+  (test - ref), ``ref_vs_golden`` (ref - golden), and with ``lse=True`` the same of the log-sum-exp as
+  ``lse_vs_golden``, ``lse_vs_ref``, ``lse_ref_vs_golden``;
+* ``test_s`` (seconds in the test kernel), ``wall_s`` (the whole point: inputs, golden unless cached,
+  every run and comparison) and ``fadev_version``. Timings are the only columns that vary between runs.
+
+:func:`point_from_row` gives the point back and :func:`evaluate` on it reproduces the metrics bit for
+bit.
 
 :func:`run` validates every point first (one ValueError listing every problem), appends each row to a
 JSON Lines or CSV file as it finishes (flushed and fsynced), skips points already in the file, and
@@ -45,9 +58,10 @@ from .attention import DISTRIBUTIONS, MAX_DIM, baseline_attention, flash_attenti
 from .formats import ROUNDING_MODES, Format, as_format, formats
 from .metrics import compare
 from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, STAGES, Policy, as_policy
+from .resultfile import ResultsFile, export, frame, load
 
 MAX_SEQ = 2**20
-"""Largest N / N_kv a sweep accepts."""
+"""Largest N / N_kv a sweep accepts (stochastic rounding allows < 2^21)."""
 
 _FLASH_ONLY = ("block_q", "block_kv", "sram_bytes", "loop_order", "normalize", "exp")
 _REF_FIELDS = ("policy", "rounding", "rounding_seed") + _FLASH_ONLY
@@ -204,9 +218,9 @@ def _tag(v):
         return int(v)
     if isinstance(v, (float, np.floating)) and math.isfinite(v):
         return float(v)
-    if isinstance(v, str):
+    if isinstance(v, str) and v.isprintable():
         return v
-    raise _Bad(f"must be a string, an integer, a finite number or a bool, got {v!r}")
+    raise _Bad(f"must be a printable string, an integer, a finite number or a bool, got {v!r}")
 
 
 _TILE = _int(1, 2**31 - 1)
@@ -221,9 +235,6 @@ _CHECKS = {
 }
 for _f in _REF_FIELDS:
     _CHECKS["ref_" + _f] = _CHECKS[_f]
-_STR_COLUMNS = {"key", "kernel", "policy", "rounding", "loop_order", "normalize", "exp", "dist", "input_fmt", "device",
-                "ref_kernel", "ref_policy", "ref_rounding", "ref_loop_order", "ref_normalize", "ref_exp",
-                "policy_name", "ref_policy_name", "fadev_version"}
 _INT_PARAMS = {"rounding_seed", "block_q", "block_kv", "sram_bytes", "batch", "heads", "heads_kv", "N", "N_kv", "D",
                "seed", "ref_rounding_seed", "ref_block_q", "ref_block_kv", "ref_sram_bytes"}
 
@@ -303,22 +314,22 @@ def _canonical(point):
 def _normalise(p, extra):
     """Cross-parameter checks; drops parameters that do not apply (so equal runs share one key)."""
     problems = []
+    if p["ref_kernel"] is None:
+        stray = [f"ref_{f}" for f in _REF_FIELDS if p[f"ref_{f}"] is not None]
+        stray += [k for k in extra if k.startswith("ref_stage.")]
+        if stray:
+            problems.append(f"{', '.join(stray)} set but ref_kernel is None (name the ref run's kernel)")
+        for f in _REF_FIELDS:
+            p["ref_" + f] = None
+        for k in [k for k in extra if k.startswith("ref_stage.")]:
+            del extra[k]
     for pre in ("", "ref_"):
-        if p[pre + "kernel"] == "baseline" or (pre and p["ref_kernel"] is None):
+        if p[pre + "kernel"] == "baseline":
             for f in _FLASH_ONLY:
                 p[pre + f] = None
         if p[pre + "sram_bytes"] is not None and (p[pre + "block_q"] is not None or p[pre + "block_kv"] is not None):
             problems.append(f"{pre}sram_bytes derives {pre}block_q and {pre}block_kv; do not set them too "
                             f"(got {pre}block_q={p[pre + 'block_q']!r}, {pre}block_kv={p[pre + 'block_kv']!r})")
-    if p["ref_kernel"] is None:
-        stray = [f"ref_{f}" for f in ("policy", "rounding", "rounding_seed") if p[f"ref_{f}"] is not None]
-        stray += [k for k in extra if k.startswith("ref_stage.")]
-        if stray:
-            problems.append(f"{', '.join(stray)} set but ref_kernel is None (name the ref run's kernel)")
-        for f in ("policy", "rounding", "rounding_seed"):
-            p["ref_" + f] = None
-        for k in [k for k in extra if k.startswith("ref_stage.")]:
-            del extra[k]
     if not p["golden"] and p["ref_kernel"] is None:
         problems.append("golden is false and ref_kernel is None: the point compares nothing")
     if p["heads_kv"] is not None and p["heads"] % p["heads_kv"]:
@@ -347,8 +358,6 @@ def _normalise(p, extra):
             continue
         if pol.rounding != "stochastic":
             p[pre + "rounding_seed"] = None
-        elif max(p["N"], p["N_kv"] or 0) >= 2**21:
-            problems.append("stochastic rounding needs N, N_kv < 2^21")
     return problems
 
 
@@ -473,6 +482,9 @@ def _inputs_and_golden(p, input_fmt, need_golden):
     if need_golden and entry[3] is None:
         entry[3], entry[4] = baseline_attention(*entry[:3], Policy.golden(), causal=p["causal"], scale=p["scale"],
                                                 return_lse=True)
+    for a in entry:
+        if a is not None:
+            a.setflags(write=False)  # shared by every point on these inputs: no kernel may write them
     _cache[key] = entry
     size = sum(a.nbytes for e in _cache.values() for a in e if a is not None)
     while len(_cache) > 1 and (len(_cache) > _CACHE_ENTRIES or size > _CACHE_BYTES):
@@ -551,6 +563,8 @@ def point_from_row(row) -> dict:
             continue
         if isinstance(value, np.generic):
             value = value.item()
+        if type(value).__name__ == "NAType":  # pandas' missing value of Int64 / boolean columns
+            value = None
         if value is None or (isinstance(value, float) and math.isnan(value)):
             if name.startswith(_PREFIXES):
                 continue
@@ -565,167 +579,6 @@ def point_from_row(row) -> dict:
                          f"types on the way (e.g. a CSV tag '1' read back as 1) or was written by another fadev "
                          f"version; parameters read: {point!r}")
     return point
-
-
-# ------------------------------------------------------------------ results files
-
-def _file_kind(path):
-    ext = os.path.splitext(str(path))[1].lower()
-    if ext in (".jsonl", ".ndjson", ".json"):
-        return "jsonl"
-    if ext in (".csv", ".parquet"):
-        return ext[1:]
-    raise ValueError(f"results file {str(path)!r}: unknown extension {ext!r}; use .jsonl, .csv (or .parquet "
-                     f"for export)")
-
-
-def _csv_cell(value):
-    return "" if value is None else repr(value) if isinstance(value, float) else str(value)
-
-
-class _Results:
-    """An append-only results file held under an exclusive lock: the rows already in it, and append()."""
-
-    def __init__(self, path):
-        import fcntl
-        self.path, self.kind = str(path), _file_kind(path)
-        if self.kind == "parquet":
-            raise ValueError(f"results file {self.path!r}: Parquet cannot be appended row by row; run into a "
-                             f".jsonl file and export(path, 'results.parquet') afterwards")
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self.fh = open(self.path, "a+b")
-        try:
-            fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.fh.close()
-            raise RuntimeError(f"results file {self.path!r} is locked by another running sweep") from None
-        self.header = None
-        self.rows = self._recover()
-
-    def _recover(self):
-        """Parse the file; drop a partial last line (a sweep killed mid-write) by truncating it away."""
-        self.fh.seek(0)
-        data = self.fh.read()
-        good = data.rfind(b"\n") + 1
-        lines = data[:good].decode().splitlines()
-        rows, tail = [], data[good:]
-        if self.kind == "jsonl":
-            for i, line in enumerate(lines):
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    if i != len(lines) - 1:
-                        raise ValueError(f"results file {self.path!r}: line {i + 1} is not JSON (and is not the "
-                                         f"last line, so it is not a killed write): {line[:80]!r}") from None
-                    good -= len(line.encode()) + 1
-                    tail = line.encode() + b"\n" + tail
-        else:
-            import csv
-            table = list(csv.reader(lines))
-            if table:
-                self.header = table[0]
-                for i, cells in enumerate(table[1:], 2):
-                    if len(cells) != len(self.header):
-                        raise ValueError(f"results file {self.path!r}: line {i} has {len(cells)} fields, the "
-                                         f"header {len(self.header)}")
-                    rows.append(dict(zip(self.header, cells)))
-        if tail:
-            self.fh.truncate(good)
-            self.fh.flush()
-            os.fsync(self.fh.fileno())
-        return rows
-
-    def append(self, row):
-        if self.kind == "jsonl":
-            data = json.dumps(row, separators=(",", ":")) + "\n"
-        else:
-            import csv
-            import io
-            if self.header is None or not set(row) <= set(self.header):
-                self._widen([c for c in row if c not in (self.header or [])])
-            buf = io.StringIO()
-            csv.writer(buf, lineterminator="\n").writerow([_csv_cell(row.get(c)) for c in self.header])
-            data = buf.getvalue()
-        self.fh.seek(0, os.SEEK_END)
-        self.fh.write(data.encode())
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-
-    def _widen(self, new_columns):
-        """CSV only: rewrite the file with more header columns (atomically: temp file, fsync, rename)."""
-        import csv
-        import fcntl
-        self.header = (self.header or []) + new_columns
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", newline="") as out:
-            writer = csv.writer(out, lineterminator="\n")
-            writer.writerow(self.header)
-            for row in self.rows:
-                writer.writerow([row.get(c, "") for c in self.header])
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, self.path)
-        old, self.fh = self.fh, open(self.path, "a+b")
-        fcntl.flock(self.fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        old.close()
-
-    def close(self):
-        self.fh.close()
-
-
-def load(path):
-    """Results of a sweep (.jsonl or .csv; .parquet with pyarrow) as a pandas DataFrame, one row per line,
-    in file order. A partial last line (a sweep killed mid-write) is ignored."""
-    import pandas as pd
-    kind = _file_kind(path)
-    if kind == "parquet":
-        _need_pyarrow("read")
-        return pd.read_parquet(path)
-    if kind == "csv":
-        import io
-        with open(path, "rb") as fh:
-            data = fh.read()
-        data = data[:data.rfind(b"\n") + 1]
-        if not data:
-            return pd.DataFrame()
-        header = data[:data.find(b"\n")].decode().split(",")
-        text = [c for c in header if c in _STR_COLUMNS or c.startswith(("stage.", "ref_stage."))]
-        exact = {"float_precision": "round_trip"} if int(pd.__version__.split(".")[0]) < 3 else {}  # 3: default
-        return pd.read_csv(io.BytesIO(data), dtype={c: str for c in text}, **exact)
-    rows = []
-    with open(path, "rb") as fh:
-        lines = fh.read().split(b"\n")
-    for i, line in enumerate(lines[:-1]):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i != len(lines) - 2:
-                raise ValueError(f"results file {str(path)!r}: line {i + 1} is not JSON") from None
-    return pd.DataFrame(rows)
-
-
-def _need_pyarrow(what):
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        raise ImportError(f"cannot {what} Parquet: pyarrow is not installed (pip install pyarrow), or use .csv / "
-                          f".jsonl") from None
-
-
-def export(results, path):
-    """Write results (a DataFrame or a results file path) to ``path``: .csv, .jsonl or .parquet (needs
-    pyarrow; ImportError naming it otherwise). Returns the path."""
-    import pandas as pd
-    kind = _file_kind(path)
-    df = results if isinstance(results, pd.DataFrame) else load(results)
-    if kind == "parquet":
-        _need_pyarrow("write")
-        df.to_parquet(path, index=False)
-    elif kind == "csv":
-        df.to_csv(path, index=False)
-    else:
-        df.to_json(path, orient="records", lines=True, double_precision=15)
-    return str(path)
 
 
 # ------------------------------------------------------------------ running
@@ -744,28 +597,29 @@ def _golden_group(p):
             _input_fmt(p), p["causal"], repr(p["scale"]))
 
 
-def run(points, out=None, *, workers=1, progress=True, resume=True):
+def run(points, out=None, *, workers=1, progress=True):
     """Run a sweep; returns its rows as a DataFrame in the order of ``points`` (one per distinct point).
 
     ``points``: a list of point dicts (see :func:`expand`), all validated before any work starts (one
     ValueError listing every problem). ``out``: a .jsonl or .csv file; each row is appended, flushed and
-    fsynced as its point finishes, and with ``resume`` points whose key is already in the file are
-    skipped (their rows are read back), so an interrupted sweep loses nothing. ``workers`` > 1 runs
+    fsynced as its point finishes, and points whose key is already in the file are skipped (their rows
+    are read back), so an interrupted sweep loses nothing and a rerun resumes it. ``workers`` > 1 runs
     points in that many spawned processes (one kernel thread each); the results equal a serial run's.
+    Spawned workers import the calling script: guard its top level with ``if __name__ == "__main__":``
+    (as multiprocessing requires; notebooks and ``python -m fadev sweep`` need nothing).
     ``progress`` shows a tqdm bar with ETA on stderr.
     """
-    import pandas as pd
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     canon = validate(points)
     keys = [point_key(p) for p in canon]
     order = list(dict.fromkeys(keys))
     unique = dict(zip(keys, canon))
-    file = _Results(out) if out is not None else None
+    file = ResultsFile(out) if out is not None else None
     try:
         done = {}
-        if file is not None and resume:
-            done = {r["key"]: r for r in file.rows if r.get("key") in unique}
+        if file is not None:
+            done = {r["key"]: r for r in file.typed_rows() if r.get("key") in unique}
         todo = [k for k in order if k not in done]
         todo.sort(key=lambda k: _golden_group(unique[k]))  # stable: shared inputs run together (golden cache)
         new = {}
@@ -783,12 +637,7 @@ def run(points, out=None, *, workers=1, progress=True, resume=True):
     finally:
         if file is not None:
             file.close()
-    if done and file is not None:
-        reread = load(out)
-        reread = reread[reread["key"].isin(done)].drop_duplicates("key")
-        done = {r["key"]: r for r in reread.to_dict("records")}
-    rows = [new.get(k) or done[k] for k in order]
-    return pd.DataFrame(rows)
+    return frame([new.get(k) or done[k] for k in order])
 
 
 def _execute(points, workers):
@@ -816,6 +665,10 @@ def _execute(points, workers):
             for fut in concurrent.futures.as_completed(futures):
                 try:
                     rows = fut.result()
+                except concurrent.futures.process.BrokenProcessPool as e:
+                    raise RuntimeError("a sweep worker process died (killed, out of memory, or the calling script "
+                                       "lacks the `if __name__ == '__main__':` guard that spawned workers need "
+                                       "to import it safely)") from e
                 except Exception as e:
                     raise RuntimeError(f"sweep point failed: {type(e).__name__}: {e}; one of the points: "
                                        f"{futures[fut]!r}") from e
@@ -942,3 +795,8 @@ def cmd_sweep(args) -> int:
         return 1
     print(f"{len(df)} rows in {out}")
     return 0
+
+
+__all__ = ["PARAMS", "METRICS", "PRESETS", "KERNELS", "MAX_SEQ", "expand", "canonical", "validate", "point_key",
+           "evaluate", "point_from_row", "run", "load", "export", "aggregate", "load_config", "add_subcommand",
+           "cmd_sweep"]

@@ -12,10 +12,11 @@
 What is copied. The kernels read C-contiguous float64 memory. A contiguous float64 CPU tensor is handed
 to them as ``tensor.numpy()`` (no copy), and their float64 results become tensors through
 ``torch.from_numpy`` (no copy): in float64 nothing is copied on the way in or out. Any other input
-(float32, float16, bfloat16, or non-contiguous) is converted once into a contiguous float64 copy (exact:
-every value of these dtypes is a float64); results are converted once into the input dtype (exact when
-the policy's ``out`` / ``grad`` format fits in the dtype, e.g. fa2(bf16) into bfloat16 or float32;
-otherwise rounded to nearest-even once, by fadev, not twice through float32). The forward saves the
+(float32, float16, bfloat16 -- read as its uint16 bit patterns --, or non-contiguous) is converted once
+into a contiguous float64 copy (exact: every value of these dtypes is a float64); results are converted
+once into the input dtype (exact when the policy's ``out`` / ``grad`` format fits in the dtype, e.g.
+fa2(bf16) into bfloat16 or float32; otherwise rounded to nearest-even once, not twice through float32
+as torch's cast does). These copies are made by NumPy and fadev, not torch's thread pool. The forward saves the
 float64 inputs (the tensors themselves when they are float64), the float64 output and the row
 log-sum-exp for the backward, which recomputes nothing else.
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ from torch.nn.modules import module as _torch_module
 
 import fadev as _fadev
 from .attention import MAX_DIM, baseline_attention, flash_attention, sram_tiles
-from .formats import Format, formats, round as _round
+from .formats import from_bits as _from_bits, to_bits as _to_bits
 from .metrics import compare
 from .policy import Policy, as_policy
 
@@ -71,31 +71,28 @@ def _zero_copy(t) -> bool:
     return t.dtype == torch.float64 and t.is_contiguous() and not t.is_neg() and not t.is_conj()
 
 
-def _float64(t) -> torch.Tensor:
-    """``t`` as a contiguous float64 tensor without autograd history: ``t`` itself's memory when it
-    already is one, else one exact copy."""
+def _float64(t) -> np.ndarray:
+    """``t``'s values as a C-contiguous float64 NumPy array: ``t``'s own memory when it is a contiguous
+    float64 tensor, else one exact copy. Conversions run in NumPy / fadev, not in torch's thread pool
+    (whose worker wake-ups cost milliseconds on a busy machine and compete with fadev's threads)."""
     t = t.detach()
     if _zero_copy(t):
-        return t
-    return t.to(dtype=torch.float64, memory_format=torch.contiguous_format)
+        return t.numpy()
+    if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: read the bit patterns
+        return _from_bits(np.ascontiguousarray(t.view(torch.int16).numpy().view(np.uint16)), "bf16")
+    return np.ascontiguousarray(t.resolve_neg().resolve_conj().numpy(), dtype=np.float64)
 
 
-def _fits(fmt: Format, dtype) -> bool:
-    """Every value of ``fmt`` is a value of the torch dtype (so converting to it is exact)."""
-    target = formats[_FORMAT_OF[dtype]]
-    return (fmt.precision <= target.precision and fmt.largest <= target.largest
-            and fmt.smallest_subnormal >= target.smallest_subnormal)
-
-
-def _to_dtype(arr: np.ndarray, dtype, fmt: Format) -> torch.Tensor:
-    """A float64 result ``arr`` (values in ``fmt``) as a tensor of ``dtype``; shares memory in float64."""
-    t = torch.from_numpy(arr)
+def _to_dtype(arr: np.ndarray, dtype) -> torch.Tensor:
+    """A float64 result as a tensor of ``dtype``, rounded to nearest-even once (exact when the values are
+    in the dtype already, e.g. an fa2(bf16) output in bfloat16 or float32). float64 shares ``arr``'s
+    memory. (torch's own float64 -> float16/bfloat16 cast rounds twice, through float32.)"""
     if dtype == torch.float64:
-        return t
-    if dtype != torch.float32 and not _fits(fmt, dtype):
-        # torch converts float64 to half/bfloat16 through float32 (two roundings); round once here
-        t = torch.from_numpy(_round(arr, _FORMAT_OF[dtype]))
-    return t.to(dtype)
+        return torch.from_numpy(arr)
+    if dtype == torch.float32:
+        return torch.from_numpy(arr.astype(np.float32))
+    bits = _to_bits(arr, _FORMAT_OF[dtype]).view(np.int16)
+    return torch.from_numpy(bits).view(dtype)
 
 
 # ---------------------------------------------------------------- one attention configuration
@@ -164,16 +161,15 @@ class _AttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, kern, causal, scale, sink):
         q64, k64, v64 = _float64(q), _float64(k), _float64(v)
         qs, ks = _shape4(q.shape), _shape4(k.shape)
-        out, lse = kern.forward(q64.numpy().reshape(qs), k64.numpy().reshape(ks), v64.numpy().reshape(ks),
-                                causal, scale)
+        out, lse = kern.forward(q64.reshape(qs), k64.reshape(ks), v64.reshape(ks), causal, scale)
         out = out.reshape(q.shape)
         if sink is not None:
             sink.append(out)
-        result = _to_dtype(out, q.dtype, kern.policy.out)
+        result = _to_dtype(out, q.dtype)
         out64 = result if q.dtype == torch.float64 else torch.from_numpy(out)
         # float64 inputs are saved as themselves, so autograd notices if they are modified in place
-        ctx.save_for_backward(*(t if _zero_copy(t) else t64 for t, t64 in ((q, q64), (k, k64), (v, v64))),
-                              out64, torch.from_numpy(lse))
+        ctx.save_for_backward(*(t if _zero_copy(t) else torch.from_numpy(t64)
+                                for t, t64 in ((q, q64), (k, k64), (v, v64))), out64, torch.from_numpy(lse))
         ctx.kern, ctx.causal, ctx.scale, ctx.dtype = kern, causal, scale, q.dtype
         return result
 
@@ -182,13 +178,10 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         qs, ks = _shape4(q.shape), _shape4(k.shape)
-        arrays = [_float64(t).numpy().reshape(s) for t, s in ((q, qs), (k, ks), (v, ks), (out, qs))]
-        dq, dk, dv = ctx.kern.backward(*arrays, lse.numpy(), _float64(dout).numpy().reshape(qs),
-                                       ctx.causal, ctx.scale)
-        grad, dtype = ctx.kern.policy.grad, ctx.dtype
-        return (_to_dtype(np.asarray(dq).reshape(q.shape), dtype, grad),
-                _to_dtype(np.asarray(dk).reshape(k.shape), dtype, grad),
-                _to_dtype(np.asarray(dv).reshape(v.shape), dtype, grad), None, None, None, None)
+        arrays = [_float64(t).reshape(s) for t, s in ((q, qs), (k, ks), (v, ks), (out, qs))]
+        dq, dk, dv = ctx.kern.backward(*arrays, lse.numpy(), _float64(dout).reshape(qs), ctx.causal, ctx.scale)
+        return (_to_dtype(dq.reshape(q.shape), ctx.dtype), _to_dtype(dk.reshape(k.shape), ctx.dtype),
+                _to_dtype(dv.reshape(v.shape), ctx.dtype), None, None, None, None)
 
 
 def _validate(q, k, v, is_causal, enable_gqa):
@@ -280,14 +273,15 @@ def _unsupported(q, k, v, attn_mask, dropout_p, is_causal):
     if dropout_p != 0.0:
         return (f"dropout_p={dropout_p}: fadev attention has no dropout (set the model's attention dropout to 0, "
                 f"or call model.eval())"), is_causal
-    if min(q.dim(), k.dim(), v.dim()) >= 2:
-        if v.shape[-1] != k.shape[-1]:
-            return f"value head dim {v.shape[-1]} != key head dim {k.shape[-1]}", is_causal
-        if q.shape[-1] > MAX_DIM:
-            return f"head dim {q.shape[-1]} > {MAX_DIM}", is_causal
-        if q.dim() == k.dim() == v.dim() and not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
-            return (f"batch dims {tuple(q.shape[:-3])}, {tuple(k.shape[:-3])}, {tuple(v.shape[:-3])} differ (fadev "
-                    f"does not broadcast them)"), is_causal
+    if min(q.dim(), k.dim(), v.dim()) < 2:
+        return None, is_causal  # invalid for PyTorch too: _validate says why
+    if v.shape[-1] != k.shape[-1]:
+        return f"value head dim {v.shape[-1]} != key head dim {k.shape[-1]}", is_causal
+    if q.shape[-1] > MAX_DIM:
+        return f"head dim {q.shape[-1]} > {MAX_DIM}", is_causal
+    if q.dim() == k.dim() == v.dim() and not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+        return (f"batch dims {tuple(q.shape[:-3])}, {tuple(k.shape[:-3])}, {tuple(v.shape[:-3])} differ (fadev "
+                f"does not broadcast them)"), is_causal
     if attn_mask is not None:
         if is_causal:
             return "attn_mask together with is_causal=True", is_causal
@@ -490,7 +484,7 @@ class shadow(_SdpaRoute):  # noqa: N801 (a context manager)
         used, other = (self.reference, self.candidate) if self.use == "reference" else (self.candidate, self.reference)
         sink = []
         result = _AttentionFunction.apply(q, k, v, used, causal, scale, sink)
-        q64, k64, v64 = (_float64(t).numpy().reshape(_shape4(t.shape)) for t in (q, k, v))
+        q64, k64, v64 = (_float64(t).reshape(_shape4(t.shape)) for t in (q, k, v))
         outs = {self.use: sink[0], ("candidate" if self.use == "reference" else "reference"):
                 other.forward(q64, k64, v64, causal, scale)[0].reshape(q.shape)}
         module, module_type = self._tracker.current()

@@ -94,7 +94,7 @@ def test_validation_lists_every_problem_before_any_work(tmp_path):
         {"block_kv": 0, "block_q": 2.5, "N": 0},                          # impossible tiles, N range
         {"sram_bytes": 4096, "block_kv": 64},                             # sram_bytes together with tiles
         {"heads": 3, "heads_kv": 2, "dist": "cauchy", "seed": -1},
-        {"ref_policy": "naive:bf16", "ref_stage.p": "fp32"},              # ref settings without ref_kernel
+        {"ref_policy": "naive:bf16", "ref_block_kv": 8, "ref_stage.p": "fp32"},  # ref settings, no ref_kernel
         {"golden": False},                                                # compares nothing
         {"device": "cuda", "causal": None, "policy": "golden:bf16"},
         {"override": "fp32", "tag.x": [1], "N": 16},
@@ -113,10 +113,10 @@ def test_validation_lists_every_problem_before_any_work(tmp_path):
                      "block_kv: must be in [1, 2147483647], got 0", "block_q: must be an integer, got 2.5",
                      "N: must be in [1, 1048576], got 0", "sram_bytes derives block_q and block_kv",
                      "heads_kv=2 must divide heads=3", "dist: must be one of 'normal', 'uniform', 'outlier'",
-                     "seed: must be in [0, ", "ref_policy, ref_stage.p set but ref_kernel is None",
+                     "seed: must be in [0, ", "ref_policy, ref_block_kv, ref_stage.p set but ref_kernel is None",
                      "golden is false and ref_kernel is None", "fadev.cuda_available() is False",
                      "causal: must not be None", "'golden' takes no format",
-                     "override: must be a table", "tag.x: must be a string"]:
+                     "override: must be a table", "tag.x: must be a printable string"]:
         assert fragment in msg, fragment
     # one problem shared by many grid points is listed once, with the points' indices
     with pytest.raises(ValueError) as info:
@@ -124,6 +124,27 @@ def test_validation_lists_every_problem_before_any_work(tmp_path):
     assert str(info.value).count("unknown parameter 'kernal'") == 1 and "[points 0-5]" in str(info.value)
     with pytest.raises(ValueError, match="a point must be a dict"):
         sweep.validate([["N", 16]])
+    with pytest.raises(ValueError, match=r"stage.p: given twice"):
+        sweep.canonical({"stage.p": "fp32", "override": {"p": "bf16"}})
+    with pytest.raises(ValueError, match="tag.x: must be a printable string"):
+        sweep.canonical({"tag.x": "two\nlines"})
+    with pytest.raises(ValueError, match="a Policy object must be an unmodified preset"):
+        sweep.canonical({"policy": fadev.Policy.fa2("fp16").replace(p="fp32")})
+    with pytest.raises(ValueError, match="preset 'fa2' needs a format"):
+        sweep.canonical({"policy": "fa2"})
+    with pytest.raises(ValueError, match="custom format 'p5_e-6_7' cannot be named"):
+        sweep.canonical({"stage.p": fadev.custom_format(5, -6, 7)})
+
+
+def test_cuda_device_needs_cuda_kernels(monkeypatch):
+    """With a usable GPU, a point still needs its kernel registered for device 'cuda' (a later issue adds them)."""
+    monkeypatch.setattr(fadev, "cuda_available", lambda: True)
+    with pytest.raises(ValueError, match="(?s)kernel='flash' has no CUDA implementation.*ref_kernel='baseline' has no"):
+        sweep.validate([{"device": "cuda", "ref_kernel": "baseline"}])
+    monkeypatch.setitem(sweep.KERNELS, ("flash", "cuda"), sweep.KERNELS[("flash", "cpu")])
+    monkeypatch.setitem(sweep.KERNELS, ("baseline", "cuda"), sweep.KERNELS[("baseline", "cpu")])
+    row = sweep.evaluate({"device": "cuda", "ref_kernel": "baseline", **TINY})
+    assert row["device"] == "cuda" and row["vs_ref.n"] == 2 * 24 * 8
 
 
 # ------------------------------------------------------------------ evaluation
@@ -174,16 +195,23 @@ def test_evaluate_inputs_sram_tiles_and_stochastic_rounding():
 # ------------------------------------------------------------------ results files
 
 def _resume_points(n):
-    return sweep.expand({"seed": list(range(n))}, base={"N": 96, "D": 32, "heads": 2, "ref_kernel": "baseline"})
+    return sweep.expand({"seed": list(range(n))}, base={"N": 32, "D": 16, "heads": 2, "ref_kernel": "baseline"})
 
 
 def test_resume_after_sigkill(tmp_path):
-    n = 120
+    n = 60
     out = tmp_path / "killed.jsonl"
     script = tmp_path / "child.py"
+    # the child's flash kernel sleeps 10 ms per point (numerics untouched) so that it is killed mid-sweep
     script.write_text(textwrap.dedent(f"""
+        import time
         import fadev.sweep as s
-        pts = s.expand({{"seed": list(range({n}))}}, base={{"N": 96, "D": 32, "heads": 2, "ref_kernel": "baseline"}})
+        real = s.KERNELS[("flash", "cpu")]
+        def slow(*args):
+            time.sleep(0.01)
+            return real(*args)
+        s.KERNELS[("flash", "cpu")] = slow
+        pts = s.expand({{"seed": list(range({n}))}}, base={{"N": 32, "D": 16, "heads": 2, "ref_kernel": "baseline"}})
         s.run(pts, {str(out)!r}, progress=False)
     """))
     child = subprocess.Popen([sys.executable, str(script)], env=_env(), cwd=str(tmp_path))
@@ -192,7 +220,7 @@ def test_resume_after_sigkill(tmp_path):
         while time.monotonic() < deadline and child.poll() is None:
             if out.exists() and len(_read_lines(out)) > 10:
                 break
-            time.sleep(0.002)
+            time.sleep(0.001)
         assert child.poll() is None, "the child finished before it could be killed"
         child.send_signal(signal.SIGKILL)
     finally:
@@ -223,7 +251,7 @@ def test_truncated_last_line_is_recomputed(tmp_path):
     assert out.read_bytes().endswith(b"\n") and len(_read_lines(out)) == 5
     pd.testing.assert_frame_equal(_values(sweep.load(out)), _values(full))
     pd.testing.assert_frame_equal(_values(again), _values(full))
-    # a bad line that is not the last one is not a killed write: refuse to guess
+    # a malformed line that ends with its newline is not a killed write: refuse to guess
     lines = out.read_bytes().split(b"\n")
     lines[1] = lines[1][:20]
     out.write_bytes(b"\n".join(lines))
@@ -231,6 +259,31 @@ def test_truncated_last_line_is_recomputed(tmp_path):
         sweep.run(pts, out, progress=False)
     with pytest.raises(ValueError, match="line 2 is not JSON"):
         sweep.load(out)
+    out.write_bytes(b'{"N": 3}\n')
+    with pytest.raises(ValueError, match="line 1 is not a sweep row"):
+        sweep.load(out)
+    out.write_bytes(b"\xff\xfe\n")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        sweep.run(pts, out, progress=False)
+
+
+def test_truncated_csv_row_is_recomputed(tmp_path):
+    pts = sweep.expand({"seed": [0, 1, 2]}, base=TINY)
+    out = tmp_path / "r.csv"
+    full = sweep.run(pts, out, progress=False)
+    data = out.read_bytes()
+    out.write_bytes(data[:-7])  # the last row lost its tail: fields may still parse, the newline is missing
+    assert len(sweep.load(out)) == 2
+    sweep.run(pts, out, progress=False)
+    pd.testing.assert_frame_equal(_values(sweep.load(out)), _values(full))
+    lines = out.read_bytes().split(b"\n")
+    lines[2] = lines[2][:30]
+    out.write_bytes(b"\n".join(lines))
+    with pytest.raises(ValueError, match=r"line 3 has \d+ fields, the header \d+"):
+        sweep.load(out)
+    out.write_bytes(b"a,b\n1,2\n")
+    with pytest.raises(ValueError, match="no 'key' column"):
+        sweep.run(pts, out, progress=False)
 
 
 def test_failed_point_keeps_finished_rows(tmp_path, monkeypatch):
@@ -276,7 +329,9 @@ def test_point_from_row_reproduces_metrics_exactly(tmp_path, ext):
     sweep.run(pts, out, progress=False)
     df = sweep.load(out)
     assert len(df) == 3
-    for (_, row), point in zip(df.iterrows(), pts):
+    by_key = {sweep.point_key(p): p for p in pts}
+    for _, row in df.iterrows():
+        point = by_key[row["key"]]
         back = sweep.point_from_row(row)
         assert back == sweep.canonical(point)
         again = sweep.evaluate(back)
@@ -308,7 +363,7 @@ def test_file_errors(tmp_path, monkeypatch):
         sweep.run([TINY], tmp_path / "r.parquet")
     out = tmp_path / "r.jsonl"
     sweep.run([TINY], out, progress=False)
-    holder = sweep._Results(out)  # another sweep holds the file
+    holder = sweep.ResultsFile(out)  # another sweep holds the file
     try:
         with pytest.raises(RuntimeError, match="locked by another running sweep"):
             sweep.run([TINY], out, progress=False)
@@ -317,8 +372,9 @@ def test_file_errors(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if pyarrow were not installed
     with pytest.raises(ImportError, match="pyarrow is not installed"):
         sweep.export(out, tmp_path / "r.parquet")
-    sweep.export(out, tmp_path / "r.csv")
-    pd.testing.assert_frame_equal(_values(sweep.load(tmp_path / "r.csv")), _values(sweep.load(out)))
+    for ext in ("csv", "jsonl"):
+        sweep.export(out, tmp_path / f"copy.{ext}")
+        pd.testing.assert_frame_equal(_values(sweep.load(tmp_path / f"copy.{ext}")), _values(sweep.load(out)))
 
 
 # ------------------------------------------------------------------ aggregate

@@ -178,8 +178,9 @@ def test_dtypes_round_trip(dtype, policy):
 def test_results_are_rounded_once_to_the_dtype():
     # torch's float64 -> bfloat16/float16 casts go through float32 and round these two values down
     x = np.array([1 + 2.0**-8 + 2.0**-30, 1 + 2.0**-11 + 2.0**-40])
-    assert ft._to_dtype(x, torch.bfloat16, fadev.formats["fp64"]).double().tolist()[0] == 1 + 2.0**-7
-    assert ft._to_dtype(x, torch.float16, fadev.formats["fp64"]).double().tolist()[1] == 1 + 2.0**-10
+    assert ft._to_dtype(x, torch.bfloat16).double().tolist()[0] == 1 + 2.0**-7
+    assert ft._to_dtype(x, torch.float16).double().tolist()[1] == 1 + 2.0**-10
+    assert ft._to_dtype(x, torch.float32).tolist() == np.float32(x).tolist()
 
 
 def test_no_backward_kernel_is_a_clear_error(monkeypatch):
@@ -461,6 +462,9 @@ def test_patch_restores_on_exception_and_validates():
     with pytest.raises(ValueError, match="pass enable_gqa=True"):  # an invalid call is an error, never a fallback
         with ft.patch_sdpa("golden", fallback=True):
             F.scaled_dot_product_attention(q, k, v)
+    with pytest.raises(ValueError, match="same rank >= 2"):
+        with ft.patch_sdpa("golden", fallback=True):
+            F.scaled_dot_product_attention(q[0, 0, 0], k[0, 0, 0], v[0, 0, 0])
 
 
 # ---------------------------------------------------------------- shadow

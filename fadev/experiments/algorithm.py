@@ -183,7 +183,9 @@ def findings(df) -> list:
             all(by[v] == "" for v in state_label)
         text = ("kv_outer == q_outer bit for bit under paper(bf16) and fa2(bf16) (state unset); " +
                 "; ".join(f"{v}: RMSE {dev[v]:.2e} vs fa2 q_outer {dev['fa2 q_outer']:.2e}" for v in state_label))
-        out.append(Finding("loop order changes nothing unless the state format differs", text, "", ok))
+        out.append(Finding("loop order changes nothing unless the state format differs", text,
+                           "(not a paper claim: DESIGN.md's \"only block_kv, normalisation, exp form and state "
+                           "matter\")", ok))
     for group, a, b in (("normalize", "deferred", "eager"), ("exp", "exp", "exp2")):
         g = df[df["group"] == group]
         if len(g):

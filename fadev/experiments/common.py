@@ -24,7 +24,7 @@ from ..metrics import compare
 from ..policy import Policy
 
 METRICS = ("max_abs", "mean_diff", "std_diff", "mean_abs", "rmse", "rel_l2")
-"""The :class:`fadev.Comparison` fields an experiment records for each comparison (prefix_metric)."""
+"""The :class:`fadev.Comparison` fields recorded for each comparison of a custom point (prefix.metric)."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -48,9 +48,9 @@ def golden(n, n_query, dim, seed, fmt=None, dist="normal", heads=1, batch=1):
 
 
 def metrics(prefix, test, ref) -> dict:
-    """{prefix_metric: value} for the METRICS of test against ref."""
+    """{prefix.metric: value} for the METRICS of test against ref (the sweep's column names)."""
     c = compare(test, ref)
-    return {f"{prefix}_{m}": float(getattr(c, m)) for m in METRICS}
+    return {f"{prefix}.{m}": float(getattr(c, m)) for m in METRICS}
 
 
 def fingerprint(arr) -> str:
@@ -79,7 +79,9 @@ def results_path(out, name):
 
 
 def run_points(points, out, name, workers=1, progress=False):
-    """Run sweep points through :func:`fadev.sweep.run` (rows appended to out/NAME.jsonl, resumable)."""
+    """Run sweep points through :func:`fadev.sweep.run` (rows appended to out/NAME.jsonl, resumable).
+    A point's device 'cuda' becomes 'cpu' where fadev has no CUDA attention kernels (:func:`sweep_device`)."""
+    points = [{**p, "device": sweep_device(p.get("device", "cpu"))} for p in points]
     return sweep.run(points, results_path(out, name), workers=workers, progress=progress)
 
 
@@ -168,3 +170,38 @@ def sizes(table, size, overrides=None):
 
 def fmt_ratio(x) -> str:
     return "n/a" if x is None or not np.isfinite(x) else f"{x:.3g}x"
+
+
+def sweep_device(device):
+    """The device the sweep's emulation kernels run on: 'cuda' only when asked for and fadev has CUDA
+    attention kernels registered (fadev.sweep.KERNELS) and a usable device; else 'cpu'."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda":
+        from .. import cuda_available
+        if cuda_available() and all((k, "cuda") in sweep.KERNELS for k in ("flash", "baseline")):
+            return "cuda"
+    return "cpu"
+
+
+def torch_cuda() -> bool:
+    """True when PyTorch is importable and sees a CUDA device (its SDPA kernels can be measured)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+SIZE_DOCS = {
+    "formats": "formats F to run (names: fp64, fp32, tf32, fp16, bf16, fp8_e4m3, fp8_e5m2)",
+    "fmt": "the format F",
+    "N": "sequence length: keys per query row",
+    "Ns": "sequence lengths N (keys)",
+    "n_query": "query rows computed per run (rows are independent: a sample of the N x N attention)",
+    "D": "head dimension",
+    "block_q": "flash query block Br",
+    "block_kv": "flash key/value block Bc",
+    "seeds": "input seeds 0..SEEDS-1 to average over",
+}
+"""What each size parameter means (the CLI's --KEY help)."""

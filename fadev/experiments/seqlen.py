@@ -49,25 +49,29 @@ def _rank_corr(x, y):
 def findings(df) -> list:
     out = []
     for fmt, g in df.groupby("format", sort=False):
+        # the paper's sweep is at bf16; other formats are shown for contrast, without a verdict
+        paper = "grows with sequence length" if fmt == "bf16" else ""
+        judge = (lambda ok: ok) if fmt == "bf16" else (lambda ok: None)
         g = g.sort_values("N")
         N = g["N"].to_numpy()
         mx = g["flash_vs_baseline.max_abs.mean"].to_numpy()
         sd = g["flash_vs_baseline.std_diff.mean"].to_numpy()
         mean = g["flash_vs_baseline.mean_diff.mean"].to_numpy()
         rel = g["flash_vs_baseline.rel_l2.mean"].to_numpy()
-        lo = int(np.argmin(mx))
-        grows_max = bool(mx[-1] > mx[lo] and np.all(np.diff(mx[lo:]) > -0.15 * mx[lo:-1])) if len(mx) > 1 else None
+        lo, lo_sd = int(np.argmin(mx)), int(np.argmin(sd))
+        # "grows": clearly above its minimum at the longest sequence (1.5x; seed-to-seed noise is ~10-20%)
         out.append(Finding(
             f"{fmt}: max |flash - baseline| vs N (fixed {int(g['block_q'].iloc[0])}x{int(g['block_kv'].iloc[0])} "
             f"tiles)",
             f"{mx[0]:.2e} at N={N[0]}, minimum {mx[lo]:.2e} at N={N[lo]}, {mx[-1]:.2e} at N={N[-1]} "
             f"({mx[-1] / mx[lo]:.3g}x the minimum)",
-            "grows with sequence length", grows_max))
+            paper, judge(bool(mx[-1] > 1.5 * mx[lo])) if len(mx) > 1 else None))
         out.append(Finding(
-            f"{fmt}: std of the difference vs N",
-            f"{sd[0]:.2e} at N={N[0]}, {sd[int(np.argmin(sd))]:.2e} at N={N[int(np.argmin(sd))]}, {sd[-1]:.2e} at "
-            f"N={N[-1]}; mean difference from {mean[0]:+.1e} to {mean[-1]:+.1e} (a bias appears at large N)",
-            "grows with sequence length", bool(sd[-1] > sd.min() * 1.5) if len(sd) > 1 else None))
+            f"{fmt}: std of flash - baseline vs N",
+            f"{sd[0]:.2e} at N={N[0]}, minimum {sd[lo_sd]:.2e} at N={N[lo_sd]}, {sd[-1]:.2e} at N={N[-1]} "
+            f"({sd[-1] / sd[lo_sd]:.3g}x the minimum); mean of flash - baseline {mean[0]:+.1e} at N={N[0]}, "
+            f"{mean[-1]:+.1e} at N={N[-1]}",
+            paper, judge(bool(sd[-1] > 1.5 * sd[lo_sd])) if len(sd) > 1 else None))
         out.append(Finding(
             f"{fmt}: relative L2 difference ||flash - baseline|| / ||baseline|| vs N",
             f"{rel[0]:.2e} -> {rel[-1]:.2e}, Spearman rank correlation with N {_rank_corr(N, rel):+.2f}",

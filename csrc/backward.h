@@ -1,0 +1,91 @@
+/* Internal interface of the attention backward (backward.c: passes, tasks, entry points; backward_tile.c:
+ * the block products and one tile's steps 1-7). Not public API; see docs/numerics.md "Backward". */
+#ifndef FADEV_BACKWARD_H
+#define FADEV_BACKWARD_H
+
+#include <float.h>
+
+#include "attention.h"
+
+enum { TILE_Q = 64, TILE_KV = 64 };
+
+/* Backward events (docs/numerics.md, "Backward stochastic counters"): stream 2^48 + id + 32 bh. */
+enum bwd_event {
+    EV_DOUT = 0, EV_OUT = 1, EV_LSE = 2, EV_LSE_LOG2 = 3, EV_DELTA_ACC = 4, EV_DELTA = 5, EV_BWD_P = 6,
+    EV_DP_ACC = 7, EV_DP = 8, EV_DSOFT_SUB = 9, EV_DSOFT_MUL = 10, EV_DS = 11, EV_ACC_DV = 12, EV_ACC_DK = 13,
+    EV_ACC_DQ = 14, EV_DKV_DV = 15, EV_DKV_DK = 16, EV_DQ_ACC = 17, EV_GRAD_DQ = 18, EV_GRAD_DK = 19,
+    EV_GRAD_DV = 20
+};
+#define BWD_STREAM(id, bh) ((1ull << 48) + (uint64_t)(id) + 32u * (uint64_t)(bh))
+
+typedef struct bwd_ctx {
+    att_ctx cx; /* rounded Q (cx.q) and K^T (cx.kt) for the scores, the forward stages and constants */
+    att_stage bwd_p, dp_acc, dp, delta_acc, dsoft, ds, grad_acc, dq_acc, dkv_acc, grad;
+    int baseline;
+    double c_grad, c3;                 /* R_score(scale), R_stats(log2 e) */
+    int64_t block_q, block_kv;         /* logical blocks, clamped to Nq, Nk (baseline: Nq, Nk) */
+    int64_t tile_q, tile_kv;           /* tiles: at most TILE_Q x TILE_KV, inside one logical block */
+    int64_t ld, vt_cols;               /* row stride of the row-major copies (D padded to 16); of V^T */
+    /* Rounded operands of the block products: dO and Q (B*H, Nq, ld), K (B*Hkv, Nk, ld), V^T
+     * (B*Hkv, D, vt_cols), zero padded; the float copies exist when a float tier may use them. */
+    double *dout, *q, *k, *vt;
+    float *doutf, *qf, *kf, *vtf;
+    double *do_min, *do_max, *q_min, *q_max; /* per query head: smallest nonzero and largest magnitude */
+    int *do_finite, *q_finite;
+    double *row_l, *row_m, *row_d; /* per query row: flash L; baseline m and l; D_i */
+    int dp_float, dv_float, dk_float, dq_float; /* the float tier is possible for dP, dV, dK, dQ */
+    double *dq, *dk, *dv;          /* outputs */
+} bwd_ctx;
+
+/* last key query row i sees (causal, bottom-right aligned), Nk - 1 otherwise; < 0: none */
+static inline int64_t last_key(const att_ctx *cx, int64_t i) {
+    return cx->pr.causal ? i + cx->pr.seq_kv - cx->pr.seq_q : cx->pr.seq_kv - 1;
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+
+static inline int64_t kv_head(const att_ctx *cx, int64_t bh) {
+    return (bh / cx->pr.heads) * cx->pr.heads_kv + (bh % cx->pr.heads) / cx->group;
+}
+
+/* Magnitude statistics of a set of values: smallest nonzero, largest, all finite. */
+typedef struct mag { double min, max; int finite; } mag;
+static inline void mag_add(mag *s, double x) {
+    double a = fabs(x);
+    if (!(a <= DBL_MAX)) s->finite = 0;
+    else if (a > 0) {
+        s->min = a < s->min ? a : s->min;
+        s->max = a > s->max ? a : s->max;
+    }
+}
+#define MAG_EMPTY ((mag){INFINITY, 0, 1})
+
+typedef struct bwd_work {
+    int64_t *nvis, *kb, *ke;
+    double *s, *dp, *pp, *ds; /* att_rows(tile_q) x att_score_ld(tile_kv): scores, dP sums, P', dS */
+    float *fbuf, *af;         /* the same shape in float: att_scores' scratch, dS for the dQ product */
+    double *pt, *dst;         /* tile_kv x tile_q: P' and dS transposed (the dV and dK products) */
+    float *ptf, *dstf;
+    double *dq_part;          /* tile rows x ld: the grad_acc sums of dQ within one K/V block */
+    double *dv_part, *dk_part;/* keys x ld: the grad_acc sums of dV, dK within one query block */
+    double *dv_acc, *dk_acc;  /* keys x D: dVacc, dKacc */
+    double *dq_acc;           /* rows x D: dQacc (two-pass dQ tasks) */
+} bwd_work;
+
+/* Scratch of one task: tiles of TILE_Q x TILE_KV at most, dK/dV sums of `keys` keys, dQacc of `acc_rows`. */
+ATT_INTERNAL fadev_status bwd_work_alloc(bwd_work *w, const bwd_ctx *bx, int64_t keys, int64_t acc_rows);
+ATT_INTERNAL void bwd_work_free(bwd_work *w);
+
+/* Step 4's sums (before R_dp) of rows i0.. of query head bh and keys j0 + jj, jj < nvis[r], into dp
+ * (row stride lds >= att_score_ld(maxv)); kb, ke: scratch of nr entries. */
+ATT_INTERNAL void bwd_dp_products(const bwd_ctx *bx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis,
+                                  int64_t j0, int64_t maxv, double *dp, int64_t lds, int64_t *kb, int64_t *ke);
+
+/* Steps 1-7 for one tile: query head bh, rows [i0, i0 + nr), keys [j0, j0 + n) of one K/V block and one
+ * query block. Adds the tile's terms to the running grad_acc sums of dV and dK of its keys (rows of
+ * dv_part, dk_part, stride ld) and of dQ of its rows (dq_part); a NULL part is not wanted. */
+ATT_INTERNAL void bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr, int64_t j0,
+                           int64_t n, double *dv_part, double *dk_part, double *dq_part);
+
+#endif /* FADEV_BACKWARD_H */

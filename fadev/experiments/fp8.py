@@ -1,0 +1,163 @@
+"""Experiment 6 (FlashAttention-3, arXiv 2407.08608 §4.3, Table 3): fp16 and fp8 on inputs with outliers.
+
+Inputs: ``random_qkv(dist="outlier")`` -- N(0, 1) plus, in one entry of a thousand, an extra N(0, 100)
+term -- drawn in fp16 (what FA3 quantises from); golden is fp64 attention on those fp16 values.
+
+fp16 rows: baseline attention under naive(fp16); flash under fa2(fp16) with FlashAttention-2's 128 x 64
+tiles ("FA2"); the same fp32-accumulator policy with 128 x 128 tiles ("FA3": FA3's fp16 path has FA2's
+numerics, only its tiles differ).
+
+fp8 (E4M3) rows -- quantisation as fadev.experiments.quant defines it (per-tensor scale amax/448, or
+block quantisation: one scale per block_q rows of Q, per block_kv rows of K and V), Q/K/V de-quantised
+into the kernel (input stage fp64: the scales' product is applied exactly):
+
+* baseline fp8: per-tensor scaling, baseline attention under naive(fp16) with P cast to fp8 for the P.V
+  product (FA3: "per-tensor scaling, matmul accumulator in FP32, intermediate softmax results in FP16");
+* FA3 fp8: flash under fa2(fp8_e4m3) (fp32 scores, statistics and accumulators; P in fp8) with a bf16
+  output (FA3's fp8 kernel writes bf16), 128 x 128 tiles; with per-tensor or block scaling, with or
+  without the randomised Hadamard rotation of Q and K ("incoherent processing": random +-1 signs, then
+  the normalised Walsh-Hadamard transform along D, csrc/hadamard.c) before quantisation.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pandas as pd
+
+from ..attention import baseline_attention, flash_attention, random_qkv
+from ..policy import Policy
+from . import common
+from .common import Finding
+from .quant import hadamard, quantize, random_signs
+
+NAME = "fp8"
+TITLE = "FP8 and outliers (FlashAttention-3 Table 3)"
+FIGURES = ("fa3_table3",)
+
+SIZES = {
+    "quick": {"N": 4096, "n_query": 64, "D": 128, "seeds": 5},
+    "full": {"N": 8192, "n_query": 1024, "D": 128, "seeds": 10},
+}
+
+FA3_REPORTED = {"baseline fp16": 3.2e-4, "FA2 fp16": 1.9e-4, "FA3 fp16": 1.9e-4, "baseline fp8 (per-tensor)": 2.4e-2,
+                "FA3 fp8 (block, Hadamard)": 9.1e-3}
+"""RMSE vs an fp64 reference as FA3's Table 3 reports them."""
+
+VARIANTS = (
+    # label, format, kernel, scaling, hadamard
+    ("baseline fp16", "fp16", "baseline", "none", False),
+    ("FA2 fp16", "fp16", "fa2", "none", False),
+    ("FA3 fp16", "fp16", "fa3", "none", False),
+    ("baseline fp8 (per-tensor)", "fp8_e4m3", "baseline", "tensor", False),
+    ("FA3 fp8 (per-tensor)", "fp8_e4m3", "fa3", "tensor", False),
+    ("FA3 fp8 (per-tensor, Hadamard)", "fp8_e4m3", "fa3", "tensor", True),
+    ("FA3 fp8 (block)", "fp8_e4m3", "fa3", "block", False),
+    ("FA3 fp8 (block, Hadamard)", "fp8_e4m3", "fa3", "block", True),
+)
+TILES = {"fa2": (128, 64), "fa3": (128, 128)}
+
+
+def policy(kernel, fmt) -> Policy:
+    """The precision policy of one row (module docstring)."""
+    if fmt == "fp16":
+        return Policy.naive("fp16") if kernel == "baseline" else Policy.fa2("fp16")
+    if kernel == "baseline":
+        return Policy.naive("fp16").replace(input="fp64", p=fmt, name="baseline fp8")
+    return Policy.fa2(fmt).replace(input="fp64", out="bf16", name="FA3 fp8")
+
+
+@functools.lru_cache(maxsize=2)
+def _data(N, n_query, D, seed):
+    """Full-length fp16 outlier inputs (quantisation scales see all N rows of Q), the first n_query query
+    rows, and golden on those."""
+    q, k, v = random_qkv((1, 1, N, D), dist="outlier", seed=seed, fmt="fp16")
+    ref = baseline_attention(q[:, :, :n_query], k, v, Policy.golden())
+    return q, k, v, ref
+
+
+def prepare(q, k, v, scaling, rotate, seed, block_q=128, block_kv=128, fmt="fp8_e4m3"):
+    """Q, K, V as the fp8 kernel sees them: optionally rotated (Q and K, same signs), then quantised to
+    fmt and de-quantised with the given scaling."""
+    if rotate:
+        signs = random_signs(q.shape[-1], seed=seed)
+        q, k = hadamard(q, signs), hadamard(k, signs)
+    if scaling == "none":
+        return q, k, v
+    bq = block_q if scaling == "block" else None
+    bkv = block_kv if scaling == "block" else None
+    return (quantize(q, fmt, scaling, bq)[0], quantize(k, fmt, scaling, bkv)[0], quantize(v, fmt, scaling, bkv)[0])
+
+
+def _evaluate(point):
+    q, k, v, ref = _data(point["N"], point["n_query"], point["D"], point["seed"])
+    label = point["variant"]
+    _, fmt, kernel, scaling, rotate = next(r for r in VARIANTS if r[0] == label)
+    bq, bkv = TILES.get(kernel, (128, 128))
+    q, k, v = prepare(q, k, v, scaling, rotate, point["seed"], bq, bkv)
+    q = q[:, :, :point["n_query"]]
+    pol = policy(kernel, fmt)
+    if kernel == "baseline":
+        out = baseline_attention(q, k, v, pol)
+    else:
+        out = flash_attention(q, k, v, pol, block_q=bq, block_kv=bkv)
+    return common.metrics("vs_golden", out, ref)
+
+
+def run(size="quick", out=None, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
+    """One row per variant (VARIANTS order): format, kernel, scaling, hadamard, mean/std over seeds of
+    vs_golden.{rmse, max_abs, rel_l2}, and ``fa3_reported`` (FA3 Table 3's RMSE, NaN where it has none).
+    Results in out/fp8.jsonl. Always on the CPU (fp8 scaling is not a sweep-engine feature)."""
+    s = common.sizes(SIZES, size, overrides)
+    points = [{"variant": label, "N": s["N"], "n_query": s["n_query"], "D": s["D"], "seed": seed}
+              for label, *_ in VARIANTS for seed in range(s["seeds"])]
+    rows = common.run_custom(points, _evaluate, out, NAME, progress)
+    df = common.mean_std(rows, ["variant", "N", "n_query", "D"], ["vs_golden.rmse", "vs_golden.max_abs",
+                                                                  "vs_golden.rel_l2"])
+    info = {r[0]: r[1:] for r in VARIANTS}
+    df.insert(1, "format", [info[v][0] for v in df["variant"]])
+    df.insert(2, "kernel", [info[v][1] for v in df["variant"]])
+    df.insert(3, "scaling", [info[v][2] for v in df["variant"]])
+    df.insert(4, "hadamard", [info[v][3] for v in df["variant"]])
+    df["fa3_reported"] = [FA3_REPORTED.get(v, np.nan) for v in df["variant"]]
+    return df
+
+
+def findings(df) -> list:
+    rm = dict(zip(df["variant"], df["vs_golden.rmse.mean"]))
+    out = []
+    for label, paper in FA3_REPORTED.items():
+        if label in rm:
+            out.append(Finding(f"RMSE, {label}", f"{rm[label]:.2e}", f"{paper:.1e} (FA3 Table 3)"))
+    if "FA2 fp16" in rm and "baseline fp16" in rm:
+        out.append(Finding("fp16: FA2/FA3 more accurate than the baseline",
+                           f"{rm['FA2 fp16']:.2e} / {rm['FA3 fp16']:.2e} vs {rm['baseline fp16']:.2e} "
+                           f"({rm['baseline fp16'] / rm['FA2 fp16']:.3g}x)", "1.7x (3.2e-4 vs 1.9e-4)",
+                           bool(rm["FA2 fp16"] < rm["baseline fp16"])))
+    best = "FA3 fp8 (block, Hadamard)"
+    if best in rm and "baseline fp8 (per-tensor)" in rm:
+        gain = rm["baseline fp8 (per-tensor)"] / rm[best]
+        out.append(Finding("fp8: FA3 with block quantisation and Hadamard vs baseline fp8",
+                           f"{gain:.3g}x lower RMSE", "2.6x (2.4e-2 vs 9.1e-3)", bool(gain > 1)))
+    for scaling in ("per-tensor", "block"):
+        a, b = f"FA3 fp8 ({scaling})", f"FA3 fp8 ({scaling}, Hadamard)"
+        if a in rm and b in rm:
+            out.append(Finding(f"Hadamard rotation on outlier inputs, {scaling} scaling",
+                               f"RMSE {rm[a]:.2e} -> {rm[b]:.2e} ({rm[a] / rm[b]:.3g}x lower)",
+                               "incoherent processing reduces quantisation error", bool(rm[b] < rm[a])))
+    if "FA3 fp8 (per-tensor)" in rm and "FA3 fp8 (block)" in rm:
+        a, b = rm["FA3 fp8 (per-tensor)"], rm["FA3 fp8 (block)"]
+        sa = float(df.loc[df["variant"] == "FA3 fp8 (per-tensor)", "vs_golden.rmse.std"].iloc[0])
+        sb = float(df.loc[df["variant"] == "FA3 fp8 (block)", "vs_golden.rmse.std"].iloc[0])
+        out.append(Finding(
+            "block vs per-tensor scaling (no rotation)",
+            f"RMSE {a:.2e} (± {sa:.1e} over seeds) -> {b:.2e} (± {sb:.1e}): E4M3's relative rounding error does not "
+            f"depend on the scale while values stay in its normal range, so a finer scale only helps values that "
+            f"would underflow; the error here is set by the outlier entries, rounded to 4 significant bits either "
+            f"way (FA3 reports no block-only number)"))
+    return out
+
+
+def plot(df, stem_dir):
+    from .. import plots
+    return plots.plot_fp8(df, stem_dir)
