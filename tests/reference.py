@@ -257,6 +257,23 @@ def _prepare(q, k, v, policy, scale):
 # ---------------------------------------------------------------- baseline
 
 
+def baseline_row_p(Qi, Kh, keys, c, pol, rnd, bh, i):
+    """Steps 1-5 of "Baseline" for query row i: returns ({j: P_j}, m, l)."""
+    s = {j: _score(Qi, Kh[j], c, pol, rnd, bh, i, j) for j in keys}
+    m = -math.inf
+    for j in keys:
+        m = _max(m, s[j])
+    e = {}
+    for j in keys:
+        x = rnd.r(pol.softmax, s[j] - m, SOFTMAX_SUB, bh, i, j, 0)
+        e[j] = rnd.r(pol.softmax, _exp(x), SOFTMAX_EXP, bh, i, j, 0)
+    acc = 0.0
+    for j in keys:
+        acc = rnd.r(pol.sum_acc, acc + e[j], SUM_ACC, bh, i, j, 0)
+    l = rnd.r(pol.stats, acc, STATS_AL, bh, i, 0, 0)
+    return {j: rnd.r(pol.p, e[j] / l, P_STAGE, bh, i, j, 0) for j in keys}, m, l
+
+
 def baseline_attention(q, k, v, policy, causal=False, scale=None):
     """Materialised attention per docs/numerics.md "Baseline": returns (out (B,H,Nq,D), lse (B,H,Nq))."""
     (B, H, Nq, D), Hkv, Nk, Q, K, V, rnd, scale = _prepare(q, k, v, policy, scale)
@@ -272,19 +289,7 @@ def baseline_attention(q, k, v, policy, causal=False, scale=None):
                 keys = [j for j in range(Nk) if _visible(i, j, Nq, Nk, causal)]
                 if not keys:
                     continue  # fully masked row: out 0, lse -inf, no rounding events
-                s = {j: _score(Q[b][h][i], Kh[j], c, pol, rnd, bh, i, j) for j in keys}
-                m = -math.inf
-                for j in keys:
-                    m = _max(m, s[j])
-                e = {}
-                for j in keys:
-                    x = rnd.r(pol.softmax, s[j] - m, SOFTMAX_SUB, bh, i, j, 0)
-                    e[j] = rnd.r(pol.softmax, _exp(x), SOFTMAX_EXP, bh, i, j, 0)
-                acc = 0.0
-                for j in keys:
-                    acc = rnd.r(pol.sum_acc, acc + e[j], SUM_ACC, bh, i, j, 0)
-                l = rnd.r(pol.stats, acc, STATS_AL, bh, i, 0, 0)
-                P = {j: rnd.r(pol.p, e[j] / l, P_STAGE, bh, i, j, 0) for j in keys}
+                P, m, l = baseline_row_p(Q[b][h][i], Kh, keys, c, pol, rnd, bh, i)
                 for d in range(D):
                     acc = 0.0
                     for j in keys:

@@ -42,24 +42,6 @@ def _check_saved(q, out, lse, dout):
     return out, lse, dout
 
 
-def _baseline_row_p(Qi, Kh, keys, c, pol, rnd, bh, i):
-    """Step 2, baseline: P_ij exactly as reference.baseline_attention's row i computes it (every forward
-    event: scores, exact max, R_softmax(s - m), R_softmax(exp), the row sum, l, R_p(e / l))."""
-    s = {j: ref._score(Qi, Kh[j], c, pol, rnd, bh, i, j) for j in keys}
-    m = -math.inf
-    for j in keys:
-        m = ref._max(m, s[j])
-    e = {}
-    for j in keys:
-        x = rnd.r(pol.softmax, s[j] - m, ref.SOFTMAX_SUB, bh, i, j, 0)
-        e[j] = rnd.r(pol.softmax, ref._exp(x), ref.SOFTMAX_EXP, bh, i, j, 0)
-    acc = 0.0
-    for j in keys:
-        acc = rnd.r(pol.sum_acc, acc + e[j], ref.SUM_ACC, bh, i, j, 0)
-    l = rnd.r(pol.stats, acc, ref.STATS_AL, bh, i, 0, 0)
-    return {j: rnd.r(pol.p, e[j] / l, ref.P_STAGE, bh, i, j, 0) for j in keys}
-
-
 def _flash_row_p(Qi, Kh, keys, c, L, E, pol, rnd, bh, i):
     """Step 2, flash: P_ij = R_softmax(E(R_softmax(s_ij - L))) from the saved statistic L (forward
     counters 6, 7)."""
@@ -99,7 +81,7 @@ def _backward(q, k, v, out, lse, dout, policy, block_q, block_kv, exp, causal, s
                 Qi, dOi, Oi = Q[b][h][i], dO[b][h][i], O[b][h][i]
                 # 1-2. scores and P
                 if baseline:
-                    P = _baseline_row_p(Qi, Kh, keys, c_fwd, pol, rnd, bh, i)
+                    P = ref.baseline_row_p(Qi, Kh, keys, c_fwd, pol, rnd, bh, i)[0]
                 else:
                     LSE = rnd.r(pol.stats, float(lse[b, h, i]), BWD + LSE_IN, bh, i, 0, 0)
                     L = LSE if exp == "exp" else rnd.r(pol.stats, LSE * c3, BWD + LSE_LOG2, bh, i, 0, 0)
