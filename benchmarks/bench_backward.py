@@ -1,7 +1,7 @@
 """Attention backward speed: fadev's flash backward against its own flash forward (validate first).
 
-    python benchmarks/bench_backward.py                  # B=1, H=4, D=64, N = 1024 and 2048
-    python benchmarks/bench_backward.py --n 512 1024 --repeat 5
+    python benchmarks/bench_backward.py                  # B=1, H=4, D=64, N = 1024 and 2048; memory at 16384
+    python benchmarks/bench_backward.py --n 512 1024 --repeat 5 --mem-n 0
 
 The target is fa2("bf16") flash backward <= 3x the same-size flash forward (FlashAttention-2's backward
 does about 2.5x the forward's matmul work: it recomputes S and P and adds dP, dV, dK, dQ). fadev rounds
@@ -9,10 +9,15 @@ every intermediate per its policy (fa2: bf16 inputs, P and dS, fp32 everything e
 tiles; paper: every stored tensor bf16, fp32 accumulators, 64 x 64; golden: fp64). Validated first:
 golden flash == golden baseline == NumPy float64 gradients (<= 1e-12 relative), the bf16 gradients
 finite and near golden, the same bits on 1 and 2 threads. Times are the best of --repeat runs after a
-warm-up; the forward is timed with return_lse=True (what a training step saves).
+warm-up; the forward is timed with return_lse=True (what a training step saves). The backward's peak
+memory is measured in a fresh subprocess (ru_maxrss growth during the call).
 """
 import argparse
+import json
 import math
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -72,6 +77,32 @@ def validate(q, k, v, dout):
         fadev.set_num_threads(threads)
 
 
+MEMORY_CHILD = """
+import json, resource, sys, time
+import numpy as np, fadev
+n, d, policy = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+q, k, v = fadev.random_qkv((1, 1, n, d), seed=0)
+dout = np.random.default_rng(1).standard_normal(q.shape)
+out, lse = fadev.flash_attention(q, k, v, policy, return_lse=True)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+grads = fadev.flash_attention_backward(q, k, v, out, lse, dout, policy)
+seconds = time.perf_counter() - t0
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+assert all(np.isfinite(g).all() for g in grads)
+print(json.dumps({"before_kib": before, "after_kib": after, "seconds": seconds}))
+"""
+
+
+def backward_memory(n, d, policy):
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(n), str(d), policy], capture_output=True,
+                         text=True, env=env, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=1)
@@ -79,6 +110,8 @@ def main():
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 2048])
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--mem-n", type=int, default=16384, help="sequence length of the memory run (0: skip)")
+    ap.add_argument("--mem-policy", default="fa2:bf16")
     args = ap.parse_args()
     shape = (args.batch, args.heads, min(args.n), args.dim)
     q, k, v = fadev.random_qkv(shape, seed=0)
@@ -97,6 +130,15 @@ def main():
             t_b = best_seconds(lambda: fadev.flash_attention_backward(q, k, v, out, lse, dout, policy), args.repeat)
             goal = f"<= {target}x" if target else "-"
             print(f"{policy:12} {n:6} {t_f * 1e3:11.1f} {t_b * 1e3:12.1f} {t_b / t_f:6.2f} {goal:>7}")
+
+    if args.mem_n:
+        n, d = args.mem_n, args.dim
+        r = backward_memory(n, d, args.mem_policy)
+        growth = (r["after_kib"] - r["before_kib"]) / 1024
+        arrays = 9 * n * d * 8 / 2**20
+        print(f"\nflash backward {args.mem_policy} memory, B=1 H=1 N={n} D={d}: peak RSS growth during the call "
+              f"{growth:.1f} MiB (its 9 float64 (N, D) arrays in and out: {arrays:.1f} MiB; N x N float64 "
+              f"would be {n * n * 8 / 2**30:.1f} GiB); {r['seconds']:.1f} s")
 
 
 if __name__ == "__main__":

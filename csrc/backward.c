@@ -56,19 +56,15 @@ static void add_dkv_block(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t qb
         }
 }
 
-/* dk = R_grad(c dKacc), dv = R_grad(dVacc) for keys k0.. of K/V head (b, g); keys no query sees: 0. */
+/* dk = R_grad(c dKacc), dv = R_grad(dVacc) for keys k0.. of K/V head (b, g). (Every key has a visible pair:
+ * the bottom-right causal mask shows the last query row every key.) */
 static void finish_dkv(const bwd_ctx *bx, const bwd_work *w, int64_t b, int64_t g, int64_t k0, int64_t nk) {
     const att_ctx *cx = &bx->cx;
-    const int64_t D = cx->pr.dim, bhk = b * cx->pr.heads_kv + g, seen = last_key(cx, cx->pr.seq_q - 1);
+    const int64_t D = cx->pr.dim, bhk = b * cx->pr.heads_kv + g;
     const uint64_t sk = BWD_STREAM(EV_GRAD_DK, bhk), sv = BWD_STREAM(EV_GRAD_DV, bhk);
     for (int64_t c = 0; c < nk; c++) {
         const int64_t j = k0 + c;
         double *dk = bx->dk + (bhk * cx->pr.seq_kv + j) * D, *dv = bx->dv + (bhk * cx->pr.seq_kv + j) * D;
-        if (j > seen) {
-            memset(dk, 0, (size_t)D * sizeof(double));
-            memset(dv, 0, (size_t)D * sizeof(double));
-            continue;
-        }
         for (int64_t d = 0; d < D; d++) {
             dk[d] = att_round(&bx->grad, bx->c_grad * w->dk_acc[c * D + d], sk, ATT_INDEX(j, d, 0));
             dv[d] = att_round(&bx->grad, w->dv_acc[c * D + d], sv, ATT_INDEX(j, d, 0));

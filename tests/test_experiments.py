@@ -210,10 +210,12 @@ def test_kernels_emulation_columns_on_cpu():
 
 
 def test_fp8_hadamard_reduces_rmse_on_outliers():
-    df = fp8.run(N=4096, n_query=32, seeds=3).set_index("variant")
+    # the error is set by the few outlier entries that land in the sampled rows: per seed the rotation lowers
+    # the RMSE to 0.2-0.9x (one seed in 24 measured above 1); over these three seeds to about 0.4x
+    df = fp8.run(N=4096, n_query=64, seeds=3).set_index("variant")
     rm = df["vs_golden.rmse.mean"]
-    assert rm["FA3 fp8 (block, Hadamard)"] < 0.6 * rm["FA3 fp8 (block)"]
-    assert rm["FA3 fp8 (per-tensor, Hadamard)"] < 0.6 * rm["FA3 fp8 (per-tensor)"]
+    assert rm["FA3 fp8 (block, Hadamard)"] < 0.8 * rm["FA3 fp8 (block)"]
+    assert rm["FA3 fp8 (per-tensor, Hadamard)"] < 0.8 * rm["FA3 fp8 (per-tensor)"]
     assert rm["FA3 fp8 (block, Hadamard)"] < rm["baseline fp8 (per-tensor)"]
     assert rm["FA2 fp16"] < rm["baseline fp16"] < rm["FA3 fp8 (block, Hadamard)"]
     assert df.loc["baseline fp8 (per-tensor)", "fa3_reported"] == 2.4e-2

@@ -202,13 +202,16 @@ def test_resume_after_sigkill(tmp_path):
     n = 60
     out = tmp_path / "killed.jsonl"
     script = tmp_path / "child.py"
-    # the child's flash kernel sleeps 10 ms per point (numerics untouched) so that it is killed mid-sweep
+    # the child's flash kernel sleeps 10 ms per point (numerics untouched), and from the 25th point on
+    # a minute, so that it is surely still running when it is killed
     script.write_text(textwrap.dedent(f"""
         import time
         import fadev.sweep as s
         real = s.KERNELS[("flash", "cpu")]
+        calls = []
         def slow(*args):
-            time.sleep(0.01)
+            calls.append(1)
+            time.sleep(0.01 if len(calls) < 25 else 60)
             return real(*args)
         s.KERNELS[("flash", "cpu")] = slow
         pts = s.expand({{"seed": list(range({n}))}}, base={{"N": 32, "D": 16, "heads": 2, "ref_kernel": "baseline"}})
@@ -228,7 +231,7 @@ def test_resume_after_sigkill(tmp_path):
     assert child.returncode == -signal.SIGKILL
     lines = _read_lines(out)
     written = len([line for line in lines[:-1] if line])
-    assert 10 <= written < n
+    assert 10 <= written < 25
     resumed = sweep.run(_resume_points(n), out, progress=False)
     fresh = sweep.run(_resume_points(n), tmp_path / "fresh.jsonl", progress=False)
     on_disk = sweep.load(out)

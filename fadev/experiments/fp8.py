@@ -109,6 +109,8 @@ def run(size="quick", out=None, device="cpu", workers=1, progress=False, **overr
     vs_golden.{rmse, max_abs, rel_l2}, and ``fa3_reported`` (FA3 Table 3's RMSE, NaN where it has none).
     Results in out/fp8.jsonl. Always on the CPU (fp8 scaling is not a sweep-engine feature)."""
     s = common.sizes(SIZES, size, overrides)
+    if s["D"] & (s["D"] - 1):
+        raise ValueError(f"D must be a power of two for the Hadamard rotation, got {s['D']}")
     points = [{"variant": label, "N": s["N"], "n_query": s["n_query"], "D": s["D"], "seed": seed}
               for label, *_ in VARIANTS for seed in range(s["seeds"])]
     rows = common.run_custom(points, _evaluate, out, NAME, progress)

@@ -1,0 +1,138 @@
+"""The reproduction's command line: ``python -m fadev reproduce`` and the experiment subcommands --
+help texts, the files they write (figures non-trivial: size and pixel variance), report.md's sections,
+argument errors."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import fadev
+from fadev.__main__ import build_parser, main
+from fadev.experiments import EXPERIMENTS
+
+FADEV_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(fadev.__file__)))
+TINY = {
+    "precision": {"formats": ("bf16", "fp16", "fp32"), "N": 512, "n_query": 16, "seeds": 2},
+    "seqlen": {"formats": ("bf16",), "Ns": (128, 512, 2048), "n_query": 16, "seeds": 2},
+    "algorithm": {"N": 1024, "n_query": 16, "seeds": 2},
+    "attribution": {"formats": ("bf16",), "N": 1024, "n_query": 16, "seeds": 1},
+    "kernels": {"formats": ("bf16",), "Ns": (256, 1024), "n_query": 16, "seeds": 2},
+    "fp8": {"N": 512, "n_query": 16, "D": 32, "seeds": 2},
+}
+
+
+def _subparsers(parser):
+    action = next(a for a in parser._actions if a.dest == "command")
+    return action.choices
+
+
+def test_help_documents_every_option(capsys):
+    parser = build_parser()
+    subs = _subparsers(parser)
+    assert {"reproduce", *EXPERIMENTS} <= set(subs)
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    top = capsys.readouterr().out
+    for name in ("reproduce", *EXPERIMENTS):
+        assert name in top and subs[name].description
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = capsys.readouterr().out
+        for action in subs[name]._actions:
+            for opt in action.option_strings:
+                assert opt in text, (name, opt)
+            assert action.help, (name, action.dest)
+    for name, mod in EXPERIMENTS.items():  # every size parameter can be overridden from the command line
+        opts = {o for a in subs[name]._actions for o in a.option_strings}
+        assert {f"--{k}" for k in mod.SIZES["quick"]} <= opts
+
+
+def _check_figure(path):
+    import matplotlib.image
+    assert os.path.getsize(path) > 15_000, path
+    img = matplotlib.image.imread(path)
+    assert img.ndim == 3 and min(img.shape[:2]) > 300
+    assert float(img[..., :3].std()) > 0.05, f"{path} looks blank"  # white background + drawn content
+    svg = path[:-4] + ".svg"
+    assert os.path.getsize(svg) > 10_000 and open(svg).read(200).lstrip().startswith("<?xml")
+
+
+def test_reproduce_quick_only_precision(tmp_path):
+    """The real command at real quick sizes, in a fresh interpreter."""
+    out = tmp_path / "res"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [FADEV_PARENT, os.environ.get("PYTHONPATH")])),
+           "MPLBACKEND": "Agg"}
+    proc = subprocess.run([sys.executable, "-m", "fadev", "reproduce", "--quick", "--only", "precision", "--out",
+                           str(out), "--no-progress"], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert "paper claims hold" in proc.stdout
+    for stem in ("fig3_precision_flash_vs_baseline", "fig4_precision_vs_golden"):
+        _check_figure(str(out / f"{stem}.png"))
+    report = (out / "report.md").read_text()
+    assert "## 1. Numeric formats (Figs 3-4)" in report and "## Summary of the claims" in report
+    assert "flash vs golden at bf16" in report and "paper: ~10x" in report
+    assert (out / "precision.csv").exists() and len((out / "precision.jsonl").read_text().splitlines()) == 21
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    for name, sizes in TINY.items():
+        monkeypatch.setitem(EXPERIMENTS[name].SIZES, "quick", {**EXPERIMENTS[name].SIZES["quick"], **sizes})
+
+
+def test_reproduce_all_sections(tiny, tmp_path, capsys):
+    out = str(tmp_path / "all")
+    assert main(["reproduce", "--out", out, "--no-progress"]) == 0
+    stdout = capsys.readouterr().out
+    assert "paper claims hold" in stdout
+    report = open(os.path.join(out, "report.md")).read()
+    for i, mod in enumerate(EXPERIMENTS.values(), 1):
+        assert f"## {i}. {mod.TITLE}" in report
+        for stem in mod.FIGURES:
+            assert f"]({stem}.png)" in report
+            _check_figure(os.path.join(out, f"{stem}.png"))
+        assert os.path.exists(os.path.join(out, f"{mod.NAME}.csv"))
+    assert "Which knobs change nothing, and why" in report
+    assert "not measured: this run had no CUDA GPU" in report or "torch flash" in report
+    assert "9.1e-03 (FA3 Table 3)" in report
+    # rerunning reads every point back
+    sizes = {n: os.path.getsize(os.path.join(out, f"{n}.jsonl")) for n in EXPERIMENTS}
+    assert main(["reproduce", "--out", out, "--no-progress", "--only", "precision,fp8"]) == 0
+    assert all(os.path.getsize(os.path.join(out, f"{n}.jsonl")) == s for n, s in sizes.items())
+
+
+def test_experiment_subcommand_with_overrides(tmp_path, capsys):
+    out = str(tmp_path / "one")
+    assert main(["seqlen", "--Ns", "128,512", "--n_query", "8", "--seeds", "1", "--formats", "bf16", "--out", out,
+                 "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "bf16: max |flash - baseline| vs N" in text and "seqlen.md" in text
+    _check_figure(os.path.join(out, "fig5_seqlen.png"))
+    import pandas as pd
+    df = pd.read_csv(os.path.join(out, "seqlen.csv"))
+    assert list(df["N"]) == [128, 512] and set(df["n_query"]) == {8}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["reproduce", "--only", "precision,bogus"], "unknown experiment(s) bogus"),
+    (["reproduce", "--quick", "--full"], "not allowed with argument"),
+    (["reproduce", "--device", "tpu"], "invalid choice"),
+    (["reproduce", "--workers", "0"], "expected a positive integer"),
+    (["seqlen", "--Ns", "0,128"], "expected positive integers"),
+    (["seqlen", "--Ns", "a,b"], "expected comma-separated integers"),
+    (["precision", "--seeds", "x"], "expected a positive integer"),
+])
+def test_argument_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_size_override_is_reported(tmp_path, capsys):
+    assert main(["fp8", "--D", "96", "--N", "128", "--n_query", "8", "--seeds", "1", "--out", str(tmp_path),
+                 "--no-progress"]) == 1
+    assert "power-of-two" in capsys.readouterr().err
