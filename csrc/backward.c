@@ -13,15 +13,17 @@
  * The baseline is the same with one query block of Nq rows and one K/V block of Nk keys.
  * q, out, dout, dq: (B, H, Nq, D); k, v, dk, dv: (B, Hkv, Nk, D); lse: (B, H, Nq); contiguous float64.
  *
- * Work split (every per-element operation order above is kept, so any split gives the same bits):
- * the logical blocks (block_q x block_kv) fix the numbers; they are computed in tiles of at most
- * TILE_Q x TILE_KV inside one logical block, the grad_acc sums running on from tile to tile. Either
- *   one pass (FA2's loop): a task per (b, g) walks K/V blocks, heads of the group and query blocks in
- *     order, producing dK/dV of each K/V block and adding that block's part into dQ (kept in dq), or
- *   two passes when the (b, g) pairs would leave threads idle: dK/dV tasks per (b, g, key tile), then
- *     dQ tasks per (b, h, row tile) that recompute P and dS (FA2's deterministic mode).
- * The tiles and their block products are in backward_tile.c. Memory: O(N D) copies of the rounded
- * operands and per-row statistics, plus per task a tile's scratch and one K/V block's dK/dV sums. */
+ * Work split (every per-element operation order above is kept, so the bits do not depend on it): the
+ * logical blocks (block_q x block_kv) fix the numbers; they are computed in tiles of at most TILE_Q x
+ * TILE_KV inside one logical block, the grad_acc sums running on from tile to tile. FA2's loop, K/V
+ * tiles outer: a task per (b, g, key tile) owns dK, dV of its keys (query heads of the group, query
+ * blocks, row tiles in order) and hands each row tile's dQ terms on to the next key tile's task in
+ * key order (progress counters), like FA2's dQ accumulation made deterministic: nothing is recomputed
+ * and every (b, g, key tile) runs in parallel, in a pipeline along the keys. The tiles and their
+ * block products are in backward_tile.c. Memory: O(N D) (rounded operand copies, dQ's running sums,
+ * per-row statistics) plus per task a tile's scratch. */
+#define _POSIX_C_SOURCE 200809L /* sched_yield */
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -87,37 +89,6 @@ static void finish_dq(const bwd_ctx *bx, int64_t bh, int64_t i0, int64_t nr, con
     }
 }
 
-/* dK, dV sums of keys [k0, k0 + nk) (inside K/V block jb) of K/V head (b, g): the query heads of the group
- * and their query blocks in order, into w->dv_acc, w->dk_acc. with_dq (one pass, [k0, k0 + nk) the whole
- * block): the tiles also add this K/V block's part into dQacc, kept in bx->dq. */
-static void kv_sweep(const bwd_ctx *bx, bwd_work *w, int64_t b, int64_t g, int64_t jb, int64_t k0, int64_t nk,
-                     int with_dq) {
-    const att_ctx *cx = &bx->cx;
-    const int64_t D = cx->pr.dim, Nq = cx->pr.seq_q, ld = bx->ld, bq = bx->block_q, tq = bx->tile_q;
-    const int64_t tk = bx->tile_kv;
-    memset(w->dv_acc, 0, (size_t)(nk * D) * sizeof(double));
-    memset(w->dk_acc, 0, (size_t)(nk * D) * sizeof(double));
-    for (int64_t h = g * cx->group; h < (g + 1) * cx->group; h++) {
-        const int64_t bh = b * cx->pr.heads + h;
-        for (int64_t q0 = 0, qb = 0; q0 < Nq; q0 += bq, qb++) {
-            const int64_t q_end = min64(q0 + bq, Nq);
-            if (last_key(cx, q_end - 1) < k0) continue; /* no row of this block sees these keys */
-            memset(w->dv_part, 0, (size_t)(nk * ld) * sizeof(double));
-            memset(w->dk_part, 0, (size_t)(nk * ld) * sizeof(double));
-            for (int64_t i0 = q0; i0 < q_end; i0 += tq) {
-                const int64_t nr = min64(tq, q_end - i0);
-                if (last_key(cx, i0 + nr - 1) < k0) continue;
-                if (with_dq) memset(w->dq_part, 0, (size_t)(nr * ld) * sizeof(double));
-                for (int64_t j0 = k0; j0 < k0 + nk && j0 <= last_key(cx, i0 + nr - 1); j0 += tk)
-                    bwd_tile(bx, w, bh, i0, nr, j0, min64(tk, k0 + nk - j0), w->dv_part + (j0 - k0) * ld,
-                             w->dk_part + (j0 - k0) * ld, with_dq ? w->dq_part : NULL);
-                if (with_dq) add_dq_block(bx, bh, i0, nr, jb, k0, w->dq_part, bx->dq + (bh * Nq + i0) * D);
-            }
-            add_dkv_block(bx, w, bh, qb, q_end - 1, k0, nk);
-        }
-    }
-}
-
 /* ------------------------------------------------------------------ tasks */
 
 typedef struct bwd_job {
@@ -145,6 +116,7 @@ static fadev_status prep_task(void *ctxp, size_t task) {
         return FADEV_OK;
     }
     const int64_t bh = (int64_t)task;
+    memset(bx->dq + bh * Nq * D, 0, (size_t)(Nq * D) * sizeof(double)); /* dQacc starts at 0 */
     const uint64_t s0 = BWD_STREAM(EV_DOUT, bh), s1 = BWD_STREAM(EV_OUT, bh), s4 = BWD_STREAM(EV_DELTA_ACC, bh);
     mag dm = MAG_EMPTY, qm = MAG_EMPTY;
     for (int64_t i = 0; i < Nq; i++) {
@@ -225,62 +197,69 @@ static fadev_status baseline_stats_task(void *ctxp, size_t task) {
     return FADEV_OK;
 }
 
-/* One pass, task (b, g): K/V blocks in order; each block's dK, dV finished, its part added into dQ. */
-static fadev_status one_pass_task(void *ctxp, size_t task) {
-    const bwd_ctx *bx = ((const bwd_job *)ctxp)->bx;
-    const att_ctx *cx = &bx->cx;
-    const int64_t b = (int64_t)task / cx->pr.heads_kv, g = (int64_t)task % cx->pr.heads_kv;
-    const int64_t Nq = cx->pr.seq_q, Nk = cx->pr.seq_kv, D = cx->pr.dim;
-    bwd_work w;
-    if (bwd_work_alloc(&w, bx, bx->block_kv, 0) != FADEV_OK) return FADEV_ERR_NO_MEMORY;
-    const int64_t h0 = b * cx->pr.heads + g * cx->group;
-    memset(bx->dq + h0 * Nq * D, 0, (size_t)(cx->group * Nq * D) * sizeof(double));
-    for (int64_t k0 = 0, jb = 0; k0 < Nk; k0 += bx->block_kv, jb++) {
-        const int64_t nk = min64(bx->block_kv, Nk - k0);
-        kv_sweep(bx, &w, b, g, jb, k0, nk, 1);
-        finish_dkv(bx, &w, b, g, k0, nk);
-    }
-    for (int64_t bh = h0; bh < h0 + cx->group; bh++) finish_dq(bx, bh, 0, Nq, bx->dq + bh * Nq * D);
-    bwd_work_free(&w);
-    return FADEV_OK;
+/* Key tile kt of a (b, g) pair: keys [k0, k0 + nk) of K/V block jb; returns 1 for the block's last tile. */
+static int key_tile(const bwd_ctx *bx, int64_t kt, int64_t *jb, int64_t *k0, int64_t *nk) {
+    const int64_t per_block = (bx->block_kv + bx->tile_kv - 1) / bx->tile_kv;
+    *jb = kt / per_block;
+    const int64_t end = min64((*jb + 1) * bx->block_kv, bx->cx.pr.seq_kv);
+    *k0 = *jb * bx->block_kv + (kt % per_block) * bx->tile_kv;
+    *nk = min64(bx->tile_kv, end - *k0);
+    return *k0 + *nk == end;
 }
 
-/* Two passes, first: task (b, g, key tile of a K/V block): dK, dV of those keys. */
-static fadev_status kv_task(void *ctxp, size_t task) {
+/* Task (b, g, key tile kt): dK and dV of the tile's keys, walking the group's query heads, their query
+ * blocks and row tiles in order (the steps). At each step the tile's dQ terms join the running dQ sums
+ * of those rows (bx->dq_part) once key tile kt - 1 has added its own: the task waits for its
+ * predecessor's progress counter, so every dQ sum runs over the keys in ascending order whatever thread
+ * runs which tile. The last tile of a K/V block adds the block's sum into dQacc (kept in dq). Tasks are
+ * handed out in order, so a task only waits for one that is running or done. */
+static fadev_status pipeline_task(void *ctxp, size_t task) {
     const bwd_ctx *bx = ((const bwd_job *)ctxp)->bx;
     const att_ctx *cx = &bx->cx;
-    const int64_t Nk = cx->pr.seq_kv, bkv = bx->block_kv, tk = bx->tile_kv;
-    const int64_t per_block = (bkv + tk - 1) / tk, blocks = (Nk + bkv - 1) / bkv;
-    const int64_t bg = (int64_t)task / (blocks * per_block), rest = (int64_t)task % (blocks * per_block);
-    const int64_t jb = rest / per_block, k0 = jb * bkv + (rest % per_block) * tk, end = min64(jb * bkv + bkv, Nk);
-    if (k0 >= end) return FADEV_OK;
+    const int64_t D = cx->pr.dim, Nq = cx->pr.seq_q, ld = bx->ld, bq = bx->block_q, tq = bx->tile_q;
+    const int64_t bg = (int64_t)task / bx->key_tiles, kt = (int64_t)task % bx->key_tiles;
+    const int64_t b = bg / cx->pr.heads_kv, g = bg % cx->pr.heads_kv;
+    int64_t jb, k0, nk;
+    const int last = key_tile(bx, kt, &jb, &k0, &nk);
+    _Atomic int64_t *done = bx->progress + task, *before = kt > 0 ? done - 1 : NULL;
     bwd_work w;
-    if (bwd_work_alloc(&w, bx, tk, 0) != FADEV_OK) return FADEV_ERR_NO_MEMORY;
-    const int64_t b = bg / cx->pr.heads_kv, g = bg % cx->pr.heads_kv, nk = min64(tk, end - k0);
-    kv_sweep(bx, &w, b, g, jb, k0, nk, 0);
+    if (bwd_work_alloc(&w, bx, nk) != FADEV_OK) {
+        atomic_store_explicit(done, INT64_MAX, memory_order_release); /* the successor must not wait forever */
+        return FADEV_ERR_NO_MEMORY;
+    }
+    int64_t step = 0;
+    for (int64_t h = g * cx->group; h < (g + 1) * cx->group; h++) {
+        const int64_t bh = b * cx->pr.heads + h;
+        for (int64_t q0 = 0, qb = 0; q0 < Nq; q0 += bq, qb++) {
+            const int64_t q_end = min64(q0 + bq, Nq);
+            memset(w.dv_part, 0, (size_t)(nk * ld) * sizeof(double));
+            memset(w.dk_part, 0, (size_t)(nk * ld) * sizeof(double));
+            for (int64_t i0 = q0; i0 < q_end; i0 += tq, step++) {
+                const int64_t nr = min64(tq, q_end - i0);
+                const int seen = bwd_tile(bx, &w, bh, i0, nr, k0, nk, w.dv_part, w.dk_part);
+                if (before)
+                    while (atomic_load_explicit(before, memory_order_acquire) <= step) sched_yield();
+                double *part = bx->dq_part + (bh * Nq + i0) * ld;
+                if (seen) bwd_tile_dq(bx, &w, bh, i0, nr, k0, nk, part);
+                if (last) {
+                    add_dq_block(bx, bh, i0, nr, jb, jb * bx->block_kv, part, bx->dq + (bh * Nq + i0) * D);
+                    memset(part, 0, (size_t)(nr * ld) * sizeof(double));
+                }
+                atomic_store_explicit(done, step + 1, memory_order_release);
+            }
+            add_dkv_block(bx, &w, bh, qb, q_end - 1, k0, nk);
+        }
+    }
     finish_dkv(bx, &w, b, g, k0, nk);
     bwd_work_free(&w);
     return FADEV_OK;
 }
 
-/* Two passes, second: task (b, h, row tile): dQ of those rows, K/V blocks in order (P and dS recomputed). */
-static fadev_status q_task(void *ctxp, size_t task) {
+/* Task bh: dq of the head's rows from their dQacc (in place). */
+static fadev_status finish_task(void *ctxp, size_t task) {
     const bwd_ctx *bx = ((const bwd_job *)ctxp)->bx;
-    const att_ctx *cx = &bx->cx;
-    const int64_t Nq = cx->pr.seq_q, Nk = cx->pr.seq_kv, tq = bx->tile_q, tk = bx->tile_kv, bkv = bx->block_kv;
-    const int64_t per_head = (Nq + tq - 1) / tq, bh = (int64_t)task / per_head;
-    const int64_t i0 = ((int64_t)task % per_head) * tq, nr = min64(tq, Nq - i0), seen = last_key(cx, i0 + nr - 1);
-    bwd_work w;
-    if (bwd_work_alloc(&w, bx, 0, tq) != FADEV_OK) return FADEV_ERR_NO_MEMORY;
-    for (int64_t k0 = 0, jb = 0; k0 < Nk && k0 <= seen; k0 += bkv, jb++) {
-        const int64_t end = min64(k0 + bkv, Nk);
-        memset(w.dq_part, 0, (size_t)(nr * bx->ld) * sizeof(double));
-        for (int64_t j0 = k0; j0 < end && j0 <= seen; j0 += tk)
-            bwd_tile(bx, &w, bh, i0, nr, j0, min64(tk, end - j0), NULL, NULL, w.dq_part);
-        add_dq_block(bx, bh, i0, nr, jb, k0, w.dq_part, w.dq_acc);
-    }
-    finish_dq(bx, bh, i0, nr, w.dq_acc);
-    bwd_work_free(&w);
+    const int64_t Nq = bx->cx.pr.seq_q, bh = (int64_t)task;
+    finish_dq(bx, bh, 0, Nq, bx->dq + bh * Nq * bx->cx.pr.dim);
     return FADEV_OK;
 }
 
@@ -318,7 +297,7 @@ static void ctx_free(bwd_ctx *bx) {
     att_free(&bx->cx);
     free(bx->dout), free(bx->q), free(bx->k), free(bx->vt), free(bx->doutf), free(bx->qf), free(bx->kf);
     free(bx->vtf), free(bx->do_min), free(bx->do_max), free(bx->q_min), free(bx->q_max), free(bx->do_finite);
-    free(bx->q_finite), free(bx->row_l), free(bx->row_m), free(bx->row_d);
+    free(bx->q_finite), free(bx->row_l), free(bx->row_m), free(bx->row_d), free(bx->dq_part), free(bx->progress);
 }
 
 /* n = a * b * c * d elements (0 on overflow or beyond what a byte count can hold). */
@@ -367,6 +346,13 @@ static fadev_status ctx_init(bwd_ctx *bx, const double *q, const double *k, cons
     bx->do_finite = malloc(nh * sizeof(int)), bx->q_finite = malloc(nh * sizeof(int));
     bx->row_l = malloc(n_rows * sizeof(double)), bx->row_d = malloc(n_rows * sizeof(double));
     if (baseline) ok = ok && (bx->row_m = malloc(n_rows * sizeof(double)));
+    bx->key_tiles = (Nk - 1) / bx->block_kv * ((bx->block_kv + bx->tile_kv - 1) / bx->tile_kv) +
+                    ((Nk - 1) % bx->block_kv + bx->tile_kv) / bx->tile_kv;
+    const size_t n_tasks = (size_t)(B * Hkv * bx->key_tiles);
+    bx->dq_part = calloc(n_qd, sizeof(double));
+    if ((bx->progress = malloc(n_tasks * sizeof(_Atomic int64_t))))
+        for (size_t t = 0; t < n_tasks; t++) atomic_init(&bx->progress[t], 0);
+    ok = ok && bx->dq_part && bx->progress;
     ok = ok && bx->do_min && bx->do_max && bx->q_min && bx->q_max && bx->do_finite && bx->q_finite && bx->row_l &&
          bx->row_d;
     if (ok) return FADEV_OK;
@@ -385,20 +371,13 @@ static fadev_status backward(const double *q, const double *k, const double *v, 
     bwd_ctx bx;
     if ((st = ctx_init(&bx, q, k, v, pr, pol, pb, baseline)) != FADEV_OK) return st;
     bx.dq = dq, bx.dk = dk, bx.dv = dv;
-    const int64_t B = pr->batch, H = pr->heads, Hkv = pr->heads_kv, Nq = pr->seq_q, Nk = pr->seq_kv;
+    const int64_t B = pr->batch, H = pr->heads, Hkv = pr->heads_kv, Nq = pr->seq_q;
     bwd_job job = {&bx, out, lse, dout};
     st = fadev_parallel_for((size_t)(B * H + B * Hkv), prep_task, &job);
     if (st == FADEV_OK && baseline)
         st = fadev_parallel_for((size_t)(B * H * ((Nq + STATS_ROWS - 1) / STATS_ROWS)), baseline_stats_task, &job);
-    /* one pass does ~5 dot products per pair, two passes ~7 but spread over more tasks */
-    const int64_t threads = fadev_get_num_threads(), pairs = B * Hkv;
-    if (st == FADEV_OK && 5 * ((pairs + threads - 1) / threads) * threads <= 7 * pairs) {
-        st = fadev_parallel_for((size_t)pairs, one_pass_task, &job);
-    } else if (st == FADEV_OK) {
-        const int64_t kv_tiles = (Nk + bx.block_kv - 1) / bx.block_kv * ((bx.block_kv + bx.tile_kv - 1) / bx.tile_kv);
-        st = fadev_parallel_for((size_t)(pairs * kv_tiles), kv_task, &job);
-        if (st == FADEV_OK) st = fadev_parallel_for((size_t)(B * H * ((Nq + bx.tile_q - 1) / bx.tile_q)), q_task, &job);
-    }
+    if (st == FADEV_OK) st = fadev_parallel_for((size_t)(B * Hkv * bx.key_tiles), pipeline_task, &job);
+    if (st == FADEV_OK) st = fadev_parallel_for((size_t)(B * H), finish_task, &job);
     ctx_free(&bx);
     return st;
 }

@@ -4,6 +4,7 @@
 #define FADEV_BACKWARD_H
 
 #include <float.h>
+#include <stdatomic.h>
 
 #include "attention.h"
 
@@ -34,7 +35,10 @@ typedef struct bwd_ctx {
     int *do_finite, *q_finite;
     double *row_l, *row_m, *row_d; /* per query row: flash L; baseline m and l; D_i */
     int dp_float, dv_float, dk_float, dq_float; /* the float tier is possible for dP, dV, dK, dQ */
-    double *dq, *dk, *dv;          /* outputs */
+    double *dq, *dk, *dv;          /* outputs; dq holds dQacc until the end */
+    double *dq_part;               /* (B*H, Nq, ld): the running grad_acc sums of dQ within a K/V block */
+    int64_t key_tiles;             /* key tiles per (b, g): the pipeline's stages */
+    _Atomic int64_t *progress;     /* per pipeline task: steps whose dQ terms it has added */
 } bwd_ctx;
 
 /* last key query row i sees (causal, bottom-right aligned), Nk - 1 otherwise; < 0: none */
@@ -67,14 +71,13 @@ typedef struct bwd_work {
     float *fbuf, *af;         /* the same shape in float: att_scores' scratch, dS for the dQ product */
     double *pt, *dst;         /* tile_kv x tile_q: P' and dS transposed (the dV and dK products) */
     float *ptf, *dstf;
-    double *dq_part;          /* tile rows x ld: the grad_acc sums of dQ within one K/V block */
     double *dv_part, *dk_part;/* keys x ld: the grad_acc sums of dV, dK within one query block */
     double *dv_acc, *dk_acc;  /* keys x D: dVacc, dKacc */
-    double *dq_acc;           /* rows x D: dQacc (two-pass dQ tasks) */
+    int dq_tier;              /* how bwd_tile_dq computes the tile's dQ product */
 } bwd_work;
 
-/* Scratch of one task: tiles of TILE_Q x TILE_KV at most, dK/dV sums of `keys` keys, dQacc of `acc_rows`. */
-ATT_INTERNAL fadev_status bwd_work_alloc(bwd_work *w, const bwd_ctx *bx, int64_t keys, int64_t acc_rows);
+/* Scratch of one task: tiles of TILE_Q x TILE_KV at most, dK/dV sums of `keys` keys. */
+ATT_INTERNAL fadev_status bwd_work_alloc(bwd_work *w, const bwd_ctx *bx, int64_t keys);
 ATT_INTERNAL void bwd_work_free(bwd_work *w);
 
 /* Step 4's sums (before R_dp) of rows i0.. of query head bh and keys j0 + jj, jj < nvis[r], into dp
@@ -84,8 +87,14 @@ ATT_INTERNAL void bwd_dp_products(const bwd_ctx *bx, int64_t bh, int64_t i0, int
 
 /* Steps 1-7 for one tile: query head bh, rows [i0, i0 + nr), keys [j0, j0 + n) of one K/V block and one
  * query block. Adds the tile's terms to the running grad_acc sums of dV and dK of its keys (rows of
- * dv_part, dk_part, stride ld) and of dQ of its rows (dq_part); a NULL part is not wanted. */
-ATT_INTERNAL void bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr, int64_t j0,
-                           int64_t n, double *dv_part, double *dk_part, double *dq_part);
+ * dv_part, dk_part, stride ld) and keeps its dS in w for bwd_tile_dq. Returns 0 (and does nothing) when
+ * no row of the tile sees a key of it. */
+ATT_INTERNAL int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr, int64_t j0, int64_t n,
+                          double *dv_part, double *dk_part);
+
+/* The same tile's terms added to the running grad_acc sums of dQ of its rows (dq_part, stride ld), keys
+ * ascending; after bwd_tile returned 1 and before w is used again. */
+ATT_INTERNAL void bwd_tile_dq(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr, int64_t j0,
+                              int64_t n, double *dq_part);
 
 #endif /* FADEV_BACKWARD_H */

@@ -200,11 +200,11 @@ static int mm_tier(const att_stage *acc, int possible, double amin, double amax,
 
 void bwd_work_free(bwd_work *w) {
     free(w->nvis), free(w->kb), free(w->ke), free(w->s), free(w->dp), free(w->pp), free(w->ds), free(w->fbuf);
-    free(w->af), free(w->pt), free(w->dst), free(w->ptf), free(w->dstf), free(w->dq_part), free(w->dv_part);
-    free(w->dk_part), free(w->dv_acc), free(w->dk_acc), free(w->dq_acc);
+    free(w->af), free(w->pt), free(w->dst), free(w->ptf), free(w->dstf), free(w->dv_part), free(w->dk_part);
+    free(w->dv_acc), free(w->dk_acc);
 }
 
-fadev_status bwd_work_alloc(bwd_work *w, const bwd_ctx *bx, int64_t keys, int64_t acc_rows) {
+fadev_status bwd_work_alloc(bwd_work *w, const bwd_ctx *bx, int64_t keys) {
     const size_t tq = (size_t)bx->tile_q, tk = (size_t)bx->tile_kv, ld = (size_t)bx->ld, D = (size_t)bx->cx.pr.dim;
     const size_t tile = (size_t)att_rows(bx->tile_q) * (size_t)att_score_ld(bx->tile_kv), nk = (size_t)keys + 1;
     const size_t n_idx = (tq > tk ? tq : tk) + 4, d = sizeof(double), f = sizeof(float);
@@ -213,12 +213,10 @@ fadev_status bwd_work_alloc(bwd_work *w, const bwd_ctx *bx, int64_t keys, int64_
     w->s = calloc(tile, d), w->dp = calloc(tile, d), w->pp = calloc(tile, d), w->ds = calloc(tile, d);
     w->fbuf = calloc(tile, f), w->af = calloc(tile, f);
     w->pt = calloc(tk * tq, d), w->dst = calloc(tk * tq, d), w->ptf = calloc(tk * tq, f), w->dstf = calloc(tk * tq, f);
-    w->dq_part = calloc((size_t)att_rows(bx->tile_q) * ld, d);
     w->dv_part = calloc(nk * ld, d), w->dk_part = calloc(nk * ld, d);
     w->dv_acc = calloc(nk * D, d), w->dk_acc = calloc(nk * D, d);
-    w->dq_acc = calloc(((size_t)acc_rows + 1) * D, d);
     if (w->nvis && w->kb && w->ke && w->s && w->dp && w->pp && w->ds && w->fbuf && w->af && w->pt && w->dst &&
-        w->ptf && w->dstf && w->dq_part && w->dv_part && w->dk_part && w->dv_acc && w->dk_acc && w->dq_acc)
+        w->ptf && w->dstf && w->dv_part && w->dk_part && w->dv_acc && w->dk_acc)
         return FADEV_OK;
     bwd_work_free(w);
     return FADEV_ERR_NO_MEMORY;
@@ -244,8 +242,8 @@ void bwd_dp_products(const bwd_ctx *bx, int64_t bh, int64_t i0, int64_t nr, cons
     mm_run(&m, nr, kb, ke, nvis, 0, ncols);
 }
 
-void bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr, int64_t j0, int64_t n,
-              double *dv_part, double *dk_part, double *dq_part) {
+int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr, int64_t j0, int64_t n,
+             double *dv_part, double *dk_part) {
     const att_ctx *cx = &bx->cx;
     const int64_t D = cx->pr.dim, Nq = cx->pr.seq_q, Nk = cx->pr.seq_kv, ld = bx->ld, tq = bx->tile_q;
     const int64_t lds = att_score_ld(n), bhk = kv_head(cx, bh);
@@ -254,7 +252,7 @@ void bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr
         w->nvis[r] = att_visible(cx, i0 + r, j0, n);
         maxv = max64(maxv, w->nvis[r]);
     }
-    if (maxv == 0) return;
+    if (maxv == 0) return 0;
     att_scores(cx, bh, i0, nr, w->nvis, j0, w->s, lds, w->fbuf);
     bwd_dp_products(bx, bh, i0, nr, w->nvis, j0, maxv, w->dp, lds, w->kb, w->ke);
 
@@ -284,22 +282,12 @@ void bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr
             for (int64_t c = 0; c < nv; c++) mag_add(&sm, ds[c]);
     }
 
-    if (dq_part) { /* dQ[i] += sum_j dS_ij K_j over the visible keys, ascending */
-        bwd_mm m = {0};
-        m.tier = mm_tier(&bx->grad_acc, bx->dq_float, sm.min, sm.max, sm.finite, cx->k_min[bhk], cx->k_max[bhk],
+    /* dS as bwd_tile_dq's product will read it */
+    w->dq_tier = mm_tier(&bx->grad_acc, bx->dq_float, sm.min, sm.max, sm.finite, cx->k_min[bhk], cx->k_max[bhk],
                          cx->k_finite[bhk]);
-        for (int64_t r = 0; r < nr; r++) {
-            w->kb[r] = 0, w->ke[r] = w->nvis[r];
-            if (m.tier == MM_F32)
-                for (int64_t c = 0; c < w->nvis[r]; c++) w->af[r * lds + c] = (float)w->ds[r * lds + c];
-        }
-        m.layout = LAYOUT_DQ, m.acc = &bx->grad_acc, m.stream = BWD_STREAM(EV_ACC_DQ, bh), m.row0 = i0, m.k0 = j0;
-        m.a = w->ds, m.af = w->af, m.lda = lds;
-        m.b = bx->k + (bhk * Nk + j0) * ld, m.bf = bx->kf ? bx->kf + (bhk * Nk + j0) * ld : NULL, m.ldb = ld;
-        m.c = dq_part, m.ldc = ld;
-        mm_run(&m, nr, w->kb, w->ke, NULL, D, ld);
-    }
-    if (!dv_part) return;
+    if (w->dq_tier == MM_F32)
+        for (int64_t r = 0; r < nr; r++)
+            for (int64_t c = 0; c < w->nvis[r]; c++) w->af[r * lds + c] = (float)w->ds[r * lds + c];
     /* dV[j] += sum_i P'_ij dO_i and dK[j] += sum_i dS_ij Q_i over the rows that see key j (a suffix), ascending */
     for (int64_t c = 0; c < n; c++) {
         int64_t first = cx->pr.causal ? j0 + c - (Nk - Nq) - i0 : 0;
@@ -329,5 +317,20 @@ void bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr
         m.c = is_v ? dv_part : dk_part, m.ldc = ld;
         mm_run(&m, n, w->kb, w->ke, NULL, D, ld);
     }
+    return 1;
 }
 
+void bwd_tile_dq(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr, int64_t j0, int64_t n,
+                 double *dq_part) {
+    const att_ctx *cx = &bx->cx;
+    const int64_t bhk = kv_head(cx, bh);
+    for (int64_t r = 0; r < nr; r++) w->kb[r] = 0, w->ke[r] = w->nvis[r];
+    bwd_mm m = {0};
+    m.tier = w->dq_tier, m.layout = LAYOUT_DQ, m.acc = &bx->grad_acc, m.stream = BWD_STREAM(EV_ACC_DQ, bh);
+    m.row0 = i0, m.k0 = j0;
+    m.a = w->ds, m.af = w->af, m.lda = att_score_ld(n);
+    m.b = bx->k + (bhk * cx->pr.seq_kv + j0) * bx->ld, m.ldb = bx->ld;
+    m.bf = bx->kf ? bx->kf + (bhk * cx->pr.seq_kv + j0) * bx->ld : NULL;
+    m.c = dq_part, m.ldc = bx->ld;
+    mm_run(&m, nr, w->kb, w->ke, NULL, cx->pr.dim, bx->ld);
+}

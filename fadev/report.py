@@ -140,7 +140,8 @@ def write(path, results, size="quick", device="cpu"):
              f"fadev {__version__}, `{size}` sizes, device `{device}`"
              f"{' (PyTorch sees a GPU)' if torch_cuda() else ''}; {platform.machine()} {platform.system()}, Python "
              f"{platform.python_version()}, {os.cpu_count()} CPUs; {datetime.date.today().isoformat()}; "
-             f"{total:.0f} s in this invocation (finished points are read back, not recomputed). Regenerate with `python -m fadev reproduce --{size} --out DIR`.", "",
+             f"{total:.0f} s in this invocation (finished points are read back, not recomputed). Regenerate with "
+             f"`python -m fadev reproduce --{size} --out DIR`.", "",
              "Method. Every arithmetic result is rounded to the format of the stage it belongs to (fadev's precision "
              "policies, DESIGN.md); deviations are measured against an fp64 golden run on the same inputs and "
              "averaged over input seeds (± = standard deviation over seeds). Query rows are independent, so each "
@@ -148,7 +149,8 @@ def write(path, results, size="quick", device="cpu"):
              "the full N x N attention at O(n_query N D) cost (fadev/experiments/common.py).", ""]
     verdicts = [(name, f) for name, r in results.items() for f in r["findings"] if f.holds is not None]
     if verdicts:
-        lines += ["## Summary of the claims", "", "| experiment | claim | ours | paper | verdict |", "|---|---|---|---|---|"]
+        lines += ["## Summary of the claims", "", "| experiment | claim | ours | paper | verdict |",
+                  "|---|---|---|---|---|"]
         for name, f in verdicts:
             lines.append(f"| {name} | {_md(f.claim)} | {_md(f.ours)} | {_md(f.paper)} | "
                          f"{'holds' if f.holds else '**does not hold**'} |")

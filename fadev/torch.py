@@ -12,13 +12,15 @@
 What is copied. The kernels read C-contiguous float64 memory. A contiguous float64 CPU tensor is handed
 to them as ``tensor.numpy()`` (no copy), and their float64 results become tensors through
 ``torch.from_numpy`` (no copy): in float64 nothing is copied on the way in or out. Any other input
-(float32, float16, bfloat16 -- read as its uint16 bit patterns --, or non-contiguous) is converted once
-into a contiguous float64 copy (exact: every value of these dtypes is a float64); results are converted
-once into the input dtype (exact when the policy's ``out`` / ``grad`` format fits in the dtype, e.g.
-fa2(bf16) into bfloat16 or float32; otherwise rounded to nearest-even once, not twice through float32
-as torch's cast does). These copies are made by NumPy and fadev, not torch's thread pool. The forward saves the
-float64 inputs (the tensors themselves when they are float64), the float64 output and the row
-log-sum-exp for the backward, which recomputes nothing else.
+(float32, float16, bfloat16 -- read through its bit patterns --, or non-contiguous) is converted into
+a contiguous float64 copy, exactly (every value of these dtypes is a float64), by the forward and again
+by the backward; results are converted once into the input dtype (exact when the policy's ``out`` /
+``grad`` format fits in the dtype, e.g. fa2(bf16) into bfloat16 or float32; otherwise rounded to
+nearest-even once, not twice through float32 as torch's cast does). NumPy and fadev make these copies,
+not torch's thread pool; the float64 input copies go into per-thread scratch buffers reused from call
+to call (fresh memory's page faults cost more than the copy; see :func:`release_buffers`). For the
+backward the forward saves the input tensors themselves (no float64 copies), the float64 output and the
+row log-sum-exp; the backward recomputes nothing else.
 
 Tensors must be on the CPU: fadev's GPU kernels are not wired to PyTorch yet (NotImplementedError).
 """
@@ -26,7 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 
+import ml_dtypes
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -34,7 +38,7 @@ from torch.nn.modules import module as _torch_module
 
 import fadev as _fadev
 from .attention import MAX_DIM, baseline_attention, flash_attention, sram_tiles
-from .formats import from_bits as _from_bits, to_bits as _to_bits
+from .formats import to_bits as _to_bits
 from .metrics import compare
 from .policy import Policy, as_policy
 
@@ -71,16 +75,49 @@ def _zero_copy(t) -> bool:
     return t.dtype == torch.float64 and t.is_contiguous() and not t.is_neg() and not t.is_conj()
 
 
-def _float64(t) -> np.ndarray:
-    """``t``'s values as a C-contiguous float64 NumPy array: ``t``'s own memory when it is a contiguous
-    float64 tensor, else one exact copy. Conversions run in NumPy / fadev, not in torch's thread pool
-    (whose worker wake-ups cost milliseconds on a busy machine and compete with fadev's threads)."""
+POOL_MAX_ELEMENTS = 1 << 22
+"""Largest float64 copy (in elements, 32 MiB) made in a reused per-thread scratch buffer; larger ones are
+fresh arrays."""
+
+_pool = threading.local()
+
+
+def _scratch(slot, shape) -> np.ndarray:
+    """A float64 array of ``shape`` in this thread's scratch buffer ``slot`` (q, k, v or dout). Fresh
+    memory costs a page fault per 4 KiB on first touch -- about 1 ms for the three float64 copies of a
+    1 x 4 x 1024 x 64 call, 2.5% of its fa2 forward -- and freed large arrays go back to the OS, so the
+    copies reuse warm buffers. A buffer's contents live only until the next call on the thread: the copies
+    are read by the kernel and never saved (the forward saves the original tensors)."""
+    n = math.prod(shape)
+    if n > POOL_MAX_ELEMENTS:
+        return np.empty(shape)
+    buffers = _pool.__dict__.setdefault("buffers", {})
+    buf = buffers.get(slot)
+    if buf is None or buf.size < n:
+        buf = buffers[slot] = np.empty(n)
+    return buf[:n].reshape(shape)
+
+
+def release_buffers() -> None:
+    """Free this thread's scratch buffers (at most 4 x 32 MiB; see :data:`POOL_MAX_ELEMENTS`)."""
+    _pool.__dict__.pop("buffers", None)
+
+
+def _float64(t, slot=None) -> np.ndarray:
+    """``t``'s values as a C-contiguous float64 array: ``t``'s own memory when it is a contiguous float64
+    tensor, else an exact copy (in scratch buffer ``slot`` when given). Copies are made by NumPy, not by
+    torch's thread pool (whose worker wake-ups cost milliseconds on a busy machine and compete with
+    fadev's threads)."""
     t = t.detach()
     if _zero_copy(t):
         return t.numpy()
-    if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: read the bit patterns
-        return _from_bits(np.ascontiguousarray(t.view(torch.int16).numpy().view(np.uint16)), "bf16")
-    return np.ascontiguousarray(t.resolve_neg().resolve_conj().numpy(), dtype=np.float64)
+    if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: view the bits as ml_dtypes' (an exact cast)
+        src = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    else:
+        src = t.resolve_neg().resolve_conj().numpy()
+    out = _scratch(slot, tuple(t.shape)) if slot is not None else np.empty(tuple(t.shape))
+    np.copyto(out, src)
+    return out
 
 
 def _to_dtype(arr: np.ndarray, dtype) -> torch.Tensor:
@@ -159,7 +196,7 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, kern, causal, scale, sink):
-        q64, k64, v64 = _float64(q), _float64(k), _float64(v)
+        q64, k64, v64 = _float64(q, "q"), _float64(k, "k"), _float64(v, "v")
         qs, ks = _shape4(q.shape), _shape4(k.shape)
         out, lse = kern.forward(q64.reshape(qs), k64.reshape(ks), v64.reshape(ks), causal, scale)
         out = out.reshape(q.shape)
@@ -167,9 +204,10 @@ class _AttentionFunction(torch.autograd.Function):
             sink.append(out)
         result = _to_dtype(out, q.dtype)
         out64 = result if q.dtype == torch.float64 else torch.from_numpy(out)
-        # float64 inputs are saved as themselves, so autograd notices if they are modified in place
-        ctx.save_for_backward(*(t if _zero_copy(t) else torch.from_numpy(t64)
-                                for t, t64 in ((q, q64), (k, k64), (v, v64))), out64, torch.from_numpy(lse))
+        # the inputs themselves, not their float64 copies: autograd then notices in-place changes, the graph
+        # holds no second copy, and the backward's fresh copies reuse warm memory (keeping these alive costs
+        # more in page faults than converting twice)
+        ctx.save_for_backward(q, k, v, out64, torch.from_numpy(lse))
         ctx.kern, ctx.causal, ctx.scale, ctx.dtype = kern, causal, scale, q.dtype
         return result
 
@@ -178,8 +216,9 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         qs, ks = _shape4(q.shape), _shape4(k.shape)
-        arrays = [_float64(t).reshape(s) for t, s in ((q, qs), (k, ks), (v, ks), (out, qs))]
-        dq, dk, dv = ctx.kern.backward(*arrays, lse.numpy(), _float64(dout).reshape(qs), ctx.causal, ctx.scale)
+        arrays = [_float64(t, slot).reshape(s) for t, slot, s in ((q, "q", qs), (k, "k", ks), (v, "v", ks),
+                                                                  (out, None, qs), (dout, "dout", qs))]
+        dq, dk, dv = ctx.kern.backward(*arrays[:4], lse.numpy(), arrays[4], ctx.causal, ctx.scale)
         return (_to_dtype(dq.reshape(q.shape), ctx.dtype), _to_dtype(dk.reshape(k.shape), ctx.dtype),
                 _to_dtype(dv.reshape(v.shape), ctx.dtype), None, None, None, None)
 
@@ -366,11 +405,11 @@ class patch_sdpa(_SdpaRoute):  # noqa: N801 (used as a context manager, like tor
 
     def __init__(self, policy, kernel="flash", fallback=False, **tiling):
         super().__init__(fallback)
-        self.kernel = _Kernel.make(policy, kernel, tiling)
-        self.policy = self.kernel.policy
+        self._kern = _Kernel.make(policy, kernel, tiling)
+        self.policy, self.kernel = self._kern.policy, kernel
 
     def _attend(self, q, k, v, causal, scale):
-        return _AttentionFunction.apply(q, k, v, self.kernel, causal, scale, None)
+        return _AttentionFunction.apply(q, k, v, self._kern, causal, scale, None)
 
 
 # ---------------------------------------------------------------- shadow runs
@@ -453,12 +492,16 @@ class shadow(_SdpaRoute):  # noqa: N801 (a context manager)
             raise TypeError(f"golden must be a bool, got {golden!r}")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
-        kernels = (kernel, kernel) if isinstance(kernel, str) else tuple(kernel)
+        kernels = (kernel, kernel) if isinstance(kernel, str) else tuple(kernel) if isinstance(kernel, tuple) else ()
         if len(kernels) != 2:
             raise ValueError(f"kernel must be 'flash', 'baseline' or a (reference, candidate) pair, got {kernel!r}")
-        self.reference = _Kernel.make(reference, kernels[0], tiling if kernels[0] == "flash" else {}, "reference")
-        self.candidate = _Kernel.make(candidate, kernels[1], tiling if kernels[1] == "flash" else {}, "candidate")
-        self.golden = (_Kernel.make(Policy.golden(), kernels[0], tiling if kernels[0] == "flash" else {})
+        if tiling:
+            _check_kernel("flash", tiling)
+            if "flash" not in kernels:
+                raise ValueError(f"tiling ({', '.join(sorted(tiling))}) needs a flash kernel, got kernel={kernel!r}")
+        self._reference = _Kernel.make(reference, kernels[0], tiling if kernels[0] == "flash" else {}, "reference")
+        self._candidate = _Kernel.make(candidate, kernels[1], tiling if kernels[1] == "flash" else {}, "candidate")
+        self._golden = (_Kernel.make(Policy.golden(), kernels[0], tiling if kernels[0] == "flash" else {})
                        if golden else None)
         self.use = use
         self.records = []
@@ -481,20 +524,22 @@ class shadow(_SdpaRoute):  # noqa: N801 (a context manager)
         return False
 
     def _attend(self, q, k, v, causal, scale):
-        used, other = (self.reference, self.candidate) if self.use == "reference" else (self.candidate, self.reference)
+        used, other = ((self._reference, self._candidate) if self.use == "reference"
+                       else (self._candidate, self._reference))
         sink = []
         result = _AttentionFunction.apply(q, k, v, used, causal, scale, sink)
-        q64, k64, v64 = (_float64(t).reshape(_shape4(t.shape)) for t in (q, k, v))
+        q64, k64, v64 = (_float64(t, slot).reshape(_shape4(t.shape)) for t, slot in zip((q, k, v), "qkv"))
         outs = {self.use: sink[0], ("candidate" if self.use == "reference" else "reference"):
                 other.forward(q64, k64, v64, causal, scale)[0].reshape(q.shape)}
         module, module_type = self._tracker.current()
         rec = {"call": len(self.records), "module": module, "module_type": module_type, "q_shape": tuple(q.shape),
                "k_shape": tuple(k.shape), "v_shape": tuple(v.shape), "dtype": str(q.dtype).replace("torch.", ""),
-               "is_causal": causal, "reference": self.reference.policy.name, "candidate": self.candidate.policy.name,
+               "is_causal": causal, "reference": self._reference.policy.name,
+               "candidate": self._candidate.policy.name,
                "use": self.use}
         rec.update(compare(outs["candidate"], outs["reference"]).as_dict())
-        if self.golden is not None:
-            gold = self.golden.forward(q64, k64, v64, causal, scale)[0].reshape(q.shape)
+        if self._golden is not None:
+            gold = self._golden.forward(q64, k64, v64, causal, scale)[0].reshape(q.shape)
             for side in ("reference", "candidate"):
                 for key, value in compare(outs[side], gold).as_dict().items():
                     rec[f"{side}_vs_golden_{key}"] = value
@@ -507,4 +552,5 @@ class shadow(_SdpaRoute):  # noqa: N801 (a context manager)
         return pd.DataFrame.from_records(self.records)
 
 
-__all__ = ["attention", "patch_sdpa", "shadow", "UnsupportedSDPA", "KERNELS", "FLASH_TILING", "DTYPES", "METRICS"]
+__all__ = ["attention", "patch_sdpa", "shadow", "UnsupportedSDPA", "release_buffers", "POOL_MAX_ELEMENTS", "KERNELS",
+           "FLASH_TILING", "DTYPES", "METRICS"]

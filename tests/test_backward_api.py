@@ -1,6 +1,6 @@
 """fadev.baseline_attention_backward / fadev.flash_attention_backward: the Python API and its validation,
-the binding and the C entry points' status codes, ranks, thread-count independence (one-pass and
-two-pass work splits), masking and NaN propagation, and the golden (fp64) kernels against torch float64
+the binding and the C entry points' status codes, ranks, thread-count independence (the dQ pipeline
+along the key tiles), masking and NaN propagation, and the golden (fp64) kernels against torch float64
 autograd and against each other. Bit parity with the slow twin lives in test_backward.py."""
 import ctypes
 import math
@@ -251,7 +251,8 @@ def test_masked_rows_and_nan_propagation():
 # ---------------------------------------------------------------- determinism and golden accuracy
 
 def test_thread_count_independence():
-    # B*Hkv = 1 and 2: one pass with one thread, two passes (dK/dV, then dQ) when threads would idle
+    # tasks are (b, g, key tile); each hands its dQ terms to the next key tile's task: with 2 or 3 threads
+    # they run side by side (3 threads on this 2-core box: some wait descheduled), with 1 one after another
     policies = [Policy.golden(), Policy.fa2("bf16"), Policy.paper("bf16").replace(rounding="stochastic", seed=5),
                 Policy.fa1("fp8_e4m3"), Policy.naive("fp16").replace(grad_acc="bf16", rounding="rtz")]
     shapes = [((1, 2, 70, 24), 1, 90), ((2, 2, 40, 16), 1, 33)]

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import fadev
@@ -57,7 +56,8 @@ def _check_figure(path):
     assert img.ndim == 3 and min(img.shape[:2]) > 300
     assert float(img[..., :3].std()) > 0.05, f"{path} looks blank"  # white background + drawn content
     svg = path[:-4] + ".svg"
-    assert os.path.getsize(svg) > 10_000 and open(svg).read(200).lstrip().startswith("<?xml")
+    with open(svg) as fh:
+        assert os.path.getsize(svg) > 10_000 and fh.read(200).lstrip().startswith("<?xml")
 
 
 def test_reproduce_quick_only_precision(tmp_path):
@@ -65,8 +65,9 @@ def test_reproduce_quick_only_precision(tmp_path):
     out = tmp_path / "res"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [FADEV_PARENT, os.environ.get("PYTHONPATH")])),
            "MPLBACKEND": "Agg"}
-    proc = subprocess.run([sys.executable, "-m", "fadev", "reproduce", "--quick", "--only", "precision", "--out",
-                           str(out), "--no-progress"], capture_output=True, text=True, env=env, timeout=600)
+    argv = [sys.executable, "-m", "fadev", "reproduce", "--quick", "--only", "precision", "--out", str(out),
+            "--no-progress"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "paper claims hold" in proc.stdout
     for stem in ("fig3_precision_flash_vs_baseline", "fig4_precision_vs_golden"):
@@ -88,7 +89,8 @@ def test_reproduce_all_sections(tiny, tmp_path, capsys):
     assert main(["reproduce", "--out", out, "--no-progress"]) == 0
     stdout = capsys.readouterr().out
     assert "paper claims hold" in stdout
-    report = open(os.path.join(out, "report.md")).read()
+    with open(os.path.join(out, "report.md")) as fh:
+        report = fh.read()
     for i, mod in enumerate(EXPERIMENTS.values(), 1):
         assert f"## {i}. {mod.TITLE}" in report
         for stem in mod.FIGURES:

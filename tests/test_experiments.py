@@ -11,8 +11,7 @@ import scipy.linalg
 
 import fadev
 from fadev import Policy, flash_attention, random_qkv
-from fadev.experiments import algorithm, attribution, fp8, kernels, precision, seqlen
-from fadev.experiments import common
+from fadev.experiments import algorithm, attribution, common, fp8, kernels, precision, seqlen
 from fadev.experiments.quant import hadamard, quantize, random_signs
 
 U = 2.0**-53
@@ -222,7 +221,7 @@ def test_fp8_hadamard_reduces_rmse_on_outliers():
 
 
 def test_results_are_resumable(tmp_path):
-    kw = dict(formats=("bf16",), N=512, n_query=16, seeds=2)
+    kw = {"formats": ("bf16",), "N": 512, "n_query": 16, "seeds": 2}
     first = precision.run(out=str(tmp_path), **kw)
     lines = (tmp_path / "precision.jsonl").read_text().splitlines()
     again = precision.run(out=str(tmp_path), **kw)

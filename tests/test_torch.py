@@ -6,6 +6,7 @@ import contextlib
 import math
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -105,19 +106,54 @@ def test_forward_and_backward_bits_equal_numpy_api(kernel, tiling, shape, heads_
         assert same_bits(t.grad.numpy(), g.reshape(t.shape))
 
 
-def test_float64_is_zero_copy_and_other_dtypes_copy_once():
+def test_float64_is_zero_copy_and_inputs_are_saved_as_they_are():
     q, k, v = tensors((1, 2, 8, 4), requires_grad=True)
     out = ft.attention(q, k, v, "golden")
     saved = out.grad_fn.saved_tensors
     assert [s.data_ptr() for s in saved[:4]] == [q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()]
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     out32 = ft.attention(q32, k32, v32, "golden")
-    saved = out32.grad_fn.saved_tensors
-    assert all(s.dtype == F64 and s.data_ptr() != t.data_ptr() for s, t in zip(saved, (q32, k32, v32, out32)))
+    saved = out32.grad_fn.saved_tensors  # the inputs as they are, the output as the kernel wrote it
+    assert [s.data_ptr() for s in saved[:3]] == [q32.data_ptr(), k32.data_ptr(), v32.data_ptr()]
+    assert saved[3].dtype == F64 and saved[3].data_ptr() != out32.data_ptr()
     # a non-contiguous float64 input (as nn.MultiheadAttention's transposed views) is copied, not misread
     qt = q.detach().transpose(-1, -2).contiguous().transpose(-1, -2)
     assert not qt.is_contiguous()
     assert same_bits(ft.attention(qt, k, v, "golden").detach(), out.detach())
+
+
+def test_scratch_buffers_are_never_read_stale(monkeypatch):
+    """float32 copies reuse per-thread buffers: a later call overwrites them before an earlier call's backward,
+    another thread has its own, and copies too large for the pool are fresh arrays; results never change."""
+    pol = Policy.fa2("bf16")
+
+    def fresh(seed):  # (out, grads) with empty buffers
+        ft.release_buffers()
+        q, k, v = tensors((1, 2, 16, 8), seed=seed, dtype=torch.float32, requires_grad=True)
+        out = ft.attention(q, k, v, pol, block_kv=4)
+        out.backward(torch.ones_like(out))
+        return out.detach(), [t.grad for t in (q, k, v)]
+
+    want = {seed: fresh(seed) for seed in (20, 21)}
+    qa, ka, va = tensors((1, 2, 16, 8), seed=20, dtype=torch.float32, requires_grad=True)
+    out_a = ft.attention(qa, ka, va, pol, block_kv=4)
+    qb, kb, vb = tensors((1, 2, 16, 8), seed=21, dtype=torch.float32, requires_grad=True)
+    out_b = ft.attention(qb, kb, vb, pol, block_kv=4)  # overwrites the buffers out_a's forward used
+    out_a.backward(torch.ones_like(out_a))
+    out_b.backward(torch.ones_like(out_b))
+    for (out, grads), ts in ((want[20], (out_a, qa, ka, va)), (want[21], (out_b, qb, kb, vb))):
+        assert torch.equal(ts[0].detach(), out) and all(torch.equal(t.grad, g) for t, g in zip(ts[1:], grads))
+    results = {}
+    threads = [threading.Thread(target=lambda s=s: results.__setitem__(s, fresh(s))) for s in (20, 21)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    monkeypatch.setattr(ft, "POOL_MAX_ELEMENTS", 10)
+    results["big"] = fresh(20)
+    for key, seed in ((20, 20), (21, 21), ("big", 20)):
+        assert torch.equal(results[key][0], want[seed][0])
+        assert all(torch.equal(a, b) for a, b in zip(results[key][1], want[seed][1]))
 
 
 @pytest.mark.parametrize("kernel", ft.KERNELS)
@@ -554,6 +590,10 @@ def test_shadow_errors_and_cleanup():
         ft.shadow("golden", "fa2:bf16", golden=1)
     with pytest.raises(ValueError, match=r"kernel must be .* pair, got \('flash',\)"):
         ft.shadow("golden", "fa2:bf16", kernel=("flash",))
+    with pytest.raises(ValueError, match=r"tiling \(block_kv\) needs a flash kernel, got kernel='baseline'"):
+        ft.shadow("golden", "fa2:bf16", kernel="baseline", block_kv=4)
+    with pytest.raises(TypeError, match="unknown tiling argument"):
+        ft.shadow("golden", "fa2:bf16", kernel=("baseline", "flash"), bq=4)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module or None, got dict"):
         ft.shadow("golden", "fa2:bf16", model={})
     with pytest.raises(TypeError, match="candidate: expected a fadev.Policy"):

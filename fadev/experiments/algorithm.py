@@ -170,10 +170,11 @@ def findings(df) -> list:
             "square vs non-square tiles: no effect", same))
     eq = df[df["group"] == "equal area"]
     if len(eq):
-        out.append(Finding(
-            "tile shape at equal area 4096 (this changes block_kv too)",
-            "RMSE vs golden " + ", ".join(f"{v} {r:.2e}" for v, r in zip(eq["variant"], eq["flash_vs_golden.rmse.mean"]))
-            + ": ordered by block_kv alone", "", None))
+        by_bc = eq.sort_values("block_kv")["flash_vs_golden.rmse.mean"].to_numpy()
+        order = "falls monotonically with block_kv" if np.all(np.diff(by_bc) < 0) else "is NOT monotone in block_kv"
+        pairs = ", ".join(f"{v} {r:.2e}" for v, r in zip(eq["variant"], eq["flash_vs_golden.rmse.mean"]))
+        out.append(Finding("tile shape at equal area 4096 (this changes block_kv too)",
+                           f"RMSE vs golden {pairs}: it {order}, whatever block_q"))
     lo = df[df["group"] == "loop order"]
     if len(lo):
         by = dict(zip(lo["variant"], lo["same_as"]))

@@ -20,7 +20,8 @@ import numbers
 import numpy as np
 
 from .. import _core
-from ..formats import as_format, round as _round
+from ..formats import as_format
+from ..formats import round as _round
 
 SCALINGS = ("none", "tensor", "block")
 
