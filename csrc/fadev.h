@@ -228,6 +228,44 @@ fadev_status fadev_flash_attention_backward(const double *q, const double *k, co
                                             const fadev_attention_params *params, const fadev_policy *policy,
                                             const fadev_policy_backward *policy_backward);
 
+/* ---------------------------------------------------------------- ring attention (ring.c) */
+
+typedef enum fadev_ring_layout {
+    FADEV_RING_CONTIGUOUS = 0, /* rank r holds tokens [r N/W, (r+1) N/W) */
+    FADEV_RING_ZIGZAG = 1,     /* 2W chunks; rank r holds chunks r and 2W-1-r */
+    FADEV_RING_STRIPED = 2     /* token i on rank i mod W */
+} fadev_ring_layout;
+
+/* A ring of W ranks simulated on one device (ring.c, top comment: pieces, masks, merge order). */
+typedef struct fadev_ring_params {
+    int32_t world_size;         /* W >= 1; N % W == 0 (zigzag: N % 2W == 0) */
+    int32_t layout;             /* fadev_ring_layout */
+    int32_t allgather;          /* 1: K/V all-gathered, one flash call per query group, no merge (llama3) */
+    fadev_format partial_out;   /* forward: each step's flash output as returned (the flash call's out) */
+    fadev_format partial_lse;   /* forward: each step's LSE as returned */
+    fadev_format merge;         /* forward: the arithmetic of the LSE merge (sigmoid rule) */
+    fadev_format running_out;   /* forward: the running output as stored between hops */
+    fadev_format running_lse;   /* forward: the running LSE as stored between hops (and returned) */
+    fadev_format partial_grad;  /* backward: dq, dk, dv of each step's flash backward as returned */
+    fadev_format dq_acc;        /* backward: dq accumulated across steps */
+    fadev_format dkv_acc;       /* backward: dk, dv accumulated on the rank holding them */
+    fadev_format dkv_transport; /* backward: dk, dv as sent between hops / reduce-scattered */
+} fadev_ring_params;
+
+/* Ring attention forward / backward (seq_q == seq_kv == N); params carries shapes, scale, causal and the
+ * flash tiling of every step's call. Errors: FADEV_ERR_INVALID_ARGUMENT (W < 1, N not divisible as the
+ * layout needs, layout out of range, seq_q != seq_kv, a NULL array) and those of the flash entry points. */
+fadev_status fadev_ring_attention(const double *q, const double *k, const double *v, double *out, double *lse,
+                                  const fadev_attention_params *params, const fadev_policy *policy,
+                                  const fadev_ring_params *ring);
+fadev_status fadev_ring_attention_backward(const double *q, const double *k, const double *v, const double *out,
+                                           const double *lse, const double *dout, double *dq, double *dk,
+                                           double *dv, const fadev_attention_params *params,
+                                           const fadev_policy *policy, const fadev_policy_backward *policy_backward,
+                                           const fadev_ring_params *ring);
+/* count[i * seq + j] = how many ring pieces compute the pair (query i, key j) (seq x seq int32). */
+fadev_status fadev_ring_coverage(int64_t seq, int causal, const fadev_ring_params *ring, int32_t *count);
+
 /* ---------------------------------------------------------------- threads */
 
 /* Worker threads used by every multi-threaded kernel (default: online CPUs, or FADEV_NUM_THREADS).
@@ -236,7 +274,9 @@ int fadev_get_num_threads(void);
 fadev_status fadev_set_num_threads(int n);
 
 /* Run fn(ctx, task) for task in [0, n_tasks) on up to fadev_get_num_threads() threads. Tasks are
- * handed out in order; fn must write only to task-owned memory. Returns the first non-OK status. */
+ * claimed in ascending order, so a task may wait for an earlier one (which is then running or done),
+ * never for a later one (the backward's dQ pipeline relies on this). Memory a task writes is its own,
+ * or handed over between tasks through such waits. Returns the first non-OK status. */
 typedef fadev_status (*fadev_task_fn)(void *ctx, size_t task);
 fadev_status fadev_parallel_for(size_t n_tasks, fadev_task_fn fn, void *ctx);
 

@@ -612,6 +612,136 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------ ring */
+
+/* Ring params arrive as RingMerge._c: (world_size, layout, allgather, 9 format tuples in field order). */
+static int parse_ring(PyObject *obj, void *out) {
+    fadev_ring_params *rp = (fadev_ring_params *)out;
+    int w, layout, allgather;
+    if (!PyArg_ParseTuple(obj, "iiiO&O&O&O&O&O&O&O&O&;ring must be RingMerge._c(...)", &w, &layout, &allgather,
+                          parse_format, &rp->partial_out, parse_format, &rp->partial_lse, parse_format, &rp->merge,
+                          parse_format, &rp->running_out, parse_format, &rp->running_lse, parse_format,
+                          &rp->partial_grad, parse_format, &rp->dq_acc, parse_format, &rp->dkv_acc, parse_format,
+                          &rp->dkv_transport))
+        return 0;
+    rp->world_size = w, rp->layout = layout, rp->allgather = allgather;
+    return 1;
+}
+
+/* n arrays as contiguous float64 with the given ranks; the Python layer (fadev/ring.py) checked shapes. */
+static int ring_arrays(PyObject *const *objs, PyArrayObject **a, const char *const *names, const int *ranks, int n) {
+    for (int x = 0; x < n; x++) {
+        if (!(a[x] = as_array(objs[x], NPY_FLOAT64, names[x]))) return 0;
+        if (PyArray_NDIM(a[x]) != ranks[x]) {
+            PyErr_Format(PyExc_ValueError, "ring_attention: %s must be %d-D, got %d-D", names[x], ranks[x],
+                         PyArray_NDIM(a[x]));
+            return 0;
+        }
+    }
+    return 1;
+}
+
+static void ring_shapes(PyArrayObject *q, PyArrayObject *k, fadev_attention_params *pr) {
+    pr->batch = PyArray_DIMS(q)[0], pr->heads = PyArray_DIMS(q)[1], pr->seq_q = PyArray_DIMS(q)[2];
+    pr->dim = PyArray_DIMS(q)[3], pr->heads_kv = PyArray_DIMS(k)[1], pr->seq_kv = PyArray_DIMS(k)[2];
+}
+
+static PyObject *py_ring_attention(PyObject *self, PyObject *args) {
+    static const char *const names[3] = {"q", "k", "v"};
+    static const int ranks[3] = {4, 4, 4};
+    PyObject *objs[3];
+    PyArrayObject *a[3] = {NULL, NULL, NULL}, *out = NULL, *lse = NULL;
+    fadev_policy pol;
+    fadev_ring_params rp;
+    fadev_attention_params pr;
+    memset(&pr, 0, sizeof pr);
+    int causal, block_q, block_kv, loop_order, normalize, exp_form;
+    if (!PyArg_ParseTuple(args, "OOOO&O&dpiiiii", &objs[0], &objs[1], &objs[2], parse_policy, &pol, parse_ring, &rp,
+                          &pr.scale, &causal, &block_q, &block_kv, &loop_order, &normalize, &exp_form))
+        return NULL;
+    pr.causal = causal, pr.block_q = block_q, pr.block_kv = block_kv;
+    pr.loop_order = loop_order, pr.normalize = normalize, pr.exp_form = exp_form;
+    if (!ring_arrays(objs, a, names, ranks, 3)) goto fail;
+    ring_shapes(a[0], a[1], &pr);
+    out = new_like(a[0], NPY_FLOAT64);
+    lse = (PyArrayObject *)PyArray_SimpleNew(3, PyArray_DIMS(a[0]), NPY_FLOAT64);
+    if (!out || !lse) goto fail;
+    fadev_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fadev_ring_attention((const double *)PyArray_DATA(a[0]), (const double *)PyArray_DATA(a[1]),
+                              (const double *)PyArray_DATA(a[2]), (double *)PyArray_DATA(out),
+                              (double *)PyArray_DATA(lse), &pr, &pol, &rp);
+    Py_END_ALLOW_THREADS
+    if (st != FADEV_OK) {
+        raise_status(st, "ring_attention");
+        goto fail;
+    }
+    Py_DECREF(a[0]), Py_DECREF(a[1]), Py_DECREF(a[2]);
+    return Py_BuildValue("(NN)", out, lse);
+fail:
+    Py_XDECREF(a[0]), Py_XDECREF(a[1]), Py_XDECREF(a[2]), Py_XDECREF(out), Py_XDECREF(lse);
+    return NULL;
+}
+
+static PyObject *py_ring_attention_backward(PyObject *self, PyObject *args) {
+    static const char *const names[6] = {"q", "k", "v", "out", "lse", "dout"};
+    static const int ranks[6] = {4, 4, 4, 4, 3, 4};
+    PyObject *objs[6];
+    PyArrayObject *a[6] = {NULL, NULL, NULL, NULL, NULL, NULL}, *dq = NULL, *dk = NULL, *dv = NULL;
+    fadev_policy pol;
+    fadev_policy_backward pb;
+    fadev_ring_params rp;
+    fadev_attention_params pr;
+    memset(&pr, 0, sizeof pr);
+    int causal, block_q, block_kv, exp_form;
+    if (!PyArg_ParseTuple(args, "OOOOOOO&O&O&dpiii", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          parse_policy, &pol, parse_policy_backward, &pb, parse_ring, &rp, &pr.scale, &causal,
+                          &block_q, &block_kv, &exp_form))
+        return NULL;
+    pr.causal = causal, pr.block_q = block_q, pr.block_kv = block_kv, pr.exp_form = exp_form;
+    if (!ring_arrays(objs, a, names, ranks, 6)) goto fail;
+    ring_shapes(a[0], a[1], &pr);
+    dq = new_like(a[0], NPY_FLOAT64), dk = new_like(a[1], NPY_FLOAT64), dv = new_like(a[2], NPY_FLOAT64);
+    if (!dq || !dk || !dv) goto fail;
+    const double *in[6];
+    for (int x = 0; x < 6; x++) in[x] = (const double *)PyArray_DATA(a[x]);
+    fadev_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fadev_ring_attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], (double *)PyArray_DATA(dq),
+                                       (double *)PyArray_DATA(dk), (double *)PyArray_DATA(dv), &pr, &pol, &pb, &rp);
+    Py_END_ALLOW_THREADS
+    if (st != FADEV_OK) {
+        raise_status(st, "ring_attention_backward");
+        goto fail;
+    }
+    for (int x = 0; x < 6; x++) Py_DECREF(a[x]);
+    return Py_BuildValue("(NNN)", dq, dk, dv);
+fail:
+    for (int x = 0; x < 6; x++) Py_XDECREF(a[x]);
+    Py_XDECREF(dq), Py_XDECREF(dk), Py_XDECREF(dv);
+    return NULL;
+}
+
+static PyObject *py_ring_coverage(PyObject *self, PyObject *args) {
+    long long seq;
+    int causal;
+    fadev_ring_params rp;
+    if (!PyArg_ParseTuple(args, "LpO&", &seq, &causal, parse_ring, &rp)) return NULL;
+    if (seq < 1 || seq > 8192) return PyErr_Format(PyExc_ValueError, "seq must be in 1..8192, got %lld", seq);
+    npy_intp dims[2] = {(npy_intp)seq, (npy_intp)seq};
+    PyArrayObject *count = (PyArrayObject *)PyArray_SimpleNew(2, dims, NPY_INT32);
+    if (!count) return NULL;
+    fadev_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fadev_ring_coverage((int64_t)seq, causal, &rp, (int32_t *)PyArray_DATA(count));
+    Py_END_ALLOW_THREADS
+    if (st != FADEV_OK) {
+        Py_DECREF(count);
+        return raise_status(st, "ring_coverage");
+    }
+    return (PyObject *)count;
+}
+
 /* ------------------------------------------------------------ module */
 
 static PyMethodDef core_methods[] = {
@@ -640,6 +770,14 @@ static PyMethodDef core_methods[] = {
     {"flash_attention_backward", py_flash_attention_backward, METH_VARARGS,
      "flash_attention_backward(q, k, v, out, lse, dout, policy, policy_backward, scale, causal, block_q, block_kv, "
      "exp_form) -> (dq, dk, dv)"},
+    /* ring methods */
+    {"ring_attention", py_ring_attention, METH_VARARGS,
+     "ring_attention(q, k, v, policy, ring, scale, causal, block_q, block_kv, loop_order, normalize, exp_form) "
+     "-> (out, lse)"},
+    {"ring_attention_backward", py_ring_attention_backward, METH_VARARGS,
+     "ring_attention_backward(q, k, v, out, lse, dout, policy, policy_backward, ring, scale, causal, block_q, "
+     "block_kv, exp_form) -> (dq, dk, dv)"},
+    {"ring_coverage", py_ring_coverage, METH_VARARGS, "ring_coverage(seq, causal, ring) -> int32 (seq, seq)"},
     /* hadamard methods */
     {"hadamard", py_hadamard, METH_VARARGS, "hadamard(x, signs or None, inverse) -> rotated float64 array"},
     {NULL, NULL, 0, NULL},

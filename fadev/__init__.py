@@ -11,6 +11,7 @@ from .metrics import (Comparison, UlpHistogram, compare, max_abs, max_rel, mean_
 from .policy import STAGES, Policy, as_policy
 from .attention import baseline_attention, flash_attention, random_qkv
 from .backward import baseline_attention_backward, flash_attention_backward
+from .ring import RingMerge, ring_attention, ring_attention_backward, ring_coverage
 
 __version__ = "0.1.0"
 
@@ -44,3 +45,4 @@ __all__ += ["Comparison", "compare", "max_abs", "mean_diff", "std_diff", "mean_a
             "wasserstein", "ulp_error", "ulp_histogram", "UlpHistogram"]
 __all__ += ["Policy", "as_policy", "STAGES", "baseline_attention", "flash_attention", "random_qkv"]
 __all__ += ["baseline_attention_backward", "flash_attention_backward"]
+__all__ += ["RingMerge", "ring_attention", "ring_attention_backward", "ring_coverage"]

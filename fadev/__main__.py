@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .experiments.cli import add_subcommands as add_experiments  # reproduce + one per experiment
     add_experiments(sub)
+
+    from .ring_experiment import add_subcommand as add_ring  # ring: error vs ring size (fadev/ring_experiment.py)
+    add_ring(sub)
     return parser
 
 

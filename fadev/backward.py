@@ -16,16 +16,14 @@ import numpy as np
 
 from . import _core
 from .attention import _array, _prepare, _tile
+from .formats import _numeric
 from .policy import EXP_FORMS
 
 
 def _saved(q, out, lse, dout, rank):
-    """out, lse, dout as float64 arrays of q's rank, 4-D; shapes checked against q (original rank)."""
+    """out, dout (4-D) and lse (3-D) as float64 arrays, their shapes checked against q's original rank."""
     out, dout = _array(out, "out"), _array(dout, "dout")
-    lse = np.asarray(lse)
-    if lse.dtype.kind not in "biuf":
-        raise TypeError(f"lse: expected a real numeric array, got dtype {lse.dtype}")
-    lse = lse.astype(np.float64, copy=False)
+    lse = _numeric(lse, "lse").astype(np.float64, copy=False)
     shape = q.shape[4 - rank:]
     for name, arr, want in (("out", out, shape), ("dout", dout, shape), ("lse", lse, shape[:-1])):
         if arr.shape != want:

@@ -1,0 +1,301 @@
+"""``python -m fadev ring``: how ring attention's error grows with the number of ranks W, and what causes it.
+
+Seed 002 (ring-flash-attention issue #42) reports backward errors growing with ring size. This experiment
+measures, against the fp64 golden answer (fadev.compare's relative L2 error):
+  1. the single-layer sweep: W x layouts x merges x causal x inputs ("normal", "outlier"), errors of out,
+     lse, dq, dk, dv, and the growth per doubling of W (least-squares slope of log2 error on log2 W, W >= 2);
+  2. isolated candidates, each one number: composition through depth (L residual attention layers,
+     forward and backward), attention-sink scores, the LSE format between hops, 16-bit dk/dv transport,
+     fp16 inputs whose gradients are cast to bf16, and the causal layouts / outlier inputs of (1).
+Writes DIR/ring.md, DIR/ring.csv and the figure DIR/ring_error_vs_W.{png,svg}.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import time
+
+import numpy as np
+
+import fadev
+from fadev.ring import LAYOUTS, MERGES, RingMerge
+
+SIZES = {  # N, H, D, world sizes, depth L, depth world sizes
+    "tiny": dict(N=64, H=1, D=16, Ws=(1, 2, 4, 8), L=2, depth_Ws=(1, 4)),
+    "quick": dict(N=256, H=2, D=32, Ws=(1, 2, 4, 8, 16, 32, 64), L=8, depth_Ws=(1, 8, 32)),
+    "full": dict(N=1024, H=4, D=64, Ws=(1, 2, 4, 8, 16, 32, 64), L=16, depth_Ws=(1, 8, 64)),
+}
+POLICY = "fa2:bf16"
+QUANTITIES = ("out", "lse", "dq", "dk", "dv")
+MERGE_COLORS = {"lowp_partials": "#d62728", "fp32_partials": "#1f77b4", "lowp_running": "#ff7f0e",
+                "allgather": "#2ca02c"}
+
+
+def _err(test, ref):
+    return fadev.compare(test, ref).rel_l2
+
+
+def _golden(q, k, v, dout, causal):
+    o, l = fadev.flash_attention(q, k, v, "golden", causal=causal, return_lse=True)
+    return (o, l) + fadev.flash_attention_backward(q, k, v, o, l, dout, "golden", causal=causal)
+
+
+def _ring(q, k, v, dout, W, layout, merge, causal, policy=POLICY):
+    o, l = fadev.ring_attention(q, k, v, W, layout, merge, policy, causal, return_lse=True)
+    return (o, l) + fadev.ring_attention_backward(q, k, v, o, l, dout, W, layout, merge, policy, causal)
+
+
+def _errors(res, gold):
+    return {name: _err(a, b) for name, a, b in zip(QUANTITIES, res, gold)}
+
+
+def _inputs(kind, N, H, D, seed=0):
+    shape = (H, N, D)
+    if kind in ("normal", "outlier"):
+        q, k, v = fadev.random_qkv(shape, dist=kind, seed=seed)
+    else:  # "sink": 4 keys (position 0 and 3 random ones) score ~ +12 above the rest for every query
+        q, k, v = fadev.random_qkv(shape, seed=seed)
+        rng = np.random.default_rng(seed + 1)
+        u = rng.standard_normal(D)
+        u /= np.linalg.norm(u)
+        q = q + 2.0 * u
+        sinks = np.concatenate([[0], rng.choice(np.arange(1, N), 3, replace=False)])
+        k[:, sinks] += 6.0 * math.sqrt(D) * u
+    dout = np.random.default_rng(seed + 2).standard_normal(q.shape)
+    return q, k, v, dout
+
+
+def growth_per_doubling(Ws, errs):
+    """2^slope of log2(err) on log2(W) over W >= 2 (NaN with fewer than two usable points)."""
+    pts = [(math.log2(w), math.log2(e)) for w, e in zip(Ws, errs) if w >= 2 and e > 0 and math.isfinite(e)]
+    if len(pts) < 2:
+        return float("nan")
+    x, y = np.array(pts).T
+    return float(2.0 ** np.polyfit(x, y, 1)[0])
+
+
+def sweep(size):
+    cfg = SIZES[size]
+    rows = []
+    for inp in ("normal", "outlier"):
+        q, k, v, dout = _inputs(inp, cfg["N"], cfg["H"], cfg["D"])
+        for causal in (False, True):
+            gold = _golden(q, k, v, dout, causal)
+            for layout in LAYOUTS:
+                for merge in MERGES:
+                    for W in cfg["Ws"]:
+                        if cfg["N"] % (2 * W if layout == "zigzag" else W):
+                            continue
+                        e = _errors(_ring(q, k, v, dout, W, layout, merge, causal), gold)
+                        rows.append(dict(input=inp, causal=causal, layout=layout, merge=merge, W=W, **e))
+    return rows
+
+
+def _depth(cfg, W, merge, policy, seed=0):
+    """L residual layers x <- x + ring_attention(x A_l, x B_l, x C_l); returns rel errors of x_L and of dx_0
+    (loss gradient dout at the top) against the same network under golden."""
+    N, H, D, L = cfg["N"], cfg["H"], cfg["D"], cfg["L"]
+    rng = np.random.default_rng(seed)
+    mats = rng.standard_normal((L, 3, D, D)) / math.sqrt(D)
+    x0 = rng.standard_normal((H, N, D))
+    dtop = rng.standard_normal((H, N, D))
+
+    def run(pol, mg, W):
+        xs, saved = [x0], []
+        for layer in range(L):
+            x = xs[-1]
+            q, k, v = (x @ mats[layer, t] for t in range(3))
+            if mg is None:
+                o, lse = fadev.flash_attention(q, k, v, pol, causal=True, return_lse=True)
+            else:
+                o, lse = fadev.ring_attention(q, k, v, W, "zigzag", mg, pol, True, return_lse=True)
+            saved.append((q, k, v, o, lse))
+            xs.append(x + o)
+        dx = dtop
+        for layer in reversed(range(L)):
+            q, k, v, o, lse = saved[layer]
+            if mg is None:
+                dq, dk, dv = fadev.flash_attention_backward(q, k, v, o, lse, dx, pol, causal=True)
+            else:
+                dq, dk, dv = fadev.ring_attention_backward(q, k, v, o, lse, dx, W, "zigzag", mg, pol, True)
+            dx = dx + dq @ mats[layer, 0].T + dk @ mats[layer, 1].T + dv @ mats[layer, 2].T
+        return xs[-1], dx
+
+    gx, gdx = run("golden", None, 1)
+    x, dx = run(policy, merge, W)
+    return _err(x, gx), _err(dx, gdx)
+
+
+def candidates(size, rows):
+    """[(candidate, detail, value at W=1 or baseline, value at W_big or variant, ratio)], ratio = the number
+    that ranks the candidate (how much it multiplies the error)."""
+    cfg = SIZES[size]
+    Wb = 8 if 8 in cfg["Ws"] else max(cfg["Ws"])
+    out = []
+
+    def pick(**kw):
+        return [r for r in rows if all(r[key] == val for key, val in kw.items())]
+
+    def at(W, q, **kw):
+        return next(r[q] for r in pick(W=W, **kw))
+
+    base = dict(input="normal", causal=True, layout="zigzag", merge="lowp_partials")
+    Wmax = max(w for w in cfg["Ws"] if cfg["N"] % (2 * w) == 0)
+    for q in ("out", "dq", "dk"):
+        e1, e2 = at(1, q, **base), at(Wmax, q, **base)
+        out.append(("single layer, W growth", f"{q}, W=1 -> W={Wmax} (zigzag causal, lowp_partials)", e1, e2, e2 / e1))
+    # depth composition
+    for W in cfg["depth_Ws"][1:]:
+        x1, d1 = _depth(cfg, 1, "lowp_partials", POLICY)
+        xw, dw = _depth(cfg, W, "lowp_partials", POLICY)
+        out.append((f"depth L={cfg['L']}", f"dx_0 error, W=1 -> W={W}", d1, dw, dw / d1))
+        out.append((f"depth L={cfg['L']}", f"x_L error, W=1 -> W={W}", x1, xw, xw / x1))
+    # causal layouts vs non-causal at Wb
+    for layout in LAYOUTS:
+        e_nc, e_c = at(Wb, "dq", input="normal", causal=False, layout=layout, merge="lowp_partials"), \
+            at(Wb, "dq", input="normal", causal=True, layout=layout, merge="lowp_partials")
+        out.append(("causal layout", f"dq at W={Wb}, {layout}: non-causal -> causal", e_nc, e_c, e_c / e_nc))
+    # outlier inputs: growth W=1 -> Wmax compared with normal inputs
+    for q in ("out", "dq"):
+        e1, e2 = at(1, q, **{**base, "input": "outlier"}), at(Wmax, q, **{**base, "input": "outlier"})
+        out.append(("outlier inputs", f"{q}, W=1 -> W={Wmax} (zigzag causal)", e1, e2, e2 / e1))
+    # attention sinks
+    q, k, v, dout = _inputs("sink", cfg["N"], cfg["H"], cfg["D"])
+    gold = _golden(q, k, v, dout, True)
+    for name in ("out", "dq"):
+        i = QUANTITIES.index(name)
+        e1 = _err(_ring(q, k, v, dout, 1, "zigzag", "lowp_partials", True)[i], gold[i])
+        e2 = _err(_ring(q, k, v, dout, Wmax, "zigzag", "lowp_partials", True)[i], gold[i])
+        out.append(("attention sinks", f"{name}, W=1 -> W={Wmax} (4 keys +12 in score)", e1, e2, e2 / e1))
+    # LSE format between hops, dk/dv transport, fp16 -> bf16 grads: variant vs default at Wb
+    q, k, v, dout = _inputs("normal", cfg["N"], cfg["H"], cfg["D"])
+    gold = _golden(q, k, v, dout, True)
+    variants = [
+        ("LSE format between hops", "out", RingMerge(partial_lse="bf16", running_lse="bf16"), POLICY),
+        ("LSE format between hops", "dq", RingMerge(partial_lse="bf16", running_lse="bf16"), POLICY),
+        ("16-bit dk/dv transport", "dk", RingMerge(dkv_transport="bf16"), POLICY),
+        ("16-bit dk/dv transport", "dv", RingMerge(dkv_transport="bf16"), POLICY),
+        ("fp16 inputs, grads cast to bf16", "dq", RingMerge(),
+         fadev.Policy.fa2("fp16").replace(grad="bf16")),
+    ]
+    for cand, name, mg, pol in variants:
+        i = QUANTITIES.index(name)
+        ref_pol = POLICY if "fp16" not in cand else "fa2:fp16"
+        e_def = _err(_ring(q, k, v, dout, Wb, "zigzag", "lowp_partials", True, ref_pol)[i], gold[i])
+        e_var = _err(_ring(q, k, v, dout, Wb, "zigzag", mg, True, pol)[i], gold[i])
+        detail = f"{name} at W={Wb}: default -> variant" + (" (fa2:fp16 -> grad=bf16)" if "fp16" in cand else "")
+        out.append((cand, detail, e_def, e_var, e_var / e_def))
+    return out
+
+
+def figure(rows, out_dir):
+    from .plots import _figure, _positive, save
+    fig, axes = _figure(13, 7, 2, 3)
+    for ax, q in zip(axes.ravel(), QUANTITIES):
+        for merge in MERGES:
+            for inp, style in (("normal", "-"), ("outlier", ":")):
+                sel = [r for r in rows if r["merge"] == merge and r["input"] == inp and r["causal"]
+                       and r["layout"] == "zigzag"]
+                if not sel:
+                    continue
+                ax.plot([r["W"] for r in sel], _positive([r[q] for r in sel]), style, marker="o", ms=3,
+                        color=MERGE_COLORS[merge], label=f"{merge} ({inp})")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ring size W (ranks)")
+        ax.set_ylabel(f"rel. L2 error of {q} vs golden")
+        ax.set_title(f"{q}: zigzag, causal, {POLICY}")
+    ax = axes.ravel()[-1]
+    for layout, style in zip(LAYOUTS, ("-", "--", ":")):
+        sel = [r for r in rows if r["merge"] == "lowp_partials" and r["input"] == "normal" and r["causal"]
+               and r["layout"] == layout]
+        ax.plot([r["W"] for r in sel], _positive([r["dq"] for r in sel]), style, marker="o", ms=3, label=layout)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ring size W (ranks)")
+    ax.set_ylabel("rel. L2 error of dq vs golden")
+    ax.set_title("dq by layout (lowp_partials, causal)")
+    ax.legend(fontsize=7)
+    axes.ravel()[0].legend(fontsize=6.5, ncol=1)
+    return save(fig, os.path.join(out_dir, "ring_error_vs_W"))
+
+
+def report(rows, cands, size, out_dir, seconds):
+    cfg = SIZES[size]
+    lines = [f"# Ring attention: error vs ring size W ({size})", "",
+             f"Policy {POLICY} (every flash call), N={cfg['N']}, H={cfg['H']}, D={cfg['D']}, W in {list(cfg['Ws'])}; "
+             f"relative L2 error vs fp64 golden (fadev.compare). {seconds:.0f} s on CPU. Operation order: "
+             "csrc/ring.c (top comment).", "",
+             "## Growth per doubling of W (factor; 1.00 = no growth; W >= 2 fit)", "",
+             "| input | causal | layout | merge | " + " | ".join(QUANTITIES) + " | dq W=1 | dq W=max |",
+             "|---|---|---|---|" + "---|" * (len(QUANTITIES) + 2)]
+    for inp in ("normal", "outlier"):
+        for causal in (False, True):
+            for layout in LAYOUTS:
+                for merge in MERGES:
+                    sel = [r for r in rows if (r["input"], r["causal"], r["layout"], r["merge"]) ==
+                           (inp, causal, layout, merge)]
+                    if not sel:
+                        continue
+                    Ws = [r["W"] for r in sel]
+                    g = [growth_per_doubling(Ws, [r[q] for r in sel]) for q in QUANTITIES]
+                    lines.append(f"| {inp} | {causal} | {layout} | {merge} | " + " | ".join(f"{x:.2f}" for x in g) +
+                                 f" | {sel[0]['dq']:.2e} | {sel[-1]['dq']:.2e} |")
+    summary = {}
+    for merge in MERGES:
+        for q in QUANTITIES:
+            vals = []
+            for inp in ("normal", "outlier"):
+                for causal in (False, True):
+                    for layout in LAYOUTS:
+                        sel = [r for r in rows if (r["input"], r["causal"], r["layout"], r["merge"]) ==
+                               (inp, causal, layout, merge)]
+                        if sel:
+                            vals.append(growth_per_doubling([r["W"] for r in sel], [r[q] for r in sel]))
+            summary[merge, q] = float(np.nanmedian(vals))
+    lines += ["", "## Summary: median growth per doubling over inputs, causal, layouts", "",
+              "| merge | " + " | ".join(QUANTITIES) + " |", "|---|" + "---|" * len(QUANTITIES)]
+    for merge in MERGES:
+        lines.append(f"| {merge} | " + " | ".join(f"{summary[merge, q]:.2f}" for q in QUANTITIES) + " |")
+    lp = summary["lowp_partials", "out"]
+    lines += ["", f"lowp_partials' forward error grows by a factor {lp:.2f} per doubling of W (dq "
+              f"{summary['lowp_partials', 'dq']:.2f}, dk {summary['lowp_partials', 'dk']:.2f}); fp32_partials: "
+              f"out {summary['fp32_partials', 'out']:.2f}, dq {summary['fp32_partials', 'dq']:.2f}; allgather: out "
+              f"{summary['allgather', 'out']:.2f}, dq {summary['allgather', 'dq']:.2f}; lowp_running: out "
+              f"{summary['lowp_running', 'out']:.2f}, dq {summary['lowp_running', 'dq']:.2f}.", ""]
+    lines += ["## Candidate causes, each in isolation (ranked by the factor it multiplies the error by)", "",
+              "| rank | candidate | what | before | after | factor |", "|---|---|---|---|---|---|"]
+    for n, (cand, detail, a, b, ratio) in enumerate(sorted(cands, key=lambda c: -c[4]), 1):
+        lines.append(f"| {n} | {cand} | {detail} | {a:.3e} | {b:.3e} | {ratio:.2f} |")
+    lines += ["", "![error vs W](ring_error_vs_W.png)", ""]
+    path = os.path.join(out_dir, "ring.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path, summary
+
+
+def main(size="quick", out_dir="results/ring"):
+    os.makedirs(out_dir, exist_ok=True)
+    t0 = time.time()
+    rows = sweep(size)
+    with open(os.path.join(out_dir, "ring.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    cands = candidates(size, rows)
+    figure(rows, out_dir)
+    path, _ = report(rows, cands, size, out_dir, time.time() - t0)
+    print(f"wrote {path} ({time.time() - t0:.0f} s)")
+    return 0
+
+
+def add_subcommand(sub):
+    p = sub.add_parser("ring", help="ring attention: error vs ring size W per merge, layout; candidate causes",
+                       description=__doc__.split("\n\n")[0])
+    g = p.add_mutually_exclusive_group()
+    for name in SIZES:
+        g.add_argument(f"--{name}", dest="size", action="store_const", const=name,
+                       help=f"sizes: N={SIZES[name]['N']}, H={SIZES[name]['H']}, D={SIZES[name]['D']}")
+    p.add_argument("--out", default="results/ring", help="output folder (default results/ring)")
+    p.set_defaults(func=lambda a: main(a.size or "quick", a.out), size=None)

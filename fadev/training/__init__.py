@@ -1,0 +1,16 @@
+"""Training drift (Golden et al., arXiv 2405.02803, Section 5): how far the weights of a model trained
+with flash attention drift from the same training with baseline attention, next to two references --
+another initialisation seed and low-precision (mixed bf16/fp16) training.
+
+* :mod:`fadev.training.digits`: the workload, a label-conditioned autoregressive transformer over
+  scikit-learn's 8 x 8 digits (shipped with the package, no download);
+* :mod:`fadev.training.tracker`: runs in lockstep, distances between pairs of runs every k steps into a
+  resumable results file (:func:`track`);
+* :mod:`fadev.training.experiment`: the ``python -m fadev train-drift`` experiment (runs, figures,
+  DIR/train_drift.md).
+
+Needs PyTorch and scikit-learn; ``import fadev`` imports neither.
+"""
+from .tracker import Pair, RunSpec, TrainConfig, config_key, deterministic, track
+
+__all__ = ["Pair", "RunSpec", "TrainConfig", "track", "config_key", "deterministic"]

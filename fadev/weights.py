@@ -1,0 +1,140 @@
+"""Distances between the weights of two models: one row per tensor, plus a model-level row.
+
+``fadev.weights.compare(a, b)`` takes two ``torch.nn.Module`` objects (their ``state_dict()``) or two
+mappings name -> tensor (torch tensors of any floating, integer or bool dtype on any device, or NumPy
+arrays, ml_dtypes' bfloat16 included) and returns a pandas DataFrame, one row per tensor in ``a``'s key
+order, then one final row named ``"__model__"``:
+
+=============  ==================================================================================
+column         per tensor (d = a - b element-wise, in float64; every input value is exact in float64)
+=============  ==================================================================================
+``name``       the state-dict key
+``numel``      number of elements
+``max_abs``    max |d|                                    (fadev.max_abs)
+``wasserstein`` exact Wasserstein-1 distance between the two tensors' value distributions
+               (fadev.wasserstein; equals scipy.stats.wasserstein_distance of the flattened values)
+``rmse``       sqrt(mean(d^2))                            (fadev.rmse)
+``rel_l2``     ||d||_2 / ||b||_2                          (fadev.rel_l2; inf when b is all zero, a is not)
+=============  ==================================================================================
+
+The ``"__model__"`` row aggregates the tensors (all of them, with their sizes as weights):
+``numel`` = total elements, ``max_abs`` = max over tensors (the largest element difference anywhere),
+``wasserstein`` = size-weighted mean of the per-tensor W1 (each tensor's distribution compared with
+its own counterpart: pooling all weights into one distribution would let a change in one layer
+cancel against another's), ``rmse`` = sqrt(sum ||d||^2 / total numel) and ``rel_l2`` =
+sqrt(sum ||d||^2) / sqrt(sum ||b||^2) -- the RMSE and relative L2 of the whole flattened model,
+exactly. The same values are in ``df.attrs["model"]`` (a dict) and ``df.attrs["max_abs_tensor"]``
+names the tensor where the largest difference is. NaN in a tensor makes its metrics and the model's
+NaN (the max too).
+
+Empty tensors (numel 0) get 0 for every metric. ValueError names the tensor for keys present in only
+one of the two, or differing shapes; TypeError for inputs that are not modules or mappings of arrays.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from .metrics import compare as _compare
+
+COLUMNS = ("name", "numel", "max_abs", "wasserstein", "rmse", "rel_l2")
+MODEL_ROW = "__model__"
+
+
+def _state(x, which):
+    """A mapping name -> tensor/array from a module, a state dict, or any mapping."""
+    if hasattr(x, "state_dict") and callable(x.state_dict):
+        return x.state_dict()
+    if isinstance(x, Mapping):
+        return x
+    raise TypeError(f"{which}: expected a torch.nn.Module or a mapping name -> tensor/array (a state_dict), "
+                    f"got {type(x).__name__}")
+
+
+def _array(t, which, name) -> np.ndarray:
+    """A tensor's or array's values as a float64 NumPy array (exact: every torch / ml_dtypes float, int
+    up to 2^53 and bool is a float64 value)."""
+    if type(t).__module__.startswith("torch"):
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.is_complex():
+            raise TypeError(f"{which}[{name!r}]: complex tensors are not compared, got {t.dtype}")
+        if t.is_floating_point() and t.dtype != np.float64:
+            t = t.double()  # bfloat16 has no NumPy dtype; float -> float64 is exact
+        return t.numpy()
+    try:
+        arr = np.asarray(t)
+    except Exception:
+        raise TypeError(f"{which}[{name!r}]: expected a tensor or array, got {type(t).__name__}") from None
+    if arr.dtype.kind == "V" and arr.dtype.itemsize in (1, 2):  # ml_dtypes bfloat16 / float8
+        return arr.astype(np.float64)
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"{which}[{name!r}]: expected a real numeric tensor or array, got dtype {arr.dtype}")
+    return arr
+
+
+def _check_keys(sa, sb):
+    only_a = [k for k in sa if k not in sb]
+    only_b = [k for k in sb if k not in sa]
+    if only_a or only_b:
+        parts = []
+        if only_a:
+            parts.append(f"only in a: {', '.join(map(repr, only_a[:5]))}{' ...' if len(only_a) > 5 else ''}")
+        if only_b:
+            parts.append(f"only in b: {', '.join(map(repr, only_b[:5]))}{' ...' if len(only_b) > 5 else ''}")
+        raise ValueError(f"a and b hold different tensors ({'; '.join(parts)})")
+
+
+def compare(a, b):
+    """Per-tensor and model-level distances between the weights ``a`` and ``b`` (module docstring):
+    a DataFrame with columns name, numel, max_abs, wasserstein, rmse, rel_l2, one row per tensor and a
+    final ``"__model__"`` row; ``df.attrs["model"]`` holds that row as a dict."""
+    import pandas as pd
+    sa, sb = _state(a, "a"), _state(b, "b")
+    _check_keys(sa, sb)
+    if not sa:
+        raise ValueError("a and b hold no tensors")
+    rows, sq_diff, sq_ref = [], [], []
+    for name in sa:
+        x, y = _array(sa[name], "a", name), _array(sb[name], "b", name)
+        if x.shape != y.shape:
+            raise ValueError(f"tensor {name!r}: a has shape {tuple(x.shape)}, b has shape {tuple(y.shape)}")
+        n = int(x.size)
+        if n == 0:
+            rows.append({"name": name, "numel": 0, "max_abs": 0.0, "wasserstein": 0.0, "rmse": 0.0, "rel_l2": 0.0})
+            sq_diff.append(0.0)
+            sq_ref.append(0.0)
+            continue
+        c = _compare(x, y)
+        rows.append({"name": name, "numel": n, "max_abs": c.max_abs, "wasserstein": c.wasserstein, "rmse": c.rmse,
+                     "rel_l2": c.rel_l2})
+        sq_diff.append(c.rmse * c.rmse * n)
+        y64 = np.asarray(y, dtype=np.float64)
+        sq_ref.append(float(np.dot(y64.ravel(), y64.ravel())))
+    numel = np.array([r["numel"] for r in rows], dtype=np.float64)
+    total = float(numel.sum())
+    max_abs = np.array([r["max_abs"] for r in rows])
+    w1 = np.array([r["wasserstein"] for r in rows])
+    diff, ref = math.fsum(sq_diff), math.fsum(sq_ref)
+    model = {"name": MODEL_ROW, "numel": int(total),
+             "max_abs": float(np.max(max_abs)),  # np.max propagates NaN
+             "wasserstein": float(np.dot(numel, w1) / total) if total else 0.0,
+             "rmse": math.sqrt(diff / total) if total else 0.0,
+             "rel_l2": (math.sqrt(diff) / math.sqrt(ref) if ref else (0.0 if diff == 0 else math.inf))
+             if not math.isnan(diff) else math.nan}
+    df = pd.DataFrame(rows + [model], columns=list(COLUMNS))
+    df.attrs["model"] = dict(model)
+    df.attrs["max_abs_tensor"] = rows[int(np.nanargmax(max_abs))]["name"] if not np.all(np.isnan(max_abs)) else None
+    return df
+
+
+def model_distance(a, b) -> dict:
+    """The ``"__model__"`` row of :func:`compare` as a dict, plus ``max_abs_tensor``."""
+    df = compare(a, b)
+    return dict(df.attrs["model"], max_abs_tensor=df.attrs["max_abs_tensor"])
+
+
+__all__ = ["compare", "model_distance", "COLUMNS", "MODEL_ROW"]
