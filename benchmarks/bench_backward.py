@@ -19,11 +19,11 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 import fadev
+from timing import best_seconds
 
 
 def numpy_backward(q, k, v, dout):
@@ -36,16 +36,6 @@ def numpy_backward(q, k, v, dout):
     dp = dout @ np.swapaxes(v, -1, -2)
     ds = p * (dp - (dp * p).sum(-1, keepdims=True))
     return scale * (ds @ k), scale * (np.swapaxes(ds, -1, -2) @ q), dv
-
-
-def best_seconds(fn, repeat):
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def rel(a, b):
