@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .ring_experiment import add_subcommand as add_ring  # ring: error vs ring size (fadev/ring_experiment.py)
     add_ring(sub)
+
+    from .training.experiment import add_subcommand as add_train_drift  # train-drift (fadev/training/)
+    add_train_drift(sub)
     return parser
 
 

@@ -271,7 +271,7 @@ _IMPL_STYLE = {"emulated fa2": ("#d62728", "o", "-"), "emulated fa1": ("#ff7f0e"
 def fig_kernels(df):
     """RMSE vs golden over N per implementation (log-log); emulations solid, PyTorch kernels dashed."""
     fmts = list(dict.fromkeys(df["format"]))
-    fig, axes = _figure(5.2 * len(fmts), 3.9, 1, len(fmts), sharey=True)
+    fig, axes = _figure(4.6 * len(fmts) + 1.8, 3.9, 1, len(fmts), sharey=True)
     for ax, fmt in zip(axes[0], fmts):
         g = df[df["format"] == fmt]
         for impl in dict.fromkeys(g["impl"]):
@@ -283,8 +283,9 @@ def fig_kernels(df):
         ax.set_yscale("log")
         ax.set_xlabel("sequence length N (keys)")
         ax.set_title(f"{fmt}: real-kernel presets vs golden")
-        ax.legend(fontsize=7.5)
     axes[0, 0].set_ylabel("RMSE vs fp64 golden")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", fontsize=8)
     return fig
 
 

@@ -1,0 +1,173 @@
+/* Block products of attention, forward and backward (docs/numerics.md, "Common pieces" and "Backward"):
+ *   C[r][col] = acc over k in [kb_r, ke_r) ascending of  acc = R_acc(acc + A[r][k] * B[k][col]),
+ * acc starting from C's value (0 for a fresh product). The forward's scores (A = Q, B = K^T) and P.V
+ * (A = P, B = V), the backward's dP, dV, dK and dQ are all of this form; every sum runs in exactly this
+ * order, the kernels only choose how many independent sums advance side by side in SIMD lanes (four
+ * rows of C over the k they share, 8 or 16 columns). Four tiers, the same bits:
+ *   scalar     att_round after every add (any format, any rounding mode, stochastic counters: the
+ *              term (row, k, col) is event ATT_INDEX of those three in the order att_mm.index names);
+ *   fp64 SIMD  acc in double: the identity rounding of fp64 (ATT_MM_F64), or (double)(float)acc after
+ *              every add for fp32 under nearest-even (ATT_MM_F64_R32: one IEEE rounding of the fp64 sum,
+ *              exactly R_fp32);
+ *   fp32 SIMD  acc in float, product in float (ATT_MM_F32): only when both factors are values of formats
+ *              inside fp32 whose precisions add up to <= 24 bits and every nonzero product lies in
+ *              [2^-126, 2^128) (att_mm_tier, on the data), so the float product is the exact product and
+ *              the float sum of two fp32 values equals R_fp32 of their fp64 sum (53 >= 2*24 + 2, so the
+ *              double rounding is innocuous). NaN/Inf data always take the fp64 or scalar tier.
+ * Compiled for AVX2 and a portable default at once (target_clones); -ffp-contract=off keeps every
+ * multiply and add separately rounded, as the spec requires. */
+#include "attention.h"
+
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(FADEV_NO_CLONES)
+#define MM_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define MM_CLONES
+#endif
+
+typedef double v4d __attribute__((vector_size(32)));
+typedef double v4du __attribute__((vector_size(32), aligned(8)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v8fu __attribute__((vector_size(32), aligned(4)));
+
+#define R32V(a) __builtin_convertvector(__builtin_convertvector((a), v4f), v4d)
+
+/* c[r][col] = acc over k in [kb, ke) ascending of acc + a[r][k] * b[k][col], continuing from c's value, for
+ * col < ncols (a multiple of 16): 4 rows (mm4) or one row (mm1). R32 rounds the fp64 sum to fp32 after
+ * every add; the f32 kernels keep the sum in float (exact products, see the top comment). */
+#define MM4_F64(R32)                                                                                      \
+    for (int64_t col = 0; col < ncols; col += 8) {                                                        \
+        double *o = c + col;                                                                              \
+        v4d a0 = *(v4du *)o, b0 = *(v4du *)(o + 4), a1 = *(v4du *)(o + ldc), b1 = *(v4du *)(o + ldc + 4); \
+        v4d a2 = *(v4du *)(o + 2 * ldc), b2 = *(v4du *)(o + 2 * ldc + 4);                                 \
+        v4d a3 = *(v4du *)(o + 3 * ldc), b3 = *(v4du *)(o + 3 * ldc + 4);                                 \
+        const double *bp = b + kb * ldb + col;                                                            \
+        for (int64_t k = kb; k < ke; k++, bp += ldb) {                                                    \
+            v4d v0 = *(const v4du *)bp, v1 = *(const v4du *)(bp + 4);                                     \
+            double x0 = a[k], x1 = a[lda + k], x2 = a[2 * lda + k], x3 = a[3 * lda + k];                  \
+            a0 = a0 + x0 * v0, b0 = b0 + x0 * v1, a1 = a1 + x1 * v0, b1 = b1 + x1 * v1;                   \
+            a2 = a2 + x2 * v0, b2 = b2 + x2 * v1, a3 = a3 + x3 * v0, b3 = b3 + x3 * v1;                   \
+            if (R32) {                                                                                    \
+                a0 = R32V(a0), b0 = R32V(b0), a1 = R32V(a1), b1 = R32V(b1);                               \
+                a2 = R32V(a2), b2 = R32V(b2), a3 = R32V(a3), b3 = R32V(b3);                               \
+            }                                                                                             \
+        }                                                                                                 \
+        *(v4du *)o = a0, *(v4du *)(o + 4) = b0, *(v4du *)(o + ldc) = a1, *(v4du *)(o + ldc + 4) = b1;     \
+        *(v4du *)(o + 2 * ldc) = a2, *(v4du *)(o + 2 * ldc + 4) = b2;                                     \
+        *(v4du *)(o + 3 * ldc) = a3, *(v4du *)(o + 3 * ldc + 4) = b3;                                     \
+    }
+
+#define MM1_F64(R32)                                                                                      \
+    for (int64_t col = 0; col < ncols; col += 16) {                                                       \
+        double *o = c + col;                                                                              \
+        v4d a0 = *(v4du *)o, a1 = *(v4du *)(o + 4), a2 = *(v4du *)(o + 8), a3 = *(v4du *)(o + 12);        \
+        const double *bp = b + kb * ldb + col;                                                            \
+        for (int64_t k = kb; k < ke; k++, bp += ldb) {                                                    \
+            double x = a[k];                                                                              \
+            a0 = a0 + x * *(const v4du *)bp, a1 = a1 + x * *(const v4du *)(bp + 4);                       \
+            a2 = a2 + x * *(const v4du *)(bp + 8), a3 = a3 + x * *(const v4du *)(bp + 12);                \
+            if (R32) a0 = R32V(a0), a1 = R32V(a1), a2 = R32V(a2), a3 = R32V(a3);                          \
+        }                                                                                                 \
+        *(v4du *)o = a0, *(v4du *)(o + 4) = a1, *(v4du *)(o + 8) = a2, *(v4du *)(o + 12) = a3;            \
+    }
+
+#define MM_ARGS(T) const T *a, int64_t lda, const T *b, int64_t ldb, int64_t kb, int64_t ke, int64_t ncols, \
+                   double *c, int64_t ldc
+MM_CLONES static void mm4_f64(MM_ARGS(double)) { MM4_F64(0) }
+MM_CLONES static void mm4_f64_r32(MM_ARGS(double)) { MM4_F64(1) }
+MM_CLONES static void mm1_f64(MM_ARGS(double)) { (void)lda, (void)ldc; MM1_F64(0) }
+MM_CLONES static void mm1_f64_r32(MM_ARGS(double)) { (void)lda, (void)ldc; MM1_F64(1) }
+
+/* The float tier; c is kept in double between calls (its values are fp32 values). */
+MM_CLONES static void mm4_f32(MM_ARGS(float)) {
+    for (int64_t col = 0; col < ncols; col += 16) {
+        float acc[4][16];
+        for (int r = 0; r < 4; r++)
+            for (int e = 0; e < 16; e++) acc[r][e] = (float)c[r * ldc + col + e];
+        v8f a0 = *(v8fu *)acc[0], b0 = *(v8fu *)(acc[0] + 8), a1 = *(v8fu *)acc[1], b1 = *(v8fu *)(acc[1] + 8);
+        v8f a2 = *(v8fu *)acc[2], b2 = *(v8fu *)(acc[2] + 8), a3 = *(v8fu *)acc[3], b3 = *(v8fu *)(acc[3] + 8);
+        const float *bp = b + kb * ldb + col;
+        for (int64_t k = kb; k < ke; k++, bp += ldb) {
+            v8f v0 = *(const v8fu *)bp, v1 = *(const v8fu *)(bp + 8);
+            float x0 = a[k], x1 = a[lda + k], x2 = a[2 * lda + k], x3 = a[3 * lda + k];
+            a0 = a0 + x0 * v0, b0 = b0 + x0 * v1, a1 = a1 + x1 * v0, b1 = b1 + x1 * v1;
+            a2 = a2 + x2 * v0, b2 = b2 + x2 * v1, a3 = a3 + x3 * v0, b3 = b3 + x3 * v1;
+        }
+        *(v8fu *)acc[0] = a0, *(v8fu *)(acc[0] + 8) = b0, *(v8fu *)acc[1] = a1, *(v8fu *)(acc[1] + 8) = b1;
+        *(v8fu *)acc[2] = a2, *(v8fu *)(acc[2] + 8) = b2, *(v8fu *)acc[3] = a3, *(v8fu *)(acc[3] + 8) = b3;
+        for (int r = 0; r < 4; r++)
+            for (int e = 0; e < 16; e++) c[r * ldc + col + e] = (double)acc[r][e];
+    }
+}
+
+MM_CLONES static void mm1_f32(MM_ARGS(float)) {
+    (void)lda, (void)ldc;
+    for (int64_t col = 0; col < ncols; col += 16) {
+        float acc[16];
+        for (int e = 0; e < 16; e++) acc[e] = (float)c[col + e];
+        v8f a0 = *(v8fu *)acc, a1 = *(v8fu *)(acc + 8);
+        const float *bp = b + kb * ldb + col;
+        for (int64_t k = kb; k < ke; k++, bp += ldb) {
+            float x = a[k];
+            a0 = a0 + x * *(const v8fu *)bp, a1 = a1 + x * *(const v8fu *)(bp + 8);
+        }
+        *(v8fu *)acc = a0, *(v8fu *)(acc + 8) = a1;
+        for (int e = 0; e < 16; e++) c[col + e] = (double)acc[e];
+    }
+}
+
+static void mm_scalar(const att_mm *m, int64_t r, int64_t kb, int64_t ke, int64_t ncol) {
+    for (int64_t col = 0; col < ncol; col++) {
+        double acc = m->c[r * m->ldc + col];
+        for (int64_t k = kb; k < ke; k++) {
+            uint64_t idx = m->index == ATT_MM_ROW_COL_K   ? ATT_INDEX(m->row0 + r, m->col0 + col, m->k0 + k)
+                           : m->index == ATT_MM_K_ROW_COL ? ATT_INDEX(m->k0 + k, m->row0 + r, m->col0 + col)
+                                                          : ATT_INDEX(m->row0 + r, m->k0 + k, m->col0 + col);
+            acc = att_round(m->acc, acc + m->a[r * m->lda + k] * m->b[k * m->ldb + col], m->stream, idx);
+        }
+        m->c[r * m->ldc + col] = acc;
+    }
+}
+
+/* Rows r.. (four of them, or one) over k in [kb, ke), in one of the vector tiers. */
+static void mm_rows(const att_mm *m, int four, int64_t r, int64_t kb, int64_t ke, int64_t ncols) {
+    if (kb >= ke) return;
+    double *c = m->c + r * m->ldc;
+    if (m->tier == ATT_MM_F32) {
+        (four ? mm4_f32 : mm1_f32)(m->af + r * m->lda, m->lda, m->bf, m->ldb, kb, ke, ncols, c, m->ldc);
+        return;
+    }
+    void (*kernel)(MM_ARGS(double)) = m->tier == ATT_MM_F64_R32 ? (four ? mm4_f64_r32 : mm1_f64_r32)
+                                                                : (four ? mm4_f64 : mm1_f64);
+    kernel(m->a + r * m->lda, m->lda, m->b, m->ldb, kb, ke, ncols, c, m->ldc);
+}
+
+void att_mm_run(const att_mm *m, int64_t nrows, const int64_t *kb, const int64_t *ke, int64_t k_end,
+                const int64_t *ncol, int64_t ncols) {
+#define KB(x) (kb ? kb[x] : 0)
+#define KE(x) (ke ? ke[x] : k_end)
+    if (m->tier == ATT_MM_SCALAR) {
+        for (int64_t r = 0; r < nrows; r++) mm_scalar(m, r, KB(r), KE(r), ncol ? ncol[r] : ncols);
+        return;
+    }
+    ncols = att_round_up(ncols, 16);
+    int64_t r = 0;
+    for (; r + 4 <= nrows; r += 4) {
+        int64_t lo = KB(r), hi = KE(r);
+        for (int64_t x = r + 1; x < r + 4; x++) {
+            lo = KB(x) > lo ? KB(x) : lo;
+            hi = KE(x) < hi ? KE(x) : hi;
+        }
+        if (lo >= hi) {
+            for (int64_t x = r; x < r + 4; x++) mm_rows(m, 0, x, KB(x), KE(x), ncols);
+            continue;
+        }
+        /* what one row has before or after the shared range it does alone, in order */
+        for (int64_t x = r; x < r + 4; x++) mm_rows(m, 0, x, KB(x), lo, ncols);
+        mm_rows(m, 1, r, lo, hi, ncols);
+        for (int64_t x = r; x < r + 4; x++) mm_rows(m, 0, x, hi, KE(x), ncols);
+    }
+    for (; r < nrows; r++) mm_rows(m, 0, r, KB(r), KE(r), ncols);
+#undef KB
+#undef KE
+}
