@@ -1,42 +1,21 @@
-/* Shared machinery of baseline.c and flash.c: validation, rounded inputs, and the two dot-product
- * families of attention (docs/numerics.md, "Common pieces" and step 6):
+/* Shared machinery of baseline.c and flash.c: validation, rounded inputs, the two dot-product families of
+ * attention (docs/numerics.md, "Common pieces" and step 6):
  *   scores  acc = 0; for t < D: acc = R_score_acc(acc + Q[i,t] * K[j,t]);  s_j = R_score(c * R_score(acc))
  *   P.V     acc = 0; for j ascending: acc = R_pv_acc(acc + P_j * V[j,d])
- * Every sum runs in exactly this order; the kernels only choose how many independent sums (rows x
- * keys, or rows x d) advance side by side in SIMD lanes. Three tiers, the same bits:
- *   scalar     att_round after every add (any format, any rounding mode, stochastic counters);
- *   fp64 SIMD  acc in double: the identity rounding of fp64, or (double)(float)acc after every add for
- *              fp32 under nearest-even (one IEEE rounding of the fp64 sum: exactly R_fp32);
- *   fp32 SIMD  acc in float, product in float: used only when both factors are values of formats
- *              inside fp32 whose precisions add up to <= 24 bits and every nonzero product lies in
- *              [2^-126, 2^128) (checked on the data), so the float product is the exact product, and
- *              the float sum of two fp32 values equals R_fp32 of their fp64 sum (53 >= 2*24 + 2, so
- *              the double rounding is innocuous). NaN/Inf data always take the fp64 or scalar tier.
- * Compiled for AVX2 and a portable default at once (target_clones); -ffp-contract=off keeps every
- * multiply and add separately rounded, as the spec requires. */
+ * and the output row: out = R_out(O / l) or R_out(O), lse = R_stats(m + R_stats(log l)).
+ * Every sum runs in exactly this order; the products are att_mm_run's (matmul.c), which only chooses how
+ * many independent sums advance side by side in SIMD lanes, in one of its tiers (same bits): scalar
+ * rounding, fp64 vectors, or float32 vectors when every product is exact in fp32 (checked on the data:
+ * per K/V head for K and V, per call for the query rows of Q and for P). */
 #include <float.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "attention.h"
 
-#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(FADEV_NO_CLONES)
-#define ATT_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define ATT_CLONES
-#endif
-
-typedef double v4d __attribute__((vector_size(32)));
-typedef double v4du __attribute__((vector_size(32), aligned(8)));
-typedef float v4f __attribute__((vector_size(16)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v8fu __attribute__((vector_size(32), aligned(4)));
-
-#define R32V(a) __builtin_convertvector(__builtin_convertvector((a), v4f), v4d)
-
 /* ------------------------------------------------------------------ validation and set-up */
 
-static int valid_format(const fadev_format *f) {
+int att_valid_format(const fadev_format *f) {
     fadev_format check;
     if (!(f->largest > 0)) return 0;
     if (fadev_format_make(f->precision, f->emin, f->emax, f->subnormals, f->has_inf, f->overflow, f->largest,
@@ -52,9 +31,9 @@ static int mul_ok(size_t *acc, int64_t factor) {
 
 /* Element counts of the padded scratch arrays; 0 on overflow. */
 static int scratch_sizes(const fadev_attention_params *pr, size_t *nq, size_t *nkt, size_t *nv) {
-    int64_t q_rows = pr->seq_q + 3, kt_cols = att_round_up(pr->seq_kv, 16) + 16, d_pad = att_round_up(pr->dim, 16);
+    int64_t kt_cols = att_round_up(pr->seq_kv, 16) + 16, d_pad = att_round_up(pr->dim, 16);
     size_t a = 1, b = 1, c = 1, o = 1;
-    int ok = mul_ok(&a, pr->batch) && mul_ok(&a, pr->heads) && mul_ok(&a, q_rows) && mul_ok(&a, pr->dim);
+    int ok = mul_ok(&a, pr->batch) && mul_ok(&a, pr->heads) && mul_ok(&a, pr->seq_q) && mul_ok(&a, pr->dim);
     ok = ok && mul_ok(&b, pr->batch) && mul_ok(&b, pr->heads_kv) && mul_ok(&b, pr->dim) && mul_ok(&b, kt_cols);
     ok = ok && mul_ok(&c, pr->batch) && mul_ok(&c, pr->heads_kv) && mul_ok(&c, pr->seq_kv) && mul_ok(&c, d_pad);
     ok = ok && mul_ok(&o, pr->batch) && mul_ok(&o, pr->heads) && mul_ok(&o, pr->seq_q) && mul_ok(&o, pr->dim);
@@ -84,7 +63,7 @@ fadev_status att_validate(const double *q, const double *k, const double *v, con
                                   &pol->stats, &pol->rescale, &pol->p, &pol->pv_acc, &pol->out_acc,
                                   &pol->state_out, &pol->state_stats, &pol->out};
     for (size_t s = 0; s < sizeof fmts / sizeof fmts[0]; s++)
-        if (!valid_format(fmts[s])) return FADEV_ERR_INVALID_FORMAT;
+        if (!att_valid_format(fmts[s])) return FADEV_ERR_INVALID_FORMAT;
     /* the stochastic counter packs (i, u, w) into 21-bit fields */
     if (pol->rounding == FADEV_ROUND_STOCHASTIC && (pr->seq_q >= (1 << 21) || pr->seq_kv >= (1 << 21)))
         return FADEV_ERR_INVALID_ARGUMENT;
@@ -103,8 +82,7 @@ static int is_fp32(const fadev_format *f) {
            f->overflow == FADEV_OVERFLOW_INF && f->largest == (double)FLT_MAX;
 }
 
-/* Every finite value of f is a float32 value. */
-static int inside_fp32(const fadev_format *f) {
+int att_inside_fp32(const fadev_format *f) {
     int lowest = f->subnormals ? f->emin - f->precision + 1 : f->emin;
     return f->precision <= 24 && f->emin >= -126 && f->largest <= (double)FLT_MAX && lowest >= -149;
 }
@@ -114,7 +92,7 @@ double att_round_slow(const att_stage *st, double x, uint64_t stream, uint64_t i
     return fadev_round_one(x, &st->fmt, st->mode, bits);
 }
 
-static att_stage make_stage(const fadev_format *f, const fadev_policy *pol) {
+att_stage att_make_stage(const fadev_format *f, const fadev_policy *pol) {
     att_stage st;
     st.fmt = *f;
     st.mode = pol->rounding;
@@ -132,7 +110,7 @@ static att_stage make_stage(const fadev_format *f, const fadev_policy *pol) {
     return st;
 }
 
-/* Rounds one head of Q (task < B*H), K or V into the padded scratch, with magnitude statistics. */
+/* Rounds one head of Q (task < B*H), K or V into the scratch (K, V padded), with magnitude statistics. */
 typedef struct prep_job {
     att_ctx *cx;
     const double *q, *k, *v;
@@ -147,8 +125,8 @@ static fadev_status prep_task(void *ctxp, size_t task) {
     if ((int64_t)task < nqh) {
         int64_t bh = (int64_t)task;
         const double *src = job->q + bh * Nq * D;
-        double *dst = cx->q + bh * cx->q_rows * D;
-        float *dstf = cx->qf ? cx->qf + bh * cx->q_rows * D : NULL;
+        double *dst = cx->q + bh * Nq * D;
+        float *dstf = cx->qf ? cx->qf + bh * Nq * D : NULL;
         for (int64_t i = 0; i < Nq; i++)
             for (int64_t d = 0; d < D; d++) {
                 double x = att_round(in, src[i * D + d], ATT_STREAM(ATT_IN_Q, bh), ATT_INDEX(i, d, 0));
@@ -160,17 +138,11 @@ static fadev_status prep_task(void *ctxp, size_t task) {
     int is_v = (int64_t)task >= nqh + nkh;
     int64_t bh = (int64_t)task - nqh - (is_v ? nkh : 0);
     const double *src = (is_v ? job->v : job->k) + bh * Nk * D;
-    double lo = INFINITY, hi = 0;
-    int finite = 1;
+    mag mg = MAG_EMPTY;
     for (int64_t j = 0; j < Nk; j++)
         for (int64_t d = 0; d < D; d++) {
             double x = att_round(in, src[j * D + d], ATT_STREAM(is_v ? ATT_IN_V : ATT_IN_K, bh), ATT_INDEX(j, d, 0));
-            double a = fabs(x);
-            if (!(a <= DBL_MAX)) finite = 0;
-            else if (a > 0) {
-                lo = a < lo ? a : lo;
-                hi = a > hi ? a : hi;
-            }
+            mag_add(&mg, x);
             if (is_v) {
                 size_t at = (size_t)((bh * Nk + j) * cx->d_pad + d);
                 cx->v[at] = x;
@@ -181,8 +153,8 @@ static fadev_status prep_task(void *ctxp, size_t task) {
                 if (cx->ktf) cx->ktf[at] = (float)x;
             }
         }
-    if (is_v) cx->v_min[bh] = lo, cx->v_max[bh] = hi, cx->v_finite[bh] = finite;
-    else cx->k_min[bh] = lo, cx->k_max[bh] = hi, cx->k_finite[bh] = finite;
+    if (is_v) cx->v_min[bh] = mg.min, cx->v_max[bh] = mg.max, cx->v_finite[bh] = mg.finite;
+    else cx->k_min[bh] = mg.min, cx->k_max[bh] = mg.max, cx->k_finite[bh] = mg.finite;
     return FADEV_OK;
 }
 
@@ -197,19 +169,19 @@ fadev_status att_init(att_ctx *cx, const double *q, const double *k, const doubl
     memset(cx, 0, sizeof *cx);
     cx->pr = *params;
     cx->group = params->heads / params->heads_kv;
-    cx->input = make_stage(&pol->input, pol);
-    cx->score_acc = make_stage(&pol->score_acc, pol);
-    cx->score = make_stage(&pol->score, pol);
-    cx->softmax = make_stage(&pol->softmax, pol);
-    cx->sum_acc = make_stage(&pol->sum_acc, pol);
-    cx->stats = make_stage(&pol->stats, pol);
-    cx->rescale = make_stage(&pol->rescale, pol);
-    cx->p = make_stage(&pol->p, pol);
-    cx->pv_acc = make_stage(&pol->pv_acc, pol);
-    cx->out_acc = make_stage(&pol->out_acc, pol);
-    cx->state_out = make_stage(&pol->state_out, pol);
-    cx->state_stats = make_stage(&pol->state_stats, pol);
-    cx->out = make_stage(&pol->out, pol);
+    cx->input = att_make_stage(&pol->input, pol);
+    cx->score_acc = att_make_stage(&pol->score_acc, pol);
+    cx->score = att_make_stage(&pol->score, pol);
+    cx->softmax = att_make_stage(&pol->softmax, pol);
+    cx->sum_acc = att_make_stage(&pol->sum_acc, pol);
+    cx->stats = att_make_stage(&pol->stats, pol);
+    cx->rescale = att_make_stage(&pol->rescale, pol);
+    cx->p = att_make_stage(&pol->p, pol);
+    cx->pv_acc = att_make_stage(&pol->pv_acc, pol);
+    cx->out_acc = att_make_stage(&pol->out_acc, pol);
+    cx->state_out = att_make_stage(&pol->state_out, pol);
+    cx->state_stats = att_make_stage(&pol->state_stats, pol);
+    cx->out = att_make_stage(&pol->out, pol);
     cx->exp2 = exp2_form;
     /* constants: rounded once to nearest even (log2 e and ln 2 are the fp64 constants M_LOG2E, M_LN2) */
     double log2e = 0x1.71547652b82fep+0, ln2 = 0x1.62e42fefa39efp-1;
@@ -218,10 +190,9 @@ fadev_status att_init(att_ctx *cx, const double *q, const double *k, const doubl
     cx->c2 = fadev_round_one(ln2, &pol->stats, FADEV_ROUND_NEAREST_EVEN, 0);
 
     const fadev_format *in = &pol->input;
-    cx->qk_float = cx->score_acc.kind == ATT_F32 && inside_fp32(in) && 2 * in->precision <= 24;
-    cx->pv_float = cx->pv_acc.kind == ATT_F32 && inside_fp32(in) && inside_fp32(&pol->p) &&
+    cx->qk_float = cx->score_acc.kind == ATT_F32 && att_inside_fp32(in) && 2 * in->precision <= 24;
+    cx->pv_float = cx->pv_acc.kind == ATT_F32 && att_inside_fp32(in) && att_inside_fp32(&pol->p) &&
                    in->precision + pol->p.precision <= 24;
-    cx->q_rows = params->seq_q + 3;
     cx->kt_cols = att_round_up(params->seq_kv, 16) + 16;
     cx->d_pad = att_round_up(params->dim, 16);
     size_t nq, nkt, nv, nkh = (size_t)(params->batch * params->heads_kv);
@@ -253,122 +224,41 @@ fadev_status att_init(att_ctx *cx, const double *q, const double *k, const doubl
     return st;
 }
 
-/* ------------------------------------------------------------------ score kernels */
+/* ------------------------------------------------------------------ the two products */
 
-/* acc[r][j] of 4 query rows (q, row stride ldq) and keys 0..ncols-1 (multiple of 8) of kt (row stride
- * ldk), written to s (row stride lds). R32: round the fp64 sum to fp32 after every add. */
-#define QK4_F64(R32)                                                                                      \
-    for (int64_t j = 0; j < ncols; j += 8) {                                                              \
-        v4d a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0}, a3 = {0}, b3 = {0};               \
-        const double *kp = kt + j;                                                                        \
-        for (int64_t t = 0; t < dim; t++, kp += ldk) {                                                    \
-            v4d k0 = *(const v4du *)kp, k1 = *(const v4du *)(kp + 4);                                     \
-            double x0 = q[t], x1 = q[ldq + t], x2 = q[2 * ldq + t], x3 = q[3 * ldq + t];                  \
-            a0 = a0 + x0 * k0, b0 = b0 + x0 * k1, a1 = a1 + x1 * k0, b1 = b1 + x1 * k1;                   \
-            a2 = a2 + x2 * k0, b2 = b2 + x2 * k1, a3 = a3 + x3 * k0, b3 = b3 + x3 * k1;                   \
-            if (R32) {                                                                                    \
-                a0 = R32V(a0), b0 = R32V(b0), a1 = R32V(a1), b1 = R32V(b1);                               \
-                a2 = R32V(a2), b2 = R32V(b2), a3 = R32V(a3), b3 = R32V(b3);                               \
-            }                                                                                             \
-        }                                                                                                 \
-        *(v4du *)(s + j) = a0, *(v4du *)(s + j + 4) = b0;                                                 \
-        *(v4du *)(s + lds + j) = a1, *(v4du *)(s + lds + j + 4) = b1;                                     \
-        *(v4du *)(s + 2 * lds + j) = a2, *(v4du *)(s + 2 * lds + j + 4) = b2;                             \
-        *(v4du *)(s + 3 * lds + j) = a3, *(v4du *)(s + 3 * lds + j + 4) = b3;                             \
-    }
-
-ATT_CLONES static void qk4_f64(const double *q, int64_t ldq, const double *kt, int64_t ldk, int64_t dim,
-                               int64_t ncols, double *s, int64_t lds) {
-    QK4_F64(0)
-}
-
-ATT_CLONES static void qk4_f64_r32(const double *q, int64_t ldq, const double *kt, int64_t ldk, int64_t dim,
-                                   int64_t ncols, double *s, int64_t lds) {
-    QK4_F64(1)
-}
-
-/* The float tier: 4 rows x 16 keys per step, float products and sums (exact per the guard). */
-ATT_CLONES static void qk4_f32(const float *q, int64_t ldq, const float *kt, int64_t ldk, int64_t dim,
-                               int64_t ncols, float *s, int64_t lds) {
-    for (int64_t j = 0; j < ncols; j += 16) {
-        v8f a0 = {0}, b0 = {0}, a1 = {0}, b1 = {0}, a2 = {0}, b2 = {0}, a3 = {0}, b3 = {0};
-        const float *kp = kt + j;
-        for (int64_t t = 0; t < dim; t++, kp += ldk) {
-            v8f k0 = *(const v8fu *)kp, k1 = *(const v8fu *)(kp + 8);
-            float x0 = q[t], x1 = q[ldq + t], x2 = q[2 * ldq + t], x3 = q[3 * ldq + t];
-            a0 = a0 + x0 * k0, b0 = b0 + x0 * k1, a1 = a1 + x1 * k0, b1 = b1 + x1 * k1;
-            a2 = a2 + x2 * k0, b2 = b2 + x2 * k1, a3 = a3 + x3 * k0, b3 = b3 + x3 * k1;
-        }
-        *(v8fu *)(s + j) = a0, *(v8fu *)(s + j + 8) = b0;
-        *(v8fu *)(s + lds + j) = a1, *(v8fu *)(s + lds + j + 8) = b1;
-        *(v8fu *)(s + 2 * lds + j) = a2, *(v8fu *)(s + 2 * lds + j + 8) = b2;
-        *(v8fu *)(s + 3 * lds + j) = a3, *(v8fu *)(s + 3 * lds + j + 8) = b3;
-    }
-}
-
-/* 1 if every nonzero product of a value of `a` (n values, or the given range) with one of magnitude
- * in [lo, hi] lies in [2^-126, 2^128), and all of `a` is finite. */
-static int products_in_f32(const float *a, int64_t rows, int64_t cols, int64_t ld, const int64_t *counts,
-                           double lo, double hi) {
-    double amin = INFINITY, amax = 0;
+/* Magnitudes of the first counts[r] (or cols) values of rows 0..rows-1 of a (row stride ld). */
+static mag float_magnitudes(const float *a, int64_t rows, int64_t cols, int64_t ld, const int64_t *counts) {
+    mag m = MAG_EMPTY;
     for (int64_t r = 0; r < rows; r++) {
         int64_t n = counts ? counts[r] : cols;
-        for (int64_t c = 0; c < n; c++) {
-            double x = fabs((double)a[r * ld + c]);
-            if (!(x <= DBL_MAX)) return 0;
-            if (x > 0) {
-                amin = x < amin ? x : amin;
-                amax = x > amax ? x : amax;
-            }
-        }
+        for (int64_t c = 0; c < n; c++) mag_add(&m, (double)a[r * ld + c]);
     }
-    return amin * lo >= 0x1p-126 && amax * hi < 0x1p128;
+    return m;
 }
 
 void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis, int64_t j0,
-                double *s, int64_t lds, float *fbuf) {
-    const int64_t D = cx->pr.dim;
-    const int64_t bhk = (bh / cx->pr.heads) * cx->pr.heads_kv + (bh % cx->pr.heads) / cx->group;
+                double *s, int64_t lds) {
+    const int64_t D = cx->pr.dim, bhk = att_kv_head(cx, bh);
     int64_t ncols = 0;
     for (int64_t r = 0; r < nr; r++) ncols = nvis[r] > ncols ? nvis[r] : ncols;
     if (ncols == 0) return;
-    const double *q = cx->q + (bh * cx->q_rows + i0) * D;
-    const double *kt = cx->kt + bhk * D * cx->kt_cols + j0;
-    int from_float = 0;
-    if (cx->score_acc.kind >= ATT_RNE) {
-        const uint64_t stream = ATT_STREAM(ATT_SCORE_ACC, bh);
-        for (int64_t r = 0; r < nr; r++)
-            for (int64_t jj = 0; jj < nvis[r]; jj++) {
-                double acc = 0;
-                for (int64_t t = 0; t < D; t++)
-                    acc = att_round(&cx->score_acc, acc + q[r * D + t] * kt[t * cx->kt_cols + jj], stream,
-                                    ATT_INDEX(i0 + r, j0 + jj, t));
-                s[r * lds + jj] = acc;
-            }
-    } else if (cx->qk_float && cx->k_finite[bhk] &&
-               products_in_f32(cx->qf + (bh * cx->q_rows + i0) * D, nr, D, D, NULL, cx->k_min[bhk],
-                               cx->k_max[bhk])) {
-        const float *qf = cx->qf + (bh * cx->q_rows + i0) * D;
-        const float *ktf = cx->ktf + bhk * D * cx->kt_cols + j0;
-        for (int64_t r = 0; r < nr; r += 4)
-            qk4_f32(qf + r * D, D, ktf, cx->kt_cols, D, att_round_up(ncols, 16), fbuf + r * lds, lds);
-        from_float = 1;
-    } else {
-        for (int64_t r = 0; r < nr; r += 4) {
-            if (cx->score_acc.kind == ATT_EXACT)
-                qk4_f64(q + r * D, D, kt, cx->kt_cols, D, att_round_up(ncols, 8), s + r * lds, lds);
-            else
-                qk4_f64_r32(q + r * D, D, kt, cx->kt_cols, D, att_round_up(ncols, 8), s + r * lds, lds);
-        }
-    }
+    const int64_t q_at = (bh * cx->pr.seq_q + i0) * D, k_at = bhk * D * cx->kt_cols + j0;
+    const int possible = cx->qk_float && cx->k_finite[bhk];
+    const mag qm = possible ? float_magnitudes(cx->qf + q_at, nr, D, D, NULL) : MAG_EMPTY;
+    att_mm m = {0};
+    m.tier = att_mm_tier(&cx->score_acc, possible, qm.min, qm.max, qm.finite, cx->k_min[bhk], cx->k_max[bhk], 1);
+    m.index = ATT_MM_ROW_COL_K, m.acc = &cx->score_acc, m.stream = ATT_STREAM(ATT_SCORE_ACC, bh);
+    m.row0 = i0, m.col0 = j0;
+    m.a = cx->q + q_at, m.af = cx->qf ? cx->qf + q_at : NULL, m.lda = D;
+    m.b = cx->kt + k_at, m.bf = cx->ktf ? cx->ktf + k_at : NULL, m.ldb = cx->kt_cols;
+    m.c = s, m.ldc = lds;
+    for (int64_t r = 0; r < nr; r++) memset(s + r * lds, 0, (size_t)att_round_up(ncols, 16) * sizeof(double));
+    att_mm_run(&m, nr, NULL, NULL, D, nvis, ncols);
     /* s = R_score(c * R_score(acc)) */
     const double c = cx->c;
     const att_stage *sc = &cx->score;
     for (int64_t r = 0; r < nr; r++) {
         double *row = s + r * lds;
-        const float *frow = fbuf + r * lds;
-        if (from_float)
-            for (int64_t jj = 0; jj < nvis[r]; jj++) row[jj] = (double)frow[jj];
         if (sc->kind == ATT_EXACT) {
             for (int64_t jj = 0; jj < nvis[r]; jj++) row[jj] = c * row[jj];
         } else if (sc->kind == ATT_F32) {
@@ -383,146 +273,47 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
     }
 }
 
-/* ------------------------------------------------------------------ P.V kernels */
-
-/* 4 rows of P (stride ldp) times keys 0..n-1 of V (row stride ldv), all d < dpad (multiple of 16),
- * accumulated onto pv (row stride ldo). */
-#define PV4_F64(R32)                                                                                      \
-    for (int64_t d = 0; d < dpad; d += 8) {                                                               \
-        double *o = pv + d;                                                                               \
-        v4d a0 = *(v4du *)o, b0 = *(v4du *)(o + 4), a1 = *(v4du *)(o + ldo), b1 = *(v4du *)(o + ldo + 4); \
-        v4d a2 = *(v4du *)(o + 2 * ldo), b2 = *(v4du *)(o + 2 * ldo + 4);                                 \
-        v4d a3 = *(v4du *)(o + 3 * ldo), b3 = *(v4du *)(o + 3 * ldo + 4);                                 \
-        const double *vp = v + d;                                                                         \
-        for (int64_t j = 0; j < n; j++, vp += ldv) {                                                      \
-            v4d v0 = *(const v4du *)vp, v1 = *(const v4du *)(vp + 4);                                     \
-            double x0 = p[j], x1 = p[ldp + j], x2 = p[2 * ldp + j], x3 = p[3 * ldp + j];                  \
-            a0 = a0 + x0 * v0, b0 = b0 + x0 * v1, a1 = a1 + x1 * v0, b1 = b1 + x1 * v1;                   \
-            a2 = a2 + x2 * v0, b2 = b2 + x2 * v1, a3 = a3 + x3 * v0, b3 = b3 + x3 * v1;                   \
-            if (R32) {                                                                                    \
-                a0 = R32V(a0), b0 = R32V(b0), a1 = R32V(a1), b1 = R32V(b1);                               \
-                a2 = R32V(a2), b2 = R32V(b2), a3 = R32V(a3), b3 = R32V(b3);                               \
-            }                                                                                             \
-        }                                                                                                 \
-        *(v4du *)o = a0, *(v4du *)(o + 4) = b0, *(v4du *)(o + ldo) = a1, *(v4du *)(o + ldo + 4) = b1;     \
-        *(v4du *)(o + 2 * ldo) = a2, *(v4du *)(o + 2 * ldo + 4) = b2;                                     \
-        *(v4du *)(o + 3 * ldo) = a3, *(v4du *)(o + 3 * ldo + 4) = b3;                                     \
-    }
-
-/* One row: 16 d per step. */
-#define PV1_F64(R32)                                                                                      \
-    for (int64_t d = 0; d < dpad; d += 16) {                                                              \
-        double *o = pv + d;                                                                               \
-        v4d a0 = *(v4du *)o, a1 = *(v4du *)(o + 4), a2 = *(v4du *)(o + 8), a3 = *(v4du *)(o + 12);        \
-        const double *vp = v + d;                                                                         \
-        for (int64_t j = 0; j < n; j++, vp += ldv) {                                                      \
-            double x = p[j];                                                                              \
-            a0 = a0 + x * *(const v4du *)vp, a1 = a1 + x * *(const v4du *)(vp + 4);                       \
-            a2 = a2 + x * *(const v4du *)(vp + 8), a3 = a3 + x * *(const v4du *)(vp + 12);                \
-            if (R32) a0 = R32V(a0), a1 = R32V(a1), a2 = R32V(a2), a3 = R32V(a3);                          \
-        }                                                                                                 \
-        *(v4du *)o = a0, *(v4du *)(o + 4) = a1, *(v4du *)(o + 8) = a2, *(v4du *)(o + 12) = a3;            \
-    }
-
-ATT_CLONES static void pv4_f64(const double *p, int64_t ldp, const double *v, int64_t ldv, int64_t n, int64_t dpad,
-                               double *pv, int64_t ldo) {
-    PV4_F64(0)
-}
-ATT_CLONES static void pv4_f64_r32(const double *p, int64_t ldp, const double *v, int64_t ldv, int64_t n,
-                                   int64_t dpad, double *pv, int64_t ldo) {
-    PV4_F64(1)
-}
-ATT_CLONES static void pv1_f64(const double *p, const double *v, int64_t ldv, int64_t n, int64_t dpad, double *pv) {
-    PV1_F64(0)
-}
-ATT_CLONES static void pv1_f64_r32(const double *p, const double *v, int64_t ldv, int64_t n, int64_t dpad,
-                                   double *pv) {
-    PV1_F64(1)
-}
-
-/* The float tier; pv is kept in double between calls (its values are fp32 values). */
-ATT_CLONES static void pv4_f32(const float *p, int64_t ldp, const float *v, int64_t ldv, int64_t n, int64_t dpad,
-                               double *pv, int64_t ldo) {
-    for (int64_t d = 0; d < dpad; d += 16) {
-        float acc[4][16];
-        for (int r = 0; r < 4; r++)
-            for (int e = 0; e < 16; e++) acc[r][e] = (float)pv[r * ldo + d + e];
-        v8f a0 = *(v8fu *)acc[0], b0 = *(v8fu *)(acc[0] + 8), a1 = *(v8fu *)acc[1], b1 = *(v8fu *)(acc[1] + 8);
-        v8f a2 = *(v8fu *)acc[2], b2 = *(v8fu *)(acc[2] + 8), a3 = *(v8fu *)acc[3], b3 = *(v8fu *)(acc[3] + 8);
-        const float *vp = v + d;
-        for (int64_t j = 0; j < n; j++, vp += ldv) {
-            v8f v0 = *(const v8fu *)vp, v1 = *(const v8fu *)(vp + 8);
-            float x0 = p[j], x1 = p[ldp + j], x2 = p[2 * ldp + j], x3 = p[3 * ldp + j];
-            a0 = a0 + x0 * v0, b0 = b0 + x0 * v1, a1 = a1 + x1 * v0, b1 = b1 + x1 * v1;
-            a2 = a2 + x2 * v0, b2 = b2 + x2 * v1, a3 = a3 + x3 * v0, b3 = b3 + x3 * v1;
-        }
-        *(v8fu *)acc[0] = a0, *(v8fu *)(acc[0] + 8) = b0, *(v8fu *)acc[1] = a1, *(v8fu *)(acc[1] + 8) = b1;
-        *(v8fu *)acc[2] = a2, *(v8fu *)(acc[2] + 8) = b2, *(v8fu *)acc[3] = a3, *(v8fu *)(acc[3] + 8) = b3;
-        for (int r = 0; r < 4; r++)
-            for (int e = 0; e < 16; e++) pv[r * ldo + d + e] = (double)acc[r][e];
-    }
-}
-
-ATT_CLONES static void pv1_f32(const float *p, const float *v, int64_t ldv, int64_t n, int64_t dpad, double *pv) {
-    for (int64_t d = 0; d < dpad; d += 16) {
-        float acc[16];
-        for (int e = 0; e < 16; e++) acc[e] = (float)pv[d + e];
-        v8f a0 = *(v8fu *)acc, a1 = *(v8fu *)(acc + 8);
-        const float *vp = v + d;
-        for (int64_t j = 0; j < n; j++, vp += ldv) {
-            float x = p[j];
-            a0 = a0 + x * *(const v8fu *)vp, a1 = a1 + x * *(const v8fu *)(vp + 8);
-        }
-        *(v8fu *)acc = a0, *(v8fu *)(acc + 8) = a1;
-        for (int e = 0; e < 16; e++) pv[d + e] = (double)acc[e];
-    }
-}
-
 void att_pv(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis, int64_t j0,
             const double *p, int64_t ldp, double *pv, int64_t ldo, float *pbuf) {
-    const int64_t D = cx->pr.dim, dpad = cx->d_pad, Nk = cx->pr.seq_kv;
-    const int64_t bhk = (bh / cx->pr.heads) * cx->pr.heads_kv + (bh % cx->pr.heads) / cx->group;
-    const double *v = cx->v + (bhk * Nk + j0) * dpad;
+    const int64_t D = cx->pr.dim, dpad = cx->d_pad, bhk = att_kv_head(cx, bh);
+    const int64_t v_at = (bhk * cx->pr.seq_kv + j0) * dpad;
     for (int64_t r = 0; r < nr; r++) memset(pv + r * ldo, 0, (size_t)dpad * sizeof(double));
-    if (cx->pv_acc.kind >= ATT_RNE) {
-        const uint64_t stream = ATT_STREAM(ATT_PV_ACC, bh);
-        for (int64_t r = 0; r < nr; r++)
-            for (int64_t d = 0; d < D; d++) {
-                double acc = 0;
-                for (int64_t jj = 0; jj < nvis[r]; jj++)
-                    acc = att_round(&cx->pv_acc, acc + p[r * ldp + jj] * v[jj * dpad + d], stream,
-                                    ATT_INDEX(i0 + r, j0 + jj, d));
-                pv[r * ldo + d] = acc;
-            }
-        return;
-    }
-    int use_float = 0;
-    if (cx->pv_float && cx->v_finite[bhk]) {
+    const int possible = cx->pv_float && cx->v_finite[bhk];
+    mag pm = MAG_EMPTY;
+    if (possible) {
         for (int64_t r = 0; r < nr; r++)
             for (int64_t jj = 0; jj < nvis[r]; jj++) pbuf[r * ldp + jj] = (float)p[r * ldp + jj];
-        use_float = products_in_f32(pbuf, nr, 0, ldp, nvis, cx->v_min[bhk], cx->v_max[bhk]);
+        pm = float_magnitudes(pbuf, nr, 0, ldp, nvis);
     }
-    const int r32 = cx->pv_acc.kind == ATT_F32;
-    const float *vf = use_float ? cx->vf + (bhk * Nk + j0) * dpad : NULL;
-    int64_t r = 0;
-    for (; r + 4 <= nr; r += 4) {
-        int64_t n = nvis[r];
-        for (int k = 1; k < 4; k++) n = nvis[r + k] < n ? nvis[r + k] : n;
-        if (use_float) pv4_f32(pbuf + r * ldp, ldp, vf, dpad, n, dpad, pv + r * ldo, ldo);
-        else if (r32) pv4_f64_r32(p + r * ldp, ldp, v, dpad, n, dpad, pv + r * ldo, ldo);
-        else pv4_f64(p + r * ldp, ldp, v, dpad, n, dpad, pv + r * ldo, ldo);
-        /* rows that see more keys (causal) continue on their own, in order */
-        for (int k = 0; k < 4; k++) {
-            int64_t rest = nvis[r + k] - n;
-            if (rest <= 0) continue;
-            if (use_float) pv1_f32(pbuf + (r + k) * ldp + n, vf + n * dpad, dpad, rest, dpad, pv + (r + k) * ldo);
-            else if (r32) pv1_f64_r32(p + (r + k) * ldp + n, v + n * dpad, dpad, rest, dpad, pv + (r + k) * ldo);
-            else pv1_f64(p + (r + k) * ldp + n, v + n * dpad, dpad, rest, dpad, pv + (r + k) * ldo);
-        }
+    att_mm m = {0};
+    m.tier = att_mm_tier(&cx->pv_acc, possible, pm.min, pm.max, pm.finite, cx->v_min[bhk], cx->v_max[bhk], 1);
+    m.index = ATT_MM_ROW_K_COL, m.acc = &cx->pv_acc, m.stream = ATT_STREAM(ATT_PV_ACC, bh);
+    m.row0 = i0, m.k0 = j0;
+    m.a = p, m.af = pbuf, m.lda = ldp;
+    m.b = cx->v + v_at, m.bf = cx->vf ? cx->vf + v_at : NULL, m.ldb = dpad;
+    m.c = pv, m.ldc = ldo;
+    att_mm_run(&m, nr, NULL, nvis, 0, NULL, D);
+}
+
+/* ------------------------------------------------------------------ the output row */
+
+void att_write_row(const att_ctx *cx, int64_t bh, int64_t i, int seen, const double *o, int divide, double m,
+                   double l, double *out, double *lse) {
+    const int64_t D = cx->pr.dim;
+    if (!seen) { /* no visible key: no rounding events */
+        memset(out, 0, (size_t)D * sizeof(double));
+        if (lse) *lse = -INFINITY;
+        return;
     }
-    for (; r < nr; r++) {
-        if (use_float) pv1_f32(pbuf + r * ldp, vf, dpad, nvis[r], dpad, pv + r * ldo);
-        else if (r32) pv1_f64_r32(p + r * ldp, v, dpad, nvis[r], dpad, pv + r * ldo);
-        else pv1_f64(p + r * ldp, v, dpad, nvis[r], dpad, pv + r * ldo);
+    const uint64_t s23 = ATT_STREAM(ATT_OUT, bh);
+    if (divide)
+        for (int64_t d = 0; d < D; d++) out[d] = att_round(&cx->out, o[d] / l, s23, ATT_INDEX(i, d, 0));
+    else
+        for (int64_t d = 0; d < D; d++) out[d] = att_round(&cx->out, o[d], s23, ATT_INDEX(i, d, 0));
+    if (lse) {
+        const uint64_t idx = ATT_INDEX(i, 0, 0), s13 = ATT_STREAM(ATT_STATS_LSE, bh);
+        double log_l = att_round(&cx->stats, log(l), ATT_STREAM(ATT_STATS_LOG, bh), idx);
+        if (cx->exp2) m = att_round(&cx->stats, m * cx->c2, s13, ATT_INDEX(i, 0, 1));
+        *lse = att_round(&cx->stats, m + log_l, s13, idx);
     }
 }

@@ -124,7 +124,7 @@ static fadev_status prep_task(void *ctxp, size_t task) {
         double acc = 0;
         for (int64_t d = 0; d < D; d++) {
             double x = att_round(&cx->input, job->dout[row * D + d], s0, ATT_INDEX(i, d, 0));
-            double qx = cx->q[(bh * cx->q_rows + i) * D + d];
+            double qx = cx->q[(bh * Nq + i) * D + d];
             bx->dout[row * ld + d] = x, bx->q[row * ld + d] = qx;
             if (bx->doutf) bx->doutf[row * ld + d] = (float)x;
             if (bx->qf) bx->qf[row * ld + d] = (float)qx;
@@ -158,42 +158,32 @@ static fadev_status baseline_stats_task(void *ctxp, size_t task) {
     const int64_t last = min64(first + STATS_ROWS, Nq), lds = att_score_ld(Nk);
     double *s = malloc((size_t)(STATS_GROUP * lds) * sizeof(double));
     double *dp = malloc((size_t)(STATS_GROUP * lds) * sizeof(double));
-    float *fbuf = malloc((size_t)(STATS_GROUP * lds) * sizeof(float));
-    if (!s || !dp || !fbuf) {
-        free(s), free(dp), free(fbuf);
+    if (!s || !dp) {
+        free(s), free(dp);
         return FADEV_ERR_NO_MEMORY;
     }
-    const uint64_t s6 = ATT_STREAM(ATT_SOFTMAX_SUB, bh), s7 = ATT_STREAM(ATT_SOFTMAX_EXP, bh);
-    const uint64_t s8 = ATT_STREAM(ATT_SUM_ACC, bh), s16 = ATT_STREAM(ATT_P, bh);
     const uint64_t b4 = BWD_STREAM(EV_DELTA_ACC, bh), b6 = BWD_STREAM(EV_BWD_P, bh), b8 = BWD_STREAM(EV_DP, bh);
     for (int64_t i0 = first; i0 < last; i0 += STATS_GROUP) {
         const int64_t nr = min64(STATS_GROUP, last - i0);
-        int64_t nvis[STATS_GROUP], kb[STATS_GROUP], ke[STATS_GROUP], maxv = 0;
+        int64_t nvis[STATS_GROUP], maxv = 0;
         for (int64_t r = 0; r < nr; r++) maxv = max64(maxv, nvis[r] = att_visible(cx, i0 + r, 0, Nk));
         if (maxv == 0) continue;
-        att_scores(cx, bh, i0, nr, nvis, 0, s, lds, fbuf);
-        bwd_dp_products(bx, bh, i0, nr, nvis, 0, maxv, dp, lds, kb, ke);
+        att_scores(cx, bh, i0, nr, nvis, 0, s, lds);
+        bwd_dp_products(bx, bh, i0, nr, nvis, 0, maxv, dp, lds);
         for (int64_t r = 0; r < nr; r++) {
             const int64_t i = i0 + r, row = bh * Nq + i;
-            double *e = s + r * lds, m = -INFINITY, acc = 0;
-            for (int64_t j = 0; j < nvis[r]; j++) m = att_max(m, e[j]);
+            double *p = s + r * lds, m, l, acc = 0;
+            att_softmax_row(cx, bh, i, p, nvis[r], p, &m, &l); /* P in place of the scores */
             for (int64_t j = 0; j < nvis[r]; j++) {
                 uint64_t idx = ATT_INDEX(i, j, 0);
-                e[j] = att_round(&cx->softmax, exp(att_round(&cx->softmax, e[j] - m, s6, idx)), s7, idx);
-                acc = att_round(&cx->sum_acc, acc + e[j], s8, idx);
-            }
-            const double l = att_round(&cx->stats, acc, ATT_STREAM(ATT_STATS_AL, bh), ATT_INDEX(i, 0, 0));
-            acc = 0;
-            for (int64_t j = 0; j < nvis[r]; j++) {
-                uint64_t idx = ATT_INDEX(i, j, 0);
-                double pr = att_round(&bx->bwd_p, att_round(&cx->p, e[j] / l, s16, idx), b6, idx);
+                double pr = att_round(&bx->bwd_p, p[j], b6, idx);
                 acc = att_round(&bx->delta_acc, acc + pr * att_round(&bx->dp, dp[r * lds + j], b8, idx), b4, idx);
             }
             bx->row_m[row] = m, bx->row_l[row] = l;
             bx->row_d[row] = att_round(&bx->dsoft, acc, BWD_STREAM(EV_DELTA, bh), ATT_INDEX(i, 0, 0));
         }
     }
-    free(s), free(dp), free(fbuf);
+    free(s), free(dp);
     return FADEV_OK;
 }
 
@@ -265,31 +255,16 @@ static fadev_status finish_task(void *ctxp, size_t task) {
 
 /* ------------------------------------------------------------------ set-up and entry points */
 
-/* Every finite value of f is a float32 value. */
-static int fits_f32(const fadev_format *f) {
-    int lowest = f->subnormals ? f->emin - f->precision + 1 : f->emin;
-    return f->precision <= 24 && f->emin >= -126 && f->largest <= (double)FLT_MAX && lowest >= -149;
-}
-
-/* The backward formats as classified att_stages. att_init classifies (and att_validate checks) the 13
- * format slots of a fadev_policy, so the 10 backward formats are put into those slots of a copy of the
- * policy (same rounding mode and seed) and classified on a 1 x 1 problem. */
+/* The backward formats as classified att_stages (same rounding mode and seed as the forward's). */
 static fadev_status backward_stages(bwd_ctx *bx, const fadev_policy *pol, const fadev_policy_backward *pb) {
-    fadev_policy view = *pol;
-    view.input = pb->bwd_p, view.score_acc = pb->dp_acc, view.score = pb->dp, view.softmax = pb->delta_acc;
-    view.sum_acc = pb->dsoft, view.stats = pb->ds, view.rescale = pb->grad_acc, view.p = pb->dq_acc;
-    view.pv_acc = pb->dkv_acc, view.out_acc = pb->grad;
-    const fadev_attention_params one = {1, 1, 1, 1, 1, 1, 1.0, 0, 1, 1, 0, 0, 0};
-    const double zero = 0;
-    double out = 0;
-    fadev_status st = att_validate(&zero, &zero, &zero, &out, &one, &view, 0);
-    att_ctx tmp;
-    if (st == FADEV_OK) st = att_init(&tmp, &zero, &zero, &zero, &one, &view, 0);
-    if (st != FADEV_OK) return st;
-    bx->bwd_p = tmp.input, bx->dp_acc = tmp.score_acc, bx->dp = tmp.score, bx->delta_acc = tmp.softmax;
-    bx->dsoft = tmp.sum_acc, bx->ds = tmp.stats, bx->grad_acc = tmp.rescale, bx->dq_acc = tmp.p;
-    bx->dkv_acc = tmp.pv_acc, bx->grad = tmp.out_acc;
-    att_free(&tmp);
+    const fadev_format *fmts[] = {&pb->bwd_p, &pb->dp_acc, &pb->dp, &pb->delta_acc, &pb->dsoft,
+                                  &pb->ds, &pb->grad_acc, &pb->dq_acc, &pb->dkv_acc, &pb->grad};
+    att_stage *stages[] = {&bx->bwd_p, &bx->dp_acc, &bx->dp, &bx->delta_acc, &bx->dsoft,
+                           &bx->ds, &bx->grad_acc, &bx->dq_acc, &bx->dkv_acc, &bx->grad};
+    for (size_t x = 0; x < sizeof fmts / sizeof fmts[0]; x++) {
+        if (!att_valid_format(fmts[x])) return FADEV_ERR_INVALID_FORMAT;
+        *stages[x] = att_make_stage(fmts[x], pol);
+    }
     return FADEV_OK;
 }
 
@@ -330,10 +305,10 @@ static fadev_status ctx_init(bwd_ctx *bx, const double *q, const double *k, cons
     bx->c_grad = fadev_round_one(pr->scale, &pol->score, FADEV_ROUND_NEAREST_EVEN, 0);
     bx->c3 = fadev_round_one(0x1.71547652b82fep+0, &pol->stats, FADEV_ROUND_NEAREST_EVEN, 0);
     const fadev_format *in = &pol->input;
-    const int in32 = fits_f32(in), grad32 = bx->grad_acc.kind == ATT_F32;
+    const int in32 = att_inside_fp32(in), grad32 = bx->grad_acc.kind == ATT_F32;
     bx->dp_float = bx->dp_acc.kind == ATT_F32 && in32 && 2 * in->precision <= 24;
-    bx->dv_float = grad32 && in32 && fits_f32(&pb->bwd_p) && in->precision + pb->bwd_p.precision <= 24;
-    bx->dq_float = grad32 && in32 && fits_f32(&pb->ds) && in->precision + pb->ds.precision <= 24;
+    bx->dv_float = grad32 && in32 && att_inside_fp32(&pb->bwd_p) && in->precision + pb->bwd_p.precision <= 24;
+    bx->dq_float = grad32 && in32 && att_inside_fp32(&pb->ds) && in->precision + pb->ds.precision <= 24;
     bx->dk_float = bx->dq_float;
     bx->dout = calloc(n_qd, sizeof(double)), bx->q = calloc(n_qd, sizeof(double));
     bx->k = calloc(n_kd, sizeof(double)), bx->vt = calloc(n_vt, sizeof(double));

@@ -1,9 +1,8 @@
 /* Internal interface of the attention backward (backward.c: passes, tasks, entry points; backward_tile.c:
- * the block products and one tile's steps 1-7). Not public API; see docs/numerics.md "Backward". */
+ * one tile's steps 1-7, its products through matmul.c). Not public API; see docs/numerics.md "Backward". */
 #ifndef FADEV_BACKWARD_H
 #define FADEV_BACKWARD_H
 
-#include <float.h>
 #include <stdatomic.h>
 
 #include "attention.h"
@@ -49,26 +48,10 @@ static inline int64_t last_key(const att_ctx *cx, int64_t i) {
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-static inline int64_t kv_head(const att_ctx *cx, int64_t bh) {
-    return (bh / cx->pr.heads) * cx->pr.heads_kv + (bh % cx->pr.heads) / cx->group;
-}
-
-/* Magnitude statistics of a set of values: smallest nonzero, largest, all finite. */
-typedef struct mag { double min, max; int finite; } mag;
-static inline void mag_add(mag *s, double x) {
-    double a = fabs(x);
-    if (!(a <= DBL_MAX)) s->finite = 0;
-    else if (a > 0) {
-        s->min = a < s->min ? a : s->min;
-        s->max = a > s->max ? a : s->max;
-    }
-}
-#define MAG_EMPTY ((mag){INFINITY, 0, 1})
-
 typedef struct bwd_work {
-    int64_t *nvis, *kb, *ke;
-    double *s, *dp, *pp, *ds; /* att_rows(tile_q) x att_score_ld(tile_kv): scores, dP sums, P', dS */
-    float *fbuf, *af;         /* the same shape in float: att_scores' scratch, dS for the dQ product */
+    int64_t *nvis, *kb;
+    double *s, *dp, *pp, *ds; /* tile_q x att_score_ld(tile_kv): scores, dP sums, P', dS */
+    float *af;                /* the same shape in float: dS for the dQ product */
     double *pt, *dst;         /* tile_kv x tile_q: P' and dS transposed (the dV and dK products) */
     float *ptf, *dstf;
     double *dv_part, *dk_part;/* keys x ld: the grad_acc sums of dV, dK within one query block */
@@ -81,9 +64,9 @@ ATT_INTERNAL fadev_status bwd_work_alloc(bwd_work *w, const bwd_ctx *bx, int64_t
 ATT_INTERNAL void bwd_work_free(bwd_work *w);
 
 /* Step 4's sums (before R_dp) of rows i0.. of query head bh and keys j0 + jj, jj < nvis[r], into dp
- * (row stride lds >= att_score_ld(maxv)); kb, ke: scratch of nr entries. */
+ * (row stride lds >= att_score_ld(maxv)). */
 ATT_INTERNAL void bwd_dp_products(const bwd_ctx *bx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis,
-                                  int64_t j0, int64_t maxv, double *dp, int64_t lds, int64_t *kb, int64_t *ke);
+                                  int64_t j0, int64_t maxv, double *dp, int64_t lds);
 
 /* Steps 1-7 for one tile: query head bh, rows [i0, i0 + nr), keys [j0, j0 + n) of one K/V block and one
  * query block. Adds the tile's terms to the running grad_acc sums of dV and dK of its keys (rows of

@@ -10,7 +10,6 @@
  * Tasks are (b, h, 16 query rows); each materialises the scores of 4 rows at a time (O(Nk) memory),
  * so results do not depend on the number of threads. */
 #include <stdlib.h>
-#include <string.h>
 
 #include "attention.h"
 
@@ -22,9 +21,9 @@ typedef struct baseline_job {
     int64_t tasks_per_head;
 } baseline_job;
 
-/* Softmax of one row: s (nv scores) -> P in p; returns m and l through the pointers. */
-static void softmax_row(const att_ctx *cx, int64_t bh, int64_t i, double *s, int64_t nv, double *p, double *m_out,
-                        double *l_out) {
+/* Steps m, e, l, P of one row (attention.h); the baseline backward recomputes P with it. */
+void att_softmax_row(const att_ctx *cx, int64_t bh, int64_t i, double *s, int64_t nv, double *p, double *m_out,
+                     double *l_out) {
     double m = -INFINITY;
     for (int64_t j = 0; j < nv; j++) m = att_max(m, s[j]);
     const uint64_t s6 = ATT_STREAM(ATT_SOFTMAX_SUB, bh), s7 = ATT_STREAM(ATT_SOFTMAX_EXP, bh);
@@ -52,39 +51,28 @@ static fadev_status baseline_task(void *ctxp, size_t task) {
     const int64_t lds = att_score_ld(Nk), ldo = cx->d_pad;
     double *s = malloc((size_t)(GROUP * lds) * sizeof(double));
     double *p = malloc((size_t)(GROUP * lds) * sizeof(double));
-    float *fbuf = malloc((size_t)(GROUP * lds) * sizeof(float));
+    float *pbuf = malloc((size_t)(GROUP * lds) * sizeof(float));
     double *pv = malloc((size_t)(GROUP * ldo) * sizeof(double));
-    if (!s || !p || !fbuf || !pv) {
-        free(s), free(p), free(fbuf), free(pv);
+    if (!s || !p || !pbuf || !pv) {
+        free(s), free(p), free(pbuf), free(pv);
         return FADEV_ERR_NO_MEMORY;
     }
     for (int64_t i0 = first; i0 < last; i0 += GROUP) {
         int64_t nr = last - i0 < GROUP ? last - i0 : GROUP;
         int64_t nvis[GROUP];
-        double m[GROUP], l[GROUP];
+        double m[GROUP] = {0}, l[GROUP] = {0};
         for (int64_t r = 0; r < nr; r++) nvis[r] = att_visible(cx, i0 + r, 0, Nk);
-        att_scores(cx, bh, i0, nr, nvis, 0, s, lds, fbuf);
+        att_scores(cx, bh, i0, nr, nvis, 0, s, lds);
         for (int64_t r = 0; r < nr; r++)
-            if (nvis[r] > 0) softmax_row(cx, bh, i0 + r, s + r * lds, nvis[r], p + r * lds, &m[r], &l[r]);
-        att_pv(cx, bh, i0, nr, nvis, 0, p, lds, pv, ldo, fbuf);
+            if (nvis[r] > 0) att_softmax_row(cx, bh, i0 + r, s + r * lds, nvis[r], p + r * lds, &m[r], &l[r]);
+        att_pv(cx, bh, i0, nr, nvis, 0, p, lds, pv, ldo, pbuf);
         for (int64_t r = 0; r < nr; r++) {
-            int64_t i = i0 + r;
-            double *o = job->out + (bh * Nq + i) * D;
-            if (nvis[r] == 0) { /* fully masked row: no rounding events */
-                memset(o, 0, (size_t)D * sizeof(double));
-                if (job->lse) job->lse[bh * Nq + i] = -INFINITY;
-                continue;
-            }
-            const uint64_t s23 = ATT_STREAM(ATT_OUT, bh);
-            for (int64_t d = 0; d < D; d++) o[d] = att_round(&cx->out, pv[r * ldo + d], s23, ATT_INDEX(i, d, 0));
-            if (job->lse) {
-                double log_l = att_round(&cx->stats, log(l[r]), ATT_STREAM(ATT_STATS_LOG, bh), ATT_INDEX(i, 0, 0));
-                job->lse[bh * Nq + i] =
-                    att_round(&cx->stats, m[r] + log_l, ATT_STREAM(ATT_STATS_LSE, bh), ATT_INDEX(i, 0, 0));
-            }
+            const int64_t i = i0 + r;
+            att_write_row(cx, bh, i, nvis[r] > 0, pv + r * ldo, 0, m[r], l[r], job->out + (bh * Nq + i) * D,
+                          job->lse ? job->lse + bh * Nq + i : NULL);
         }
     }
-    free(s), free(p), free(fbuf), free(pv);
+    free(s), free(p), free(pbuf), free(pv);
     return FADEV_OK;
 }
 

@@ -16,7 +16,6 @@
  * scores and P (block_q x block_kv) and O, l, m for block_q rows, never O(N^2).
  * q: (B, H, Nq, D); k, v: (B, Hkv, Nk, D); out like q; lse (B, H, Nq) or NULL. */
 #include <stdlib.h>
-#include <string.h>
 
 #include "attention.h"
 
@@ -29,13 +28,13 @@ typedef struct flash_job {
 
 typedef struct flash_scratch {
     double *s, *p, *pv, *o, *m, *l, *factor, *lnew;
-    float *fbuf;
+    float *pbuf;
     int64_t *nvis, *seen;
 } flash_scratch;
 
 static void scratch_free(flash_scratch *w) {
     free(w->s), free(w->p), free(w->pv), free(w->o), free(w->m), free(w->l);
-    free(w->factor), free(w->lnew), free(w->fbuf), free(w->nvis), free(w->seen);
+    free(w->factor), free(w->lnew), free(w->pbuf), free(w->nvis), free(w->seen);
 }
 
 /* Steps 1-5 of one row for one block: scores s (nv of them) -> P_j in p, new m and l; returns alpha (or
@@ -96,12 +95,12 @@ static fadev_status flash_task(void *ctxp, size_t task) {
     const int64_t bh = (int64_t)task / job->tasks_per_head;
     const int64_t i0 = ((int64_t)task % job->tasks_per_head) * bq;
     const int64_t nr = i0 + bq < Nq ? bq : Nq - i0;
-    const int64_t rows = att_rows(nr), lds = att_score_ld(bkv), ldo = cx->d_pad;
+    const int64_t lds = att_score_ld(bkv), ldo = cx->d_pad;
     flash_scratch w;
-    w.s = malloc((size_t)(rows * lds) * sizeof(double));
-    w.p = malloc((size_t)(rows * lds) * sizeof(double));
-    w.fbuf = malloc((size_t)(rows * lds) * sizeof(float));
-    w.pv = malloc((size_t)(rows * ldo) * sizeof(double));
+    w.s = malloc((size_t)(nr * lds) * sizeof(double));
+    w.p = malloc((size_t)(nr * lds) * sizeof(double));
+    w.pbuf = malloc((size_t)(nr * lds) * sizeof(float));
+    w.pv = malloc((size_t)(nr * ldo) * sizeof(double));
     w.o = calloc((size_t)(nr * D), sizeof(double));
     w.m = malloc((size_t)nr * sizeof(double));
     w.l = malloc((size_t)nr * sizeof(double));
@@ -109,7 +108,7 @@ static fadev_status flash_task(void *ctxp, size_t task) {
     w.lnew = malloc((size_t)nr * sizeof(double));
     w.nvis = malloc((size_t)nr * sizeof(int64_t));
     w.seen = calloc((size_t)nr, sizeof(int64_t));
-    if (!w.s || !w.p || !w.fbuf || !w.pv || !w.o || !w.m || !w.l || !w.factor || !w.lnew || !w.nvis || !w.seen) {
+    if (!w.s || !w.p || !w.pbuf || !w.pv || !w.o || !w.m || !w.l || !w.factor || !w.lnew || !w.nvis || !w.seen) {
         scratch_free(&w);
         return FADEV_ERR_NO_MEMORY;
     }
@@ -126,39 +125,22 @@ static fadev_status flash_task(void *ctxp, size_t task) {
             if (cx->pr.causal) break; /* later blocks are masked for every row too */
             continue;
         }
-        att_scores(cx, bh, i0, nr, w.nvis, j0, w.s, lds, w.fbuf);
+        att_scores(cx, bh, i0, nr, w.nvis, j0, w.s, lds);
         for (int64_t r = 0; r < nr; r++)
             if (w.nvis[r])
                 w.factor[r] = row_softmax(cx, bh, i0 + r, jb, j0, w.s + r * lds, w.nvis[r], w.p + r * lds, &w.m[r],
                                           &w.l[r], &w.lnew[r]);
-        att_pv(cx, bh, i0, nr, w.nvis, j0, w.p, lds, w.pv, ldo, w.fbuf);
+        att_pv(cx, bh, i0, nr, w.nvis, j0, w.p, lds, w.pv, ldo, w.pbuf);
         for (int64_t r = 0; r < nr; r++) {
             if (!w.nvis[r]) continue;
             w.seen[r] = 1;
             row_update(cx, bh, i0 + r, jb, w.factor[r], w.lnew[r], w.pv + r * ldo, w.o + r * D, &w.l[r]);
         }
     }
-    const uint64_t s23 = ATT_STREAM(ATT_OUT, bh);
     for (int64_t r = 0; r < nr; r++) {
         const int64_t i = i0 + r;
-        double *out = job->out + (bh * Nq + i) * D, *o = w.o + r * D;
-        if (!w.seen[r]) { /* no visible key: no rounding events */
-            memset(out, 0, (size_t)D * sizeof(double));
-            if (job->lse) job->lse[bh * Nq + i] = -INFINITY;
-            continue;
-        }
-        double l = w.l[r];
-        if (cx->pr.normalize == FADEV_EAGER)
-            for (int64_t d = 0; d < D; d++) out[d] = att_round(&cx->out, o[d], s23, ATT_INDEX(i, d, 0));
-        else
-            for (int64_t d = 0; d < D; d++) out[d] = att_round(&cx->out, o[d] / l, s23, ATT_INDEX(i, d, 0));
-        if (job->lse) {
-            const uint64_t idx = ATT_INDEX(i, 0, 0), s13 = ATT_STREAM(ATT_STATS_LSE, bh);
-            double log_l = att_round(&cx->stats, log(l), ATT_STREAM(ATT_STATS_LOG, bh), idx);
-            double m = w.m[r];
-            if (cx->exp2) m = att_round(&cx->stats, m * cx->c2, s13, ATT_INDEX(i, 0, 1));
-            job->lse[bh * Nq + i] = att_round(&cx->stats, m + log_l, s13, idx);
-        }
+        att_write_row(cx, bh, i, (int)w.seen[r], w.o + r * D, cx->pr.normalize != FADEV_EAGER, w.m[r], w.l[r],
+                      job->out + (bh * Nq + i) * D, job->lse ? job->lse + bh * Nq + i : NULL);
     }
     scratch_free(&w);
     return FADEV_OK;
@@ -174,7 +156,7 @@ fadev_status fadev_flash_attention(const double *q, const double *k, const doubl
     job.block_q = params->block_q < params->seq_q ? params->block_q : params->seq_q;
     job.block_kv = params->block_kv < params->seq_kv ? params->block_kv : params->seq_kv;
     size_t scratch;
-    if (__builtin_mul_overflow((size_t)att_rows(job.block_q), (size_t)att_score_ld(job.block_kv), &scratch) ||
+    if (__builtin_mul_overflow((size_t)job.block_q, (size_t)att_score_ld(job.block_kv), &scratch) ||
         scratch > SIZE_MAX / 16)
         return FADEV_ERR_OVERFLOW;
     att_ctx cx;
