@@ -31,9 +31,9 @@ static int mul_ok(size_t *acc, int64_t factor) {
 
 /* Element counts of the padded scratch arrays; 0 on overflow. */
 static int scratch_sizes(const fadev_attention_params *pr, size_t *nq, size_t *nkt, size_t *nv) {
-    int64_t kt_cols = att_round_up(pr->seq_kv, 16) + 16, d_pad = att_round_up(pr->dim, 16);
+    int64_t q_rows = pr->seq_q + 3, kt_cols = att_round_up(pr->seq_kv, 16) + 16, d_pad = att_round_up(pr->dim, 16);
     size_t a = 1, b = 1, c = 1, o = 1;
-    int ok = mul_ok(&a, pr->batch) && mul_ok(&a, pr->heads) && mul_ok(&a, pr->seq_q) && mul_ok(&a, pr->dim);
+    int ok = mul_ok(&a, pr->batch) && mul_ok(&a, pr->heads) && mul_ok(&a, q_rows) && mul_ok(&a, pr->dim);
     ok = ok && mul_ok(&b, pr->batch) && mul_ok(&b, pr->heads_kv) && mul_ok(&b, pr->dim) && mul_ok(&b, kt_cols);
     ok = ok && mul_ok(&c, pr->batch) && mul_ok(&c, pr->heads_kv) && mul_ok(&c, pr->seq_kv) && mul_ok(&c, d_pad);
     ok = ok && mul_ok(&o, pr->batch) && mul_ok(&o, pr->heads) && mul_ok(&o, pr->seq_q) && mul_ok(&o, pr->dim);
@@ -110,7 +110,7 @@ att_stage att_make_stage(const fadev_format *f, const fadev_policy *pol) {
     return st;
 }
 
-/* Rounds one head of Q (task < B*H), K or V into the scratch (K, V padded), with magnitude statistics. */
+/* Rounds one head of Q (task < B*H), K or V into the padded scratch, with magnitude statistics. */
 typedef struct prep_job {
     att_ctx *cx;
     const double *q, *k, *v;
@@ -125,8 +125,8 @@ static fadev_status prep_task(void *ctxp, size_t task) {
     if ((int64_t)task < nqh) {
         int64_t bh = (int64_t)task;
         const double *src = job->q + bh * Nq * D;
-        double *dst = cx->q + bh * Nq * D;
-        float *dstf = cx->qf ? cx->qf + bh * Nq * D : NULL;
+        double *dst = cx->q + bh * cx->q_rows * D;
+        float *dstf = cx->qf ? cx->qf + bh * cx->q_rows * D : NULL;
         for (int64_t i = 0; i < Nq; i++)
             for (int64_t d = 0; d < D; d++) {
                 double x = att_round(in, src[i * D + d], ATT_STREAM(ATT_IN_Q, bh), ATT_INDEX(i, d, 0));
@@ -193,6 +193,7 @@ fadev_status att_init(att_ctx *cx, const double *q, const double *k, const doubl
     cx->qk_float = cx->score_acc.kind == ATT_F32 && att_inside_fp32(in) && 2 * in->precision <= 24;
     cx->pv_float = cx->pv_acc.kind == ATT_F32 && att_inside_fp32(in) && att_inside_fp32(&pol->p) &&
                    in->precision + pol->p.precision <= 24;
+    cx->q_rows = params->seq_q + 3;
     cx->kt_cols = att_round_up(params->seq_kv, 16) + 16;
     cx->d_pad = att_round_up(params->dim, 16);
     size_t nq, nkt, nv, nkh = (size_t)(params->batch * params->heads_kv);
@@ -242,7 +243,7 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
     int64_t ncols = 0;
     for (int64_t r = 0; r < nr; r++) ncols = nvis[r] > ncols ? nvis[r] : ncols;
     if (ncols == 0) return;
-    const int64_t q_at = (bh * cx->pr.seq_q + i0) * D, k_at = bhk * D * cx->kt_cols + j0;
+    const int64_t q_at = (bh * cx->q_rows + i0) * D, k_at = bhk * D * cx->kt_cols + j0;
     const int possible = cx->qk_float && cx->k_finite[bhk];
     const mag qm = possible ? float_magnitudes(cx->qf + q_at, nr, D, D, NULL) : MAG_EMPTY;
     att_mm m = {0};
@@ -252,8 +253,12 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
     m.a = cx->q + q_at, m.af = cx->qf ? cx->qf + q_at : NULL, m.lda = D;
     m.b = cx->kt + k_at, m.bf = cx->ktf ? cx->ktf + k_at : NULL, m.ldb = cx->kt_cols;
     m.c = s, m.ldc = lds;
-    for (int64_t r = 0; r < nr; r++) memset(s + r * lds, 0, (size_t)att_round_up(ncols, 16) * sizeof(double));
-    att_mm_run(&m, nr, NULL, NULL, D, nvis, ncols);
+    /* the vector tiers run whole groups of 4 rows (q and s have the padding rows), so every score comes
+     * from the same kernel whatever nr is: even the NaN of a sum of NaNs (whose sign the kernel's operand
+     * order picks) does not depend on the tiling */
+    const int64_t rows = m.tier == ATT_MM_SCALAR ? nr : att_rows(nr);
+    for (int64_t r = 0; r < rows; r++) memset(s + r * lds, 0, (size_t)att_round_up(ncols, 16) * sizeof(double));
+    att_mm_run(&m, rows, NULL, NULL, D, nvis, ncols);
     /* s = R_score(c * R_score(acc)) */
     const double c = cx->c;
     const att_stage *sc = &cx->score;

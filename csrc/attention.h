@@ -91,10 +91,10 @@ typedef struct att_ctx {
     double c;       /* R_score(scale), or R_score(scale * log2 e) in the exp2 form */
     double c2;      /* R_stats(ln 2) */
     int exp2;       /* 1: E = exp2 */
-    /* Rounded inputs. q: (B*H, seq_q, D). kt: K transposed per head, (B*Hkv, D, kt_cols), columns past
-     * seq_kv zero. v: (B*Hkv, seq_kv, d_pad), columns past D zero.
+    /* Rounded inputs. q: (B*H, q_rows, D), rows past seq_q are zero. kt: K transposed per head,
+     * (B*Hkv, D, kt_cols), columns past seq_kv zero. v: (B*Hkv, seq_kv, d_pad), columns past D zero.
      * qf, ktf, vf: the same as float32, present only when the float tier can be used. */
-    int64_t kt_cols, d_pad;
+    int64_t q_rows, kt_cols, d_pad;
     double *q, *kt, *v;
     float *qf, *ktf, *vf;
     /* per K/V head: smallest nonzero and largest magnitude, and 1 if every value is finite */
@@ -136,7 +136,8 @@ static inline double att_exp(const att_ctx *cx, double x) { return cx->exp2 ? ex
 /* Round n up to a multiple of m. */
 static inline int64_t att_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-/* The score row stride for n keys. */
+/* Scratch rows needed by att_scores for nr query rows, and the score row stride for n keys. */
+static inline int64_t att_rows(int64_t nr) { return att_round_up(nr, 4); }
 static inline int64_t att_score_ld(int64_t n) { return att_round_up(n, 16); }
 
 /* Magnitude statistics of a set of values: smallest nonzero, largest, all finite. */
@@ -189,8 +190,8 @@ ATT_INTERNAL void att_mm_run(const att_mm *m, int64_t nrows, const int64_t *kb, 
 /* ------------------------------------------------------------------ attention pieces */
 
 /* s[r * lds + jj] = s_j of query row i0 + r (head bh) and key j0 + jj, for jj < nvis[r], r < nr.
- * s needs nr rows of lds >= att_score_ld(max nvis) doubles; its other entries are overwritten with
- * unspecified values. */
+ * s needs att_rows(nr) rows of lds >= att_score_ld(max nvis) doubles; its other entries are overwritten
+ * with unspecified values. */
 ATT_INTERNAL void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis, int64_t j0,
                 double *s, int64_t lds);
 

@@ -124,7 +124,7 @@ static fadev_status prep_task(void *ctxp, size_t task) {
         double acc = 0;
         for (int64_t d = 0; d < D; d++) {
             double x = att_round(&cx->input, job->dout[row * D + d], s0, ATT_INDEX(i, d, 0));
-            double qx = cx->q[(bh * Nq + i) * D + d];
+            double qx = cx->q[(bh * cx->q_rows + i) * D + d];
             bx->dout[row * ld + d] = x, bx->q[row * ld + d] = qx;
             if (bx->doutf) bx->doutf[row * ld + d] = (float)x;
             if (bx->qf) bx->qf[row * ld + d] = (float)qx;

@@ -50,7 +50,7 @@ static inline int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 typedef struct bwd_work {
     int64_t *nvis, *kb;
-    double *s, *dp, *pp, *ds; /* tile_q x att_score_ld(tile_kv): scores, dP sums, P', dS */
+    double *s, *dp, *pp, *ds; /* att_rows(tile_q) x att_score_ld(tile_kv): scores, dP sums, P', dS */
     float *af;                /* the same shape in float: dS for the dQ product */
     double *pt, *dst;         /* tile_kv x tile_q: P' and dS transposed (the dV and dK products) */
     float *ptf, *dstf;

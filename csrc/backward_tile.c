@@ -24,7 +24,7 @@ void bwd_work_free(bwd_work *w) {
 
 fadev_status bwd_work_alloc(bwd_work *w, const bwd_ctx *bx, int64_t keys) {
     const size_t tq = (size_t)bx->tile_q, tk = (size_t)bx->tile_kv, ld = (size_t)bx->ld, D = (size_t)bx->cx.pr.dim;
-    const size_t tile = tq * (size_t)att_score_ld(bx->tile_kv), nk = (size_t)keys + 1;
+    const size_t tile = (size_t)att_rows(bx->tile_q) * (size_t)att_score_ld(bx->tile_kv), nk = (size_t)keys + 1;
     const size_t n_idx = (tq > tk ? tq : tk) + 4, d = sizeof(double), f = sizeof(float);
     w->nvis = calloc(n_idx, sizeof(int64_t)), w->kb = calloc(n_idx, sizeof(int64_t));
     w->s = calloc(tile, d), w->dp = calloc(tile, d), w->pp = calloc(tile, d), w->ds = calloc(tile, d);

@@ -95,9 +95,9 @@ static fadev_status flash_task(void *ctxp, size_t task) {
     const int64_t bh = (int64_t)task / job->tasks_per_head;
     const int64_t i0 = ((int64_t)task % job->tasks_per_head) * bq;
     const int64_t nr = i0 + bq < Nq ? bq : Nq - i0;
-    const int64_t lds = att_score_ld(bkv), ldo = cx->d_pad;
+    const int64_t rows = att_rows(nr), lds = att_score_ld(bkv), ldo = cx->d_pad;
     flash_scratch w;
-    w.s = malloc((size_t)(nr * lds) * sizeof(double));
+    w.s = malloc((size_t)(rows * lds) * sizeof(double));
     w.p = malloc((size_t)(nr * lds) * sizeof(double));
     w.pbuf = malloc((size_t)(nr * lds) * sizeof(float));
     w.pv = malloc((size_t)(nr * ldo) * sizeof(double));
@@ -156,7 +156,7 @@ fadev_status fadev_flash_attention(const double *q, const double *k, const doubl
     job.block_q = params->block_q < params->seq_q ? params->block_q : params->seq_q;
     job.block_kv = params->block_kv < params->seq_kv ? params->block_kv : params->seq_kv;
     size_t scratch;
-    if (__builtin_mul_overflow((size_t)job.block_q, (size_t)att_score_ld(job.block_kv), &scratch) ||
+    if (__builtin_mul_overflow((size_t)att_rows(job.block_q), (size_t)att_score_ld(job.block_kv), &scratch) ||
         scratch > SIZE_MAX / 16)
         return FADEV_ERR_OVERFLOW;
     att_ctx cx;

@@ -11,6 +11,11 @@ another initialisation seed and low-precision (mixed bf16/fp16) training.
 
 Needs PyTorch and scikit-learn; ``import fadev`` imports neither.
 """
-from .tracker import Pair, RunSpec, TrainConfig, config_key, deterministic, track
-
 __all__ = ["Pair", "RunSpec", "TrainConfig", "track", "config_key", "deterministic"]
+
+
+def __getattr__(name):  # torch is imported on first use, so that `python -m fadev --help` works without it
+    if name in __all__:
+        from . import tracker
+        return getattr(tracker, name)
+    raise AttributeError(f"module 'fadev.training' has no attribute {name!r}")

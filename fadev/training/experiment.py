@@ -37,7 +37,6 @@ import time
 
 import numpy as np
 
-from .tracker import Pair, RunSpec, TrainConfig, track
 
 PAPER_RATIO = (0.2, 0.5)
 """Golden et al.: flash's weight drift is ~1/5 to 1/2 of low-precision training's."""
@@ -56,6 +55,7 @@ SIZE_DOCS = {"width": "model width", "heads": "attention heads", "layers": "tran
 
 def runs_and_pairs(flash_block=16, fp16=False, control=True):
     """The experiment's RunSpecs and Pairs (module docstring)."""
+    from .tracker import Pair, RunSpec
     tiles = (("block_q", flash_block), ("block_kv", flash_block))
     runs = [RunSpec("baseline", "baseline", "naive:bf16", "bf16"),
             RunSpec("flash_paper", "flash", "paper:bf16", "bf16", tiling=tiles),
@@ -104,6 +104,7 @@ def check_device(device):
 
 def run(size="quick", out="results", device="cpu", log=None, **overrides):
     """Run the experiment into ``out``/train_drift.jsonl (resumable); returns (drift, loss, settings)."""
+    from .tracker import TrainConfig, track
     check_device(device)
     s = settings(size, **overrides)
     config = TrainConfig(**{f.name: s[f.name] for f in dataclasses.fields(TrainConfig) if f.name in s})
@@ -225,7 +226,7 @@ def write_report(path, drift, loss, s, figures, seconds, size, device):
     out_dir = os.path.dirname(os.path.abspath(path))
     runs, pairs = runs_and_pairs(s["flash_block"], s["fp16"])
     last = int(drift["step"].max())
-    lines = [f"## Training drift: does flash attention change the trained weights?", "",
+    lines = ["## Training drift: does flash attention change the trained weights?", "",
              f"{PAPER}, Section 5 (Figures 7-8) on an open workload. `{size}` sizes, device `{device}`; "
              f"{platform.machine()}, {os.cpu_count()} CPUs; {datetime.date.today().isoformat()}; {seconds:.0f} s in this "
              f"invocation (logged steps are read back, not recomputed). Regenerate with `python -m fadev train-drift "
@@ -255,7 +256,7 @@ def write_report(path, drift, loss, s, figures, seconds, size, device):
             lines += [f"![{os.path.basename(fig)}]({os.path.relpath(fig, out_dir)})", ""]
     steps = sorted(drift["step"].unique())
     shown = sorted({steps[min(len(steps) - 1, round(i * (len(steps) - 1) / 4))] for i in range(5)})
-    lines += [f"Drift at selected steps (max |Δw| / Wasserstein-1):", "",
+    lines += ["Drift at selected steps (max |Δw| / Wasserstein-1):", "",
               "| pair | " + " | ".join(f"step {st}" for st in shown) + " |",
               "|---|" + "---|" * len(shown)]
     by = drift.set_index(["pair", "step"])
@@ -282,7 +283,7 @@ def write_report(path, drift, loss, s, figures, seconds, size, device):
     lines += [f"Held-out loss at step {last} (nats per pixel; step 0: "
               f"{loss[loss['step'] == 0]['eval_loss'].iloc[0]:.3f}): " +
               ", ".join(f"`{r}` {final.loc[r, 'eval_loss']:.4f}" for r in final.index) + ".",
-              f"Training time per run (s per update, as logged when the steps ran; 1 torch thread): " +
+              "Training time per run (s per update, as logged when the steps ran; 1 torch thread): " +
               ", ".join(f"`{r}` {_per_step(loss, r, s):.3f}" for r in final.index) + ".", "",
               "Raw rows: `train_drift.jsonl` (resumable; checkpoint `train_drift.jsonl.ckpt`); tables "
               "`train_drift.csv`, `train_drift_loss.csv`.", ""]
