@@ -42,6 +42,12 @@ static int scratch_sizes(const fadev_attention_params *pr, size_t *nq, size_t *n
     return ok;
 }
 
+/* The policy's 13 formats, in the order of att_ctx's stages (input .. out). */
+#define POLICY_FORMATS(pol)                                                                                \
+    {&(pol)->input, &(pol)->score_acc, &(pol)->score, &(pol)->softmax, &(pol)->sum_acc, &(pol)->stats,     \
+     &(pol)->rescale, &(pol)->p, &(pol)->pv_acc, &(pol)->out_acc, &(pol)->state_out, &(pol)->state_stats, \
+     &(pol)->out}
+
 fadev_status att_validate(const double *q, const double *k, const double *v, const double *out,
                           const fadev_attention_params *pr, const fadev_policy *pol, int flash) {
     if (!q || !k || !v || !out || !pr || !pol) return FADEV_ERR_INVALID_ARGUMENT;
@@ -59,9 +65,7 @@ fadev_status att_validate(const double *q, const double *k, const double *v, con
     if (pol->rounding != FADEV_ROUND_NEAREST_EVEN && pol->rounding != FADEV_ROUND_TOWARD_ZERO &&
         pol->rounding != FADEV_ROUND_STOCHASTIC)
         return FADEV_ERR_INVALID_MODE;
-    const fadev_format *fmts[] = {&pol->input, &pol->score_acc, &pol->score, &pol->softmax, &pol->sum_acc,
-                                  &pol->stats, &pol->rescale, &pol->p, &pol->pv_acc, &pol->out_acc,
-                                  &pol->state_out, &pol->state_stats, &pol->out};
+    const fadev_format *fmts[] = POLICY_FORMATS(pol);
     for (size_t s = 0; s < sizeof fmts / sizeof fmts[0]; s++)
         if (!att_valid_format(fmts[s])) return FADEV_ERR_INVALID_FORMAT;
     /* the stochastic counter packs (i, u, w) into 21-bit fields */
@@ -88,8 +92,7 @@ int att_inside_fp32(const fadev_format *f) {
 }
 
 double att_round_slow(const att_stage *st, double x, uint64_t stream, uint64_t index) {
-    uint64_t bits = st->mode == FADEV_ROUND_STOCHASTIC ? fadev_random53(st->seed, stream, index) : 0;
-    return fadev_round_one(x, &st->fmt, st->mode, bits);
+    return att_round_general(st, x, stream, index);
 }
 
 att_stage att_make_stage(const fadev_format *f, const fadev_policy *pol) {
@@ -158,8 +161,23 @@ static fadev_status prep_task(void *ctxp, size_t task) {
     return FADEV_OK;
 }
 
+void *att_calloc_lines(size_t n, size_t size) {
+    size_t bytes;
+    if (__builtin_mul_overflow(n, size, &bytes) || bytes > SIZE_MAX - 128) return NULL;
+    char *raw = calloc(1, bytes + 72);
+    if (!raw) return NULL;
+    char *p = (char *)(((uintptr_t)raw + 8 + 63) & ~(uintptr_t)63);
+    ((void **)p)[-1] = raw;
+    return p;
+}
+
+void att_free_lines(void *p) {
+    if (p) free(((void **)p)[-1]);
+}
+
 void att_free(att_ctx *cx) {
-    free(cx->q), free(cx->kt), free(cx->v), free(cx->qf), free(cx->ktf), free(cx->vf);
+    att_free_lines(cx->q), att_free_lines(cx->kt), att_free_lines(cx->v);
+    att_free_lines(cx->qf), att_free_lines(cx->ktf), att_free_lines(cx->vf);
     free(cx->k_min), free(cx->k_max), free(cx->v_min), free(cx->v_max), free(cx->k_finite), free(cx->v_finite);
     memset(cx, 0, sizeof *cx);
 }
@@ -169,19 +187,11 @@ fadev_status att_init(att_ctx *cx, const double *q, const double *k, const doubl
     memset(cx, 0, sizeof *cx);
     cx->pr = *params;
     cx->group = params->heads / params->heads_kv;
-    cx->input = att_make_stage(&pol->input, pol);
-    cx->score_acc = att_make_stage(&pol->score_acc, pol);
-    cx->score = att_make_stage(&pol->score, pol);
-    cx->softmax = att_make_stage(&pol->softmax, pol);
-    cx->sum_acc = att_make_stage(&pol->sum_acc, pol);
-    cx->stats = att_make_stage(&pol->stats, pol);
-    cx->rescale = att_make_stage(&pol->rescale, pol);
-    cx->p = att_make_stage(&pol->p, pol);
-    cx->pv_acc = att_make_stage(&pol->pv_acc, pol);
-    cx->out_acc = att_make_stage(&pol->out_acc, pol);
-    cx->state_out = att_make_stage(&pol->state_out, pol);
-    cx->state_stats = att_make_stage(&pol->state_stats, pol);
-    cx->out = att_make_stage(&pol->out, pol);
+    const fadev_format *fmts[] = POLICY_FORMATS(pol);
+    att_stage *stages[] = {&cx->input, &cx->score_acc, &cx->score, &cx->softmax, &cx->sum_acc, &cx->stats,
+                           &cx->rescale, &cx->p, &cx->pv_acc, &cx->out_acc, &cx->state_out, &cx->state_stats,
+                           &cx->out};
+    for (size_t s = 0; s < sizeof fmts / sizeof fmts[0]; s++) *stages[s] = att_make_stage(fmts[s], pol);
     cx->exp2 = exp2_form;
     /* constants: rounded once to nearest even (log2 e and ln 2 are the fp64 constants M_LOG2E, M_LN2) */
     double log2e = 0x1.71547652b82fep+0, ln2 = 0x1.62e42fefa39efp-1;
@@ -198,17 +208,17 @@ fadev_status att_init(att_ctx *cx, const double *q, const double *k, const doubl
     cx->d_pad = att_round_up(params->dim, 16);
     size_t nq, nkt, nv, nkh = (size_t)(params->batch * params->heads_kv);
     if (!scratch_sizes(params, &nq, &nkt, &nv)) return FADEV_ERR_OVERFLOW;
-    cx->q = calloc(nq, sizeof(double));
-    cx->kt = calloc(nkt, sizeof(double));
-    cx->v = calloc(nv, sizeof(double));
+    cx->q = att_calloc_lines(nq, sizeof(double));
+    cx->kt = att_calloc_lines(nkt, sizeof(double));
+    cx->v = att_calloc_lines(nv, sizeof(double));
     int ok = cx->q && cx->kt && cx->v;
     if (cx->qk_float) {
-        cx->qf = calloc(nq, sizeof(float));
-        cx->ktf = calloc(nkt, sizeof(float));
+        cx->qf = att_calloc_lines(nq, sizeof(float));
+        cx->ktf = att_calloc_lines(nkt, sizeof(float));
         ok = ok && cx->qf && cx->ktf;
     }
     if (cx->pv_float) {
-        cx->vf = calloc(nv, sizeof(float));
+        cx->vf = att_calloc_lines(nv, sizeof(float));
         ok = ok && cx->vf;
     }
     cx->k_min = malloc(nkh * sizeof(double)), cx->k_max = malloc(nkh * sizeof(double));
@@ -248,7 +258,7 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
     const mag qm = possible ? float_magnitudes(cx->qf + q_at, nr, D, D, NULL) : MAG_EMPTY;
     att_mm m = {0};
     m.tier = att_mm_tier(&cx->score_acc, possible, qm.min, qm.max, qm.finite, cx->k_min[bhk], cx->k_max[bhk], 1);
-    m.index = ATT_MM_ROW_COL_K, m.acc = &cx->score_acc, m.stream = ATT_STREAM(ATT_SCORE_ACC, bh);
+    m.index = ATT_MM_ROW_COL_K, m.zero = 1, m.acc = &cx->score_acc, m.stream = ATT_STREAM(ATT_SCORE_ACC, bh);
     m.row0 = i0, m.col0 = j0;
     m.a = cx->q + q_at, m.af = cx->qf ? cx->qf + q_at : NULL, m.lda = D;
     m.b = cx->kt + k_at, m.bf = cx->ktf ? cx->ktf + k_at : NULL, m.ldb = cx->kt_cols;
@@ -256,9 +266,7 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
     /* the vector tiers run whole groups of 4 rows (q and s have the padding rows), so every score comes
      * from the same kernel whatever nr is: even the NaN of a sum of NaNs (whose sign the kernel's operand
      * order picks) does not depend on the tiling */
-    const int64_t rows = m.tier == ATT_MM_SCALAR ? nr : att_rows(nr);
-    for (int64_t r = 0; r < rows; r++) memset(s + r * lds, 0, (size_t)att_round_up(ncols, 16) * sizeof(double));
-    att_mm_run(&m, rows, NULL, NULL, D, nvis, ncols);
+    att_mm_run(&m, m.tier == ATT_MM_SCALAR ? nr : att_rows(nr), NULL, NULL, D, nvis, ncols);
     /* s = R_score(c * R_score(acc)) */
     const double c = cx->c;
     const att_stage *sc = &cx->score;
@@ -282,7 +290,6 @@ void att_pv(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t
             const double *p, int64_t ldp, double *pv, int64_t ldo, float *pbuf) {
     const int64_t D = cx->pr.dim, dpad = cx->d_pad, bhk = att_kv_head(cx, bh);
     const int64_t v_at = (bhk * cx->pr.seq_kv + j0) * dpad;
-    for (int64_t r = 0; r < nr; r++) memset(pv + r * ldo, 0, (size_t)dpad * sizeof(double));
     const int possible = cx->pv_float && cx->v_finite[bhk];
     mag pm = MAG_EMPTY;
     if (possible) {
@@ -292,7 +299,7 @@ void att_pv(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t
     }
     att_mm m = {0};
     m.tier = att_mm_tier(&cx->pv_acc, possible, pm.min, pm.max, pm.finite, cx->v_min[bhk], cx->v_max[bhk], 1);
-    m.index = ATT_MM_ROW_K_COL, m.acc = &cx->pv_acc, m.stream = ATT_STREAM(ATT_PV_ACC, bh);
+    m.index = ATT_MM_ROW_K_COL, m.zero = 1, m.acc = &cx->pv_acc, m.stream = ATT_STREAM(ATT_PV_ACC, bh);
     m.row0 = i0, m.k0 = j0;
     m.a = p, m.af = pbuf, m.lda = ldp;
     m.b = cx->v + v_at, m.bf = cx->vf ? cx->vf + v_at : NULL, m.ldb = dpad;

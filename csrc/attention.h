@@ -60,7 +60,14 @@ typedef struct att_stage {
     int shift;
 } att_stage;
 
-/* The general rounding event (any format and mode), kept out of line. */
+/* The general rounding event (any format and mode): fadev_round_one, with Philox bits when stochastic. */
+__attribute__((always_inline)) static inline double att_round_general(const att_stage *st, double x,
+                                                                       uint64_t stream, uint64_t index) {
+    uint64_t bits = st->mode == FADEV_ROUND_STOCHASTIC ? fadev_random53(st->seed, stream, index) : 0;
+    return fadev_round_one(x, &st->fmt, st->mode, bits);
+}
+
+/* The same, kept out of line (att_round's slow path). */
 ATT_INTERNAL double att_round_slow(const att_stage *st, double x, uint64_t stream, uint64_t index);
 
 __attribute__((always_inline)) static inline double att_round(const att_stage *st, double x, uint64_t stream,
@@ -117,6 +124,10 @@ ATT_INTERNAL att_stage att_make_stage(const fadev_format *f, const fadev_policy 
 ATT_INTERNAL fadev_status att_init(att_ctx *cx, const double *q, const double *k, const double *v,
                       const fadev_attention_params *params, const fadev_policy *policy, int exp2);
 ATT_INTERNAL void att_free(att_ctx *cx);
+/* calloc for the SIMD kernels' operands: the block starts on a 64-byte boundary (a cache line), so where
+ * it lies in the heap cannot make every other vector load straddle two lines. Freed by att_free_lines. */
+ATT_INTERNAL void *att_calloc_lines(size_t n, size_t size);
+ATT_INTERNAL void att_free_lines(void *p);
 
 /* Number of keys j0..j0+n-1 that query row i sees (a prefix of the range). */
 static inline int64_t att_visible(const att_ctx *cx, int64_t i, int64_t j0, int64_t n) {
@@ -161,6 +172,7 @@ enum att_mm_index { ATT_MM_ROW_COL_K, ATT_MM_K_ROW_COL, ATT_MM_ROW_K_COL };
 /* C[r][col] += sum_k A[r][k] B[k][col], k ascending, accumulated in `acc`. */
 typedef struct att_mm {
     int tier, index;      /* att_mm_tier, att_mm_index */
+    int zero;             /* 1: C starts at 0 (its values are not read; needs kb == NULL in att_mm_run) */
     const att_stage *acc; /* scalar tier: accumulator stage, stream, absolute offsets of row, k, col */
     uint64_t stream;
     int64_t row0, k0, col0;
@@ -181,7 +193,7 @@ static inline int att_mm_tier(const att_stage *acc, int possible, double amin, d
     return exact ? ATT_MM_F32 : ATT_MM_F64_R32;
 }
 
-/* Row r < nrows of C sums k in [kb ? kb[r] : 0, ke ? ke[r] : k_end) ascending onto its current value.
+/* Row r < nrows of C sums k in [kb ? kb[r] : 0, ke ? ke[r] : k_end) ascending onto its current value (or 0).
  * The scalar tier computes ncol ? ncol[r] : ncols columns; the vector tiers att_round_up(ncols, 16) for
  * every row (C and B must hold them). Four rows advance together over the k they share. */
 ATT_INTERNAL void att_mm_run(const att_mm *m, int64_t nrows, const int64_t *kb, const int64_t *ke, int64_t k_end,

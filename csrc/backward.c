@@ -19,9 +19,9 @@
  * tiles outer: a task per (b, g, key tile) owns dK, dV of its keys (query heads of the group, query
  * blocks, row tiles in order) and hands each row tile's dQ terms on to the next key tile's task in
  * key order (progress counters), like FA2's dQ accumulation made deterministic: nothing is recomputed
- * and every (b, g, key tile) runs in parallel, in a pipeline along the keys. The tiles and their
- * block products are in backward_tile.c. Memory: O(N D) (rounded operand copies, dQ's running sums,
- * per-row statistics) plus per task a tile's scratch. */
+ * and every (b, g, key tile) runs in parallel, in a pipeline along the keys. The tiles are in
+ * backward_tile.c, their block products in matmul.c (the forward's). Memory: O(N D) (rounded operand
+ * copies, dQ's running sums, per-row statistics) plus per task a tile's scratch. */
 #define _POSIX_C_SOURCE 200809L /* sched_yield */
 #include <sched.h>
 #include <stdlib.h>
@@ -147,7 +147,7 @@ static fadev_status prep_task(void *ctxp, size_t task) {
 
 enum { STATS_ROWS = 16, STATS_GROUP = 4 };
 
-/* Baseline rows (b, h, STATS_ROWS rows): m and l exactly as the baseline forward, and
+/* Baseline rows (b, h, STATS_ROWS rows): m, l and P by the baseline forward's att_softmax_row, and
  * D_i = R_dsoft(sum_j P'_ij dP_ij) (step 5), all keys of a row at once. */
 static fadev_status baseline_stats_task(void *ctxp, size_t task) {
     const bwd_job *job = (const bwd_job *)ctxp;
@@ -270,8 +270,9 @@ static fadev_status backward_stages(bwd_ctx *bx, const fadev_policy *pol, const 
 
 static void ctx_free(bwd_ctx *bx) {
     att_free(&bx->cx);
-    free(bx->dout), free(bx->q), free(bx->k), free(bx->vt), free(bx->doutf), free(bx->qf), free(bx->kf);
-    free(bx->vtf), free(bx->do_min), free(bx->do_max), free(bx->q_min), free(bx->q_max), free(bx->do_finite);
+    att_free_lines(bx->dout), att_free_lines(bx->q), att_free_lines(bx->k), att_free_lines(bx->vt);
+    att_free_lines(bx->doutf), att_free_lines(bx->qf), att_free_lines(bx->kf), att_free_lines(bx->vtf);
+    free(bx->do_min), free(bx->do_max), free(bx->q_min), free(bx->q_max), free(bx->do_finite);
     free(bx->q_finite), free(bx->row_l), free(bx->row_m), free(bx->row_d), free(bx->dq_part), free(bx->progress);
 }
 
@@ -310,12 +311,13 @@ static fadev_status ctx_init(bwd_ctx *bx, const double *q, const double *k, cons
     bx->dv_float = grad32 && in32 && att_inside_fp32(&pb->bwd_p) && in->precision + pb->bwd_p.precision <= 24;
     bx->dq_float = grad32 && in32 && att_inside_fp32(&pb->ds) && in->precision + pb->ds.precision <= 24;
     bx->dk_float = bx->dq_float;
-    bx->dout = calloc(n_qd, sizeof(double)), bx->q = calloc(n_qd, sizeof(double));
-    bx->k = calloc(n_kd, sizeof(double)), bx->vt = calloc(n_vt, sizeof(double));
+    bx->dout = att_calloc_lines(n_qd, sizeof(double)), bx->q = att_calloc_lines(n_qd, sizeof(double));
+    bx->k = att_calloc_lines(n_kd, sizeof(double)), bx->vt = att_calloc_lines(n_vt, sizeof(double));
     int ok = bx->dout && bx->q && bx->k && bx->vt;
-    if (bx->dp_float || bx->dv_float) ok = ok && (bx->doutf = calloc(n_qd, sizeof(float)));
-    if (bx->dp_float) ok = ok && (bx->vtf = calloc(n_vt, sizeof(float)));
-    if (bx->dk_float) ok = ok && (bx->qf = calloc(n_qd, sizeof(float))) && (bx->kf = calloc(n_kd, sizeof(float)));
+    if (bx->dp_float || bx->dv_float) ok = ok && (bx->doutf = att_calloc_lines(n_qd, sizeof(float)));
+    if (bx->dp_float) ok = ok && (bx->vtf = att_calloc_lines(n_vt, sizeof(float)));
+    if (bx->dk_float) ok = ok && (bx->qf = att_calloc_lines(n_qd, sizeof(float))) &&
+                       (bx->kf = att_calloc_lines(n_kd, sizeof(float)));
     bx->do_min = malloc(nh * sizeof(double)), bx->do_max = malloc(nh * sizeof(double));
     bx->q_min = malloc(nh * sizeof(double)), bx->q_max = malloc(nh * sizeof(double));
     bx->do_finite = malloc(nh * sizeof(int)), bx->q_finite = malloc(nh * sizeof(int));

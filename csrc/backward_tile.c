@@ -43,11 +43,10 @@ void bwd_dp_products(const bwd_ctx *bx, int64_t bh, int64_t i0, int64_t nr, cons
                      int64_t maxv, double *dp, int64_t lds) {
     const att_ctx *cx = &bx->cx;
     const int64_t D = cx->pr.dim, bhk = att_kv_head(cx, bh);
-    for (int64_t r = 0; r < nr; r++) memset(dp + r * lds, 0, (size_t)att_round_up(maxv, 16) * sizeof(double));
     att_mm m = {0};
     m.tier = att_mm_tier(&bx->dp_acc, bx->dp_float, bx->do_min[bh], bx->do_max[bh], bx->do_finite[bh],
                          cx->v_min[bhk], cx->v_max[bhk], cx->v_finite[bhk]);
-    m.index = ATT_MM_ROW_COL_K, m.acc = &bx->dp_acc, m.stream = BWD_STREAM(EV_DP_ACC, bh);
+    m.index = ATT_MM_ROW_COL_K, m.zero = 1, m.acc = &bx->dp_acc, m.stream = BWD_STREAM(EV_DP_ACC, bh);
     m.row0 = i0, m.col0 = j0;
     const int64_t a_at = (bh * cx->pr.seq_q + i0) * bx->ld, b_at = bhk * D * bx->vt_cols + j0;
     m.a = bx->dout + a_at, m.af = bx->doutf ? bx->doutf + a_at : NULL, m.lda = bx->ld;

@@ -1,9 +1,10 @@
 /* Block products of attention, forward and backward (docs/numerics.md, "Common pieces" and "Backward"):
  *   C[r][col] = acc over k in [kb_r, ke_r) ascending of  acc = R_acc(acc + A[r][k] * B[k][col]),
- * acc starting from C's value (0 for a fresh product). The forward's scores (A = Q, B = K^T) and P.V
- * (A = P, B = V), the backward's dP, dV, dK and dQ are all of this form; every sum runs in exactly this
- * order, the kernels only choose how many independent sums advance side by side in SIMD lanes (four
- * rows of C over the k they share, 8 or 16 columns). Four tiers, the same bits:
+ * acc starting from C's value, or from 0 for a fresh product (att_mm.zero). The forward's scores
+ * (A = Q, B = K^T) and P.V (A = P, B = V), the backward's dP, dV, dK and dQ are all of this form; every
+ * sum runs in exactly this order, the kernels only choose how many independent sums advance side by
+ * side in SIMD lanes (four rows of C over the k they share, 8 or 16 columns). Four tiers (att_mm_tier),
+ * the same bits:
  *   scalar     att_round after every add (any format, any rounding mode, stochastic counters: the
  *              term (row, k, col) is event ATT_INDEX of those three in the order att_mm.index names);
  *   fp64 SIMD  acc in double: the identity rounding of fp64 (ATT_MM_F64), or (double)(float)acc after
@@ -16,6 +17,8 @@
  *              double rounding is innocuous). NaN/Inf data always take the fp64 or scalar tier.
  * Compiled for AVX2 and a portable default at once (target_clones); -ffp-contract=off keeps every
  * multiply and add separately rounded, as the spec requires. */
+#include <string.h>
+
 #include "attention.h"
 
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(FADEV_NO_CLONES)
@@ -32,15 +35,17 @@ typedef float v8fu __attribute__((vector_size(32), aligned(4)));
 
 #define R32V(a) __builtin_convertvector(__builtin_convertvector((a), v4f), v4d)
 
-/* c[r][col] = acc over k in [kb, ke) ascending of acc + a[r][k] * b[k][col], continuing from c's value, for
- * col < ncols (a multiple of 16): 4 rows (mm4) or one row (mm1). R32 rounds the fp64 sum to fp32 after
- * every add; the f32 kernels keep the sum in float (exact products, see the top comment). */
+/* c[r][col] = acc over k in [kb, ke) ascending of acc + a[r][k] * b[k][col], continuing from c's value (or
+ * from 0 when `zero`: c is not read), for col < ncols (a multiple of 16): 4 rows (mm4) or one row (mm1).
+ * R32 rounds the fp64 sum to fp32 after every add; the f32 kernels keep the sum in float (exact
+ * products, see the top comment). */
+#define LOAD4(p) (zero ? (v4d){0} : *(const v4du *)(p))
 #define MM4_F64(R32)                                                                                      \
     for (int64_t col = 0; col < ncols; col += 8) {                                                        \
         double *o = c + col;                                                                              \
-        v4d a0 = *(v4du *)o, b0 = *(v4du *)(o + 4), a1 = *(v4du *)(o + ldc), b1 = *(v4du *)(o + ldc + 4); \
-        v4d a2 = *(v4du *)(o + 2 * ldc), b2 = *(v4du *)(o + 2 * ldc + 4);                                 \
-        v4d a3 = *(v4du *)(o + 3 * ldc), b3 = *(v4du *)(o + 3 * ldc + 4);                                 \
+        v4d a0 = LOAD4(o), b0 = LOAD4(o + 4), a1 = LOAD4(o + ldc), b1 = LOAD4(o + ldc + 4);               \
+        v4d a2 = LOAD4(o + 2 * ldc), b2 = LOAD4(o + 2 * ldc + 4);                                         \
+        v4d a3 = LOAD4(o + 3 * ldc), b3 = LOAD4(o + 3 * ldc + 4);                                         \
         const double *bp = b + kb * ldb + col;                                                            \
         for (int64_t k = kb; k < ke; k++, bp += ldb) {                                                    \
             v4d v0 = *(const v4du *)bp, v1 = *(const v4du *)(bp + 4);                                     \
@@ -60,7 +65,7 @@ typedef float v8fu __attribute__((vector_size(32), aligned(4)));
 #define MM1_F64(R32)                                                                                      \
     for (int64_t col = 0; col < ncols; col += 16) {                                                       \
         double *o = c + col;                                                                              \
-        v4d a0 = *(v4du *)o, a1 = *(v4du *)(o + 4), a2 = *(v4du *)(o + 8), a3 = *(v4du *)(o + 12);        \
+        v4d a0 = LOAD4(o), a1 = LOAD4(o + 4), a2 = LOAD4(o + 8), a3 = LOAD4(o + 12);                      \
         const double *bp = b + kb * ldb + col;                                                            \
         for (int64_t k = kb; k < ke; k++, bp += ldb) {                                                    \
             double x = a[k];                                                                              \
@@ -72,20 +77,28 @@ typedef float v8fu __attribute__((vector_size(32), aligned(4)));
     }
 
 #define MM_ARGS(T) const T *a, int64_t lda, const T *b, int64_t ldb, int64_t kb, int64_t ke, int64_t ncols, \
-                   double *c, int64_t ldc
+                   double *c, int64_t ldc, int zero
 MM_CLONES static void mm4_f64(MM_ARGS(double)) { MM4_F64(0) }
 MM_CLONES static void mm4_f64_r32(MM_ARGS(double)) { MM4_F64(1) }
 MM_CLONES static void mm1_f64(MM_ARGS(double)) { (void)lda, (void)ldc; MM1_F64(0) }
 MM_CLONES static void mm1_f64_r32(MM_ARGS(double)) { (void)lda, (void)ldc; MM1_F64(1) }
 
-/* The float tier; c is kept in double between calls (its values are fp32 values). */
+/* The float tier; c is kept in double between calls (its values are fp32 values, so both conversions
+ * are exact). */
+#define LOAD8(p)                                                                                        \
+    (zero ? (v8f){0}                                                                                    \
+          : __builtin_shufflevector(__builtin_convertvector(*(const v4du *)(p), v4f),                   \
+                                    __builtin_convertvector(*(const v4du *)((p) + 4), v4f), 0, 1, 2, 3, 4, 5, 6, 7))
+#define STORE8(p, x)                                                                                    \
+    (*(v4du *)(p) = __builtin_convertvector(__builtin_shufflevector((x), (x), 0, 1, 2, 3), v4d),         \
+     *(v4du *)((p) + 4) = __builtin_convertvector(__builtin_shufflevector((x), (x), 4, 5, 6, 7), v4d))
+
 MM_CLONES static void mm4_f32(MM_ARGS(float)) {
     for (int64_t col = 0; col < ncols; col += 16) {
-        float acc[4][16];
-        for (int r = 0; r < 4; r++)
-            for (int e = 0; e < 16; e++) acc[r][e] = (float)c[r * ldc + col + e];
-        v8f a0 = *(v8fu *)acc[0], b0 = *(v8fu *)(acc[0] + 8), a1 = *(v8fu *)acc[1], b1 = *(v8fu *)(acc[1] + 8);
-        v8f a2 = *(v8fu *)acc[2], b2 = *(v8fu *)(acc[2] + 8), a3 = *(v8fu *)acc[3], b3 = *(v8fu *)(acc[3] + 8);
+        double *o = c + col;
+        v8f a0 = LOAD8(o), b0 = LOAD8(o + 8), a1 = LOAD8(o + ldc), b1 = LOAD8(o + ldc + 8);
+        v8f a2 = LOAD8(o + 2 * ldc), b2 = LOAD8(o + 2 * ldc + 8);
+        v8f a3 = LOAD8(o + 3 * ldc), b3 = LOAD8(o + 3 * ldc + 8);
         const float *bp = b + kb * ldb + col;
         for (int64_t k = kb; k < ke; k++, bp += ldb) {
             v8f v0 = *(const v8fu *)bp, v1 = *(const v8fu *)(bp + 8);
@@ -93,53 +106,83 @@ MM_CLONES static void mm4_f32(MM_ARGS(float)) {
             a0 = a0 + x0 * v0, b0 = b0 + x0 * v1, a1 = a1 + x1 * v0, b1 = b1 + x1 * v1;
             a2 = a2 + x2 * v0, b2 = b2 + x2 * v1, a3 = a3 + x3 * v0, b3 = b3 + x3 * v1;
         }
-        *(v8fu *)acc[0] = a0, *(v8fu *)(acc[0] + 8) = b0, *(v8fu *)acc[1] = a1, *(v8fu *)(acc[1] + 8) = b1;
-        *(v8fu *)acc[2] = a2, *(v8fu *)(acc[2] + 8) = b2, *(v8fu *)acc[3] = a3, *(v8fu *)(acc[3] + 8) = b3;
-        for (int r = 0; r < 4; r++)
-            for (int e = 0; e < 16; e++) c[r * ldc + col + e] = (double)acc[r][e];
+        STORE8(o, a0), STORE8(o + 8, b0), STORE8(o + ldc, a1), STORE8(o + ldc + 8, b1);
+        STORE8(o + 2 * ldc, a2), STORE8(o + 2 * ldc + 8, b2), STORE8(o + 3 * ldc, a3), STORE8(o + 3 * ldc + 8, b3);
     }
 }
 
 MM_CLONES static void mm1_f32(MM_ARGS(float)) {
     (void)lda, (void)ldc;
     for (int64_t col = 0; col < ncols; col += 16) {
-        float acc[16];
-        for (int e = 0; e < 16; e++) acc[e] = (float)c[col + e];
-        v8f a0 = *(v8fu *)acc, a1 = *(v8fu *)(acc + 8);
+        v8f a0 = LOAD8(c + col), a1 = LOAD8(c + col + 8);
         const float *bp = b + kb * ldb + col;
         for (int64_t k = kb; k < ke; k++, bp += ldb) {
             float x = a[k];
             a0 = a0 + x * *(const v8fu *)bp, a1 = a1 + x * *(const v8fu *)(bp + 8);
         }
-        *(v8fu *)acc = a0, *(v8fu *)(acc + 8) = a1;
-        for (int e = 0; e < 16; e++) c[col + e] = (double)acc[e];
+        STORE8(c + col, a0), STORE8(c + col + 8, a1);
     }
 }
+
+/* Row r, columns 0..ncol-1, k in [kb, ke), rounding after every add. The event of the term (row, k, col)
+ * is ATT_INDEX(i, u, w) = i << 42 | u << 21 | w with (i, u, w) the three in the order m->index names:
+ * row, k and col are shifted by sr, sk and sc. `general`: the stage is ATT_GENERAL and its event is
+ * inlined here (a stochastic policy makes nearly all its events in these loops). All four are constants
+ * in each instance below, each a function of its own, so that the compiler keeps the Philox state in
+ * registers: the instances are as fast as the loops they replace. */
+__attribute__((always_inline)) static inline void mm_scalar_at(const att_mm *m, int64_t r, int64_t kb, int64_t ke,
+                                                                int64_t ncol, int sr, int sk, int sc, int general) {
+    const att_stage *acc_stage = m->acc;
+    const uint64_t stream = m->stream, row_bits = (uint64_t)(m->row0 + r) << sr;
+    const double *a = m->a + r * m->lda, *b = m->b;
+    const int64_t ldb = m->ldb, k0 = m->k0, col0 = m->col0;
+    double *c = m->c + r * m->ldc;
+    for (int64_t col = 0; col < ncol; col++) {
+        const uint64_t col_bits = row_bits | (uint64_t)(col0 + col) << sc;
+        double acc = m->zero ? 0 : c[col];
+        for (int64_t k = kb; k < ke; k++) {
+            const double x = acc + a[k] * b[k * ldb + col];
+            const uint64_t idx = col_bits | (uint64_t)(k0 + k) << sk;
+            acc = general ? att_round_general(acc_stage, x, stream, idx) : att_round(acc_stage, x, stream, idx);
+        }
+        c[col] = acc;
+    }
+}
+
+#define MM_SCALAR(name, sr, sk, sc, general)                                                            \
+    __attribute__((noinline)) static void name(const att_mm *m, int64_t r, int64_t kb, int64_t ke,      \
+                                               int64_t ncol) {                                          \
+        mm_scalar_at(m, r, kb, ke, ncol, sr, sk, sc, general);                                          \
+    }
+MM_SCALAR(mm_scalar_rck, 42, 0, 21, 0)
+MM_SCALAR(mm_scalar_rck_general, 42, 0, 21, 1)
+MM_SCALAR(mm_scalar_krc, 21, 42, 0, 0)
+MM_SCALAR(mm_scalar_krc_general, 21, 42, 0, 1)
+MM_SCALAR(mm_scalar_rkc, 42, 21, 0, 0)
+MM_SCALAR(mm_scalar_rkc_general, 42, 21, 0, 1)
 
 static void mm_scalar(const att_mm *m, int64_t r, int64_t kb, int64_t ke, int64_t ncol) {
-    for (int64_t col = 0; col < ncol; col++) {
-        double acc = m->c[r * m->ldc + col];
-        for (int64_t k = kb; k < ke; k++) {
-            uint64_t idx = m->index == ATT_MM_ROW_COL_K   ? ATT_INDEX(m->row0 + r, m->col0 + col, m->k0 + k)
-                           : m->index == ATT_MM_K_ROW_COL ? ATT_INDEX(m->k0 + k, m->row0 + r, m->col0 + col)
-                                                          : ATT_INDEX(m->row0 + r, m->k0 + k, m->col0 + col);
-            acc = att_round(m->acc, acc + m->a[r * m->lda + k] * m->b[k * m->ldb + col], m->stream, idx);
-        }
-        m->c[r * m->ldc + col] = acc;
-    }
+    const int general = m->acc->kind == ATT_GENERAL;
+    if (m->index == ATT_MM_ROW_COL_K) (general ? mm_scalar_rck_general : mm_scalar_rck)(m, r, kb, ke, ncol);
+    else if (m->index == ATT_MM_K_ROW_COL) (general ? mm_scalar_krc_general : mm_scalar_krc)(m, r, kb, ke, ncol);
+    else (general ? mm_scalar_rkc_general : mm_scalar_rkc)(m, r, kb, ke, ncol);
 }
 
-/* Rows r.. (four of them, or one) over k in [kb, ke), in one of the vector tiers. */
-static void mm_rows(const att_mm *m, int four, int64_t r, int64_t kb, int64_t ke, int64_t ncols) {
-    if (kb >= ke) return;
+/* Rows r.. (four of them, or one) over k in [kb, ke), in one of the vector tiers, starting from 0 when
+ * `zero` (an empty range then writes 0). */
+static void mm_rows(const att_mm *m, int four, int64_t r, int64_t kb, int64_t ke, int64_t ncols, int zero) {
     double *c = m->c + r * m->ldc;
+    if (kb >= ke) {
+        if (zero) memset(c, 0, (size_t)ncols * sizeof(double));
+        return;
+    }
     if (m->tier == ATT_MM_F32) {
-        (four ? mm4_f32 : mm1_f32)(m->af + r * m->lda, m->lda, m->bf, m->ldb, kb, ke, ncols, c, m->ldc);
+        (four ? mm4_f32 : mm1_f32)(m->af + r * m->lda, m->lda, m->bf, m->ldb, kb, ke, ncols, c, m->ldc, zero);
         return;
     }
     void (*kernel)(MM_ARGS(double)) = m->tier == ATT_MM_F64_R32 ? (four ? mm4_f64_r32 : mm1_f64_r32)
                                                                 : (four ? mm4_f64 : mm1_f64);
-    kernel(m->a + r * m->lda, m->lda, m->b, m->ldb, kb, ke, ncols, c, m->ldc);
+    kernel(m->a + r * m->lda, m->lda, m->b, m->ldb, kb, ke, ncols, c, m->ldc, zero);
 }
 
 void att_mm_run(const att_mm *m, int64_t nrows, const int64_t *kb, const int64_t *ke, int64_t k_end,
@@ -159,15 +202,16 @@ void att_mm_run(const att_mm *m, int64_t nrows, const int64_t *kb, const int64_t
             hi = KE(x) < hi ? KE(x) : hi;
         }
         if (lo >= hi) {
-            for (int64_t x = r; x < r + 4; x++) mm_rows(m, 0, x, KB(x), KE(x), ncols);
+            for (int64_t x = r; x < r + 4; x++) mm_rows(m, 0, x, KB(x), KE(x), ncols, m->zero);
             continue;
         }
-        /* what one row has before or after the shared range it does alone, in order */
-        for (int64_t x = r; x < r + 4; x++) mm_rows(m, 0, x, KB(x), lo, ncols);
-        mm_rows(m, 1, r, lo, hi, ncols);
-        for (int64_t x = r; x < r + 4; x++) mm_rows(m, 0, x, hi, KE(x), ncols);
+        /* what one row has before or after the shared range it does alone, in order (zero: kb is NULL,
+         * so nothing comes before) */
+        for (int64_t x = r; x < r + 4; x++) mm_rows(m, 0, x, KB(x), lo, ncols, 0);
+        mm_rows(m, 1, r, lo, hi, ncols, m->zero);
+        for (int64_t x = r; x < r + 4; x++) mm_rows(m, 0, x, hi, KE(x), ncols, 0);
     }
-    for (; r < nrows; r++) mm_rows(m, 0, r, KB(r), KE(r), ncols);
+    for (; r < nrows; r++) mm_rows(m, 0, r, KB(r), KE(r), ncols, m->zero);
 #undef KB
 #undef KE
 }
