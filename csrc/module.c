@@ -492,11 +492,16 @@ static int parse_policy_backward(PyObject *obj, void *out) {
                             &pb->grad);
 }
 
-/* Shared by both kernels: q, k, v, out, lse, dout as float64 arrays (4-D; out and dout shaped like q, lse
- * like q without D) -> params shapes, dq, dk, dv arrays, the call. */
+/* Shared by every backward (baseline, flash, ring): q, k, v, out, lse, dout as float64 arrays (4-D; out and
+ * dout shaped like q, lse like q without D) -> params shapes, dq, dk, dv arrays, the call. `ring` is NULL
+ * except for the ring simulation. */
+enum backward_kind { BACKWARD_BASELINE, BACKWARD_FLASH, BACKWARD_RING };
+
 static PyObject *backward_call(PyObject *const objs[6], fadev_attention_params *pr, const fadev_policy *pol,
-                               const fadev_policy_backward *pb, int flash) {
-    const char *what = flash ? "flash_attention_backward" : "baseline_attention_backward";
+                               const fadev_policy_backward *pb, int kind, const fadev_ring_params *ring) {
+    static const char *const whats[3] = {"baseline_attention_backward", "flash_attention_backward",
+                                         "ring_attention_backward"};
+    const char *what = whats[kind];
     static const char *names[6] = {"q", "k", "v", "out", "lse", "dout"};
     PyArrayObject *a[6] = {NULL, NULL, NULL, NULL, NULL, NULL}, *dq = NULL, *dk = NULL, *dv = NULL;
     for (int x = 0; x < 6; x++)
@@ -526,8 +531,10 @@ static PyObject *backward_call(PyObject *const objs[6], fadev_attention_params *
     double *gq = (double *)PyArray_DATA(dq), *gk = (double *)PyArray_DATA(dk), *gv = (double *)PyArray_DATA(dv);
     fadev_status st;
     Py_BEGIN_ALLOW_THREADS
-    if (flash)
+    if (kind == BACKWARD_FLASH)
         st = fadev_flash_attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], gq, gk, gv, pr, pol, pb);
+    else if (kind == BACKWARD_RING)
+        st = fadev_ring_attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], gq, gk, gv, pr, pol, pb, ring);
     else
         st = fadev_baseline_attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], gq, gk, gv, pr, pol, pb);
     Py_END_ALLOW_THREADS
@@ -554,7 +561,7 @@ static PyObject *py_baseline_attention_backward(PyObject *self, PyObject *args) 
                           parse_policy, &pol, parse_policy_backward, &pb, &pr.scale, &causal))
         return NULL;
     pr.causal = causal;
-    return backward_call(objs, &pr, &pol, &pb, 0);
+    return backward_call(objs, &pr, &pol, &pb, BACKWARD_BASELINE, NULL);
 }
 
 static PyObject *py_flash_attention_backward(PyObject *self, PyObject *args) {
@@ -569,7 +576,7 @@ static PyObject *py_flash_attention_backward(PyObject *self, PyObject *args) {
                           &exp_form))
         return NULL;
     pr.causal = causal, pr.block_q = block_q, pr.block_kv = block_kv, pr.exp_form = exp_form;
-    return backward_call(objs, &pr, &pol, &pb, 1);
+    return backward_call(objs, &pr, &pol, &pb, BACKWARD_FLASH, NULL);
 }
 
 /* ------------------------------------------------------------ hadamard */
@@ -684,10 +691,7 @@ fail:
 }
 
 static PyObject *py_ring_attention_backward(PyObject *self, PyObject *args) {
-    static const char *const names[6] = {"q", "k", "v", "out", "lse", "dout"};
-    static const int ranks[6] = {4, 4, 4, 4, 3, 4};
     PyObject *objs[6];
-    PyArrayObject *a[6] = {NULL, NULL, NULL, NULL, NULL, NULL}, *dq = NULL, *dk = NULL, *dv = NULL;
     fadev_policy pol;
     fadev_policy_backward pb;
     fadev_ring_params rp;
@@ -699,27 +703,7 @@ static PyObject *py_ring_attention_backward(PyObject *self, PyObject *args) {
                           &block_q, &block_kv, &exp_form))
         return NULL;
     pr.causal = causal, pr.block_q = block_q, pr.block_kv = block_kv, pr.exp_form = exp_form;
-    if (!ring_arrays(objs, a, names, ranks, 6)) goto fail;
-    ring_shapes(a[0], a[1], &pr);
-    dq = new_like(a[0], NPY_FLOAT64), dk = new_like(a[1], NPY_FLOAT64), dv = new_like(a[2], NPY_FLOAT64);
-    if (!dq || !dk || !dv) goto fail;
-    const double *in[6];
-    for (int x = 0; x < 6; x++) in[x] = (const double *)PyArray_DATA(a[x]);
-    fadev_status st;
-    Py_BEGIN_ALLOW_THREADS
-    st = fadev_ring_attention_backward(in[0], in[1], in[2], in[3], in[4], in[5], (double *)PyArray_DATA(dq),
-                                       (double *)PyArray_DATA(dk), (double *)PyArray_DATA(dv), &pr, &pol, &pb, &rp);
-    Py_END_ALLOW_THREADS
-    if (st != FADEV_OK) {
-        raise_status(st, "ring_attention_backward");
-        goto fail;
-    }
-    for (int x = 0; x < 6; x++) Py_DECREF(a[x]);
-    return Py_BuildValue("(NNN)", dq, dk, dv);
-fail:
-    for (int x = 0; x < 6; x++) Py_XDECREF(a[x]);
-    Py_XDECREF(dq), Py_XDECREF(dk), Py_XDECREF(dv);
-    return NULL;
+    return backward_call(objs, &pr, &pol, &pb, BACKWARD_RING, &rp);
 }
 
 static PyObject *py_ring_coverage(PyObject *self, PyObject *args) {
