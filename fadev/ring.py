@@ -36,7 +36,7 @@ from . import _core
 from .attention import _finish as _finish_forward, _prepare, _tile
 from .backward import _finish as _finish_backward, _saved
 from .formats import as_format, formats
-from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, Policy, as_policy
+from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, Policy
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 MERGES = ("lowp_partials", "fp32_partials", "lowp_running", "allgather")

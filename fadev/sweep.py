@@ -4,8 +4,7 @@ A *point* is a flat dict of parameters (:data:`PARAMS`; every one has a default)
 inputs (``batch``, ``heads``, ``N``, ``D``, ``dist``, ``seed``, ...), runs the *test* attention
 (``kernel`` under ``policy`` with its tiling) and compares its output with the references the point
 names: ``golden`` (baseline under ``Policy.golden()`` on the same inputs, cached per input within a
-process) and optionally a second run ``ref_kernel`` / ``ref_policy`` / ``ref_block_kv`` ... . Example,
-the paper's comparison (flash at paper(bf16) and baseline at naive(bf16), both against golden)::
+process) and optionally a second run ``ref_kernel`` / ``ref_policy`` / ``ref_block_kv`` ... . The paper's::
 
     {"kernel": "flash", "policy": "paper:bf16", "ref_kernel": "baseline", "ref_policy": "naive:bf16",
      "N": 1024, "D": 64, "seed": 0}
@@ -25,12 +24,10 @@ A row (flat dict / DataFrame row) holds:
   :data:`METRICS` (a :class:`fadev.Comparison`), PAIR = ``vs_golden`` (test - golden), ``vs_ref``
   (test - ref), ``ref_vs_golden`` (ref - golden), and with ``lse=True`` the same of the log-sum-exp as
   ``lse_vs_golden``, ``lse_vs_ref``, ``lse_ref_vs_golden``;
-* ``test_s`` (seconds in the test kernel), ``wall_s`` (the whole point: inputs, golden unless cached,
-  every run and comparison) and ``fadev_version``. Timings are the only columns that vary between runs.
+* ``test_s`` (seconds in the test kernel), ``wall_s`` (the whole point) and ``fadev_version``; timings
+  are the only columns that vary between runs.
 
-:func:`point_from_row` gives the point back and :func:`evaluate` on it reproduces the metrics bit for
-bit.
-
+:func:`point_from_row` gives the point back; :func:`evaluate` on it reproduces the metrics bit for bit.
 :func:`run` validates every point first (one ValueError listing every problem), appends each row to a
 JSON Lines or CSV file as it finishes (flushed and fsynced), skips points already in the file, and
 spreads points over worker processes. :func:`load`, :func:`aggregate` (mean/std/count over seeds) and
@@ -39,6 +36,7 @@ config (:func:`load_config`).
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import concurrent.futures
 import difflib
@@ -744,14 +742,14 @@ def load_config(path):
     return expand(cfg.get("grid"), cfg.get("points"), cfg.get("base")), options
 
 
-def _positive(text):
-    import argparse
+def positive_int(text):
+    """argparse type: a positive integer (the fadev CLI's one validator for counts)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
 
 
@@ -766,7 +764,7 @@ def add_subcommand(subparsers):
     sp.add_argument("config", metavar="CONFIG.toml", help="sweep configuration (see examples/sweep_example.toml)")
     sp.add_argument("--out", help="results file, .jsonl or .csv (default: [sweep] out in the config, else "
                                   "results/CONFIG_NAME.jsonl)")
-    sp.add_argument("--workers", type=_positive, help="worker processes (default: [sweep] workers, else 1)")
+    sp.add_argument("--workers", type=positive_int, help="worker processes (default: [sweep] workers, else 1)")
     sp.add_argument("--no-progress", action="store_true", help="no progress bar")
     sp.add_argument("--dry-run", action="store_true", help="validate the points and print how many there are")
     sp.set_defaults(func=cmd_sweep)

@@ -14,6 +14,7 @@ import sys
 import time
 
 from . import EXPERIMENTS, reproduce
+from ..sweep import positive_int
 from .common import SIZE_DOCS
 
 
@@ -32,16 +33,6 @@ def _str_list(text):
     if not values:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}")
     return values
-
-
-def _positive(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def _names(text):
@@ -67,7 +58,7 @@ def _common(sp):
     sp.add_argument("--out", default="results", metavar="DIR",
                     help="output folder for results (NAME.jsonl raw rows, resumable; NAME.csv tables), figures "
                          "(PNG + SVG) and the report (default: results)")
-    sp.add_argument("--workers", type=_positive, default=1,
+    sp.add_argument("--workers", type=positive_int, default=1,
                     help="worker processes for the sweep engine (default 1: one process, the C kernels use every "
                          "core)")
     sp.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars on stderr")
@@ -80,10 +71,10 @@ def _size_option(sp, key, quick, full):
     elif isinstance(quick, tuple):
         kind, shown = _str_list, lambda v: ",".join(v)
     elif isinstance(quick, int):
-        kind, shown = _positive, str
+        kind, shown = positive_int, str
     else:
         kind, shown = str, str
-    sp.add_argument(f"--{key}", type=kind, default=None, metavar=key.upper() if kind in (_positive, str) else "A,B,...",
+    sp.add_argument(f"--{key}", type=kind, default=None, metavar=key.upper() if kind in (positive_int, str) else "A,B,...",
                     help=f"{SIZE_DOCS.get(key, key)} (quick: {shown(quick)}; full: {shown(full)})")
 
 

@@ -37,6 +37,8 @@ import time
 
 import numpy as np
 
+from ..sweep import positive_int
+
 
 PAPER_RATIO = (0.2, 0.5)
 """Golden et al.: flash's weight drift is ~1/5 to 1/2 of low-precision training's."""
@@ -334,21 +336,10 @@ def add_subcommand(sub):
     for key, quick in SIZES["quick"].items():
         if isinstance(quick, bool):
             continue
-        kind = float if isinstance(quick, float) else _positive_int
+        kind = float if isinstance(quick, float) else positive_int
         sp.add_argument(f"--{key.replace('_', '-')}", dest=key, type=kind, default=None, metavar=key.upper(),
                         help=f"{SIZE_DOCS[key]} (quick: {quick}; full: {SIZES['full'][key]})")
     sp.set_defaults(func=cmd_train_drift)
-
-
-def _positive_int(text):
-    import argparse
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def cmd_train_drift(args) -> int:
