@@ -295,6 +295,75 @@ fadev_status fadev_cuda_round_f64(const double *x, double *out, size_t n, const 
 /* the last CUDA error message seen by this thread (empty if none). */
 const char *fadev_cuda_last_error(void);
 
+/* Everything below takes DEVICE pointers (memory of the current CUDA device), runs on the legacy default
+ * stream and synchronises before returning, so asynchronous faults are reported by the call that caused
+ * them (FADEV_ERR_CUDA with CUDA's message in fadev_cuda_last_error). FADEV_ERR_NO_CUDA: built without
+ * nvcc, or no device. A CPU-only build takes stubs from cuda_stub.c. */
+
+/* Device memory (memory.cu). kind: 0 host->device, 1 device->host, 2 device->device. */
+fadev_status fadev_cuda_malloc(void **ptr, size_t bytes);
+fadev_status fadev_cuda_free(void *ptr);
+fadev_status fadev_cuda_memcpy(void *dst, const void *src, size_t bytes, int kind);
+/* The device that owns a pointer (-1 for host memory), for interop checks. */
+fadev_status fadev_cuda_pointer_device(const void *ptr, int *device);
+
+/* Emulated-precision attention (emu_forward.cu, emu_backward.cu): the same contract, validation and errors
+ * as the CPU entry points above, and the same result bit for bit (docs/numerics.md; NaN payloads aside). */
+fadev_status fadev_cuda_baseline_attention(const double *q, const double *k, const double *v, double *out,
+                                           double *lse, const fadev_attention_params *params,
+                                           const fadev_policy *policy);
+fadev_status fadev_cuda_flash_attention(const double *q, const double *k, const double *v, double *out, double *lse,
+                                        const fadev_attention_params *params, const fadev_policy *policy);
+fadev_status fadev_cuda_baseline_attention_backward(const double *q, const double *k, const double *v,
+                                                    const double *out, const double *lse, const double *dout,
+                                                    double *dq, double *dk, double *dv,
+                                                    const fadev_attention_params *params, const fadev_policy *policy,
+                                                    const fadev_policy_backward *policy_backward);
+fadev_status fadev_cuda_flash_attention_backward(const double *q, const double *k, const double *v,
+                                                 const double *out, const double *lse, const double *dout,
+                                                 double *dq, double *dk, double *dv,
+                                                 const fadev_attention_params *params, const fadev_policy *policy,
+                                                 const fadev_policy_backward *policy_backward);
+
+/* Golden attention on the GPU, fast (golden.cu): fp64 throughout on the fp64 tensor cores; the same
+ * mathematics as the golden policy but not its operation order (within a few fp64 ulps of it). Forward
+ * only; params' flash fields are ignored. lse may be NULL. */
+fadev_status fadev_cuda_golden_attention(const double *q, const double *k, const double *v, double *out, double *lse,
+                                         const fadev_attention_params *params);
+
+/* Metrics on device arrays (metrics.cu). Deviation statistics: the same fields and NaN/inf rules as
+ * fadev_deviation_stats (sums in another order: equal to it within rounding, not bit for bit).
+ * Wasserstein-1: exact (device radix sort, then the same integral). ULP error: bit-identical. */
+fadev_status fadev_cuda_deviation_stats(const double *test, const double *ref, size_t n, fadev_deviation *out);
+fadev_status fadev_cuda_wasserstein(const double *a, size_t n_a, const double *b, size_t n_b, double *out);
+fadev_status fadev_cuda_ulp_error(const double *test, const double *ref, size_t n, const fadev_format *fmt,
+                                  double *out);
+
+/* Native FlashAttention-2-style kernel on the tensor cores (native_forward.cu, native_backward.cu): fp16 or bf16
+ * inputs and outputs, fp32 accumulation (mma.sync), online softmax in fp32 with exp2. q, out, dout, dq:
+ * (B, H, Nq, D); k, v, dk, dv: (B, Hkv, Nk, D); contiguous, element type `dtype`; lse (B, H, Nq) float32
+ * (natural log). Supported: dim 64 or 128, the (block_q, block_kv) pairs fadev_cuda_native_tiles lists.
+ * FADEV_ERR_INVALID_ARGUMENT for anything else. The backward recomputes P from lse and needs a float32
+ * workspace of fadev_cuda_native_workspace() bytes (dq accumulated in fp32). */
+typedef enum fadev_native_dtype { FADEV_NATIVE_FP16 = 0, FADEV_NATIVE_BF16 = 1 } fadev_native_dtype;
+typedef struct fadev_native_params {
+    int64_t batch, heads, heads_kv, seq_q, seq_kv, dim;
+    double scale;
+    int32_t causal;   /* bottom-right aligned, as fadev_attention_params */
+    int32_t block_q;  /* Br */
+    int32_t block_kv; /* Bc */
+    int32_t dtype;    /* fadev_native_dtype */
+} fadev_native_params;
+/* Writes up to max_pairs (block_q, block_kv) pairs supported for head dim `dim` into tiles[2 * i], tiles[2 * i + 1];
+ * *count receives how many there are. */
+fadev_status fadev_cuda_native_tiles(int dim, int32_t *tiles, int max_pairs, int *count);
+fadev_status fadev_cuda_native_forward(const void *q, const void *k, const void *v, void *out, float *lse,
+                                       const fadev_native_params *params);
+size_t fadev_cuda_native_workspace(const fadev_native_params *params);
+fadev_status fadev_cuda_native_backward(const void *q, const void *k, const void *v, const void *out,
+                                        const float *lse, const void *dout, void *dq, void *dk, void *dv,
+                                        float *workspace, const fadev_native_params *params);
+
 #ifdef __cplusplus
 }
 #endif

@@ -2,24 +2,33 @@
  * fadev_cuda_round_f64 rounds n float64 values with the same scalar rule as the C core (round.h,
  * compiled here for the device), keyed by the same Philox counter, so the result is bit-identical
  * to fadev_round_f64 for every mode. Host pointers in and out; the copy is part of the call. */
-#include <cuda_runtime.h>
-#include <stdio.h>
-
-#include "../csrc/fadev.h"
+#include "common.cuh"
 #include "../csrc/round.h"
 
-static thread_local char last_error[256] = "";
+static thread_local char last_error[512] = "";
 
-static fadev_status cuda_fail(cudaError_t err, const char *where) {
-    snprintf(last_error, sizeof last_error, "%s: %s", where, cudaGetErrorString(err));
+fadev_status fadev_cuda_fail(cudaError_t err, const char *where) {
+    snprintf(last_error, sizeof last_error, "%s: %s (%s)", where, cudaGetErrorString(err), cudaGetErrorName(err));
+    cudaGetLastError(); /* clear a non-sticky error; a sticky one stays and is reported by every later call */
     return FADEV_ERR_CUDA;
 }
 
-#define CUDA_CHECK(call)                                   \
-    do {                                                   \
-        cudaError_t err_ = (call);                         \
-        if (err_ != cudaSuccess) return cuda_fail(err_, #call); \
-    } while (0)
+fadev_status fadev_cuda_fail_msg(fadev_status st, const char *message) {
+    snprintf(last_error, sizeof last_error, "%s", message);
+    return st;
+}
+
+fadev_status fadev_cuda_require_device(void) {
+    if (fadev_cuda_device_count() == 0)
+        return fadev_cuda_fail_msg(FADEV_ERR_NO_CUDA, "fadev was built with CUDA, but no usable CUDA device was found");
+    return FADEV_OK;
+}
+
+fadev_status fadev_cuda_finish(const char *where) {
+    cudaError_t err = cudaGetLastError();
+    if (err == cudaSuccess) err = cudaDeviceSynchronize();
+    return err == cudaSuccess ? FADEV_OK : fadev_cuda_fail(err, where);
+}
 
 extern "C" const char *fadev_cuda_last_error(void) { return last_error; }
 
@@ -37,7 +46,7 @@ extern "C" int fadev_cuda_device_count(void) {
 extern "C" fadev_status fadev_cuda_device_info(int device, char *name, size_t name_len, int *major, int *minor,
                                                size_t *total_memory) {
     cudaDeviceProp prop;
-    CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+    CUDA_TRY(cudaGetDeviceProperties(&prop, device));
     snprintf(name, name_len, "%s", prop.name);
     *major = prop.major;
     *minor = prop.minor;
@@ -56,13 +65,10 @@ __global__ void round_kernel(const double *x, double *out, size_t n, fadev_forma
 extern "C" fadev_status fadev_cuda_round_f64(const double *x, double *out, size_t n, const fadev_format *fmt,
                                              int mode, uint64_t seed, uint64_t stream, uint64_t index_offset) {
     if (mode < FADEV_ROUND_NEAREST_EVEN || mode > FADEV_ROUND_STOCHASTIC) return FADEV_ERR_INVALID_MODE;
-    if (fadev_cuda_device_count() == 0) {
-        snprintf(last_error, sizeof last_error, "fadev was built with CUDA, but no CUDA device was found");
-        return FADEV_ERR_NO_CUDA;
-    }
+    FADEV_TRY(fadev_cuda_require_device());
     if (n == 0) return FADEV_OK;
     double *d_buf = NULL;
-    CUDA_CHECK(cudaMalloc(&d_buf, n * sizeof(double)));
+    CUDA_TRY(cudaMalloc(&d_buf, n * sizeof(double)));
     fadev_status st = FADEV_OK;
     cudaError_t err = cudaMemcpy(d_buf, x, n * sizeof(double), cudaMemcpyHostToDevice);
     if (err == cudaSuccess) {
@@ -72,7 +78,7 @@ extern "C" fadev_status fadev_cuda_round_f64(const double *x, double *out, size_
         err = cudaGetLastError();
     }
     if (err == cudaSuccess) err = cudaMemcpy(out, d_buf, n * sizeof(double), cudaMemcpyDeviceToHost);
-    if (err != cudaSuccess) st = cuda_fail(err, "fadev_cuda_round_f64");
+    if (err != cudaSuccess) st = fadev_cuda_fail(err, "fadev_cuda_round_f64");
     cudaFree(d_buf);
     return st;
 }

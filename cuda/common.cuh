@@ -1,0 +1,52 @@
+/* Shared by every cuda/*.cu file: the per-thread CUDA error message, the checks that turn a CUDA error into
+ * FADEV_ERR_CUDA (never an exit), and the device guard every entry point starts with. */
+#ifndef FADEV_CUDA_COMMON_CUH
+#define FADEV_CUDA_COMMON_CUH
+
+#include <cuda_runtime.h>
+#include <stdio.h>
+
+#include "../csrc/fadev.h"
+
+/* Records "where: CUDA's message" as this thread's last error; returns FADEV_ERR_CUDA. Clears a
+ * non-sticky error so the next call starts clean. */
+fadev_status fadev_cuda_fail(cudaError_t err, const char *where);
+/* Records a message of our own (no CUDA error behind it) and returns `st`. */
+fadev_status fadev_cuda_fail_msg(fadev_status st, const char *message);
+/* FADEV_OK if a device is usable, else FADEV_ERR_NO_CUDA with a message. */
+fadev_status fadev_cuda_require_device(void);
+/* Reports a failed launch, then waits for the device and reports an asynchronous fault. */
+fadev_status fadev_cuda_finish(const char *where);
+
+#define CUDA_TRY(call)                                                   \
+    do {                                                                 \
+        cudaError_t err_ = (call);                                       \
+        if (err_ != cudaSuccess) return fadev_cuda_fail(err_, #call);    \
+    } while (0)
+
+#define FADEV_TRY(call)                                \
+    do {                                               \
+        fadev_status st_ = (call);                     \
+        if (st_ != FADEV_OK) return st_;               \
+    } while (0)
+
+/* A device allocation freed when it leaves scope (so early error returns cannot leak). */
+template <typename T> struct device_buffer {
+    T *ptr = nullptr;
+    device_buffer() = default;
+    device_buffer(const device_buffer &) = delete;
+    device_buffer &operator=(const device_buffer &) = delete;
+    ~device_buffer() { if (ptr) cudaFree(ptr); }
+    fadev_status alloc(size_t count, const char *what) {
+        if (count == 0) count = 1;
+        if (count > (size_t)-1 / sizeof(T)) return FADEV_ERR_OVERFLOW;
+        cudaError_t err = cudaMalloc((void **)&ptr, count * sizeof(T));
+        if (err != cudaSuccess) {
+            ptr = nullptr;
+            return fadev_cuda_fail(err, what);
+        }
+        return FADEV_OK;
+    }
+};
+
+#endif /* FADEV_CUDA_COMMON_CUH */
