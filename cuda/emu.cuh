@@ -1,0 +1,112 @@
+/* The emulated-precision machinery shared by emu_forward.cu and emu_backward.cu: the GPU twin of
+ * csrc/attention.h. One rounding event R_X(x) on the device is emu_round(stage, x, stream, index): the same
+ * classification as att_round (exact fp64 / fp32 under nearest-even / the inline normal-range bit trick /
+ * fadev_round_one with Philox bits) with the same fadev_round_one (csrc/round.h, compiled for both), so
+ * every event rounds exactly as on the CPU. Arithmetic is fp64 unfused (nvcc --fmad=false); the fp32 tier
+ * of the dot products (products exact in fp32, accumulator fp32 nearest-even) gives the same bits as the
+ * fp64-then-round spec by the double-rounding theorem (53 >= 2*24 + 2), as the CPU's float tier.
+ * exp, exp2 and log are CUDA's fp64 functions (libdevice), which may differ from glibc's in the last fp64
+ * bit; the value is then rounded to the stage's format, so results differ from the CPU only when that
+ * last bit decides the rounding, or when the stage is fp64 (docs/numerics.md, "GPU"). */
+#ifndef FADEV_EMU_CUH
+#define FADEV_EMU_CUH
+
+#include "common.cuh"
+
+extern "C" {
+#include "../csrc/attention.h"
+}
+
+/* Per K/V head magnitudes of the rounded inputs (as att_ctx's k_min ... v_finite): smallest nonzero and
+ * largest magnitude as fp64 bit patterns (ordered like the values), and 1 if every value is finite. */
+struct emu_mag {
+    unsigned long long min_bits, max_bits;
+    int finite;
+};
+
+/* Everything a kernel needs, passed by value. Rounded inputs are in device memory: q (B, H, Nq, D),
+ * k and v (B, Hkv, Nk, D) as fp64, and as fp32 copies (qf, kf, vf) when the policy allows the float tier. */
+struct emu_ctx {
+    fadev_attention_params pr;
+    int64_t group; /* heads / heads_kv */
+    att_stage input, score_acc, score, softmax, sum_acc, stats, rescale, p, pv_acc, out_acc, state_out,
+        state_stats, out;
+    double c;  /* R_score(scale), or R_score(scale * log2 e) in the exp2 form */
+    double c2; /* R_stats(ln 2) */
+    int exp2;
+    int qk_float, pv_float; /* as att_ctx */
+    const double *q, *k, *v;
+    const float *qf, *kf, *vf;
+    const emu_mag *kmag, *vmag; /* per K/V head */
+};
+
+/* One rounding event, bit-identical to att_round. */
+__device__ __forceinline__ double emu_round(const att_stage &st, double x, uint64_t stream, uint64_t index) {
+    if (st.kind == ATT_EXACT) return x;
+    if (st.kind == ATT_F32) return (double)__double2float_rn(x);
+    if (st.kind == ATT_RNE) {
+        uint64_t u = fadev_bits_of(x), a = u & 0x7FFFFFFFFFFFFFFFull;
+        if (a - st.lo_bits <= st.hi_bits - st.lo_bits) {
+            uint64_t r = (a + st.half_m1 + ((a >> st.shift) & 1)) & st.keep_mask;
+            if (r <= st.hi_bits) return fadev_double_of(r | (u ^ a));
+        }
+    }
+    uint64_t bits = st.mode == FADEV_ROUND_STOCHASTIC ? fadev_random53(st.seed, stream, index) : 0;
+    return fadev_round_one(x, &st.fmt, st.mode, bits);
+}
+
+/* Exact maximum that propagates NaN (att_max). */
+__device__ __forceinline__ double emu_max(double a, double b) {
+    if (a != a || b != b) return a + b;
+    return a >= b ? a : b;
+}
+
+__device__ __forceinline__ double emu_exp(int exp2_form, double x) { return exp2_form ? exp2(x) : exp(x); }
+
+/* Number of keys j0..j0+n-1 that query row i sees (a prefix of the range), as att_visible. */
+__device__ __forceinline__ int64_t emu_visible(const fadev_attention_params &pr, int64_t i, int64_t j0, int64_t n) {
+    if (!pr.causal) return n;
+    int64_t count = i + pr.seq_kv - pr.seq_q - j0 + 1;
+    return count < 0 ? 0 : count > n ? n : count;
+}
+
+/* K/V head (b * heads_kv + g) that query head bh = b * heads + h reads. */
+__device__ __forceinline__ int64_t emu_kv_head(const emu_ctx &cx, int64_t bh) {
+    return (bh / cx.pr.heads) * cx.pr.heads_kv + (bh % cx.pr.heads) / cx.group;
+}
+
+/* 1 if every product of two factors with these magnitudes (smallest nonzero, largest) is exact in fp32:
+ * no underflow below 2^-126, no overflow (att_mm_tier's test). */
+__device__ __forceinline__ int emu_products_fit_f32(double amin, double amax, double bmin, double bmax) {
+    return amin * bmin >= 0x1p-126 && amax * bmax < 0x1p128;
+}
+
+__device__ __forceinline__ double emu_mag_min(const emu_mag &m) { return fadev_double_of(m.min_bits); }
+__device__ __forceinline__ double emu_mag_max(const emu_mag &m) { return fadev_double_of(m.max_bits); }
+
+/* One accumulation step acc = R_acc(acc + a * b) of a dot product whose accumulator stage is not ATT_EXACT or
+ * ATT_F32 (those have their own loops), with the event's counter. */
+__device__ __forceinline__ double emu_mac(const att_stage &acc_stage, double acc, double a, double b,
+                                         uint64_t stream, uint64_t index) {
+    return emu_round(acc_stage, acc + a * b, stream, index);
+}
+
+/* Host side (emu_inputs.cu): builds the context (stages classified by the CPU's att_make_stage, constants as
+ * att_init) and rounds the inputs on the device (events 0, 1, 2 with the CPU's counters), with per-K/V-head
+ * magnitudes. `exp2` selects the exp2 form's constants. Validation is the caller's (att_validate first).
+ * The buffers live in `store` until it is destroyed. */
+struct emu_inputs {
+    device_buffer<double> q, k, v;
+    device_buffer<float> qf, kf, vf;
+    device_buffer<emu_mag> kmag, vmag;
+};
+fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const double *k, const double *v,
+                         const fadev_attention_params *params, const fadev_policy *policy, int exp2);
+
+/* Grid of `n` items in blocks of `threads`, capped to what a 1-D grid holds (kernels stride over the rest). */
+static inline unsigned emu_blocks(size_t n, unsigned threads) {
+    size_t b = (n + threads - 1) / threads;
+    return (unsigned)(b > 1u << 30 ? 1u << 30 : (b ? b : 1));
+}
+
+#endif /* FADEV_EMU_CUH */

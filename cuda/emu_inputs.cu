@@ -1,0 +1,90 @@
+/* Rounded inputs of the emulated kernels on the GPU (emu.cuh): Q = R_input(q), K = R_input(k),
+ * V = R_input(v) element-wise with the CPU's counters (events 0, 1, 2: stream id + 32 * head, index (row, d, 0)),
+ * fp32 copies where the float tier may be used, and per K/V head the smallest nonzero and largest magnitude
+ * and whether every value is finite (mag_add's rules), which decide that tier exactly as att_init does. */
+#include "emu.cuh"
+
+/* One launch per tensor: blockIdx.y is the head; each thread walks a stride of that head's rows x D values
+ * and folds its magnitudes into the head's record with one atomic per thread. */
+__global__ void round_inputs_kernel(const double *src, double *dst, float *dstf, int64_t rows, int64_t dim,
+                                    att_stage in, int stage_id, emu_mag *mag, int64_t head0) {
+    const int64_t head = head0 + blockIdx.y, per_head = rows * dim;
+    const double *s = src + head * per_head;
+    double *d_out = dst + head * per_head;
+    float *f_out = dstf ? dstf + head * per_head : nullptr;
+    const uint64_t stream = ATT_STREAM(stage_id, head);
+    unsigned long long lo = 0x7FF0000000000000ull, hi = 0;
+    int finite = 1;
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < per_head; e += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t row = e / dim, col = e % dim;
+        const double x = emu_round(in, s[e], stream, ATT_INDEX(row, col, 0));
+        d_out[e] = x;
+        if (f_out) f_out[e] = (float)x;
+        const unsigned long long a = fadev_bits_of(x) & 0x7FFFFFFFFFFFFFFFull;
+        if (a >= 0x7FF0000000000000ull) finite = 0;
+        else if (a) lo = a < lo ? a : lo, hi = a > hi ? a : hi;
+    }
+    if (mag) {
+        atomicMin(&mag[head].min_bits, lo);
+        atomicMax(&mag[head].max_bits, hi);
+        if (!finite) atomicAnd(&mag[head].finite, 0);
+    }
+}
+
+static fadev_status round_tensor(const double *src, device_buffer<double> &dst, device_buffer<float> &dstf,
+                                 int want_float, device_buffer<emu_mag> *mag, int64_t heads, int64_t rows,
+                                 int64_t dim, const att_stage &in, int stage_id) {
+    const size_t n = (size_t)(heads * rows * dim);
+    FADEV_TRY(dst.alloc(n, "emulated attention: rounded inputs"));
+    if (want_float) FADEV_TRY(dstf.alloc(n, "emulated attention: fp32 inputs"));
+    if (mag) {
+        FADEV_TRY(mag->alloc((size_t)heads, "emulated attention: magnitudes"));
+        emu_mag init = {0x7FF0000000000000ull, 0, 1};
+        for (int64_t h = 0; h < heads; h++)
+            CUDA_TRY(cudaMemcpy(mag->ptr + h, &init, sizeof init, cudaMemcpyHostToDevice));
+    }
+    const unsigned threads = 256;
+    unsigned per_head = emu_blocks((size_t)(rows * dim), threads);
+    if (per_head > 64) per_head = 64;
+    for (int64_t h0 = 0; h0 < heads; h0 += 65535) { /* gridDim.y is at most 65535 */
+        const int64_t hn = heads - h0 < 65535 ? heads - h0 : 65535;
+        round_inputs_kernel<<<dim3(per_head, (unsigned)hn), threads>>>(
+            src, dst.ptr, want_float ? dstf.ptr : nullptr, rows, dim, in, stage_id, mag ? mag->ptr : nullptr, h0);
+        CUDA_TRY(cudaGetLastError());
+    }
+    return FADEV_OK;
+}
+
+fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const double *k, const double *v,
+                         const fadev_attention_params *params, const fadev_policy *pol, int exp2) {
+    memset(cx, 0, sizeof *cx);
+    cx->pr = *params;
+    cx->group = params->heads / params->heads_kv;
+    const fadev_format *fmts[] = {&pol->input, &pol->score_acc, &pol->score, &pol->softmax, &pol->sum_acc,
+                                  &pol->stats, &pol->rescale, &pol->p, &pol->pv_acc, &pol->out_acc,
+                                  &pol->state_out, &pol->state_stats, &pol->out};
+    att_stage *stages[] = {&cx->input, &cx->score_acc, &cx->score, &cx->softmax, &cx->sum_acc, &cx->stats,
+                           &cx->rescale, &cx->p, &cx->pv_acc, &cx->out_acc, &cx->state_out, &cx->state_stats,
+                           &cx->out};
+    for (size_t s = 0; s < sizeof fmts / sizeof fmts[0]; s++) *stages[s] = att_make_stage(fmts[s], pol);
+    cx->exp2 = exp2;
+    /* the constants exactly as att_init computes them */
+    const double log2e = 0x1.71547652b82fep+0, ln2 = 0x1.62e42fefa39efp-1;
+    cx->c = fadev_round_one(exp2 ? params->scale * log2e : params->scale, &pol->score, FADEV_ROUND_NEAREST_EVEN, 0);
+    cx->c2 = fadev_round_one(ln2, &pol->stats, FADEV_ROUND_NEAREST_EVEN, 0);
+    const fadev_format *in = &pol->input;
+    cx->qk_float = cx->score_acc.kind == ATT_F32 && att_inside_fp32(in) && 2 * in->precision <= 24;
+    cx->pv_float = cx->pv_acc.kind == ATT_F32 && att_inside_fp32(in) && att_inside_fp32(&pol->p) &&
+                   in->precision + pol->p.precision <= 24;
+    const int64_t B = params->batch, D = params->dim;
+    FADEV_TRY(round_tensor(q, store->q, store->qf, cx->qk_float, nullptr, B * params->heads, params->seq_q, D,
+                           cx->input, ATT_IN_Q));
+    FADEV_TRY(round_tensor(k, store->k, store->kf, cx->qk_float, &store->kmag, B * params->heads_kv, params->seq_kv, D,
+                           cx->input, ATT_IN_K));
+    FADEV_TRY(round_tensor(v, store->v, store->vf, cx->pv_float, &store->vmag, B * params->heads_kv, params->seq_kv, D,
+                           cx->input, ATT_IN_V));
+    cx->q = store->q.ptr, cx->k = store->k.ptr, cx->v = store->v.ptr;
+    cx->qf = store->qf.ptr, cx->kf = store->kf.ptr, cx->vf = store->vf.ptr;
+    cx->kmag = store->kmag.ptr, cx->vmag = store->vmag.ptr;
+    return FADEV_OK;
+}
