@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--mode", default="rne", choices=["rne", "rtz", "stochastic"], help="rounding mode")
     demo.set_defaults(func=cmd_demo)
 
-    from .sweep import add_subcommand as add_sweep  # sweep: run a TOML parameter sweep (fadev/sweep.py)
+    from .sweep_cli import add_subcommand as add_sweep  # sweep: run a TOML parameter sweep (fadev/sweep.py)
     add_sweep(sub)
 
     from .experiments.cli import add_subcommands as add_experiments  # reproduce + one per experiment

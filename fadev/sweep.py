@@ -36,7 +36,6 @@ config (:func:`load_config`).
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import concurrent.futures
 import difflib
@@ -46,7 +45,6 @@ import json
 import math
 import multiprocessing
 import numbers
-import os
 import time
 
 import numpy as np
@@ -88,7 +86,7 @@ PARAMS = {
     "seed": (0, "input seed (numpy PCG64), a non-negative integer"),
     "input_fmt": ("policy", "inputs rounded to this format before every run and golden ('policy': the test "
                             "policy's input format; 'fp64': raw draws)"),
-    "device": ("cpu", "device of the test and ref runs: 'cpu' or 'cuda' (golden always runs on cpu)"),
+    "device": ("cpu", "device of every run: 'cpu' or 'cuda' (golden there: fadev.golden_attention, fp64 MMA)"),
     "golden": (True, "compare with golden (vs_golden.*, ref_vs_golden.*)"),
     "lse": (False, "also compare the log-sum-exp (lse_vs_golden.*, lse_vs_ref.*, lse_ref_vs_golden.*)"),
     "ref_kernel": (None, "second run to compare with: 'flash' or 'baseline' (None: none)"),
@@ -117,6 +115,10 @@ KERNELS[("baseline", "cpu")] = lambda q, k, v, pol, causal, scale, tiles: baseli
     q, k, v, pol, causal=causal, scale=scale, return_lse=True)
 KERNELS[("flash", "cpu")] = lambda q, k, v, pol, causal, scale, tiles: flash_attention(
     q, k, v, pol, causal=causal, scale=scale, return_lse=True, **tiles)
+KERNELS[("baseline", "cuda")] = lambda q, k, v, pol, causal, scale, tiles: baseline_attention(
+    q, k, v, pol, causal=causal, scale=scale, return_lse=True, device="cuda")
+KERNELS[("flash", "cuda")] = lambda q, k, v, pol, causal, scale, tiles: flash_attention(
+    q, k, v, pol, causal=causal, scale=scale, return_lse=True, device="cuda", **tiles)
 
 
 class _Bad(Exception):
@@ -471,13 +473,17 @@ def _input_fmt(p):
 def _inputs_and_golden(p, input_fmt, need_golden):
     """(q, k, v, golden_out, golden_lse) for the point's inputs, from a small per-process LRU cache."""
     key = (p["batch"], p["heads"], p["heads_kv"], p["N"], p["N_kv"], p["D"], p["dist"], p["seed"], input_fmt,
-           p["causal"], p["scale"])
+           p["causal"], p["scale"], p["device"])
     entry = _cache.pop(key, None)
     if entry is None:
         fmt = None if input_fmt == "fp64" else input_fmt
         entry = list(random_qkv((p["batch"], p["heads"], p["N"], p["D"]), dist=p["dist"], seed=p["seed"], fmt=fmt,
                                 heads_kv=p["heads_kv"], seq_kv=p["N_kv"])) + [None, None]
-    if need_golden and entry[3] is None:
+    if need_golden and entry[3] is None and p["device"] == "cuda":
+        from . import golden_attention
+        entry[3], entry[4] = golden_attention(*entry[:3], causal=p["causal"], scale=p["scale"], return_lse=True,
+                                              device="cuda")
+    elif need_golden and entry[3] is None:
         entry[3], entry[4] = baseline_attention(*entry[:3], Policy.golden(), causal=p["causal"], scale=p["scale"],
                                                 return_lse=True)
     for a in entry:
@@ -715,86 +721,5 @@ def aggregate(df, by=None, metrics=None):
 
 # ------------------------------------------------------------------ configs and the command line
 
-def load_config(path):
-    """(points, options) from a TOML config: ``[base]`` fixed parameters, ``[grid]`` lists (cartesian
-    product), ``[[points]]`` explicit points (each combined with the grid), ``[sweep]`` options ``out``
-    and ``workers``. Points are validated by :func:`run`."""
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ImportError:
-            raise ImportError("reading TOML configs needs Python >= 3.11 (tomllib) or the tomli package") from None
-    with open(path, "rb") as fh:
-        try:
-            cfg = tomllib.load(fh)
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"{path}: not valid TOML: {e}") from None
-    unknown = set(cfg) - {"base", "grid", "points", "sweep"}
-    if unknown:
-        raise ValueError(f"{path}: unknown top-level key(s) {', '.join(sorted(unknown))}; expected [base], [grid], "
-                         f"[[points]], [sweep]")
-    options = dict(cfg.get("sweep", {}))
-    bad = set(options) - {"out", "workers"}
-    if bad:
-        raise ValueError(f"{path}: unknown [sweep] option(s) {', '.join(sorted(bad))}; known: out, workers")
-    return expand(cfg.get("grid"), cfg.get("points"), cfg.get("base")), options
-
-
-def positive_int(text):
-    """argparse type: a positive integer (the fadev CLI's one validator for counts)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def add_subcommand(subparsers):
-    """Register ``sweep`` on an argparse subparsers object (fadev/__main__.py calls this)."""
-    sp = subparsers.add_parser(
-        "sweep", help="run a parameter sweep from a TOML config; rows appended to a results file",
-        description="Run every point of CONFIG (TOML: [base] fixed parameters, [grid] lists combined as a "
-                    "cartesian product, [[points]] explicit points, [sweep] out/workers defaults). Each point's "
-                    "row is appended to the results file as it finishes; rerunning skips finished points. "
-                    "Parameters: " + ", ".join(PARAMS) + ", stage.NAME, ref_stage.NAME, tag.NAME.")
-    sp.add_argument("config", metavar="CONFIG.toml", help="sweep configuration (see examples/sweep_example.toml)")
-    sp.add_argument("--out", help="results file, .jsonl or .csv (default: [sweep] out in the config, else "
-                                  "results/CONFIG_NAME.jsonl)")
-    sp.add_argument("--workers", type=positive_int, help="worker processes (default: [sweep] workers, else 1)")
-    sp.add_argument("--no-progress", action="store_true", help="no progress bar")
-    sp.add_argument("--dry-run", action="store_true", help="validate the points and print how many there are")
-    sp.set_defaults(func=cmd_sweep)
-    return sp
-
-
-def cmd_sweep(args) -> int:
-    import sys
-    try:
-        points, options = load_config(args.config)
-        canon = validate(points)
-    except (OSError, ValueError) as e:
-        print(f"fadev sweep: {e}", file=sys.stderr)
-        return 2
-    out = args.out or options.get("out") or os.path.join(
-        "results", os.path.splitext(os.path.basename(args.config))[0] + ".jsonl")
-    workers = args.workers or options.get("workers", 1)
-    distinct = len({point_key(p) for p in canon})
-    if args.dry_run:
-        print(f"{len(points)} points ({distinct} distinct), all valid; results would go to {out}")
-        return 0
-    try:
-        df = run(canon, out, workers=workers, progress=not args.no_progress)
-    except (OSError, ValueError, RuntimeError) as e:
-        print(f"fadev sweep: {e}", file=sys.stderr)
-        return 1
-    print(f"{len(df)} rows in {out}")
-    return 0
-
-
 __all__ = ["PARAMS", "METRICS", "PRESETS", "KERNELS", "MAX_SEQ", "expand", "canonical", "validate", "point_key",
-           "evaluate", "point_from_row", "run", "load", "export", "aggregate", "load_config", "add_subcommand",
-           "cmd_sweep"]
+           "evaluate", "point_from_row", "run", "load", "export", "aggregate"]

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 import fadev
-from fadev import sweep
+from fadev import sweep, sweep_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"N": 24, "D": 8, "heads": 2}
@@ -137,14 +137,20 @@ def test_validation_lists_every_problem_before_any_work(tmp_path):
 
 
 def test_cuda_device_needs_cuda_kernels(monkeypatch):
-    """With a usable GPU, a point still needs its kernel registered for device 'cuda' (a later issue adds them)."""
+    """With a usable GPU, a point still needs its kernel registered for device 'cuda'."""
     monkeypatch.setattr(fadev, "cuda_available", lambda: True)
+    monkeypatch.delitem(sweep.KERNELS, ("flash", "cuda"))
+    monkeypatch.delitem(sweep.KERNELS, ("baseline", "cuda"))
     with pytest.raises(ValueError, match="(?s)kernel='flash' has no CUDA implementation.*ref_kernel='baseline' has no"):
         sweep.validate([{"device": "cuda", "ref_kernel": "baseline"}])
     monkeypatch.setitem(sweep.KERNELS, ("flash", "cuda"), sweep.KERNELS[("flash", "cpu")])
     monkeypatch.setitem(sweep.KERNELS, ("baseline", "cuda"), sweep.KERNELS[("baseline", "cpu")])
-    row = sweep.evaluate({"device": "cuda", "ref_kernel": "baseline", **TINY})
+    row = sweep.evaluate({"device": "cuda", "ref_kernel": "baseline", "golden": False, **TINY})
     assert row["device"] == "cuda" and row["vs_ref.n"] == 2 * 24 * 8
+
+
+def test_cuda_kernels_are_registered():
+    assert {("flash", "cuda"), ("baseline", "cuda")} <= set(sweep.KERNELS)
 
 
 # ------------------------------------------------------------------ evaluation
@@ -436,7 +442,7 @@ def test_cli_sweep(tmp_path):
     assert "4 rows in r.jsonl" in res.stdout
     df = sweep.load(tmp_path / "r.jsonl")
     assert len(df) == 4 and set(df["stage.p"]) == {"fp32"} and df["stage.out"].notna().sum() == 2
-    direct = sweep.run(sweep.load_config(config)[0], progress=False)
+    direct = sweep.run(sweep_cli.load_config(config)[0], progress=False)
     pd.testing.assert_frame_equal(_values(df), _values(direct))
     res = _cli("sweep", str(config), "--out", "r.jsonl", cwd=tmp_path)  # resumes: nothing left to do
     assert res.returncode == 0 and len(sweep.load(tmp_path / "r.jsonl")) == 4
@@ -457,7 +463,7 @@ def test_cli_sweep(tmp_path):
 
 
 def test_example_config_runs():
-    points, options = sweep.load_config(os.path.join(ROOT, "examples", "sweep_example.toml"))
+    points, options = sweep_cli.load_config(os.path.join(ROOT, "examples", "sweep_example.toml"))
     assert options == {"out": "results/sweep_example.jsonl", "workers": 1}
     df = sweep.run(points, progress=False)
     assert len(df) == 18 and set(df["tag.study"]) == {"example"}

@@ -14,7 +14,7 @@ import sys
 import time
 
 from . import EXPERIMENTS, reproduce
-from ..sweep import positive_int
+from ..sweep_cli import positive_int
 from .common import SIZE_DOCS
 
 

@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from ..sweep import positive_int
+from ..sweep_cli import positive_int
 
 
 PAPER_RATIO = (0.2, 0.5)

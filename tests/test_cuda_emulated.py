@@ -1,0 +1,149 @@
+"""Emulated-precision attention forward on the GPU (cuda/emu_forward.cu) against the C core, bit for bit.
+
+For one policy and one tiling the GPU must give the CPU's bits (docs/numerics.md): presets at several formats,
+one-stage-lowered policies, tilings (blocks larger than the kernel's shared-memory chunk too), causal with
+Nq != Nk, grouped-query heads, rtz and stochastic rounding, both loop orders, eager normalisation, the exp2
+form. NaN payloads are not compared (the GPU's NaN is canonical). The one documented exception: stages in
+fp64 take CUDA's exp/log, which may differ from glibc's in the last bit, so the golden policy is compared to
+a few fp64 ulps and the fraction of differing elements is reported.
+
+Skipped without a CUDA device (fadev.cuda_available() is False), as in CI.
+"""
+import numpy as np
+import pytest
+
+import fadev
+from fadev.policy import STAGES, Policy
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not fadev.cuda_available(), reason="no CUDA device (fadev.cuda_available() is False)")]
+
+PRESETS = ("paper", "naive", "fa2", "fa1", "torch_math")
+FORMATS = ("bf16", "fp16", "fp8_e4m3", "tf32", "fp32")
+
+
+def make_qkv(seed, B, H, Hkv, Nq, Nk, D, spread=1.0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((B, H, Nq, D)) * spread, rng.standard_normal((B, Hkv, Nk, D)),
+            rng.standard_normal((B, Hkv, Nk, D)))
+
+
+def differing(a, b):
+    """Number of elements whose bits differ (any NaN equals any NaN)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape
+    na, nb = np.isnan(a), np.isnan(b)
+    return int(((na != nb) | (~na & ~nb & (a.view(np.uint64) != b.view(np.uint64)))).sum())
+
+
+def run_both(kind, q, k, v, policy, **kw):
+    fn = fadev.flash_attention if kind == "flash" else fadev.baseline_attention
+    cpu = fn(q, k, v, policy, return_lse=True, **kw)
+    gpu = fn(q, k, v, policy, return_lse=True, device="cuda", **kw)
+    return cpu, gpu
+
+
+def assert_same(kind, q, k, v, policy, **kw):
+    (co, cl), (go, gl) = run_both(kind, q, k, v, policy, **kw)
+    assert isinstance(go, np.ndarray) and go.shape == co.shape and gl.shape == cl.shape
+    n_out, n_lse = differing(go, co), differing(gl, cl)
+    assert n_out == 0 and n_lse == 0, (f"{kind} {policy} {kw} shapes q{q.shape} k{k.shape}: {n_out} out and "
+                                       f"{n_lse} lse elements differ from the CPU")
+
+
+@pytest.mark.parametrize("kind", ["flash", "baseline"])
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_presets_match_cpu_bits(kind, preset, fmt):
+    q, k, v = make_qkv(1, 1, 2, 2, 150, 150, 64, spread=2.0)
+    assert_same(kind, q, k, v, Policy.preset(preset, fmt), causal=False)
+
+
+@pytest.mark.parametrize("stage", [s for s in STAGES if s != "input"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e5m2"])
+def test_one_stage_lowered_matches_cpu_bits(stage, fmt):
+    pol = Policy.fa2("fp32").replace(**{stage: fmt})
+    q, k, v = make_qkv(2, 1, 2, 1, 97, 131, 32, spread=3.0)
+    assert_same("flash", q, k, v, pol, causal=True, block_q=32, block_kv=48)
+    if stage not in ("rescale", "out_acc", "state"):
+        assert_same("baseline", q, k, v, pol, causal=True)
+
+
+@pytest.mark.parametrize("block_kv", [1, 16, 64, 65, 200, 1000])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tilings_match_cpu_bits(block_kv, causal):
+    """Blocks past the kernel's 64-key chunk recompute their scores; same bits either way."""
+    q, k, v = make_qkv(3, 2, 2, 2, 130, 300, 40)
+    assert_same("flash", q, k, v, Policy.paper("bf16"), causal=causal, block_q=64, block_kv=block_kv)
+
+
+@pytest.mark.parametrize("Nq,Nk", [(1, 1), (77, 200), (200, 77), (257, 257)])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1), (2, 2)])
+def test_shapes_causal_gqa_match_cpu_bits(Nq, Nk, heads):
+    H, Hkv = heads
+    q, k, v = make_qkv(4, 2, H, Hkv, Nq, Nk, 24)
+    for kind in ("flash", "baseline"):
+        assert_same(kind, q, k, v, Policy.naive("bf16"), causal=True)
+        assert_same(kind, q, k, v, Policy.fa2("fp16"), causal=False)
+
+
+@pytest.mark.parametrize("rounding", ["rtz", "stochastic"])
+@pytest.mark.parametrize("preset", ["paper", "fa1"])
+def test_rounding_modes_match_cpu_bits(rounding, preset):
+    pol = Policy.preset(preset, "bf16").replace(rounding=rounding, seed=2**63 + 17)
+    q, k, v = make_qkv(5, 1, 2, 1, 90, 120, 16, spread=2.0)
+    for kind in ("flash", "baseline"):
+        assert_same(kind, q, k, v, pol, causal=True)
+
+
+@pytest.mark.parametrize("options", [dict(loop_order="kv_outer"), dict(normalize="eager"), dict(exp="exp2"),
+                                     dict(loop_order="kv_outer", normalize="eager", exp="exp2")])
+def test_flash_options_match_cpu_bits(options):
+    pol = Policy.paper("fp16").replace(state="fp8_e4m3")
+    q, k, v = make_qkv(6, 1, 2, 2, 100, 100, 64)
+    assert_same("flash", q, k, v, pol, causal=True, block_q=16, block_kv=32, **options)
+
+
+@pytest.mark.parametrize("D", [1, 100, 256])
+def test_head_dims_match_cpu_bits(D):
+    q, k, v = make_qkv(7, 1, 1, 1, 70, 90, D)
+    for kind in ("flash", "baseline"):
+        assert_same(kind, q, k, v, Policy.paper("bf16"))
+        assert_same(kind, q, k, v, Policy.torch_math("fp16"))
+
+
+def test_float_tier_fallback_matches_cpu_bits():
+    """Tiny k makes q.k products fall below fp32's normals: the GPU must leave the float tier."""
+    q, k, v = make_qkv(8, 1, 2, 2, 64, 64, 32)
+    k = k * 1e-20
+    v[0, 1] *= 1e-30
+    for kind in ("flash", "baseline"):
+        assert_same(kind, q, k, v, Policy.fa2("bf16"))
+
+
+def test_nan_and_inf_inputs_match_cpu():
+    q, k, v = make_qkv(9, 1, 2, 2, 40, 40, 8)
+    q[0, 0, 3, 2] = np.nan
+    k[0, 1, 5, 1] = np.inf
+    v[0, 0, 7, 0] = -np.inf
+    for kind in ("flash", "baseline"):
+        assert_same(kind, q, k, v, Policy.paper("bf16"))
+
+
+@pytest.mark.parametrize("kind", ["flash", "baseline"])
+def test_golden_within_fp64_ulps(kind):
+    """fp64 stages take CUDA's exp/log: equal to glibc's in nearly every element, never far."""
+    q, k, v = make_qkv(10, 2, 4, 2, 256, 256, 64)
+    (co, cl), (go, gl) = run_both(kind, q, k, v, "golden", causal=True)
+    assert np.max(np.abs(go - co)) <= 1e-14 * np.max(np.abs(co))
+    assert np.max(np.abs(gl - cl)) <= 1e-14 * np.max(np.abs(cl))
+    frac = differing(go, co) / co.size
+    print(f"golden {kind}: {frac:.2%} of outputs differ in bits from the CPU (CUDA vs glibc exp/log)")
+    assert frac < 0.5
+
+
+def test_gpu_deterministic():
+    q, k, v = make_qkv(11, 1, 4, 4, 200, 200, 64)
+    a = fadev.flash_attention(q, k, v, "paper:bf16", device="cuda")
+    b = fadev.flash_attention(q, k, v, "paper:bf16", device="cuda")
+    assert differing(a, b) == 0
