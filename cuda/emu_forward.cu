@@ -30,6 +30,7 @@ struct fwd_args {
     int64_t block_kv;               /* flash: clamped to seq_kv; baseline: unused */
     int64_t tiles;                  /* CTAs per head */
     int chunk;                      /* keys per shared-memory chunk */
+    int narrow;                     /* scores, e and P are all fp32 values: the chunk is kept in fp32 */
 };
 
 /* Shared memory of a CTA: q (fp32 when the policy allows the float tier: every input is then an fp32 value,
@@ -37,9 +38,16 @@ struct fwd_args {
 struct smem_view {
     double *q;  /* [D][ROWS], or null */
     float *qf;  /* [D][ROWS], or null */
-    double *s;  /* [chunk][ROWS] */
-    float *pf;  /* [chunk][ROWS] or null */
+    double *s;  /* [chunk][ROWS] scores, e or P (null when narrow) */
+    float *sf;  /* the same in fp32 when narrow (every value is an fp32 value), else null */
+    float *pf;  /* P in fp32 for the float tier of P.V: sf when narrow, its own array, or null */
 };
+
+__device__ __forceinline__ double s_get(const smem_view &sm, int64_t at) { return sm.s ? sm.s[at] : (double)sm.sf[at]; }
+__device__ __forceinline__ void s_set(const smem_view &sm, int64_t at, double x) {
+    if (sm.s) sm.s[at] = x;
+    else sm.sf[at] = (float)x;
+}
 
 __device__ __forceinline__ double q_at(const smem_view &sm, int64_t t, int col) {
     return sm.q ? sm.q[t * ROWS + col] : (double)sm.qf[t * ROWS + col];
@@ -90,13 +98,13 @@ __device__ __forceinline__ double pv_chunk(const emu_ctx &cx, const smem_view &s
         return a;
     }
     if (pv_tier == TIER_F64) {
-        for (int jj = 0; jj < nc; jj++) acc = acc + sm.s[jj * ROWS + col] * cx.v[at + jj * D];
+        for (int jj = 0; jj < nc; jj++) acc = acc + s_get(sm, jj * ROWS + col) * cx.v[at + jj * D];
     } else if (pv_tier == TIER_F64_R32) {
-        for (int jj = 0; jj < nc; jj++) acc = (double)__double2float_rn(acc + sm.s[jj * ROWS + col] * cx.v[at + jj * D]);
+        for (int jj = 0; jj < nc; jj++) acc = (double)__double2float_rn(acc + s_get(sm, jj * ROWS + col) * cx.v[at + jj * D]);
     } else {
         const uint64_t stream = ATT_STREAM(ATT_PV_ACC, bh);
         for (int jj = 0; jj < nc; jj++)
-            acc = emu_mac(cx.pv_acc, acc, sm.s[jj * ROWS + col], cx.v[at + jj * D], stream, ATT_INDEX(i, j_first + jj, d));
+            acc = emu_mac(cx.pv_acc, acc, s_get(sm, jj * ROWS + col), cx.v[at + jj * D], stream, ATT_INDEX(i, j_first + jj, d));
     }
     return acc;
 }
@@ -127,17 +135,19 @@ __device__ int load_row(const emu_ctx &cx, const smem_view &sm, int col, int64_t
 }
 
 /* Shared-memory bytes of a CTA (carve's layout). */
-__host__ __device__ size_t smem_bytes(int64_t dim, int qk_float, int pv_float, int chunk) {
-    return (size_t)chunk * ROWS * (sizeof(double) + (pv_float ? sizeof(float) : 0)) +
-           (size_t)dim * ROWS * (qk_float ? sizeof(float) : sizeof(double));
+__host__ __device__ size_t smem_bytes(int64_t dim, int qk_float, int pv_float, int narrow, int chunk) {
+    const size_t per_key = narrow ? sizeof(float) : sizeof(double) + (pv_float ? sizeof(float) : 0);
+    return (size_t)chunk * ROWS * per_key + (size_t)dim * ROWS * (qk_float ? sizeof(float) : sizeof(double));
 }
 
-__device__ smem_view carve(const emu_ctx &cx, int chunk, char *base) {
+__device__ smem_view carve(const emu_ctx &cx, int chunk, int narrow, char *base) {
     smem_view sm;
-    sm.s = (double *)base;
-    char *after = (char *)(sm.s + chunk * ROWS);
-    sm.pf = cx.pv_float ? (float *)after : nullptr;
-    if (cx.pv_float) after += chunk * ROWS * sizeof(float);
+    char *after = base;
+    sm.s = narrow ? nullptr : (double *)base;
+    sm.sf = narrow ? (float *)base : nullptr;
+    after += chunk * ROWS * (narrow ? sizeof(float) : sizeof(double));
+    sm.pf = narrow ? sm.sf : cx.pv_float ? (float *)after : nullptr;
+    if (!narrow && cx.pv_float) after += chunk * ROWS * sizeof(float);
     sm.q = cx.qk_float ? nullptr : (double *)after;
     sm.qf = cx.qk_float ? (float *)after : nullptr;
     return sm;
@@ -173,7 +183,7 @@ __global__ void __launch_bounds__(ROWS) flash_kernel(const fwd_args a) {
     const int64_t cta = blockIdx.x, bh = cta / a.tiles, i = (cta % a.tiles) * ROWS + col;
     if (i >= cx.pr.seq_q) return; /* no barrier follows */
     const int64_t D = cx.pr.dim, Nk = cx.pr.seq_kv, bkv = a.block_kv, bhk = emu_kv_head(cx, bh);
-    const smem_view sm = carve(cx, a.chunk, smem);
+    const smem_view sm = carve(cx, a.chunk, a.narrow, smem);
     const int CHUNK = a.chunk;
     const int qk_tier = load_row(cx, sm, col, bh, bhk, i);
     double *o = a.o_scratch + cta * D * ROWS + col, *pvs = a.pv_scratch + cta * D * ROWS + col;
@@ -191,7 +201,7 @@ __global__ void __launch_bounds__(ROWS) flash_kernel(const fwd_args a) {
         double m_new = m;
         for (int64_t jj = 0; jj < nv; jj++) {
             const double s = score(cx, sm, col, qk_tier, bh, bhk, i, j0 + jj);
-            if (stored) sm.s[jj * ROWS + col] = s;
+            if (stored) s_set(sm, jj * ROWS + col, s);
             m_new = emu_max(m_new, s);
         }
         /* 2-7 chunk by chunk: softmax terms and P into shared memory, then the P.V chains */
@@ -206,13 +216,13 @@ __global__ void __launch_bounds__(ROWS) flash_kernel(const fwd_args a) {
             for (int jj = 0; jj < nc; jj++) {
                 const int64_t j = j0 + c0 + jj;
                 const uint64_t idx = ATT_INDEX(i, j, 0);
-                const double s = stored ? sm.s[jj * ROWS + col] : score(cx, sm, col, qk_tier, bh, bhk, i, j);
+                const double s = stored ? s_get(sm, jj * ROWS + col) : score(cx, sm, col, qk_tier, bh, bhk, i, j);
                 const double x = emu_round(cx.softmax, s - m_new, s6, idx);
                 const double e = emu_round(cx.softmax, emu_exp(cx.exp2, x), s7, idx);
                 rowsum = emu_round(cx.sum_acc, rowsum + e, s8, idx);
                 const double p = emu_round(cx.p, e, s16, idx);
-                sm.s[jj * ROWS + col] = p;
-                if (sm.pf) sm.pf[jj * ROWS + col] = (float)p;
+                s_set(sm, jj * ROWS + col, p);
+                if (sm.pf && sm.s) sm.pf[jj * ROWS + col] = (float)p;
                 const double ap = fabs(p);
                 if (!(ap <= 1.7976931348623157e308)) pfinite = 0;
                 else if (ap > 0) pmin = ap < pmin ? ap : pmin, pmax = ap > pmax ? ap : pmax;
@@ -264,7 +274,7 @@ __global__ void __launch_bounds__(ROWS) baseline_kernel(const fwd_args a) {
     const int64_t cta = blockIdx.x, bh = cta / a.tiles, i = (cta % a.tiles) * ROWS + col;
     if (i >= cx.pr.seq_q) return;
     const int64_t D = cx.pr.dim, bhk = emu_kv_head(cx, bh);
-    const smem_view sm = carve(cx, a.chunk, smem);
+    const smem_view sm = carve(cx, a.chunk, a.narrow, smem);
     const int CHUNK = a.chunk;
     const int qk_tier = load_row(cx, sm, col, bh, bhk, i);
     double *pvs = a.pv_scratch + cta * D * ROWS + col;
@@ -278,7 +288,7 @@ __global__ void __launch_bounds__(ROWS) baseline_kernel(const fwd_args a) {
     double m = -INFINITY;
     for (int64_t j = 0; j < nv; j++) {
         const double s = score(cx, sm, col, qk_tier, bh, bhk, i, j);
-        if (stored) sm.s[j * ROWS + col] = s;
+        if (stored) s_set(sm, j * ROWS + col, s);
         m = emu_max(m, s);
     }
     /* 3-4: e_j (kept in place of s_j when stored) and l */
@@ -287,9 +297,9 @@ __global__ void __launch_bounds__(ROWS) baseline_kernel(const fwd_args a) {
     double acc = 0;
     for (int64_t j = 0; j < nv; j++) {
         const uint64_t idx = ATT_INDEX(i, j, 0);
-        const double s = stored ? sm.s[j * ROWS + col] : score(cx, sm, col, qk_tier, bh, bhk, i, j);
+        const double s = stored ? s_get(sm, j * ROWS + col) : score(cx, sm, col, qk_tier, bh, bhk, i, j);
         const double e = emu_round(cx.softmax, exp(emu_round(cx.softmax, s - m, s6, idx)), s7, idx);
-        if (stored) sm.s[j * ROWS + col] = e;
+        if (stored) s_set(sm, j * ROWS + col, e);
         acc = emu_round(cx.sum_acc, acc + e, s8, idx);
     }
     const double l = emu_round(cx.stats, acc, ATT_STREAM(ATT_STATS_AL, bh), ATT_INDEX(i, 0, 0));
@@ -303,14 +313,14 @@ __global__ void __launch_bounds__(ROWS) baseline_kernel(const fwd_args a) {
             const uint64_t idx = ATT_INDEX(i, j, 0);
             double e;
             if (stored) {
-                e = sm.s[jj * ROWS + col];
+                e = s_get(sm, jj * ROWS + col);
             } else {
                 const double s = score(cx, sm, col, qk_tier, bh, bhk, i, j);
                 e = emu_round(cx.softmax, exp(emu_round(cx.softmax, s - m, s6, idx)), s7, idx);
             }
             const double p = emu_round(cx.p, e / l, s16, idx);
-            sm.s[jj * ROWS + col] = p;
-            if (sm.pf) sm.pf[jj * ROWS + col] = (float)p;
+            s_set(sm, jj * ROWS + col, p);
+            if (sm.pf && sm.s) sm.pf[jj * ROWS + col] = (float)p;
             const double ap = fabs(p);
             if (!(ap <= 1.7976931348623157e308)) pfinite = 0;
             else if (ap > 0) pmin = ap < pmin ? ap : pmin, pmax = ap > pmax ? ap : pmax;
@@ -347,8 +357,10 @@ fadev_status run_forward(const double *q, const double *k, const double *v, doub
     CUDA_TRY(cudaGetDevice(&device));
     CUDA_TRY(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     a.chunk = MAX_CHUNK;
-    while (a.chunk > 8 && smem_bytes(params->dim, cx.qk_float, cx.pv_float, a.chunk) > (size_t)smem_max) a.chunk /= 2;
-    const size_t smem = smem_bytes(params->dim, cx.qk_float, cx.pv_float, a.chunk);
+    a.narrow = att_inside_fp32(&policy->score) && att_inside_fp32(&policy->softmax) && att_inside_fp32(&policy->p);
+    while (a.chunk > 8 && smem_bytes(params->dim, cx.qk_float, cx.pv_float, a.narrow, a.chunk) > (size_t)smem_max)
+        a.chunk /= 2;
+    const size_t smem = smem_bytes(params->dim, cx.qk_float, cx.pv_float, a.narrow, a.chunk);
     const void *kernel = flash ? (const void *)flash_kernel : (const void *)baseline_kernel;
     CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (flash) flash_kernel<<<(unsigned)ctas, ROWS, smem>>>(a);
