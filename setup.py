@@ -11,6 +11,7 @@ Environment:
 Like cupy's build_ext: .cu files are compiled to objects by nvcc and handed to the linker as extra
 objects; the CUDA runtime is linked statically so `import fadev` never needs libcudart.
 """
+import concurrent.futures
 import glob
 import os
 import shutil
@@ -77,7 +78,9 @@ class BuildExt(build_ext):
                 libdirs = [os.path.join(home, d) for d in CUDA_LIB_DIRS]
                 ext.library_dirs.extend(d for d in libdirs if os.path.isdir(d))
                 ext.libraries.extend(["cudart_static", "rt", "dl"])
-                ext.extra_link_args.append("-lstdc++")
+                # keep the CUDA runtime's and the C++ templates' symbols (CUB, libcu++) inside this module:
+                # exported, they can bind to another extension's copies (GNU unique symbols are global)
+                ext.extra_link_args += ["-lstdc++", "-Wl,--exclude-libs,ALL"]
         super().build_extensions()
 
     def compile_cuda(self, nvcc):
@@ -85,17 +88,22 @@ class BuildExt(build_ext):
         gencode = []
         for a in archs:
             gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
-        objects = []
         build_dir = os.path.join(self.build_temp, "cuda")
         os.makedirs(build_dir, exist_ok=True)
+        commands = []
         for src in sorted(glob.glob(os.path.join(ROOT, "cuda", "*.cu"))):
             obj = os.path.join(build_dir, os.path.basename(src) + ".o")
-            cmd = [nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "--fmad=false", "-Xcompiler", "-fPIC",
-                   "-Xcompiler", "-ffp-contract=off", "-cudart", "static", *gencode]
+            commands.append([nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "--fmad=false", "-Xcompiler", "-fPIC",
+                             "-Xcompiler", "-ffp-contract=off", "-Xcompiler", "-fvisibility=hidden",
+                             "-cudart", "static", *gencode])
+        for cmd in commands:
             print(" ".join(cmd))
-            subprocess.check_call(cmd)
-            objects.append(obj)
-        return objects
+        # nvcc is slow per file and runs one process per file: compile them side by side
+        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            failed = [cmd for cmd, rc in zip(commands, pool.map(subprocess.call, commands)) if rc != 0]
+        if failed:
+            sys.exit("nvcc failed on " + ", ".join(os.path.basename(cmd[2]) for cmd in failed))
+        return [cmd[4] for cmd in commands]
 
 
 extra_compile = ["-std=c11", "-O3", "-Wall", "-Wextra", "-ffp-contract=off", "-fno-math-errno",

@@ -10,13 +10,14 @@
 #include <numpy/arrayobject.h>
 
 #include "fadev.h"
+#include "module.h"
 
 /* CPython passes (self, args) to every method; most of ours use neither self nor, for METH_NOARGS, args. */
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 
 /* ------------------------------------------------------------ helpers */
 
-static PyObject *raise_status(fadev_status st, const char *what) {
+PyObject *raise_status(fadev_status st, const char *what) {
     PyObject *kind = PyExc_RuntimeError;
     switch (st) {
     case FADEV_ERR_INVALID_FORMAT:
@@ -28,6 +29,8 @@ static PyObject *raise_status(fadev_status st, const char *what) {
     case FADEV_ERR_NO_MEMORY: kind = PyExc_MemoryError; break;
     default: break;
     }
+    /* cudaErrorMemoryAllocation: fadev_cuda_fail records CUDA's error name in the message */
+    if (st == FADEV_ERR_CUDA && strstr(fadev_cuda_last_error(), "cudaErrorMemoryAllocation")) kind = PyExc_MemoryError;
     if (st == FADEV_ERR_CUDA || st == FADEV_ERR_NO_CUDA)
         PyErr_Format(kind, "%s: %s (%s)", what, fadev_status_string(st), fadev_cuda_last_error());
     else
@@ -36,7 +39,7 @@ static PyObject *raise_status(fadev_status st, const char *what) {
 }
 
 /* A format arrives as the tuple (precision, emin, emax, subnormals, has_inf, overflow, largest). */
-static int parse_format(PyObject *obj, void *out) {
+int parse_format(PyObject *obj, void *out) {
     int p, emin, emax, sub, inf, overflow;
     double largest;
     if (!PyArg_ParseTuple(obj, "iiiiiid;fmt must be a (precision, emin, emax, subnormals, has_inf, "
@@ -275,10 +278,14 @@ static PyObject *py_deviation(PyObject *self, PyObject *args) {
     Py_DECREF(t);
     Py_DECREF(r);
     if (st != FADEV_OK) return raise_status(st, "deviation");
-    return Py_BuildValue("{s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:K,s:K,s:K}", "max_abs", dev.max_abs, "mean_diff",
-                         dev.mean_diff, "std_diff", dev.std_diff, "mean_abs", dev.mean_abs, "rmse", dev.rmse,
-                         "rel_l2", dev.rel_l2, "max_rel", dev.max_rel, "n", (unsigned long long)dev.n, "n_nan",
-                         (unsigned long long)dev.n_nan, "n_inf", (unsigned long long)dev.n_inf);
+    return deviation_dict(&dev);
+}
+
+PyObject *deviation_dict(const fadev_deviation *d) {
+    return Py_BuildValue("{s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:K,s:K,s:K}", "max_abs", d->max_abs, "mean_diff",
+                         d->mean_diff, "std_diff", d->std_diff, "mean_abs", d->mean_abs, "rmse", d->rmse,
+                         "rel_l2", d->rel_l2, "max_rel", d->max_rel, "n", (unsigned long long)d->n, "n_nan",
+                         (unsigned long long)d->n_nan, "n_inf", (unsigned long long)d->n_inf);
 }
 
 static PyObject *py_wasserstein(PyObject *self, PyObject *args) {
@@ -382,7 +389,7 @@ static PyObject *py_ulp_histogram(PyObject *self, PyObject *args) {
 /* ------------------------------------------------------------ attention */
 
 /* A policy arrives as Policy._c: 13 format tuples in fadev_policy field order, rounding, seed. */
-static int parse_policy(PyObject *obj, void *out) {
+int parse_policy(PyObject *obj, void *out) {
     fadev_policy *pol = (fadev_policy *)out;
     int rounding;
     unsigned long long seed;
@@ -478,7 +485,7 @@ static PyObject *py_flash_attention(PyObject *self, PyObject *args) {
 /* ------------------------------------------------------------ backward */
 
 /* A backward policy arrives as Policy._c_backward: 10 format tuples in fadev_policy_backward field order. */
-static int parse_policy_backward(PyObject *obj, void *out) {
+int parse_policy_backward(PyObject *obj, void *out) {
     fadev_policy_backward *pb = (fadev_policy_backward *)out;
     if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 10) {
         PyErr_Format(PyExc_TypeError, "policy_backward must be a tuple of 10 format tuples (Policy._c_backward), "
@@ -772,5 +779,7 @@ static struct PyModuleDef core_module = {PyModuleDef_HEAD_INIT, "fadev._core", "
 
 PyMODINIT_FUNC PyInit__core(void) {
     import_array();
-    return PyModule_Create(&core_module);
+    PyObject *module = PyModule_Create(&core_module);
+    if (module && PyModule_AddFunctions(module, cuda_methods) < 0) Py_CLEAR(module);
+    return module;
 }

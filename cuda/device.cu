@@ -20,7 +20,7 @@ fadev_status fadev_cuda_fail_msg(fadev_status st, const char *message) {
 
 fadev_status fadev_cuda_require_device(void) {
     if (fadev_cuda_device_count() == 0)
-        return fadev_cuda_fail_msg(FADEV_ERR_NO_CUDA, "fadev was built with CUDA, but no usable CUDA device was found");
+        return fadev_cuda_fail_msg(FADEV_ERR_NO_CUDA, "fadev was built with CUDA, but no CUDA device was found (or the driver cannot be used)");
     return FADEV_OK;
 }
 

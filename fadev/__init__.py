@@ -9,9 +9,10 @@ from .formats import (Format, as_format, custom_format, formats, from_bits, from
 from .metrics import (Comparison, UlpHistogram, compare, max_abs, max_rel, mean_abs, mean_diff, rel_l2, rmse,
                       std_diff, ulp_error, ulp_histogram, wasserstein)
 from .policy import STAGES, Policy, as_policy
-from .attention import baseline_attention, flash_attention, random_qkv
+from .attention import baseline_attention, flash_attention, golden_attention, random_qkv
 from .backward import baseline_attention_backward, flash_attention_backward
 from .ring import RingMerge, ring_attention, ring_attention_backward, ring_coverage
+from .cuda import DeviceArray, native_attention, native_attention_backward, native_tiles
 
 __version__ = "0.1.0"
 
@@ -46,3 +47,4 @@ __all__ += ["Comparison", "compare", "max_abs", "mean_diff", "std_diff", "mean_a
 __all__ += ["Policy", "as_policy", "STAGES", "baseline_attention", "flash_attention", "random_qkv"]
 __all__ += ["baseline_attention_backward", "flash_attention_backward"]
 __all__ += ["RingMerge", "ring_attention", "ring_attention_backward", "ring_coverage"]
+__all__ += ["golden_attention", "DeviceArray", "native_attention", "native_attention_backward", "native_tiles"]

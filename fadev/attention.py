@@ -14,6 +14,7 @@ import numbers
 import numpy as np
 
 from . import _core
+from . import cuda as _cuda
 from .formats import ROUNDING_MODES, _numeric, as_format, round as _round
 from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, as_policy
 
@@ -21,20 +22,22 @@ MAX_DIM = 256
 _INT32_MAX = 2**31 - 1
 
 
-def _array(x, name):
-    arr = _numeric(x, name)
+def _array(x, name, gpu=None, dtype=np.float64):
+    """x as a float64 NumPy array, or with ``gpu`` (fadev.cuda) a contiguous ``dtype`` device array."""
+    arr = gpu.operand(x, name, dtype) if gpu else _numeric(x, name)
     if arr.ndim not in (2, 3, 4):
         raise ValueError(f"{name}: expected a 2-D (N, D), 3-D (H, N, D) or 4-D (B, H, N, D) array, "
                          f"got shape {arr.shape}")
     if 0 in arr.shape:
         raise ValueError(f"{name}: every dimension must be >= 1, got shape {arr.shape}")
-    return arr.astype(np.float64, copy=False)
+    return arr if gpu else arr.astype(np.float64, copy=False)
 
 
-def _prepare(q, k, v, policy, scale, causal):
-    """Validated 4-D float64 q, k, v, the Policy, the scale and the original rank."""
+def _prepare(q, k, v, policy, scale, causal, gpu=None, dtype=np.float64):
+    """Validated 4-D float64 q, k, v (device arrays of ``dtype`` with ``gpu``), the Policy, the scale and
+    the original rank."""
     pol = as_policy(policy, "policy")
-    q, k, v = _array(q, "q"), _array(k, "k"), _array(v, "v")
+    q, k, v = _array(q, "q", gpu, dtype), _array(k, "k", gpu, dtype), _array(v, "v", gpu, dtype)
     if not q.ndim == k.ndim == v.ndim:
         raise ValueError(f"q, k, v must have the same rank, got q {q.ndim}-D, k {k.ndim}-D, v {v.ndim}-D")
     if k.shape != v.shape:
@@ -72,16 +75,31 @@ def _finish(out, lse, rank, return_lse):
     return out, lse.reshape(lse.shape[4 - rank:])
 
 
-def baseline_attention(q, k, v, policy, causal=False, scale=None, return_lse=False):
+def baseline_attention(q, k, v, policy, causal=False, scale=None, return_lse=False, device=None):
     """Materialised attention softmax(scale Q K^T) V with every intermediate rounded per ``policy``.
 
     ``policy``: a :class:`fadev.Policy` or a preset string ("golden", "naive:bf16", "fa2(fp16)").
     ``scale`` defaults to 1/sqrt(D). Returns ``out`` (shaped like q), or ``(out, lse)`` with lse the
     log-sum-exp of each row's scaled scores (shape of q without D). A causal row that sees no key
-    (Nq > Nk) gives out = 0 and lse = -inf.
+    (Nq > Nk) gives out = 0 and lse = -inf. ``device``: None (the GPU when an input is a CUDA array),
+    "cpu" or "cuda"; the GPU kernel gives the same bits (inputs and results as :mod:`fadev.cuda` says).
     """
-    q4, k4, v4, pol, scale, rank = _prepare(q, k, v, policy, scale, causal)
-    out, lse = _core.baseline_attention(q4, k4, v4, pol._c, scale, bool(causal))
+    gpu = _cuda.route(device, q=q, k=k, v=v)
+    q4, k4, v4, pol, scale, rank = _prepare(q, k, v, policy, scale, causal, gpu)
+    out, lse = (gpu or _core).baseline_attention(q4, k4, v4, pol._c, scale, bool(causal))
+    return _finish(out, lse, rank, return_lse)
+
+
+def golden_attention(q, k, v, causal=False, scale=None, return_lse=False, device=None):
+    """The fp64 reference answer: on the CPU :func:`baseline_attention` under the golden policy (every
+    operation fp64, in docs/numerics.md's order); on the GPU fadev's fp64 tensor-core kernel (the same
+    mathematics in another operation order, within a few fp64 ulps of the CPU's). Arguments and results
+    as :func:`baseline_attention`'s."""
+    gpu = _cuda.route(device, q=q, k=k, v=v)
+    if gpu is None:
+        return baseline_attention(q, k, v, "golden", causal, scale, return_lse)
+    q4, k4, v4, _, scale, rank = _prepare(q, k, v, "golden", scale, causal, gpu)
+    out, lse = gpu.golden_attention(q4, k4, v4, scale, bool(causal))
     return _finish(out, lse, rank, return_lse)
 
 
@@ -100,7 +118,7 @@ def sram_tiles(sram_bytes, dim):
 
 
 def flash_attention(q, k, v, policy, block_q=None, block_kv=None, sram_bytes=None, loop_order=None, normalize=None,
-                    exp=None, causal=False, scale=None, return_lse=False):
+                    exp=None, causal=False, scale=None, return_lse=False, device=None):
     """FlashAttention's tiled online-softmax forward with every intermediate rounded per ``policy``.
 
     ``block_q`` (Br) and ``block_kv`` (Bc) are the tile sizes, or ``sram_bytes`` M gives them by
@@ -108,9 +126,11 @@ def flash_attention(q, k, v, policy, block_q=None, block_kv=None, sram_bytes=Non
     ``loop_order`` "q_outer" (FA2) or "kv_outer" (FA1: O and l round-trip through memory in the
     policy's ``state`` format), ``normalize`` "deferred" (FA2) or "eager" (FA1), ``exp`` "exp" or "exp2"
     (log2 e folded into the scale). None takes the policy's value (presets carry their kernel's
-    defaults, e.g. fa2: 128 x 64, q_outer, deferred, exp2). Returns like :func:`baseline_attention`.
+    defaults, e.g. fa2: 128 x 64, q_outer, deferred, exp2). Returns like :func:`baseline_attention`;
+    ``device`` as there.
     """
-    q4, k4, v4, pol, scale, rank = _prepare(q, k, v, policy, scale, causal)
+    gpu = _cuda.route(device, q=q, k=k, v=v)
+    q4, k4, v4, pol, scale, rank = _prepare(q, k, v, policy, scale, causal, gpu)
     if sram_bytes is not None:
         if block_q is not None or block_kv is not None:
             raise ValueError(f"sram_bytes={sram_bytes!r} derives block_q and block_kv; do not pass them too "
@@ -126,7 +146,7 @@ def flash_attention(q, k, v, policy, block_q=None, block_kv=None, sram_bytes=Non
         if value not in allowed:
             raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
         choices.append(allowed.index(value))
-    out, lse = _core.flash_attention(q4, k4, v4, pol._c, scale, bool(causal), block_q, block_kv, *choices)
+    out, lse = (gpu or _core).flash_attention(q4, k4, v4, pol._c, scale, bool(causal), block_q, block_kv, *choices)
     return _finish(out, lse, rank, return_lse)
 
 
@@ -180,4 +200,4 @@ def random_qkv(shape, dist="normal", seed=0, fmt=None, heads_kv=None, seq_kv=Non
     return draw(shape), draw(tuple(kv_shape)), draw(tuple(kv_shape))
 
 
-__all__ = ["baseline_attention", "flash_attention", "random_qkv", "sram_tiles"]
+__all__ = ["baseline_attention", "flash_attention", "golden_attention", "random_qkv", "sram_tiles"]

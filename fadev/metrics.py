@@ -27,6 +27,7 @@ import dataclasses
 import numpy as np
 
 from . import _core
+from . import cuda as _cuda
 from .formats import as_format
 
 _W1_METHODS = {"auto": 0, "sort": 1, "count": 2}
@@ -34,8 +35,14 @@ _W1_METHOD_NAMES = {1: "sort", 2: "count"}
 MAX_ULP_LIMIT = 1 << 20
 
 
-def _as_float64(x, name: str) -> np.ndarray:
-    """x as a C-contiguous native float64 array; TypeError for non-numeric dtypes, ValueError if empty."""
+def _as_float64(x, name: str, gpu=None) -> np.ndarray:
+    """x as a C-contiguous native float64 array (a device array with ``gpu``: fadev.cuda); TypeError for
+    non-numeric dtypes, ValueError if empty."""
+    if gpu is not None:
+        arr = gpu.operand(x, name)
+        if arr.size == 0:
+            raise ValueError(f"{name}: empty array (shape {arr.shape})")
+        return arr
     arr = np.asarray(x)
     kind = arr.dtype.kind
     if kind == "V" and arr.dtype.itemsize in (1, 2):  # ml_dtypes (bfloat16, float8_*) arrays
@@ -47,9 +54,9 @@ def _as_float64(x, name: str) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float64)
 
 
-def _pair(test, ref):
-    t = _as_float64(test, "test")
-    r = _as_float64(ref, "ref")
+def _pair(test, ref, gpu=None):
+    t = _as_float64(test, "test", gpu)
+    r = _as_float64(ref, "ref", gpu)
     if t.shape != r.shape:
         raise ValueError(f"test and ref must have the same shape, got test.shape={t.shape} and "
                          f"ref.shape={r.shape}")
@@ -83,12 +90,13 @@ class Comparison:
         return dataclasses.asdict(self)
 
 
-def _deviation(test, ref) -> dict:
-    t, r = _pair(test, ref)
-    return _core.deviation(t, r)
+def _deviation(test, ref, device) -> dict:
+    gpu = _cuda.route(device, test=test, ref=ref)
+    t, r = _pair(test, ref, gpu)
+    return (gpu or _core).deviation(t, r)
 
 
-def compare(test, ref) -> Comparison:
+def compare(test, ref, device=None) -> Comparison:
     """All deviation metrics of ``test`` against ``ref`` (same shape) as a :class:`Comparison`.
 
     d = test - ref element-wise in fp64; ``wasserstein`` compares the two value distributions
@@ -96,67 +104,74 @@ def compare(test, ref) -> Comparison:
     metric NaN; infinities follow IEEE arithmetic (module docstring); ``n_nan`` and ``n_inf`` count
     the elements involved. Raises ValueError for differing shapes or empty arrays, TypeError for
     non-numeric dtypes.
+
+    ``device`` (every metric has it): None computes on the GPU when an input is a CUDA array, else on
+    the CPU; "cpu" or "cuda" choose (:mod:`fadev.cuda`). The GPU's statistics equal the CPU's within
+    rounding (sums in another order), its Wasserstein distance and ULP errors are the same exact values.
     """
-    t, r = _pair(test, ref)
-    stats = _core.deviation(t, r)
-    w, _ = _core.wasserstein(t, r, 0)
+    gpu = _cuda.route(device, test=test, ref=ref)
+    t, r = _pair(test, ref, gpu)
+    core = gpu or _core
+    stats = core.deviation(t, r)
+    w, _ = core.wasserstein(t, r, 0)
     return Comparison(wasserstein=w, **stats)
 
 
-def max_abs(test, ref) -> float:
+def max_abs(test, ref, device=None) -> float:
     """max |test - ref| (same shapes). NaN if any NaN in either input or test and ref hold the same
     infinity at some element (inf - inf); inf if some difference is infinite."""
-    return _deviation(test, ref)["max_abs"]
+    return _deviation(test, ref, device)["max_abs"]
 
 
-def mean_diff(test, ref) -> float:
+def mean_diff(test, ref, device=None) -> float:
     """Mean of the signed difference test - ref (bias), compensated sum. NaN if any NaN in either
     input or inf - inf; +-inf if infinite differences of one sign occur, NaN if of both signs."""
-    return _deviation(test, ref)["mean_diff"]
+    return _deviation(test, ref, device)["mean_diff"]
 
 
-def std_diff(test, ref) -> float:
+def std_diff(test, ref, device=None) -> float:
     """Population standard deviation (ddof=0) of test - ref, from per-chunk two-pass sums.
     NaN if any NaN in either input or any difference is infinite (inf - mean is undefined)."""
-    return _deviation(test, ref)["std_diff"]
+    return _deviation(test, ref, device)["std_diff"]
 
 
-def mean_abs(test, ref) -> float:
+def mean_abs(test, ref, device=None) -> float:
     """Mean of |test - ref|. NaN if any NaN in either input or inf - inf; inf if some difference is
     infinite."""
-    return _deviation(test, ref)["mean_abs"]
+    return _deviation(test, ref, device)["mean_abs"]
 
 
-def rmse(test, ref) -> float:
+def rmse(test, ref, device=None) -> float:
     """sqrt(mean((test - ref)^2)), overflow-safe (squares are rescaled by powers of two when needed).
     NaN if any NaN in either input or inf - inf; inf if some difference is infinite."""
-    return _deviation(test, ref)["rmse"]
+    return _deviation(test, ref, device)["rmse"]
 
 
-def rel_l2(test, ref) -> float:
+def rel_l2(test, ref, device=None) -> float:
     """||test - ref||_2 / ||ref||_2. 0 when test == ref everywhere, inf when ref is all zero and
     test is not. NaN if any NaN in either input or inf - inf; inf if some difference is infinite,
     NaN if additionally ref holds an infinity (inf / inf)."""
-    return _deviation(test, ref)["rel_l2"]
+    return _deviation(test, ref, device)["rel_l2"]
 
 
-def max_rel(test, ref) -> float:
+def max_rel(test, ref, device=None) -> float:
     """max |test_i - ref_i| / |ref_i| over the elements with ref_i != 0 (zeros of ref are skipped:
     their relative error is undefined); NaN when every ref_i is 0. NaN if any NaN in either input,
     inf - inf, or an infinite ref_i (inf / inf); inf if test_i is infinite where ref_i is finite
     and nonzero."""
-    return _deviation(test, ref)["max_rel"]
+    return _deviation(test, ref, device)["max_rel"]
 
 
-def _w1(a, b, method):
+def _w1(a, b, method, device=None):
     if method not in _W1_METHODS:
         raise ValueError(f"method must be one of {sorted(_W1_METHODS)}, got {method!r}")
-    x = _as_float64(a, "a").reshape(-1)
-    y = _as_float64(b, "b").reshape(-1)
-    return _core.wasserstein(x, y, _W1_METHODS[method])
+    gpu = _cuda.route(device, a=a, b=b)
+    x = _as_float64(a, "a", gpu).reshape(-1)
+    y = _as_float64(b, "b", gpu).reshape(-1)
+    return (gpu or _core).wasserstein(x, y, _W1_METHODS[method])
 
 
-def wasserstein(a, b, method: str = "auto") -> float:
+def wasserstein(a, b, method: str = "auto", device=None) -> float:
     """Exact Wasserstein-1 distance between the value distributions of ``a`` and ``b``.
 
     W1 = integral of |F_a(x) - F_b(x)| dx over the empirical CDFs of the flattened inputs; sizes and
@@ -167,9 +182,10 @@ def wasserstein(a, b, method: str = "auto") -> float:
     bf16 number, or every value a finite fp16 number -- fp8 data qualifies -- else ValueError), or
     "auto" (count when possible and there are at least 65536 values in all, else sort).
     NaN if either input holds a NaN; an infinity paired (in quantile) with the same infinity gives
-    NaN (inf - inf), with anything else inf -- as scipy.
+    NaN (inf - inf), with anything else inf -- as scipy. ``device`` as :func:`compare`'s; the GPU
+    always sorts (on the device), whatever ``method``: the same exact value.
     """
-    return _w1(a, b, method)[0]
+    return _w1(a, b, method, device)[0]
 
 
 def _wasserstein_method(a, b, method: str = "auto") -> str:
@@ -177,7 +193,7 @@ def _wasserstein_method(a, b, method: str = "auto") -> str:
     return _W1_METHOD_NAMES[_w1(a, b, method)[1]]
 
 
-def ulp_error(test, ref, fmt):
+def ulp_error(test, ref, fmt, device=None):
     """|test - ref| / ulp(ref) element-wise, as a float64 array of the inputs' shape.
 
     ulp(ref) is the spacing of format ``fmt`` (a :class:`~fadev.Format` or a name) at ref:
@@ -186,11 +202,12 @@ def ulp_error(test, ref, fmt):
     past the format's largest value) -- the same as :func:`fadev.ulp`. Dividing by a power of two is
     exact, so the only rounding is fp64's test - ref.
     NaN where test or ref is NaN or ref is infinite (the ulp of an infinity is undefined); inf where
-    test is infinite and ref finite.
+    test is infinite and ref finite. ``device`` as :func:`compare`'s (the result in the inputs' kind).
     """
     fmt = as_format(fmt)
-    t, r = _pair(test, ref)
-    return _core.ulp_error(t, r, fmt._c)
+    gpu = _cuda.route(device, test=test, ref=ref)
+    t, r = _pair(test, ref, gpu)
+    return (gpu or _core).ulp_error(t, r, fmt._c)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -22,7 +22,11 @@ to call (fresh memory's page faults cost more than the copy; see :func:`release_
 backward the forward saves the input tensors themselves (no float64 copies), the float64 output and the
 row log-sum-exp; the backward recomputes nothing else.
 
-Tensors must be on the CPU: fadev's GPU kernels are not wired to PyTorch yet (NotImplementedError).
+CUDA tensors are computed by fadev's GPU kernels (the same policy kernels, the same bits as on the CPU)
+with no host copies: fadev.cuda reads float64 contiguous tensors in place and converts others on the
+device; results are float64 CUDA tensors, cast to the input dtype on the device with one rounding
+(round-to-odd through float32, then nearest-even). Streams: see :mod:`fadev.cuda`. Other devices
+raise NotImplementedError (or fall back with ``fallback=True``).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from torch.nn.modules import module as _torch_module
 
 import fadev as _fadev
 from .attention import MAX_DIM, baseline_attention, flash_attention, sram_tiles
+from .cuda import _device_count as _cuda_devices
 from .formats import to_bits as _to_bits
 from .metrics import compare
 from .policy import Policy, as_policy
@@ -60,10 +65,9 @@ class UnsupportedSDPA(NotImplementedError):
 def _check_tensor(t, name):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise NotImplementedError(
-            f"{name}: fadev.torch computes on CPU tensors only, got a tensor on {t.device}; fadev's GPU "
-            f"kernels are not wired to PyTorch yet -- move the inputs with .cpu()")
+    if t.device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"{name}: fadev.torch computes on CPU and CUDA tensors only, got a tensor on "
+                                  f"{t.device} -- move the inputs with .cpu()")
     if t.dtype not in _FORMAT_OF:
         raise TypeError(f"{name}: dtype must be one of float64, float32, float16, bfloat16, got {t.dtype}")
     if t.is_nested or t.layout != torch.strided:
@@ -120,10 +124,38 @@ def _float64(t, slot=None) -> np.ndarray:
     return out
 
 
-def _to_dtype(arr: np.ndarray, dtype) -> torch.Tensor:
+def _kernel_input(t, slot, shape):
+    """What the kernels read for ``t``, shaped ``shape``: a CUDA tensor as it is (fadev.cuda converts it
+    to float64 on the device), a CPU tensor through :func:`_float64`."""
+    if t.device.type == "cuda":
+        return t.detach().reshape(shape)
+    return _float64(t, slot).reshape(shape)
+
+
+def _as_tensor(x) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(x)
+
+
+def _cast_on_device(t: torch.Tensor, dtype) -> torch.Tensor:
+    """A float64 CUDA tensor as ``dtype``, rounded to nearest-even once (as :func:`_to_dtype`). torch casts
+    float64 to float16/bfloat16 through float32 (two roundings); rounding to float32 toward odd first
+    makes the second rounding the correct one, since float32 has at least two more bits than either."""
+    if dtype in (torch.float64, torch.float32):
+        return t.to(dtype)
+    f = t.to(torch.float32)
+    back = f.to(torch.float64)
+    toward_zero = torch.where(back.abs() > t.abs(), torch.nextafter(f, torch.zeros_like(f)), f)
+    odd = (toward_zero.view(torch.int32) | 1).view(torch.float32)
+    return torch.where(back == t, f, odd).to(dtype)
+
+
+def _to_dtype(arr, dtype) -> torch.Tensor:
     """A float64 result as a tensor of ``dtype``, rounded to nearest-even once (exact when the values are
     in the dtype already, e.g. an fa2(bf16) output in bfloat16 or float32). float64 shares ``arr``'s
-    memory. (torch's own float64 -> float16/bfloat16 cast rounds twice, through float32.)"""
+    memory. (torch's own float64 -> float16/bfloat16 cast rounds twice, through float32.) A CUDA result
+    (a tensor) is cast on the device."""
+    if isinstance(arr, torch.Tensor):
+        return _cast_on_device(arr, dtype)
     if dtype == torch.float64:
         return torch.from_numpy(arr)
     if dtype == torch.float32:
@@ -196,18 +228,18 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, kern, causal, scale, sink):
-        q64, k64, v64 = _float64(q, "q"), _float64(k, "k"), _float64(v, "v")
         qs, ks = _shape4(q.shape), _shape4(k.shape)
-        out, lse = kern.forward(q64.reshape(qs), k64.reshape(ks), v64.reshape(ks), causal, scale)
+        out, lse = kern.forward(_kernel_input(q, "q", qs), _kernel_input(k, "k", ks), _kernel_input(v, "v", ks), causal,
+                                scale)
         out = out.reshape(q.shape)
         if sink is not None:
             sink.append(out)
         result = _to_dtype(out, q.dtype)
-        out64 = result if q.dtype == torch.float64 else torch.from_numpy(out)
+        out64 = result if q.dtype == torch.float64 else _as_tensor(out)
         # the inputs themselves, not their float64 copies: autograd then notices in-place changes, the graph
         # holds no second copy, and the backward's fresh copies reuse warm memory (keeping these alive costs
         # more in page faults than converting twice)
-        ctx.save_for_backward(q, k, v, out64, torch.from_numpy(lse))
+        ctx.save_for_backward(q, k, v, out64, _as_tensor(lse))
         ctx.kern, ctx.causal, ctx.scale, ctx.dtype = kern, causal, scale, q.dtype
         return result
 
@@ -216,9 +248,10 @@ class _AttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         qs, ks = _shape4(q.shape), _shape4(k.shape)
-        arrays = [_float64(t, slot).reshape(s) for t, slot, s in ((q, "q", qs), (k, "k", ks), (v, "v", ks),
-                                                                  (out, None, qs), (dout, "dout", qs))]
-        dq, dk, dv = ctx.kern.backward(*arrays[:4], lse.numpy(), arrays[4], ctx.causal, ctx.scale)
+        arrays = [_kernel_input(t, slot, s) for t, slot, s in ((q, "q", qs), (k, "k", ks), (v, "v", ks),
+                                                               (out, None, qs), (dout, "dout", qs),
+                                                               (lse, None, tuple(lse.shape)))]
+        dq, dk, dv = ctx.kern.backward(*arrays[:4], arrays[5], arrays[4], ctx.causal, ctx.scale)
         return (_to_dtype(dq.reshape(q.shape), ctx.dtype), _to_dtype(dk.reshape(k.shape), ctx.dtype),
                 _to_dtype(dv.reshape(v.shape), ctx.dtype), None, None, None, None)
 
@@ -228,6 +261,8 @@ def _validate(q, k, v, is_causal, enable_gqa):
         _check_tensor(t, name)
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"query, key and value must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
     if q.dim() < 2 or not q.dim() == k.dim() == v.dim():
         raise ValueError(f"query, key and value must have the same rank >= 2 ((N, D), (H, N, D) or (..., H, N, D)),"
                          f" got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -277,7 +312,8 @@ def _mask_kind(mask, L, S):
     """'none' if ``mask`` lets every query see every key, 'causal' if it is SDPA's causal mask (query i
     sees key j <= i), else None. Boolean masks: True = attend; float masks: 0 = attend, -inf or the
     dtype's most negative finite value (Hugging Face's choice) = masked."""
-    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.device.type != "cpu" or mask.is_nested:
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2 or mask.device.type not in ("cpu", "cuda") \
+            or mask.is_nested:
         return None
     if mask.shape[-2] not in (1, L) or mask.shape[-1] not in (1, S):
         return None
@@ -293,7 +329,7 @@ def _mask_kind(mask, L, S):
         return None
     if bool(allowed.all()):
         return "none"
-    if L == S and bool((allowed == torch.ones(L, S, dtype=torch.bool).tril()).all()):
+    if L == S and bool((allowed == torch.ones(L, S, dtype=torch.bool, device=mask.device).tril()).all()):
         return "causal"
     return None
 
@@ -303,8 +339,12 @@ def _unsupported(q, k, v, attn_mask, dropout_p, is_causal):
     tensors = (q, k, v)
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return "query, key and value must be tensors", is_causal
-    if any(t.device.type != "cpu" for t in tensors):
-        return f"tensors on {q.device}: fadev's GPU kernels are not wired to PyTorch yet", is_causal
+    if any(t.device.type not in ("cpu", "cuda") for t in tensors):
+        return f"tensors on {q.device}: fadev computes on CPU and CUDA tensors", is_causal
+    if len({t.device for t in tensors}) > 1:
+        return f"tensors on different devices ({q.device}, {k.device}, {v.device})", is_causal
+    if q.device.type == "cuda" and not _cuda_devices():
+        return f"tensors on {q.device}, but fadev has no usable GPU (built without CUDA, or no device)", is_causal
     if any(t.dtype not in _FORMAT_OF for t in tensors):
         return f"dtype {q.dtype} (fadev takes float64, float32, float16, bfloat16)", is_causal
     if any(t.is_nested for t in tensors):
@@ -528,7 +568,7 @@ class shadow(_SdpaRoute):  # noqa: N801 (a context manager)
                        else (self._candidate, self._reference))
         sink = []
         result = _AttentionFunction.apply(q, k, v, used, causal, scale, sink)
-        q64, k64, v64 = (_float64(t, slot).reshape(_shape4(t.shape)) for t, slot in zip((q, k, v), "qkv"))
+        q64, k64, v64 = (_kernel_input(t, slot, _shape4(t.shape)) for t, slot in zip((q, k, v), "qkv"))
         outs = {self.use: sink[0], ("candidate" if self.use == "reference" else "reference"):
                 other.forward(q64, k64, v64, causal, scale)[0].reshape(q.shape)}
         module, module_type = self._tracker.current()

@@ -265,19 +265,13 @@ def test_attention_errors():
         ft.attention(q, k, v, "golden", enable_gqa=True, block_kv=0)
 
 
-def non_cpu_devices():
-    devices = ["meta"]
-    if torch.cuda.is_available():
-        devices.append("cuda")
-    return devices
-
-
-def test_non_cpu_tensors_are_not_implemented():
+def test_other_devices_are_not_implemented():
+    """CUDA tensors run on fadev's GPU kernels (tests/test_cuda_interop.py); other devices are refused."""
     q, k, v = tensors((1, 2, 4, 8))
-    for device in non_cpu_devices():
+    for device in ["meta"]:
         qd, kd, vd = (t.to(device) for t in (q, k, v))
-        with pytest.raises(NotImplementedError, match=f"query: fadev.torch computes on CPU tensors only, got a "
-                                                      f"tensor on {device}"):
+        with pytest.raises(NotImplementedError, match=f"query: fadev.torch computes on CPU and CUDA tensors only, "
+                                                      f"got a tensor on {device}"):
             ft.attention(qd, kd, vd, "golden")
         with pytest.raises(ft.UnsupportedSDPA, match=f"tensors on {device}"):
             with ft.patch_sdpa("golden"):

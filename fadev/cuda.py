@@ -1,0 +1,575 @@
+"""fadev on the GPU: device arrays, interop with PyTorch, CuPy and DLPack, and the one place that routes
+fadev's API calls to the CUDA kernels (cuda/*.cu, through fadev._core's cuda_* methods).
+
+Where a call runs. Every API function with a ``device`` keyword (:func:`fadev.flash_attention`,
+:func:`fadev.compare`, ...) resolves it with :func:`resolve_device`: ``None`` computes on the GPU when
+an input is a CUDA array and on the CPU otherwise; ``"cuda"`` / ``"cuda:0"`` on the GPU (NumPy inputs
+are copied there, results copied back); ``"cpu"`` on the CPU (CUDA arrays are then an error, never
+silently copied). Only CUDA device 0 is supported.
+
+Inputs. CUDA arrays are anything with ``__cuda_array_interface__`` (PyTorch CUDA tensors, CuPy arrays,
+:class:`DeviceArray`, Numba) or a CUDA ``__dlpack__`` (read through ``torch.from_dlpack``). The kernels
+read C-contiguous float64: a contiguous float64 CUDA array is read in place (no copy); PyTorch tensors
+and CuPy arrays of another dtype or layout are converted on the device by their own library; other
+CUDA arrays must already be contiguous float64 (TypeError / ValueError naming the parameter).
+
+Outputs follow the first CUDA input: PyTorch in, PyTorch out (on the input's device); CuPy in, CuPy
+out; a DeviceArray or any other CUDA array in, DeviceArray out; NumPy in (``device="cuda"``), NumPy out.
+
+Streams. The kernels run on the legacy default stream and the device is synchronised before each call
+that reads another library's memory and after every call, so arrays written on any stream are complete
+when fadev reads them and fadev's results are complete when it returns. Work that another library
+queues on a stream *during* a fadev call (another thread) is not ordered with it; synchronise such
+streams yourself (``torch.cuda.current_stream().synchronize()``).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import re
+import sys
+
+import ml_dtypes
+import numpy as np
+
+from . import _core
+from .formats import _numeric, round as _round
+
+_BUILD_HINT = ("fadev's GPU kernels need a build with nvcc -- FADEV_CUDA=1 pip install -e . (or FADEV_CUDA=1 "
+               "python setup.py build_ext --inplace) -- and a visible CUDA device")
+_CUDA_DLPACK = (2, 13)  # kDLCUDA, kDLCUDAManaged
+_F64 = np.dtype(np.float64)
+
+
+# ---------------------------------------------------------------- availability
+
+def _no_gpu(what: str) -> RuntimeError:
+    info = _core.cuda_info()
+    why = ("fadev was built without CUDA" if not info["compiled"]
+           else "fadev was built with CUDA, but no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
+    return RuntimeError(f"{what}: fadev has no usable GPU: {why}. {_BUILD_HINT}")
+
+
+_DEVICE_COUNT = None
+
+
+def _device_count() -> int:
+    """CUDA devices fadev can use (0 if built without CUDA); asked once per process."""
+    global _DEVICE_COUNT
+    if _DEVICE_COUNT is None:
+        info = _core.cuda_info()
+        _DEVICE_COUNT = len(info["devices"]) if info["compiled"] else 0
+    return _DEVICE_COUNT
+
+
+# ---------------------------------------------------------------- device arrays
+
+def _shape_of(shape) -> tuple:
+    if isinstance(shape, numbers.Integral):
+        shape = (shape,)
+    try:
+        shape = tuple(int(s) for s in shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a tuple of ints, got {shape!r}") from None
+    if any(s < 0 for s in shape):
+        raise ValueError(f"shape must have sizes >= 0, got {shape}")
+    return shape
+
+
+class DeviceArray:
+    """A C-contiguous array in CUDA device memory, allocated by fadev (``fadev_cuda_malloc``) and freed by
+    :meth:`close` or when the last reference goes. Exposes ``__cuda_array_interface__`` (version 3), so
+    ``torch.as_tensor(x, device="cuda")`` and ``cupy.asarray(x)`` read it without a copy (and keep it
+    alive). ``DeviceArray(shape, dtype)`` allocates uninitialised memory; :meth:`from_numpy` copies a host
+    array; :meth:`numpy` copies back. A view (:meth:`reshape`, or one wrapping another library's memory)
+    keeps its owner alive and frees nothing itself."""
+
+    def __init__(self, shape, dtype=np.float64):
+        self._ptr, self._base = 0, None  # so __del__ is harmless if the allocation fails
+        shape, dtype = _shape_of(shape), np.dtype(dtype)
+        if dtype.hasobject:
+            raise TypeError(f"dtype must be a numeric dtype, got {dtype}")
+        if not _device_count():
+            raise _no_gpu("DeviceArray")
+        self._shape, self._dtype = shape, dtype
+        self._ptr = _core.cuda_malloc(math.prod(shape) * dtype.itemsize)
+
+    @classmethod
+    def _view(cls, ptr: int, shape: tuple, dtype, base) -> "DeviceArray":
+        """A DeviceArray over memory someone else owns; ``base`` (kept alive) is that owner."""
+        view = cls.__new__(cls)
+        view._ptr, view._shape, view._dtype, view._base = int(ptr), tuple(shape), np.dtype(dtype), base
+        return view
+
+    @classmethod
+    def from_numpy(cls, arr) -> "DeviceArray":
+        """A device copy of a host array (anything NumPy turns into a numeric array; its dtype is kept)."""
+        arr = np.require(np.asarray(arr), requirements="C")  # keeps 0-d arrays 0-d (ascontiguousarray would not)
+        dev = cls(arr.shape, arr.dtype)
+        if arr.size:
+            _core.cuda_upload(dev.ptr, arr.reshape(-1).view(np.uint8))
+        return dev
+
+    @property
+    def ptr(self) -> int:
+        """The device address of element 0."""
+        if not self._ptr and self._base is None:
+            raise ValueError("this DeviceArray is closed")
+        return self._ptr
+
+    shape = property(lambda self: self._shape, doc="the shape (C order)")
+    dtype = property(lambda self: self._dtype, doc="the NumPy dtype of the elements")
+    ndim = property(lambda self: len(self._shape))
+    size = property(lambda self: math.prod(self._shape))
+    nbytes = property(lambda self: self.size * self._dtype.itemsize)
+    base = property(lambda self: self._base, doc="the owner of a view's memory (None for an owning array)")
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        # stream None: fadev synchronises before returning, so nothing is pending on this memory
+        return {"shape": self._shape, "typestr": self._dtype.str, "data": (self.ptr, False), "strides": None,
+                "version": 3, "stream": None}
+
+    def numpy(self) -> np.ndarray:
+        """A host copy (NumPy array of the same shape and dtype)."""
+        ptr, out = self.ptr, np.empty(self._shape, self._dtype)
+        if out.size:
+            _core.cuda_download(out.reshape(-1).view(np.uint8), ptr)
+        return out
+
+    def reshape(self, *shape) -> "DeviceArray":
+        """A view with another shape of the same size (one entry may be -1)."""
+        if len(shape) == 1 and not isinstance(shape[0], numbers.Integral):
+            shape = shape[0]
+        shape = tuple(int(s) for s in shape)
+        if shape.count(-1) == 1:
+            known = math.prod(s for s in shape if s != -1)
+            shape = tuple(self.size // known if s == -1 and known else s for s in shape)
+        if math.prod(_shape_of(shape)) != self.size:
+            raise ValueError(f"cannot reshape a DeviceArray of shape {self._shape} into {shape}")
+        return DeviceArray._view(self.ptr, shape, self._dtype, self if self._base is None else self._base)
+
+    def close(self) -> None:
+        """Free the memory now (an owning array; views of it become invalid). Idempotent."""
+        ptr, self._ptr = self._ptr, 0
+        if ptr and self._base is None:
+            _core.cuda_free(ptr)
+        self._base = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 (interpreter shutdown, or a device already lost: nothing to do)
+            pass
+
+    def __repr__(self):
+        state = f"ptr=0x{self._ptr:x}" if self._ptr else "closed"
+        return f"DeviceArray(shape={self._shape}, dtype={self._dtype}, {state})"
+
+
+# ---------------------------------------------------------------- recognising CUDA arrays
+
+def _torch_tensor(x):
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _cupy_array(x):
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+def _interface(x):
+    try:
+        return getattr(x, "__cuda_array_interface__", None)
+    except Exception:  # noqa: BLE001 (a property that refuses, e.g. a tensor that requires grad)
+        return None
+
+
+def _dlpack_cuda(x) -> bool:
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is None:
+        return False
+    try:
+        return int(dev()[0]) in _CUDA_DLPACK
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def is_cuda_array(x) -> bool:
+    """True for arrays in CUDA memory: DeviceArray, CUDA tensors, CuPy, __cuda_array_interface__, CUDA DLPack."""
+    if isinstance(x, DeviceArray):
+        return True
+    if isinstance(x, np.ndarray):
+        return False
+    if _torch_tensor(x):
+        return x.device.type == "cuda"
+    return _interface(x) is not None or _dlpack_cuda(x)
+
+
+# ---------------------------------------------------------------- where a call runs
+
+_DEVICE_FORMS = "None, 'cpu', 'cuda' or 'cuda:N'"
+
+
+def _parse_device(device):
+    """None, 'cpu' or a device index."""
+    if device is None:
+        return None
+    if not isinstance(device, str):
+        if type(device).__name__ == "device" and hasattr(device, "type"):  # torch.device
+            device = str(device)
+        else:
+            raise TypeError(f"device must be {_DEVICE_FORMS}, got {device!r}")
+    m = re.fullmatch(r"cpu|cuda(?::(\d+))?", device)
+    if not m:
+        raise ValueError(f"device must be {_DEVICE_FORMS}, got {device!r}")
+    return "cpu" if device == "cpu" else int(m[1] or 0)
+
+
+def _resolve(device, named: dict):
+    """'cpu' or the CUDA device index of a call with inputs ``named`` (parameter name -> array)."""
+    where = _parse_device(device)
+    on_gpu = [name for name, x in named.items() if is_cuda_array(x)]
+    if where is None:
+        where = 0 if on_gpu else "cpu"
+    if where == "cpu":
+        if on_gpu:
+            verb = "is a CUDA array" if len(on_gpu) == 1 else "are CUDA arrays"
+            raise ValueError(f"device='cpu', but {', '.join(on_gpu)} {verb}; pass device=None or 'cuda' to compute on "
+                             f"the GPU, or copy to the host first")
+        return "cpu"
+    what = f"device={device!r}" if device is not None else f"{on_gpu[0]} is a CUDA array (device=None)"
+    count = _device_count()
+    if not count:
+        raise _no_gpu(what)
+    if where >= count:
+        raise ValueError(f"device={device!r}: fadev sees {count} CUDA device(s)")
+    if where != 0:
+        raise ValueError(f"device={device!r}: fadev's GPU kernels run on CUDA device 0 only")
+    return where
+
+
+def resolve_device(device, *arrays) -> str:
+    """'cpu' or 'cuda:0': where a fadev call with ``device`` and these inputs computes. ``device`` is
+    None (the GPU if an input is a CUDA array, else the CPU), 'cpu', 'cuda' or 'cuda:N' (or a
+    torch.device). ValueError for a bad device string or CUDA arrays with device='cpu'; RuntimeError
+    when the GPU is asked for and fadev has none (built without CUDA, or no device)."""
+    where = _resolve(device, {f"arrays[{i}]": a for i, a in enumerate(arrays)})
+    return "cpu" if where == "cpu" else f"cuda:{where}"
+
+
+def route(device, **named):
+    """None when the call computes on the CPU, else a :class:`_Gpu` for it (the first CUDA input sets the
+    kind of the results). ``named``: parameter name -> input, for the messages."""
+    where = _resolve(device, named)
+    if where == "cpu":
+        return None
+    first = next((x for x in named.values() if is_cuda_array(x)), None)
+    return _Gpu(where, first)
+
+
+# ---------------------------------------------------------------- one GPU call
+
+_NATIVE = {"fp16": (0, np.dtype(np.float16)), "bf16": (1, np.dtype(ml_dtypes.bfloat16))}
+
+
+def _torch_dtype(dtype):
+    import torch
+    table = {np.dtype(np.float64): torch.float64, np.dtype(np.float32): torch.float32,
+             np.dtype(np.float16): torch.float16, np.dtype(ml_dtypes.bfloat16): torch.bfloat16}
+    return table[np.dtype(dtype)]
+
+
+def _contiguous(shape, strides, itemsize) -> bool:
+    expect = itemsize
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size > 1 and stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def _params(q, k, scale, causal, block_q=0, block_kv=0, loop_order=0, normalize=0, exp_form=0):
+    """The attention params tuple module_cuda.c parses, from 4-D q (B, H, Nq, D) and k (B, Hkv, Nk, D)."""
+    (b, h, nq, d), (_, hkv, nk, _) = q.shape, k.shape
+    return (b, h, hkv, nq, nk, d, float(scale), bool(causal), block_q, block_kv, loop_order, normalize, exp_form)
+
+
+class _Gpu:
+    """One call on CUDA device ``index``: inputs become device operands (:meth:`operand`), results are
+    allocated like the first CUDA input (:meth:`empty`) and handed back in its kind (:meth:`result`).
+    Its methods take the arguments of fadev._core's CPU methods of the same name, so the API modules
+    call ``(gpu or _core).flash_attention(...)``."""
+
+    def __init__(self, index, first):
+        self.index = index
+        if first is None:
+            self.kind = "numpy"
+        elif _torch_tensor(first):
+            self.kind, self._torch_device = "torch", first.device
+        elif _cupy_array(first):
+            self.kind = "cupy"
+        else:
+            self.kind = "device"
+        self._foreign = False  # another library's memory is involved: synchronise before the kernel
+
+    # -------------------------------------------------------------- operands and results
+
+    def operand(self, x, name, dtype=_F64) -> DeviceArray:
+        """``x`` as a C-contiguous DeviceArray (a view where possible) of ``dtype`` on this device. Only
+        float64 is converted to; other dtypes (the native kernels') must match."""
+        dtype = np.dtype(dtype)
+        if isinstance(x, DeviceArray):
+            if x.dtype != dtype:
+                raise TypeError(f"{name}: a DeviceArray of dtype {x.dtype}; this call reads {dtype} (convert on the "
+                                f"host: DeviceArray.from_numpy(a.astype(...)))")
+            arr = x
+        elif _torch_tensor(x) and x.device.type == "cuda":
+            arr = self._from_torch(x, name, dtype)
+        elif _cupy_array(x):
+            if dtype != _F64 and x.dtype != dtype:
+                raise TypeError(f"{name}: a CuPy array of dtype {x.dtype}; this call reads {dtype}")
+            arr = self._from_interface(sys.modules["cupy"].ascontiguousarray(x, dtype=dtype), name, dtype)
+        elif _interface(x) is not None:
+            arr = self._from_interface(x, name, dtype)
+        elif _dlpack_cuda(x):
+            try:
+                import torch
+            except ImportError:
+                raise TypeError(f"{name}: a DLPack CUDA array is read through torch.from_dlpack, and torch is not "
+                                f"installed; pass an array with __cuda_array_interface__") from None
+            arr = self._from_torch(torch.from_dlpack(x), name, dtype)
+        else:
+            host = np.ascontiguousarray(_numeric(x, name).astype(dtype, copy=False))
+            return DeviceArray.from_numpy(host)
+        if arr.size:
+            owner = _core.cuda_pointer_device(arr.ptr)
+            if owner != self.index:
+                where = "host memory" if owner < 0 else f"memory of cuda:{owner}"
+                raise ValueError(f"{name}: the array is in {where}, but the call runs on cuda:{self.index}")
+        return arr
+
+    def _from_torch(self, t, name, dtype):
+        t = t.detach()
+        if t.is_complex():
+            raise TypeError(f"{name}: expected a real tensor, got dtype {t.dtype}")
+        want = _torch_dtype(dtype)
+        if t.dtype != want:
+            if dtype != _F64:
+                raise TypeError(f"{name}: a tensor of dtype {t.dtype}; this call reads {want}")
+            t = t.to(want)
+        t = t.resolve_neg().resolve_conj().contiguous()
+        self._foreign = True
+        return DeviceArray._view(t.data_ptr(), tuple(t.shape), dtype, t)
+
+    def _from_interface(self, x, name, dtype):
+        cai = x.__cuda_array_interface__
+        shape, typestr = tuple(int(s) for s in cai["shape"]), cai["typestr"]
+        if np.dtype(typestr) != dtype:
+            raise TypeError(f"{name}: a CUDA array of type {typestr!r}; this call reads {dtype.str!r} ({dtype}): "
+                            f"convert it with its own library first")
+        if cai.get("mask") is not None:
+            raise ValueError(f"{name}: masked CUDA arrays are not supported")
+        strides = cai.get("strides")
+        if strides is not None and not _contiguous(shape, strides, dtype.itemsize):
+            raise ValueError(f"{name}: a non-contiguous CUDA array (shape {shape}, strides {tuple(strides)}); make it "
+                             f"C-contiguous with its own library first")
+        if not isinstance(x, DeviceArray):
+            self._foreign = True
+        return DeviceArray._view(int(cai["data"][0]), shape, dtype, x)
+
+    def empty(self, shape, dtype=_F64) -> DeviceArray:
+        """Uninitialised device memory for a result, owned by the caller's library."""
+        shape = tuple(int(s) for s in shape)
+        if self.kind == "torch":
+            import torch
+            t = torch.empty(shape, dtype=_torch_dtype(dtype), device=self._torch_device)
+            self._foreign = True
+            return DeviceArray._view(t.data_ptr(), shape, dtype, t)
+        if self.kind == "cupy":
+            a = sys.modules["cupy"].empty(shape, dtype=dtype)
+            self._foreign = True
+            return DeviceArray._view(a.data.ptr, shape, dtype, a)
+        return DeviceArray(shape, dtype)
+
+    def result(self, arr: DeviceArray, widen=False):
+        """A result in the caller's kind: the torch tensor / CuPy array behind it, the DeviceArray, or a
+        NumPy copy (float64 with ``widen``)."""
+        if self.kind in ("torch", "cupy"):
+            return arr.base
+        if self.kind == "device":
+            return arr
+        host = arr.numpy()
+        return host.astype(np.float64) if widen else host
+
+    def _before(self):
+        """Order the kernel after other libraries' work on any stream (a device-wide barrier)."""
+        if self._foreign:
+            _core.cuda_synchronize()
+
+    # -------------------------------------------------------------- emulated and golden attention
+
+    def _forward(self, kernel, q, k, v, policy_c, params):
+        out, lse = self.empty(q.shape), self.empty(q.shape[:3])
+        self._before()
+        _core.cuda_attention(kernel, q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, params, policy_c)
+        return self.result(out), self.result(lse)
+
+    def baseline_attention(self, q, k, v, policy_c, scale, causal):
+        return self._forward(0, q, k, v, policy_c, _params(q, k, scale, causal))
+
+    def flash_attention(self, q, k, v, policy_c, scale, causal, block_q, block_kv, loop_order, normalize, exp_form):
+        return self._forward(1, q, k, v, policy_c, _params(q, k, scale, causal, block_q, block_kv, loop_order,
+                                                           normalize, exp_form))
+
+    def golden_attention(self, q, k, v, scale, causal):
+        return self._forward(2, q, k, v, None, _params(q, k, scale, causal))
+
+    def _backward(self, kernel, q, k, v, out, lse, dout, policy_c, policy_backward_c, params):
+        dq, dk, dv = self.empty(q.shape), self.empty(k.shape), self.empty(v.shape)
+        self._before()
+        _core.cuda_attention_backward(kernel, q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, dout.ptr, dq.ptr, dk.ptr, dv.ptr,
+                                      params, policy_c, policy_backward_c)
+        return self.result(dq), self.result(dk), self.result(dv)
+
+    def baseline_attention_backward(self, q, k, v, out, lse, dout, policy_c, policy_backward_c, scale, causal):
+        return self._backward(0, q, k, v, out, lse, dout, policy_c, policy_backward_c, _params(q, k, scale, causal))
+
+    def flash_attention_backward(self, q, k, v, out, lse, dout, policy_c, policy_backward_c, scale, causal, block_q,
+                                 block_kv, exp_form):
+        params = _params(q, k, scale, causal, block_q, block_kv, exp_form=exp_form)
+        return self._backward(1, q, k, v, out, lse, dout, policy_c, policy_backward_c, params)
+
+    # -------------------------------------------------------------- metrics
+
+    def deviation(self, test, ref) -> dict:
+        self._before()
+        return _core.cuda_deviation(test.ptr, ref.ptr, test.size)
+
+    def wasserstein(self, a, b, method):
+        """(W1, 1): the GPU always sorts ("sort"); the value is the same exact W1 whatever ``method``."""
+        self._before()
+        return _core.cuda_wasserstein(a.ptr, a.size, b.ptr, b.size), 1
+
+    def ulp_error(self, test, ref, fmt_c):
+        out = self.empty(test.shape)
+        self._before()
+        _core.cuda_ulp_error(test.ptr, ref.ptr, test.size, fmt_c, out.ptr)
+        return self.result(out)
+
+    # -------------------------------------------------------------- native kernels
+
+    def native_forward(self, q, k, v, params):
+        out, lse = self.empty(q.shape, q.dtype), self.empty(q.shape[:3], np.float32)
+        self._before()
+        _core.cuda_native_forward(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, params)
+        return self.result(out, widen=True), self.result(lse, widen=True)
+
+    def native_backward(self, q, k, v, out, lse, dout, params):
+        dq, dk, dv = self.empty(q.shape, q.dtype), self.empty(k.shape, k.dtype), self.empty(v.shape, v.dtype)
+        workspace = self.empty((max(1, -(-_core.cuda_native_workspace(params) // 4)),), np.float32)
+        self._before()
+        _core.cuda_native_backward(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, dout.ptr, dq.ptr, dk.ptr, dv.ptr,
+                                   workspace.ptr, params)
+        return tuple(self.result(g, widen=True) for g in (dq, dk, dv))
+
+
+# ---------------------------------------------------------------- native FlashAttention-2-style kernels
+
+def native_tiles(dim) -> list:
+    """The (block_q, block_kv) tiles the native kernels support for head dim ``dim`` (the first is the
+    default); an empty list for a head dim they do not support."""
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
+        raise ValueError(f"dim must be a positive integer, got {dim!r}")
+    if not _core.cuda_info()["compiled"]:
+        raise _no_gpu("native_tiles")
+    try:
+        return [tuple(t) for t in _core.cuda_native_tiles(int(dim))]
+    except ValueError:  # FADEV_ERR_INVALID_ARGUMENT: a head dim without tiles
+        return []
+
+
+def _element_type(x) -> str:
+    if _torch_tensor(x):
+        return str(x.dtype).replace("torch.", "")
+    if isinstance(x, DeviceArray):
+        return x.dtype.name
+    cai = _interface(x)
+    if cai is not None:
+        return np.dtype(cai["typestr"]).name
+    return np.asarray(x).dtype.name
+
+
+def _native_dtype(dtype, q) -> str:
+    if dtype is not None:
+        if dtype not in _NATIVE:
+            raise ValueError(f"dtype must be 'bf16' or 'fp16', got {dtype!r}")
+        return dtype
+    name = _element_type(q)
+    for key, (_, np_dtype) in _NATIVE.items():
+        if name == np_dtype.name:
+            return key
+    raise TypeError(f"q: the native kernels read float16 or bfloat16, got {name}; pass dtype='bf16' or 'fp16' to "
+                    f"round NumPy inputs to one of them")
+
+
+def _native_host(x, name, key):
+    """A host input rounded (nearest-even) to the native dtype ``key``; CUDA arrays unchanged."""
+    if is_cuda_array(x):
+        return x
+    return _round(_numeric(x, name), key).astype(_NATIVE[key][1])
+
+
+def _native_params(q, k, scale, causal, block_q, block_kv, code):
+    dim = q.shape[3]
+    tiles = native_tiles(dim)
+    if not tiles:
+        raise ValueError(f"q: the native kernels do not support head dim {dim}")
+    fits = [t for t in tiles if block_q in (None, t[0]) and block_kv in (None, t[1])]
+    if not fits:
+        raise ValueError(f"(block_q, block_kv) = ({block_q!r}, {block_kv!r}) is not a native tile for head dim {dim}; "
+                         f"supported: {tiles}")
+    (b, h, nq, d), (_, hkv, nk, _) = q.shape, k.shape
+    return (b, h, hkv, nq, nk, d, float(scale), bool(causal), fits[0][0], fits[0][1], code)
+
+
+def native_attention(q, k, v, causal=False, scale=None, block_q=None, block_kv=None, return_lse=False, dtype=None):
+    """FlashAttention-2-style forward on the tensor cores (cuda/native_forward.cu): fp16 or bf16 inputs
+    and output, fp32 accumulation and online softmax (exp2). Shapes, ``causal`` and ``scale`` as
+    :func:`fadev.flash_attention`; head dim 64 or 128; (``block_q``, ``block_kv``) one of
+    :func:`native_tiles` (default: its first). PyTorch CUDA tensors of float16 / bfloat16 give tensors
+    (``lse`` float32, natural log); NumPy (or ml_dtypes) arrays are rounded to ``dtype`` ("bf16" or
+    "fp16"; inferred from a float16 / bfloat16 array), copied to the GPU, and come back as float64
+    NumPy arrays holding the fp16 / bf16 (lse: fp32) values. Not differentiable: see
+    :func:`native_attention_backward`."""
+    from .attention import _finish, _prepare
+    key = _native_dtype(dtype, q)
+    gpu = route("cuda", q=q, k=k, v=v)
+    code, np_dtype = _NATIVE[key]
+    q, k, v = (_native_host(x, n, key) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    q4, k4, v4, _, scale, rank = _prepare(q, k, v, "golden", scale, causal, gpu, np_dtype)  # no policy: any passes
+    out, lse = gpu.native_forward(q4, k4, v4, _native_params(q4, k4, scale, causal, block_q, block_kv, code))
+    return _finish(out, lse, rank, return_lse)
+
+
+def native_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, block_q=None, block_kv=None,
+                              dtype=None):
+    """Gradients (dq, dk, dv) by the native FlashAttention-2-style backward (cuda/native_backward.cu): P
+    recomputed from the forward's ``lse`` (float32), dq accumulated in an fp32 workspace. ``out`` and
+    ``lse`` as :func:`native_attention` returned them; arguments and result kinds as that function's."""
+    from .attention import _prepare
+    from .backward import _finish, _saved
+    key = _native_dtype(dtype, q)
+    gpu = route("cuda", q=q, k=k, v=v, out=out, lse=lse, dout=dout)
+    code, np_dtype = _NATIVE[key]
+    q, k, v, out, dout = (_native_host(x, n, key) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"),
+                                                               (dout, "dout")))
+    q4, k4, v4, _, scale, rank = _prepare(q, k, v, "golden", scale, causal, gpu, np_dtype)  # no policy: any passes
+    out4, lse3, dout4 = _saved(q4, out, lse, dout, rank, gpu, np_dtype, np.float32)
+    params = _native_params(q4, k4, scale, causal, block_q, block_kv, code)
+    return _finish(gpu.native_backward(q4, k4, v4, out4, lse3, dout4, params), rank)
+
+
+__all__ = ["DeviceArray", "is_cuda_array", "resolve_device", "native_attention", "native_attention_backward",
+           "native_tiles"]
