@@ -152,8 +152,8 @@ def golden_rows(quick):
     mm_rate = 2 * n ** 3 / t_mm
     rows.append(("golden", "torch fp64 matmul", f"{n}x{n}x{n}", "-", f"{t_mm * 1e3:.1f}",
                  f"{mm_rate / 1e12:.1f} TFLOP/s", "reference rate"))
-    for N in ((4096,) if quick else (4096, 16384)):
-        B, H, D = 1, 16 if N == 4096 else 4, 64
+    for N, D in ([(4096, 64), (4096, 128)] if quick else [(4096, 64), (4096, 128), (16384, 64), (16384, 128)]):
+        B, H = 1, 16 if N == 4096 else 4
         q, k, v = (torch.randn(B, H, N, D, dtype=torch.float64, device="cuda") for _ in range(3))
         ref = golden_fp64(q[:, :1], k[:, :1], v[:, :1], False)
         got = fadev.golden_attention(q[:, :1], k[:, :1], v[:, :1])
