@@ -6,7 +6,7 @@ under ``naive(F)`` (matmul, fused softmax, matmul in F) and ``torch_math(F)`` (P
 everything in fp32, output in F), for F = fp16 and bf16.
 
 Real (only with ``device='cuda'`` where PyTorch sees a GPU): PyTorch's own SDPA backends on the same
-inputs -- flash, memory-efficient, cuDNN and math. The math backend upcasts fp16/bf16 to fp32 inside
+inputs -- flash, memory-efficient, cuDNN and math -- and fadev's native tensor-core kernel (fa2's tiles). The math backend upcasts fp16/bf16 to fp32 inside
 (what torch_math models) unless ``torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)``; it is
 measured both ways ("math" and "math, reduced"). The emulations are meant to reproduce these kernels'
 error statistics (DESIGN.md): fa2 ~ flash, torch_math ~ math, naive ~ math reduced.
@@ -29,9 +29,9 @@ SIZES = {
 }
 
 EMULATED = (("fa2", "flash"), ("fa1", "flash"), ("naive", "baseline"), ("torch_math", "baseline"))
-TORCH_BACKENDS = ("flash", "efficient", "cudnn", "math", "math, reduced")
+TORCH_BACKENDS = ("flash", "efficient", "cudnn", "math", "math, reduced", "fadev native")
 MODELS = {"torch flash": "fa2", "torch efficient": "fa2", "torch cudnn": "fa2", "torch math": "torch_math",
-          "torch math, reduced": "naive"}
+          "torch math, reduced": "naive", "fadev native": "fa2"}
 """Which emulation models which PyTorch backend."""
 
 
@@ -52,7 +52,7 @@ def run(size="quick", out=None, device="cpu", workers=1, progress=False, **overr
         tpoints = [{"backend": b, "format": fmt, "N": N, "n_query": min(s["n_query"], N), "D": s["D"], "seed": seed}
                    for b in TORCH_BACKENDS for fmt in s["formats"] for N in s["Ns"] for seed in range(s["seeds"])]
         trows = common.run_custom(tpoints, _torch_evaluate, out, NAME + "_torch", progress)
-        trows["impl"] = "torch " + trows["backend"]
+        trows["impl"] = [b if b.startswith("fadev") else "torch " + b for b in trows["backend"]]
         trows = trows.rename(columns={"N": "N_kv", "n_query": "N"})
         frames.append(trows)
     allrows = pd.concat(frames, ignore_index=True)
@@ -74,6 +74,12 @@ def _torch_evaluate(point):
     q, k, v = common.inputs(point["N"], point["n_query"], point["D"], point["seed"], point["format"])
     ref = common.golden(point["N"], point["n_query"], point["D"], point["seed"], point["format"])
     tq, tk, tv = (torch.from_numpy(t.copy()).to("cuda", dtype) for t in (q, k, v))  # exact: inputs are in F
+    if point["backend"] == "fadev native":  # fadev's own FlashAttention-2-style tensor-core kernel, fa2's tiles
+        from .. import native_attention, native_tiles
+        tiles = (128, 64) if (128, 64) in native_tiles(point["D"]) else native_tiles(point["D"])[0]
+        out = native_attention(tq, tk, tv, block_q=tiles[0], block_kv=tiles[1])
+        return {**common.metrics("vs_golden", out.to(torch.float64).cpu().numpy(), ref), "error": None,
+                "torch_version": torch.__version__, "gpu": torch.cuda.get_device_name()}
     backend = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH,
                "math, reduced": SDPBackend.MATH}[point["backend"]]
