@@ -1,0 +1,306 @@
+/* Native FlashAttention-2 backward on the tensor cores: fp16 / bf16 in and out, fp32 accumulation. Three kernels:
+ *   1. Dvec_i = rowsum(dO * O)                      fp32, one warp per query row
+ *   2. one CTA per (batch, K/V head, block_kv keys); warp w owns keys [16w, 16w + 16) of the tile, with its dK and
+ *      dV rows in fp32 registers. It loops over the query heads of its group and the query tiles (block_q_bwd rows,
+ *      cp.async, two stages) that see any of its keys:
+ *        S^T  = K Q^T                               mma.sync m16n8k16, fp32
+ *        P^T  = exp2(S^T * scale log2(e) - lse_i log2(e))   (0 where masked: keys >= Nk, queries >= Nq, causal)
+ *        dP^T = V dO^T
+ *        dS^T = P^T * (dP^T - Dvec_i)               fp32
+ *        dV  += round(P^T) dO,  dK += round(dS^T) Q   (the accumulators, rounded, are the next mma's A operand)
+ *        dQ_i += round(dS) K                         through shared memory (dS^T stored, read back with ldmatrix
+ *                                                    .trans), fp32 atomicAdd into the workspace
+ *      then dK = scale dK and dV are written once (grouped-query heads summed in registers, no atomics);
+ *   3. dQ = round(scale * dQ_acc).
+ * Masks and shapes as the forward (native_forward.cu): causal bottom-right aligned, ragged tiles zero-filled;
+ * q, out, dout, dq: (B, H, Nq, D); k, v, dk, dv: (B, Hkv, Nk, D); lse (B, H, Nq) natural log as the forward
+ * returns it. Tiles: keys by block_kv (block_kv / 16 warps); queries by block_q_bwd = 64 rows for D 64 and
+ * 32 for D 128, whatever the forward's block_q (the registers hold dK and dV besides S and dP).
+ * Workspace (float32): dQ_acc (B H Nq D), then Dvec (B H Nq). */
+#include "native.cuh"
+
+struct native_bwd_args {
+    const void *q, *k, *v, *dout;
+    const float *lse, *dvec;
+    float *dq_acc;
+    void *dk, *dv;
+    int heads, group, seq_q, seq_kv, n_kt, causal; /* group = heads / heads_kv; n_kt = key tiles per head */
+    float scale_log2, scale;                         /* scale * log2(e), scale */
+};
+
+template <int D> constexpr int native_bwd_block_q() { return D == 64 ? 64 : 32; }
+template <int D, int BKV, int BQ> constexpr int native_bwd_smem() {
+    return 16 * BQ + (2 * BKV * D + 4 * BQ * D + BKV * BQ) * 2;
+}
+
+template <typename T, int D> __global__ void native_dot_kernel(const T *out, const T *dout, float *dvec, int64_t rows) {
+    const int lane = threadIdx.x & 31;
+    const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
+    for (int64_t r = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
+        float acc = 0.f;
+#pragma unroll
+        for (int e = lane; e < D; e += 32) acc += to_float<T>(out[r * D + e]) * to_float<T>(dout[r * D + e]);
+        acc = warp_sum(acc);
+        if (lane == 0) dvec[r] = acc;
+    }
+}
+
+template <typename T> __global__ void native_dq_kernel(const float *acc, T *dq, int64_t n, float scale) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        dq[i] = from_float<T>(acc[i] * scale);
+}
+
+template <typename T, int D, int BKV, int BQ>
+__global__ void __launch_bounds__(BKV * 2) native_backward_kernel(const native_bwd_args a) {
+    constexpr int NT = BKV * 2, C = D / 8, QC = BQ / 8;
+    /* dQ = dS K split over the warps: MT query blocks of 16 rows times NDP column parts of DW */
+    constexpr int MT = BQ / 16, NDP = (BKV / 16) / MT, DW = D / NDP;
+    static_assert((BKV / 16) % MT == 0 && DW % 16 == 0, "dQ split");
+    extern __shared__ __align__(16) unsigned char smem[];
+    float *sL = reinterpret_cast<float *>(smem); /* 2 stages of BQ: lse */
+    float *sDv = sL + 2 * BQ;                     /* 2 stages of BQ: Dvec */
+    T *sK = reinterpret_cast<T *>(sDv + 2 * BQ);  /* BKV x D */
+    T *sV = sK + BKV * D;                         /* BKV x D */
+    T *sQ = sV + BKV * D;                         /* 2 stages of BQ x D */
+    T *sdO = sQ + 2 * BQ * D;                     /* 2 stages of BQ x D */
+    T *sdS = sdO + 2 * BQ * D;                    /* BKV x BQ: dS^T */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+
+    const int kt = (int)(blockIdx.x % a.n_kt);
+    const int64_t bhk = blockIdx.x / a.n_kt; /* b * Hkv + hk */
+    const int heads_kv = a.heads / a.group;
+    const int64_t b = bhk / heads_kv, hk = bhk % heads_kv;
+    const T *K = static_cast<const T *>(a.k) + bhk * a.seq_kv * D;
+    const T *V = static_cast<const T *>(a.v) + bhk * a.seq_kv * D;
+
+    /* query tiles that see a key of this tile: causal, query i sees key j iff j <= i + off */
+    const int k0 = kt * BKV, off = a.seq_kv - a.seq_q, n_qt = (a.seq_q + BQ - 1) / BQ;
+    int qt_start = 0, n_it = a.group * n_qt;
+    if (a.causal) {
+        const int i_min = k0 - off;
+        qt_start = i_min >= a.seq_q ? n_qt : max(i_min, 0) / BQ;
+        n_it = a.group * (n_qt - qt_start);
+    }
+    const int per_head = n_qt - qt_start; /* iteration it: head hk * group + it / per_head, tile it % per_head */
+
+    auto head_of = [&](int it) { return b * a.heads + hk * a.group + it / per_head; };
+    auto first_row = [&](int it) { return (qt_start + it % per_head) * BQ; };
+    auto issue = [&](int it, int st) {
+        const int64_t bh = head_of(it);
+        const int q0 = first_row(it);
+        load_rows<T, BQ, D, NT>(sQ + st * BQ * D, static_cast<const T *>(a.q) + bh * a.seq_q * D, q0, a.seq_q, tid);
+        load_rows<T, BQ, D, NT>(sdO + st * BQ * D, static_cast<const T *>(a.dout) + bh * a.seq_q * D, q0, a.seq_q, tid);
+        if (tid < BQ) {
+            const bool ok = q0 + tid < a.seq_q;
+            const int64_t at = bh * a.seq_q + (ok ? q0 + tid : 0);
+            cp_async_4(sL + st * BQ + tid, a.lse + at, ok);
+            cp_async_4(sDv + st * BQ + tid, a.dvec + at, ok);
+        }
+    };
+
+    load_rows<T, BKV, D, NT>(sK, K, k0, a.seq_kv, tid);
+    load_rows<T, BKV, D, NT>(sV, V, k0, a.seq_kv, tid);
+    if (n_it > 0) issue(0, 0);
+    cp_async_commit();
+
+    const int key0 = k0 + warp * 16 + g; /* this lane's keys: key0 (fragment half 0) and key0 + 8 (half 1) */
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+        dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
+        dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
+    }
+
+    for (int it = 0; it < n_it; ++it) {
+        cp_async_wait_all();
+        __syncthreads(); /* tile `it` landed; everyone is done with iteration it - 1 (its stage and sdS) */
+        if (it + 1 < n_it) issue(it + 1, (it + 1) & 1);
+        cp_async_commit();
+        const int st = it & 1, q0 = first_row(it);
+        const int64_t bh = head_of(it);
+        const T *cQ = sQ + st * BQ * D, *cdO = sdO + st * BQ * D;
+        const float *cL = sL + st * BQ, *cDv = sDv + st * BQ;
+
+        /* S^T = K Q^T and dP^T = V dO^T: A = this warp's K / V rows, B[k = d][n = query] = Q[query][d] */
+        float sp[BQ / 8][4], dp[BQ / 8][4];
+#pragma unroll
+        for (int i = 0; i < BQ / 8; ++i) {
+            sp[i][0] = sp[i][1] = sp[i][2] = sp[i][3] = 0.f;
+            dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t ka[4], va[4];
+            ldmatrix_x4(ka, sK + swz<C>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+            ldmatrix_x4(va, sV + swz<C>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+#pragma unroll
+            for (int np = 0; np < BQ / 16; ++np) {
+                const int row = np * 16 + (lane & 7) + ((lane >> 4) << 3), ch = kk * 2 + ((lane >> 3) & 1);
+                uint32_t bq[4], bo[4];
+                ldmatrix_x4(bq, cQ + swz<C>(row, ch));
+                ldmatrix_x4(bo, cdO + swz<C>(row, ch));
+                mma_16816<T>(sp[2 * np], ka, bq[0], bq[1]);
+                mma_16816<T>(sp[2 * np + 1], ka, bq[2], bq[3]);
+                mma_16816<T>(dp[2 * np], va, bo[0], bo[1]);
+                mma_16816<T>(dp[2 * np + 1], va, bo[2], bo[3]);
+            }
+        }
+
+        /* P^T, then dS^T = P^T (dP^T - Dvec) in place of dP^T; element (nb, e): key key0 + 8 (e >> 1), query
+         * q0 + 8 nb + 2 t4 + (e & 1) */
+        const bool masked = q0 + BQ > a.seq_q || k0 + BKV > a.seq_kv || (a.causal && k0 + BKV - 1 > q0 + off);
+#pragma unroll
+        for (int nb = 0; nb < BQ / 8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = nb * 8 + 2 * t4 + (e & 1), key = key0 + 8 * (e >> 1);
+                float p = fast_exp2(sp[nb][e] * a.scale_log2 - cL[i] * (float)NATIVE_LOG2E);
+                if (masked && (q0 + i >= a.seq_q || key >= a.seq_kv || (a.causal && key > q0 + i + off))) p = 0.f;
+                sp[nb][e] = p;
+                dp[nb][e] = p * (dp[nb][e] - cDv[i]);
+            }
+        }
+
+        /* dV += round(P^T) dO, dK += round(dS^T) Q: A from the accumulators (query chunk kk = blocks 2kk, 2kk+1),
+         * B[k = query][n = d] = dO[query][d], rows as stored, so ldmatrix .trans */
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk) {
+            const uint32_t pa[4] = {pack2<T>(sp[2 * kk][0], sp[2 * kk][1]), pack2<T>(sp[2 * kk][2], sp[2 * kk][3]),
+                                    pack2<T>(sp[2 * kk + 1][0], sp[2 * kk + 1][1]),
+                                    pack2<T>(sp[2 * kk + 1][2], sp[2 * kk + 1][3])};
+            const uint32_t sa[4] = {pack2<T>(dp[2 * kk][0], dp[2 * kk][1]), pack2<T>(dp[2 * kk][2], dp[2 * kk][3]),
+                                    pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                                    pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+            for (int dd = 0; dd < D / 16; ++dd) {
+                const int row = kk * 16 + (lane & 7) + (lane & 8), ch = dd * 2 + (lane >> 4);
+                uint32_t bo[4], bq[4];
+                ldmatrix_x4_trans(bo, cdO + swz<C>(row, ch));
+                ldmatrix_x4_trans(bq, cQ + swz<C>(row, ch));
+                mma_16816<T>(dv[2 * dd], pa, bo[0], bo[1]);
+                mma_16816<T>(dv[2 * dd + 1], pa, bo[2], bo[3]);
+                mma_16816<T>(dk[2 * dd], sa, bq[0], bq[1]);
+                mma_16816<T>(dk[2 * dd + 1], sa, bq[2], bq[3]);
+            }
+        }
+
+        /* dS^T (rows: keys, cols: queries) to shared memory for dQ */
+#pragma unroll
+        for (int nb = 0; nb < BQ / 8; ++nb) {
+            *reinterpret_cast<uint32_t *>(sdS + swz<QC>(warp * 16 + g, nb) + 2 * t4) = pack2<T>(dp[nb][0], dp[nb][1]);
+            *reinterpret_cast<uint32_t *>(sdS + swz<QC>(warp * 16 + g + 8, nb) + 2 * t4) = pack2<T>(dp[nb][2], dp[nb][3]);
+        }
+        __syncthreads();
+
+        /* dQ[q0 + 16 mt .. + 16][DW dpart .. + DW] += dS K over the tile's keys: A[query][key] = dS^T[key][query]
+         * (ldmatrix .trans of dS^T), B[k = key][n = d] = K[key][d] (.trans) */
+        const int mt = warp % MT, dpart = warp / MT;
+        float dq[DW / 8][4];
+#pragma unroll
+        for (int i = 0; i < DW / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < BKV / 16; ++kk) {
+            uint32_t da[4];
+            ldmatrix_x4_trans(da, sdS + swz<QC>(kk * 16 + (lane & 7) + ((lane >> 4) << 3), mt * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+            for (int dd = 0; dd < DW / 16; ++dd) {
+                uint32_t bk[4];
+                ldmatrix_x4_trans(bk, sK + swz<C>(kk * 16 + (lane & 7) + (lane & 8), dpart * (DW / 8) + dd * 2 + (lane >> 4)));
+                mma_16816<T>(dq[2 * dd], da, bk[0], bk[1]);
+                mma_16816<T>(dq[2 * dd + 1], da, bk[2], bk[3]);
+            }
+        }
+        float *dQ = a.dq_acc + bh * a.seq_q * D;
+#pragma unroll
+        for (int nb = 0; nb < DW / 8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = q0 + mt * 16 + g + 8 * (e >> 1), col = dpart * DW + nb * 8 + 2 * t4 + (e & 1);
+                if (row < a.seq_q) atomicAdd(dQ + (int64_t)row * D + col, dq[nb][e]);
+            }
+        }
+    }
+    cp_async_wait_all(); /* no copy outlives the CTA (n_it >= 1 anyway: the last query row sees every key) */
+
+    T *dK = static_cast<T *>(a.dk) + bhk * a.seq_kv * D;
+    T *dV = static_cast<T *>(a.dv) + bhk * a.seq_kv * D;
+#pragma unroll
+    for (int db = 0; db < D / 8; ++db) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = key0 + 8 * r;
+            if (key < a.seq_kv) {
+                const int64_t at = (int64_t)key * D + db * 8 + 2 * t4;
+                *reinterpret_cast<uint32_t *>(dK + at) = pack2<T>(dk[db][2 * r] * a.scale, dk[db][2 * r + 1] * a.scale);
+                *reinterpret_cast<uint32_t *>(dV + at) = pack2<T>(dv[db][2 * r], dv[db][2 * r + 1]);
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- host entry points */
+
+static unsigned native_blocks(int64_t work, int per_block) {
+    const int64_t b = (work + per_block - 1) / per_block;
+    return (unsigned)(b < 1 ? 1 : b > (1 << 20) ? (1 << 20) : b);
+}
+
+template <typename T, int D, int BKV>
+static fadev_status native_backward_launch(const fadev_native_params *p, const native_bwd_args &a, const void *out,
+                                           void *dq) {
+    constexpr int BQ = native_bwd_block_q<D>(), smem = native_bwd_smem<D, BKV, BQ>();
+    const int64_t rows = p->batch * p->heads * p->seq_q, n = rows * D;
+    CUDA_TRY(cudaMemsetAsync(a.dq_acc, 0, (size_t)n * sizeof(float), 0));
+    native_dot_kernel<T, D><<<native_blocks(rows, 8), 256>>>(static_cast<const T *>(out), static_cast<const T *>(a.dout),
+                                                              const_cast<float *>(a.dvec), rows);
+    CUDA_TRY(cudaGetLastError());
+    CUDA_TRY(cudaFuncSetAttribute(native_backward_kernel<T, D, BKV, BQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    native_backward_kernel<T, D, BKV, BQ><<<(unsigned)(p->batch * p->heads_kv * a.n_kt), BKV * 2, smem>>>(a);
+    CUDA_TRY(cudaGetLastError());
+    native_dq_kernel<T><<<native_blocks(n, 256), 256>>>(a.dq_acc, static_cast<T *>(dq), n, a.scale);
+    CUDA_TRY(cudaGetLastError());
+    return FADEV_OK;
+}
+
+template <typename T>
+static fadev_status native_backward_dispatch(const fadev_native_params *p, native_bwd_args a, const void *out, void *dq) {
+    a.n_kt = (int)((p->seq_kv + p->block_kv - 1) / p->block_kv);
+    if (p->dim == 64 && p->block_kv == 64) return native_backward_launch<T, 64, 64>(p, a, out, dq);
+    if (p->dim == 64 && p->block_kv == 128) return native_backward_launch<T, 64, 128>(p, a, out, dq);
+    if (p->dim == 128 && p->block_kv == 64) return native_backward_launch<T, 128, 64>(p, a, out, dq);
+    return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: tile not compiled");
+}
+
+extern "C" size_t fadev_cuda_native_workspace(const fadev_native_params *params) {
+    if (native_validate(params) != FADEV_OK) return 0;
+    const size_t rows = (size_t)params->batch * (size_t)params->heads * (size_t)params->seq_q;
+    return (rows * (size_t)params->dim + rows) * sizeof(float);
+}
+
+extern "C" fadev_status fadev_cuda_native_backward(const void *q, const void *k, const void *v, const void *out,
+                                                   const float *lse, const void *dout, void *dq, void *dk, void *dv,
+                                                   float *workspace, const fadev_native_params *params) {
+    FADEV_TRY(fadev_cuda_require_device());
+    FADEV_TRY(native_validate(params));
+    if (!q || !k || !v || !out || !lse || !dout || !dq || !dk || !dv || !workspace)
+        return native_bad(FADEV_ERR_INVALID_ARGUMENT,
+                          "fadev_cuda_native_backward: a NULL q, k, v, out, lse, dout, dq, dk, dv or workspace");
+    if (!native_aligned(q, 16) || !native_aligned(k, 16) || !native_aligned(v, 16) || !native_aligned(out, 16) ||
+        !native_aligned(dout, 16) || !native_aligned(dq, 16) || !native_aligned(dk, 16) || !native_aligned(dv, 16) ||
+        !native_aligned(lse, 4) || !native_aligned(workspace, 16))
+        return native_bad(FADEV_ERR_INVALID_ARGUMENT, "fadev_cuda_native_backward: q, k, v, out, dout, dq, dk, dv and "
+                                                      "workspace must be 16-byte aligned and lse 4-byte aligned");
+    const size_t rows = (size_t)params->batch * (size_t)params->heads * (size_t)params->seq_q;
+    native_bwd_args a;
+    a.q = q, a.k = k, a.v = v, a.dout = dout, a.lse = lse;
+    a.dq_acc = workspace, a.dvec = workspace + rows * (size_t)params->dim;
+    a.dk = dk, a.dv = dv;
+    a.heads = (int)params->heads, a.group = (int)(params->heads / params->heads_kv);
+    a.seq_q = (int)params->seq_q, a.seq_kv = (int)params->seq_kv, a.causal = params->causal;
+    a.n_kt = 0;
+    a.scale_log2 = (float)(params->scale * NATIVE_LOG2E);
+    a.scale = (float)params->scale;
+    FADEV_TRY(params->dtype == FADEV_NATIVE_FP16 ? native_backward_dispatch<__half>(params, a, out, dq)
+                                                 : native_backward_dispatch<__nv_bfloat16>(params, a, out, dq));
+    return fadev_cuda_finish("fadev_cuda_native_backward");
+}

@@ -1,0 +1,236 @@
+/* Native FlashAttention-2 forward on the tensor cores: fp16 / bf16 in and out, fp32 accumulation.
+ * One CTA per (batch, head, block_q query rows); warp w owns query rows [16w, 16w + 16) of the tile and keeps
+ * its Q fragments and its O accumulator in registers. For each K/V tile j of block_kv rows (cp.async into shared
+ * memory, two stages: tile j + 1 loads while tile j is used):
+ *   S2 = (Q Kj^T) * scale * log2(e)         mma.sync m16n8k16, fp32 accumulators; masked entries -inf
+ *   m' = max(m, rowmax S2)                  fp32, quad shuffles (the 4 lanes holding a row)
+ *   P = exp2(S2 - m'),  a = exp2(m - m')    ex2.approx
+ *   l = a l + rowsum P                      fp32 (per-lane partial sums, reduced over the quad at the end)
+ *   O = a O + round(P) Vj                   P rounded to fp16/bf16 in registers, the A operand of the next mma
+ * deferred normalisation: out = round(O / l), lse = (m + log2 l) ln 2 (natural log, float32).
+ * Masks: keys >= Nk (ragged last tile, zero-filled), and with causal (bottom-right aligned) key j > i + Nk - Nq.
+ * A row that sees no key gets out 0 and lse -inf (m stays -inf; exp2 is then taken against 0, so no NaN).
+ * Causal K/V tiles past a query tile's last visible key are skipped; query tiles run longest first.
+ * q, out: (B, H, Nq, D); k, v: (B, Hkv, Nk, D); lse (B, H, Nq); H % Hkv == 0, query head h reads K/V head
+ * h / (H / Hkv). Compiled tiles: D 64 with (block_q, block_kv) (64, 64), (128, 64), (128, 128); D 128 with
+ * (64, 64), (128, 64); block_q / 16 warps. Shared memory: the Q tile and two stages of K and V (swizzled, see
+ * native.cuh); the Q tile is reused to stage the output for 16-byte stores. */
+#include "native.cuh"
+
+struct native_fwd_args {
+    const void *q, *k, *v;
+    void *out;
+    float *lse;
+    int heads, group, seq_q, seq_kv, n_qt, causal; /* group = heads / heads_kv; n_qt = query tiles per head */
+    float scale_log2;                                /* scale * log2(e) */
+};
+
+template <int D, int BQ, int BKV> constexpr int native_fwd_smem() { return (BQ + 4 * BKV) * D * 2; }
+
+template <typename T, int D, int BQ, int BKV>
+__global__ void __launch_bounds__(BQ * 2) native_forward_kernel(const native_fwd_args a) {
+    constexpr int NT = BQ * 2, C = D / 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T *sQ = reinterpret_cast<T *>(smem);
+    T *sK = sQ + BQ * D;      /* 2 stages of BKV x D */
+    T *sV = sK + 2 * BKV * D; /* 2 stages of BKV x D */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+
+    const int qt = a.n_qt - 1 - (int)(blockIdx.x % a.n_qt);
+    const int64_t bh = blockIdx.x / a.n_qt; /* b * H + h */
+    const int64_t bhk = bh / a.heads * (a.heads / a.group) + bh % a.heads / a.group;
+    const T *Q = static_cast<const T *>(a.q) + bh * a.seq_q * D;
+    const T *K = static_cast<const T *>(a.k) + bhk * a.seq_kv * D;
+    const T *V = static_cast<const T *>(a.v) + bhk * a.seq_kv * D;
+    T *O = static_cast<T *>(a.out) + bh * a.seq_q * D;
+    float *L = a.lse + bh * a.seq_q;
+
+    const int q0 = qt * BQ, off = a.seq_kv - a.seq_q;
+    int kv_end = a.seq_kv; /* keys [0, kv_end) are visible to some row of this tile */
+    if (a.causal) kv_end = min(kv_end, min(q0 + BQ, a.seq_q) + off);
+    const int n_kt = kv_end > 0 ? (kv_end + BKV - 1) / BKV : 0;
+    if (n_kt == 0) { /* causal, Nq > Nk: no row of this tile sees a key */
+        for (int c = tid; c < BQ * C; c += NT)
+            if (q0 + c / C < a.seq_q) *reinterpret_cast<uint4 *>(O + (int64_t)(q0 + c / C) * D + c % C * 8) = uint4{0, 0, 0, 0};
+        for (int r = tid; r < BQ; r += NT)
+            if (q0 + r < a.seq_q) L[q0 + r] = -INFINITY;
+        return;
+    }
+
+    load_rows<T, BQ, D, NT>(sQ, Q, q0, a.seq_q, tid);
+    load_rows<T, BKV, D, NT>(sK, K, 0, a.seq_kv, tid);
+    load_rows<T, BKV, D, NT>(sV, V, 0, a.seq_kv, tid);
+    cp_async_commit();
+
+    /* this lane's rows: q0 + 16 warp + g (fragment half 0) and + 8 (half 1); the last key each may see */
+    const int row0 = q0 + warp * 16 + g;
+    int lim[2] = {a.seq_kv - 1, a.seq_kv - 1};
+    if (a.causal) lim[0] = min(lim[0], row0 + off), lim[1] = min(lim[1], row0 + 8 + off);
+
+    uint32_t qf[D / 16][4];
+    float o[D / 8][4];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    for (int j = 0; j < n_kt; ++j) {
+        cp_async_wait_all();
+        __syncthreads(); /* tile j landed for everyone; everyone is done with tile j - 1's stage */
+        if (j == 0) {
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], sQ + swz<C>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+        }
+        if (j + 1 < n_kt) {
+            const int st = (j + 1) & 1;
+            load_rows<T, BKV, D, NT>(sK + st * BKV * D, K, (j + 1) * BKV, a.seq_kv, tid);
+            load_rows<T, BKV, D, NT>(sV + st * BKV * D, V, (j + 1) * BKV, a.seq_kv, tid);
+        }
+        cp_async_commit();
+        const T *sKj = sK + (j & 1) * BKV * D, *sVj = sV + (j & 1) * BKV * D;
+
+        /* S = Q Kj^T: B[k = d][n = key] = K[key][d], K rows as stored (ldmatrix without .trans) */
+        float s[BKV / 8][4];
+#pragma unroll
+        for (int i = 0; i < BKV / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int np = 0; np < BKV / 16; ++np) {
+                uint32_t b[4];
+                ldmatrix_x4(b, sKj + swz<C>(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
+                mma_16816<T>(s[2 * np], qf[kk], b[0], b[1]);
+                mma_16816<T>(s[2 * np + 1], qf[kk], b[2], b[3]);
+            }
+        }
+
+        const int kv0 = j * BKV;
+        const bool masked = kv0 + BKV > a.seq_kv || (a.causal && kv0 + BKV - 1 > q0 + off);
+#pragma unroll
+        for (int nb = 0; nb < BKV / 8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[nb][e] *= a.scale_log2;
+                if (masked && kv0 + nb * 8 + 2 * t4 + (e & 1) > lim[e >> 1]) s[nb][e] = -INFINITY;
+            }
+        }
+
+        /* online softmax, rows r = 0 (g) and 1 (g + 8) */
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = m[r];
+#pragma unroll
+            for (int nb = 0; nb < BKV / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
+            mx = quad_max(mx);
+            const float ref = mx == -INFINITY ? 0.f : mx; /* all keys so far masked: P = 0, O and l stay 0 */
+            const float alpha = fast_exp2(m[r] - ref);
+            m[r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int nb = 0; nb < BKV / 8; ++nb) {
+                s[nb][2 * r] = fast_exp2(s[nb][2 * r] - ref);
+                s[nb][2 * r + 1] = fast_exp2(s[nb][2 * r + 1] - ref);
+                sum += s[nb][2 * r] + s[nb][2 * r + 1];
+            }
+            l[r] = l[r] * alpha + sum;
+#pragma unroll
+            for (int db = 0; db < D / 8; ++db) {
+                o[db][2 * r] *= alpha;
+                o[db][2 * r + 1] *= alpha;
+            }
+        }
+
+        /* O += round(P) Vj: P's accumulators of key blocks 2kk, 2kk+1 are the A fragment of key chunk kk;
+         * B[k = key][n = d] = V[key][d], V rows as stored, so ldmatrix .trans */
+#pragma unroll
+        for (int kk = 0; kk < BKV / 16; ++kk) {
+            const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
+                                    pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                    pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int dp = 0; dp < D / 16; ++dp) {
+                uint32_t b[4];
+                ldmatrix_x4_trans(b, sVj + swz<C>(kk * 16 + (lane & 7) + (lane & 8), dp * 2 + (lane >> 4)));
+                mma_16816<T>(o[2 * dp], pa, b[0], b[1]);
+                mma_16816<T>(o[2 * dp + 1], pa, b[2], b[3]);
+            }
+        }
+    }
+
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] = quad_sum(l[r]);
+        inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        if (t4 == 0 && row0 + 8 * r < a.seq_q)
+            L[row0 + 8 * r] = l[r] > 0.f ? m[r] * NATIVE_LN2 + logf(l[r]) : -INFINITY;
+    }
+    /* stage this warp's 16 output rows in its own rows of the Q tile (only this warp ever read them), then
+     * store whole 16-byte chunks */
+#pragma unroll
+    for (int db = 0; db < D / 8; ++db) {
+        *reinterpret_cast<uint32_t *>(sQ + swz<C>(warp * 16 + g, db) + 2 * t4) = pack2<T>(o[db][0] * inv[0], o[db][1] * inv[0]);
+        *reinterpret_cast<uint32_t *>(sQ + swz<C>(warp * 16 + g + 8, db) + 2 * t4) = pack2<T>(o[db][2] * inv[1], o[db][3] * inv[1]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int c = lane; c < 16 * C; c += 32) {
+        const int r = c / C, row = q0 + warp * 16 + r;
+        if (row < a.seq_q)
+            *reinterpret_cast<uint4 *>(O + (int64_t)row * D + c % C * 8) = *reinterpret_cast<const uint4 *>(sQ + swz<C>(warp * 16 + r, c % C));
+    }
+}
+
+/* ---------------------------------------------------------------- host entry points */
+
+template <typename T, int D, int BQ, int BKV> static fadev_status native_forward_launch(const native_fwd_args &a, int64_t ctas) {
+    constexpr int smem = native_fwd_smem<D, BQ, BKV>();
+    CUDA_TRY(cudaFuncSetAttribute(native_forward_kernel<T, D, BQ, BKV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    native_forward_kernel<T, D, BQ, BKV><<<(unsigned)ctas, BQ * 2, smem>>>(a);
+    CUDA_TRY(cudaGetLastError());
+    return FADEV_OK;
+}
+
+template <typename T> static fadev_status native_forward_dispatch(const fadev_native_params *p, native_fwd_args a) {
+    const int bq = p->block_q, bkv = p->block_kv;
+    a.n_qt = (int)((p->seq_q + bq - 1) / bq);
+    const int64_t ctas = p->batch * p->heads * a.n_qt;
+    if (p->dim == 64 && bq == 64 && bkv == 64) return native_forward_launch<T, 64, 64, 64>(a, ctas);
+    if (p->dim == 64 && bq == 128 && bkv == 64) return native_forward_launch<T, 64, 128, 64>(a, ctas);
+    if (p->dim == 64 && bq == 128 && bkv == 128) return native_forward_launch<T, 64, 128, 128>(a, ctas);
+    if (p->dim == 128 && bq == 64 && bkv == 64) return native_forward_launch<T, 128, 64, 64>(a, ctas);
+    if (p->dim == 128 && bq == 128 && bkv == 64) return native_forward_launch<T, 128, 128, 64>(a, ctas);
+    return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: tile not compiled");
+}
+
+extern "C" fadev_status fadev_cuda_native_tiles(int dim, int32_t *tiles, int max_pairs, int *count) {
+    if (!count || max_pairs < 0 || (max_pairs > 0 && !tiles))
+        return native_bad(FADEV_ERR_INVALID_ARGUMENT, "fadev_cuda_native_tiles: NULL count or tiles, or max_pairs < 0");
+    *count = native_tile_count(dim);
+    if (*count == 0) return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: dim must be 64 or 128");
+    for (int i = 0; i < *count && i < max_pairs; i++) {
+        tiles[2 * i] = native_tile_list(dim)[i][0];
+        tiles[2 * i + 1] = native_tile_list(dim)[i][1];
+    }
+    return FADEV_OK;
+}
+
+extern "C" fadev_status fadev_cuda_native_forward(const void *q, const void *k, const void *v, void *out, float *lse,
+                                                  const fadev_native_params *params) {
+    FADEV_TRY(fadev_cuda_require_device());
+    FADEV_TRY(native_validate(params));
+    if (!q || !k || !v || !out || !lse)
+        return native_bad(FADEV_ERR_INVALID_ARGUMENT, "fadev_cuda_native_forward: a NULL q, k, v, out or lse");
+    if (!native_aligned(q, 16) || !native_aligned(k, 16) || !native_aligned(v, 16) || !native_aligned(out, 16) ||
+        !native_aligned(lse, 4))
+        return native_bad(FADEV_ERR_INVALID_ARGUMENT,
+                          "fadev_cuda_native_forward: q, k, v, out must be 16-byte aligned and lse 4-byte aligned");
+    native_fwd_args a;
+    a.q = q, a.k = k, a.v = v, a.out = out, a.lse = lse;
+    a.heads = (int)params->heads, a.group = (int)(params->heads / params->heads_kv);
+    a.seq_q = (int)params->seq_q, a.seq_kv = (int)params->seq_kv, a.causal = params->causal;
+    a.n_qt = 0;
+    a.scale_log2 = (float)(params->scale * NATIVE_LOG2E);
+    FADEV_TRY(params->dtype == FADEV_NATIVE_FP16 ? native_forward_dispatch<__half>(params, a)
+                                                 : native_forward_dispatch<__nv_bfloat16>(params, a));
+    return fadev_cuda_finish("fadev_cuda_native_forward");
+}
