@@ -75,6 +75,7 @@ class BuildExt(build_ext):
             if nvcc:
                 ext.define_macros.append(("FADEV_WITH_CUDA", "1"))
                 ext.extra_objects.extend(self.compile_cuda(nvcc))
+                ext.depends.extend(glob.glob(os.path.join(ROOT, "cuda", "*.cu*")))  # relink when a kernel changes
                 libdirs = [os.path.join(home, d) for d in CUDA_LIB_DIRS]
                 ext.library_dirs.extend(d for d in libdirs if os.path.isdir(d))
                 ext.libraries.extend(["cudart_static", "rt", "dl"])

@@ -19,9 +19,15 @@ fadev_status fadev_cuda_fail_msg(fadev_status st, const char *message) {
 }
 
 fadev_status fadev_cuda_require_device(void) {
-    if (fadev_cuda_device_count() == 0)
-        return fadev_cuda_fail_msg(FADEV_ERR_NO_CUDA, "fadev was built with CUDA, but no CUDA device was found (or the driver cannot be used)");
-    return FADEV_OK;
+    int count = 0;
+    cudaError_t err = cudaGetDeviceCount(&count);
+    if (err == cudaSuccess && count > 0) return FADEV_OK;
+    char message[256];
+    /* no driver, a driver too old for this runtime, no device: CUDA's own words say which */
+    snprintf(message, sizeof message, "fadev was built with CUDA, but no CUDA device was found (cudaGetDeviceCount: %s)",
+             err == cudaSuccess ? "0 devices" : cudaGetErrorString(err));
+    cudaGetLastError();
+    return fadev_cuda_fail_msg(FADEV_ERR_NO_CUDA, message);
 }
 
 fadev_status fadev_cuda_finish(const char *where) {
