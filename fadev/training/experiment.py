@@ -90,8 +90,9 @@ def settings(size="quick", **overrides):
 
 
 def check_device(device):
-    """ValueError/RuntimeError unless ``device`` can run the experiment. fadev.torch computes attention on
-    CPU tensors only, so 'cuda' is refused with the reason (no CUDA device, or the bridge)."""
+    """ValueError/RuntimeError unless ``device`` can run the experiment. On 'cuda' the models and batches live on
+    the GPU and fadev.torch runs attention with fadev's GPU kernels (same bits as on the CPU); cuBLAS is put in
+    its deterministic mode (CUBLAS_WORKSPACE_CONFIG) so that lockstep runs stay comparable."""
     import fadev
     if device == "cpu":
         return
@@ -100,8 +101,11 @@ def check_device(device):
     if not fadev.cuda_available():
         raise RuntimeError("--device cuda: no CUDA device fadev can use (fadev.cuda_available() is False); run with "
                            "--device cpu")
-    raise RuntimeError("--device cuda: fadev.torch computes attention on CPU tensors only (its GPU kernels are not "
-                       "wired to PyTorch yet), so training drift runs with --device cpu for now")
+    import torch
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: this PyTorch has no CUDA (install a CUDA build of torch), or run with "
+                           "--device cpu")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # torch's deterministic cuBLAS needs it
 
 
 def run(size="quick", out="results", device="cpu", log=None, **overrides):
@@ -331,7 +335,7 @@ def add_subcommand(sub):
     size.add_argument("--full", dest="size", action="store_const", const="full",
                       help="larger model, 2000 updates, an fp16 run too")
     sp.set_defaults(size="quick")
-    sp.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default cpu (cuda: see the report)")
+    sp.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default cpu; cuda: models on the GPU, attention through fadev's GPU kernels")
     sp.add_argument("--out", default="results", metavar="DIR", help="output folder (default: results)")
     for key, quick in SIZES["quick"].items():
         if isinstance(quick, bool):
