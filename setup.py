@@ -5,6 +5,7 @@ Environment:
   FADEV_CUDA=1      require nvcc (error if it is missing)
   CUDA_HOME         CUDA toolkit root (else nvcc is looked up on PATH)
   FADEV_CFLAGS      extra C compiler flags (e.g. the sanitizer flags used by .ci/run)
+  FADEV_NVCC_FLAGS  extra nvcc flags (e.g. -DGOLDEN_BLOCK_N_64=64 to try another golden tile)
   FADEV_LDFLAGS     extra linker flags
   FADEV_CUDA_ARCH   space-separated SM numbers (default "80 90")
 
@@ -96,7 +97,7 @@ class BuildExt(build_ext):
             obj = os.path.join(build_dir, os.path.basename(src) + ".o")
             commands.append([nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "--fmad=false", "-Xcompiler", "-fPIC",
                              "-Xcompiler", "-ffp-contract=off", "-Xcompiler", "-fvisibility=hidden",
-                             "-cudart", "static", *gencode])
+                             "-cudart", "static", *gencode, *os.environ.get("FADEV_NVCC_FLAGS", "").split()])
         for cmd in commands:
             print(" ".join(cmd))
         # nvcc is slow per file and runs one process per file: compile them side by side

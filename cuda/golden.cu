@@ -31,6 +31,12 @@
 namespace {
 
 constexpr int MAX_WARPS = 8;
+#ifndef GOLDEN_MIN_BLOCKS
+#define GOLDEN_MIN_BLOCKS 1 /* CTAs per SM the register budget is sized for (__launch_bounds__) */
+#endif
+#ifndef GOLDEN_BLOCK_N_64
+#define GOLDEN_BLOCK_N_64 32 /* keys per tile for D <= 64 */
+#endif
 
 struct golden_args {
     const double *q, *k, *v;
@@ -108,7 +114,7 @@ __device__ __forceinline__ void zero_columns(double *dst, int lds, int rows, int
 }
 
 template <int DQK, int DV, int BLOCK_N>
-__global__ void __launch_bounds__(32 * MAX_WARPS, 1) golden_kernel(const golden_args a) {
+__global__ void __launch_bounds__(32 * MAX_WARPS, GOLDEN_MIN_BLOCKS) golden_kernel(const golden_args a) {
     constexpr int QS = DQK + 8, VS = DV + 2;
     constexpr int NT = BLOCK_N / 8; /* n-tiles of S = k-steps of P V */
     constexpr int KT = DQK / 8;     /* k-steps of S */
@@ -321,7 +327,7 @@ extern "C" fadev_status fadev_cuda_golden_attention(const double *q, const doubl
     else if (pr->dim <= 32)
         st = launch<32, 32, 32>(a, max_smem);
     else if (pr->dim <= 64)
-        st = launch<64, 64, 32>(a, max_smem);
+        st = launch<64, 64, GOLDEN_BLOCK_N_64>(a, max_smem);
     else if (pr->dim <= 128)
         st = launch<128, 128, 16>(a, max_smem);
     else
