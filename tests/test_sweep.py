@@ -86,7 +86,8 @@ def test_canonical_forms_and_keys():
     assert sweep.point_key({}) == sweep.point_key(dict((k, v) for k, (v, _) in sweep.PARAMS.items()))
 
 
-def test_validation_lists_every_problem_before_any_work(tmp_path):
+def test_validation_lists_every_problem_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(fadev, "cuda_available", lambda: False)  # the 'cuda' point's problem, on any machine
     points = [
         {"N": 16, "blok_kv": 8},                                          # unknown name, with a suggestion
         {"kernel": "flashy", "policy": "paper:bf17", "stage.pp": "fp32"},  # bad kernel, format, stage
