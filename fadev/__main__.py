@@ -4,10 +4,10 @@ Subcommands:
   demo   round a fixed random sample to every built-in format and print its deviation from the fp64
          original (max |d|, max relative, RMSE, relative L2, Wasserstein-1).
   sweep  run a parameter sweep from a TOML config, one row per point appended to a results file
-         (resumable; see fadev/sweep.py).
+         (resumable; see fadev/sweep/).
   reproduce  run the reproduction of Golden et al. (arXiv 2405.02803): experiments, figures, report.md;
-         precision, seqlen, algorithm, attribution, kernels, fp8 run one experiment each
-         (fadev/experiments/).
+         precision, seqlen, algorithm, attribution, kernels, fp8, ring, train-drift run one experiment
+         each (fadev/experiments/, one module per experiment).
 
 Each subcommand is a function ``cmd_NAME(args) -> int`` registered in :func:`build_parser`.
 """
@@ -19,6 +19,9 @@ import sys
 import numpy as np
 
 import fadev
+
+from .experiments.cli import add_subcommands as add_experiments
+from .sweep.cli import add_subcommand as add_sweep
 
 
 def _sample(n: int, seed: int) -> np.ndarray:
@@ -70,17 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--mode", default="rne", choices=["rne", "rtz", "stochastic"], help="rounding mode")
     demo.set_defaults(func=cmd_demo)
 
-    from .sweep_cli import add_subcommand as add_sweep  # sweep: run a TOML parameter sweep (fadev/sweep.py)
-    add_sweep(sub)
+    add_sweep(sub)  # sweep: run a TOML parameter sweep (fadev/sweep/)
 
-    from .experiments.cli import add_subcommands as add_experiments  # reproduce + one per experiment
-    add_experiments(sub)
-
-    from .ring_experiment import add_subcommand as add_ring  # ring: error vs ring size (fadev/ring_experiment.py)
-    add_ring(sub)
-
-    from .training.experiment import add_subcommand as add_train_drift  # train-drift (fadev/training/)
-    add_train_drift(sub)
+    add_experiments(sub)  # reproduce + one per experiment (fadev/experiments/)
     return parser
 
 

@@ -15,10 +15,10 @@ import torch
 
 import fadev
 from fadev.__main__ import main
-from fadev.resultfile import load
+from fadev.sweep.results import load
 from fadev.training import Pair, RunSpec, TrainConfig, config_key, track
 from fadev.training import digits
-from fadev.training.experiment import check_device, ratios, runs_and_pairs
+from fadev.experiments.train_drift import check_device, ratios, runs_and_pairs
 
 TINY = TrainConfig(width=16, heads=2, layers=1, batch=8, steps=6, log_every=2, eval_images=16)
 TILES = {"block_q": 8, "block_kv": 8}

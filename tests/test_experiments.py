@@ -11,7 +11,7 @@ import scipy.linalg
 
 import fadev
 from fadev import Policy, flash_attention, random_qkv
-from fadev.experiments import algorithm, attribution, common, fp8, kernels, precision, seqlen
+from fadev.experiments import algorithm, attribution, common, fp8, kernels, precision, ring, seqlen
 from fadev.experiments.quant import hadamard, quantize, random_signs
 
 U = 2.0**-53
@@ -219,7 +219,7 @@ def test_kernels_torch_backends_match_their_emulations():
         assert r[(f, "torch math")] == pytest.approx(r[(f, "emulated torch_math")], rel=0.05)
         assert 0.67 < r[(f, "torch flash")] / r[(f, "emulated fa2")] < 1.5
         assert 0.67 < r[(f, "torch math, reduced")] / r[(f, "emulated naive")] < 1.5
-    assert all(f.holds for f in kernels.findings(df, "cuda") if f.holds is not None)
+    assert all(f.holds for f in kernels.findings(df, device="cuda") if f.holds is not None)
 
 
 def test_fp8_hadamard_reduces_rmse_on_outliers():

@@ -14,7 +14,8 @@ import pandas as pd
 import pytest
 
 import fadev
-from fadev import sweep, sweep_cli
+from fadev import sweep
+from fadev.sweep import cli as sweep_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"N": 24, "D": 8, "heads": 2}
@@ -87,7 +88,7 @@ def test_canonical_forms_and_keys():
 
 
 def test_validation_lists_every_problem_before_any_work(tmp_path, monkeypatch):
-    monkeypatch.setattr(fadev, "cuda_available", lambda: False)  # the 'cuda' point's problem, on any machine
+    monkeypatch.setattr(sweep.schema, "cuda_available", lambda: False)  # the 'cuda' point's problem, on any machine
     points = [
         {"N": 16, "blok_kv": 8},                                          # unknown name, with a suggestion
         {"kernel": "flashy", "policy": "paper:bf17", "stage.pp": "fp32"},  # bad kernel, format, stage
@@ -139,7 +140,7 @@ def test_validation_lists_every_problem_before_any_work(tmp_path, monkeypatch):
 
 def test_cuda_device_needs_cuda_kernels(monkeypatch):
     """With a usable GPU, a point still needs its kernel registered for device 'cuda'."""
-    monkeypatch.setattr(fadev, "cuda_available", lambda: True)
+    monkeypatch.setattr(sweep.schema, "cuda_available", lambda: True)  # where validation looks it up
     monkeypatch.delitem(sweep.KERNELS, ("flash", "cuda"))
     monkeypatch.delitem(sweep.KERNELS, ("baseline", "cuda"))
     with pytest.raises(ValueError, match="(?s)kernel='flash' has no CUDA implementation.*ref_kernel='baseline' has no"):

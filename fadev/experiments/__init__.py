@@ -1,11 +1,24 @@
-"""Reproduction experiments: Golden et al., "Is Flash Attention Stable?" (arXiv 2405.02803), and beyond.
+"""Experiments: Golden et al., "Is Flash Attention Stable?" (arXiv 2405.02803), and beyond.
 
-Each experiment is a module with ``run(size, out, device, workers, progress, **overrides) -> DataFrame``
-(one aggregated row per configuration: mean/std over seeds), ``plot(df, out_dir) -> [paths]``,
-``findings(df) -> [Finding]``, its ``SIZES`` ("quick": minutes on a laptop CPU; "full": paper scale,
-for a many-core machine or a GPU) and ``TITLE``. Raw per-seed rows go to ``out/NAME.jsonl`` through
-:mod:`fadev.sweep` (resumable: rerunning skips finished points). :func:`reproduce` runs them all and
-writes the figures and ``report.md``.
+One experiment = one module of this package, registered in :data:`EXPERIMENTS`. Every module has:
+
+==============================================  =========================================================
+``NAME``, ``TITLE``                             file stem of its outputs (NAME.jsonl, NAME.csv, NAME.md;
+                                                subcommand ``python -m fadev NAME`` with ``_`` as ``-``)
+``INTRO``                                       the report's prose: what is run and why
+``SIZES``, ``SIZE_DOCS``                        {size: {parameter: value}} ("quick": minutes on a laptop
+                                                CPU; "full": paper scale), what each parameter means
+``FIGURES``                                     the stems of its figure files
+``REPRODUCE``                                   whether ``reproduce`` runs it by default
+``run(size, out, *, device, workers,            one aggregated row per configuration; raw rows in
+progress, **overrides) -> DataFrame``           out/NAME.jsonl (resumable: finished points are skipped)
+``findings(df, *, device) -> [Finding]``        each claim with our number, the paper's, a verdict
+``table(df) -> str``                            the report's Markdown table
+``figures(df, out_dir) -> [paths]``             the figures, PNG and SVG
+==============================================  =========================================================
+
+:func:`reproduce` runs them and writes report.md through :mod:`fadev.report`, which knows none of them.
+Adding an experiment: one module with the attributes above and one entry in :data:`EXPERIMENTS`.
 
 ============  =====================================================================================
 precision     Figs 3-4: flash under paper(F) vs baseline under naive(F), each vs golden, per format
@@ -14,6 +27,9 @@ algorithm     Fig 6: tile area, swapped and non-square tiles, block_q, SRAM rule
 attribution   which policy stage is to blame: raise / lower one stage at a time
 kernels       presets of real kernels (fa2, fa1, naive, torch_math) vs golden; PyTorch SDPA on a GPU
 fp8           FlashAttention-3 Table 3: outlier inputs, fp16 and fp8 with scaling and Hadamard rotation
+ring          ring attention's error vs the number of ranks, and candidate causes (not in reproduce)
+train_drift   Section 5: weight drift of training with flash vs baseline attention (PyTorch; not in
+              reproduce)
 ============  =====================================================================================
 """
 from __future__ import annotations
@@ -21,50 +37,74 @@ from __future__ import annotations
 import os
 import time
 
-from . import algorithm, attribution, fp8, kernels, precision, seqlen
-from .common import Finding
+from .. import report
+from . import algorithm, attribution, fp8, kernels, precision, ring, seqlen, train_drift
+from .common import METHOD, PAPER, Finding, torch_cuda
 from .quant import hadamard, quantize, random_signs
 
-EXPERIMENTS = {m.NAME: m for m in (precision, seqlen, algorithm, attribution, kernels, fp8)}
+EXPERIMENTS = {m.NAME: m for m in (precision, seqlen, algorithm, attribution, kernels, fp8, ring, train_drift)}
 """{name: module} in report order."""
+
+
+def _experiment(name):
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; known: {', '.join(EXPERIMENTS)}")
+    return EXPERIMENTS[name]
 
 
 def run(name, size="quick", out=None, device="cpu", workers=1, progress=False, **overrides):
     """Run one experiment by name; returns its DataFrame (see the module's ``run``)."""
-    if name not in EXPERIMENTS:
-        raise ValueError(f"unknown experiment {name!r}; known: {', '.join(EXPERIMENTS)}")
-    return EXPERIMENTS[name].run(size, out=out, device=device, workers=workers, progress=progress, **overrides)
+    return _experiment(name).run(size, out, device=device, workers=workers, progress=progress, **overrides)
 
 
 def findings(name, df, device="cpu"):
-    mod = EXPERIMENTS[name]
-    return mod.findings(df, device) if name == "kernels" else mod.findings(df)
+    """The findings of experiment ``name`` from its DataFrame."""
+    return _experiment(name).findings(df, device=device)
+
+
+def run_one(name, size="quick", out="results", device="cpu", workers=1, progress=False, **overrides) -> dict:
+    """Run one experiment and write out/NAME.csv and its figures; returns {"experiment", "df", "figures",
+    "findings", "seconds"} (a result for :func:`document`)."""
+    exp = _experiment(name)
+    start = time.perf_counter()
+    os.makedirs(out, exist_ok=True)
+    df = exp.run(size, out, device=device, workers=workers, progress=progress, **overrides)
+    df.to_csv(os.path.join(out, f"{name}.csv"), index=False)
+    figures = exp.figures(df, out)
+    return {"experiment": exp, "df": df, "figures": figures, "findings": exp.findings(df, device=device),
+            "seconds": time.perf_counter() - start}
+
+
+def document(path, results, size="quick", device="cpu", command=None, title=None):
+    """Write the Markdown report of ``results`` ({name: run_one's result}) to ``path``; returns the path.
+    ``command``: how to regenerate it (default: ``python -m fadev reproduce``); ``title``: the heading
+    (default: the reproduction's)."""
+    return report.write(path, results, title=title or f"Reproducing {PAPER} with fadev",
+                        command=command or f"python -m fadev reproduce --{size} --out DIR", size=size, device=device,
+                        device_note=" (PyTorch sees a GPU)" if torch_cuda() else "", preamble=[METHOD])
 
 
 def reproduce(size="quick", out="results", device="cpu", only=None, workers=1, progress=False, log=None):
-    """Run the experiments (all, or the names in ``only``), write out/NAME.jsonl (raw rows), out/NAME.csv
-    (the aggregated table), the figures (PNG and SVG) and out/report.md. Returns {name: {"df", "figures",
-    "findings", "seconds"}}. ``log``: a callable taking a line of progress text (e.g. print)."""
-    from .. import report
-    names = list(EXPERIMENTS) if not only else list(only)
+    """Run the experiments (those with ``REPRODUCE``, or the names in ``only``), write out/NAME.jsonl (raw
+    rows), out/NAME.csv (the aggregated table), the figures (PNG and SVG) and out/report.md. Returns {name:
+    {"experiment", "df", "figures", "findings", "seconds"}}. ``log``: a callable taking a line of progress
+    text (e.g. print)."""
+    names = [n for n, m in EXPERIMENTS.items() if m.REPRODUCE] if not only else list(only)
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
         raise ValueError(f"unknown experiment(s) {', '.join(map(repr, unknown))}; known: {', '.join(EXPERIMENTS)}")
     os.makedirs(out, exist_ok=True)
     results = {}
     for name in names:
-        start = time.perf_counter()
         if log:
             log(f"[{name}] {EXPERIMENTS[name].TITLE} ({size}) ...")
-        df = run(name, size, out=out, device=device, workers=workers, progress=progress)
-        df.to_csv(os.path.join(out, f"{name}.csv"), index=False)
-        figures = EXPERIMENTS[name].plot(df, out)
-        results[name] = {"df": df, "figures": figures, "findings": findings(name, df, device),
-                         "seconds": time.perf_counter() - start}
+        results[name] = run_one(name, size, out, device, workers, progress)
         if log:
-            log(f"[{name}] done in {results[name]['seconds']:.1f} s: {len(df)} rows, {len(figures)} figure files")
-    report.write(os.path.join(out, "report.md"), results, size=size, device=device)
+            r = results[name]
+            log(f"[{name}] done in {r['seconds']:.1f} s: {len(r['df'])} rows, {len(r['figures'])} figure files")
+    document(os.path.join(out, "report.md"), results, size, device)
     return results
 
 
-__all__ = ["EXPERIMENTS", "Finding", "run", "findings", "reproduce", "hadamard", "quantize", "random_signs"]
+__all__ = ["EXPERIMENTS", "Finding", "run", "findings", "run_one", "document", "reproduce", "hadamard", "quantize",
+           "random_signs"]

@@ -25,9 +25,12 @@ statistic (tests/test_experiments.py checks the outputs bit for bit).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pandas as pd
 
+from .. import plots, report
 from . import common
 from .common import Finding
 from .precision import tidy
@@ -36,10 +39,38 @@ NAME = "algorithm"
 TITLE = "Algorithm and tiling (Fig 6)"
 FIGURES = ("fig6_algorithm",)
 
+INTRO = (
+    'One knob changed at a time from flash under `paper(bf16)` with 64 x 64 tiles (and `fa2(bf16)` where '
+    "FlashAttention-2 sets a knob differently).\n\n**Which knobs change nothing, and why.** Each query row's "
+    'output depends only on that row, the keys and the values: grouping rows into query blocks (`block_q`, '
+    'Br) and the order in which query blocks and K/V blocks are visited (`loop_order`) cannot change a '
+    'single rounding of a row. What a row sees is the sequence of its K/V blocks -- their size `block_kv` '
+    '(Bc: how many block sums are added into the running l and O, each addition rounded) -- the '
+    'normalisation form (eager divides O every block), the exp form (exp2 rounds a different constant into '
+    'the scale), and the `state` format, the format O and l are written to memory in between K/V blocks, '
+    'which only the kv_outer (FlashAttention-1) order uses. The table shows it: rows marked in `same as` are '
+    'equal to the last bit in all 16 recorded statistics for every seed (the tests check the outputs bit for '
+    "bit). The paper's tile findings are block_kv findings: a larger tile area or the FA1 SRAM rule's larger "
+    "M raises Bc; swapping Br > Bc lowers it; 'square vs non-square' changes nothing as long as Bc stays.")
+"""The report's prose before the figures."""
+
+COLUMNS = [
+    ('group', 'group', 's'), ('variant', 'variant', 's'), ('block_q', 'Br', 'd'), ('block_kv', 'Bc', 'd'),
+    ('loop_order', 'loop', 's'), ('normalize', 'norm', 's'), ('exp', 'exp', 's'), ('state', 'state', 's'),
+    ('flash_vs_golden.rmse', 'RMSE vs golden', 'e6'), ('flash_vs_baseline.max_abs', 'max |flash - baseline|', 'e'),
+    ('same_as', 'same as', 's'),
+]
+"""The report table's columns: (column or column stem with .mean/.std, header, style); see fadev.report.table."""
+
+
+REPRODUCE = True
+"""Part of ``python -m fadev reproduce``'s default set."""
+
 SIZES = {
     "quick": {"fmt": "bf16", "N": 16384, "n_query": 64, "D": 64, "seeds": 3},
     "full": {"fmt": "bf16", "N": 16384, "n_query": 1024, "D": 64, "seeds": 10},
 }
+SIZE_DOCS = common.SIZE_DOCS
 
 GROUPS = ("tile area", "swap", "equal area", "block_q", "sram", "loop order", "normalize", "exp")
 
@@ -81,7 +112,7 @@ def variants(fmt="bf16", D=64):
     return out
 
 
-def run(size="quick", out=None, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
     """One row per (group, variant): its settings, mean/std over seeds of flash_vs_golden.*,
     flash_vs_baseline.* (baseline under naive(F)), and ``same_as``: the variant of the same group (or of
     the same policy within a group) whose output is identical in every recorded statistic for every seed
@@ -137,7 +168,7 @@ def _dev(df, group, label, metric="flash_vs_golden.rmse.mean"):
     return float(r[metric].iloc[0]) if len(r) else np.nan
 
 
-def findings(df) -> list:
+def findings(df, *, device="cpu") -> list:
     out = []
     area = df[df["group"] == "tile area"]
     if len(area) > 1:
@@ -185,7 +216,7 @@ def findings(df) -> list:
         text = ("kv_outer == q_outer bit for bit under paper(bf16) and fa2(bf16) (state unset); " +
                 "; ".join(f"{v}: RMSE {dev[v]:.2e} vs fa2 q_outer {dev['fa2 q_outer']:.2e}" for v in state_label))
         out.append(Finding("loop order changes nothing unless the state format differs", text,
-                           "(not a paper claim: DESIGN.md's \"only block_kv, normalisation, exp form and state "
+                           "(not a paper claim: docs/design.md's \"only block_kv, normalisation, exp form and state "
                            "matter\")", ok))
     for group, a, b in (("normalize", "deferred", "eager"), ("exp", "exp", "exp2")):
         g = df[df["group"] == group]
@@ -198,6 +229,58 @@ def findings(df) -> list:
     return out
 
 
-def plot(df, stem_dir):
-    from .. import plots
-    return plots.plot_algorithm(df, stem_dir)
+def table(df) -> str:
+    return report.table(df, COLUMNS)
+
+
+_GROUP_TITLES = {"tile area": "Tile area (Br = Bc)", "swap": "Swapped block dims (Br×Bc)",
+                 "equal area": "Equal area, shape varies", "block_q": "block_q alone (Bc = 64)",
+                 "sram": "FA1 rule: SRAM size M", "loop order": "Loop order / state format",
+                 "normalize": "Normalisation", "exp": "exp vs exp2"}
+
+
+def fig_algorithm(df):
+    """Fig 6: one panel per knob group; bars = flash RMSE vs golden (log y, shared), identical outputs
+    hatched and labelled '≡ reference'."""
+    groups = list(dict.fromkeys(df["group"]))
+    ncols = 4
+    nrows = -(-len(groups) // ncols)
+    fig, axes = plots.figure(13, 3.5 * nrows, nrows, ncols, sharey=True)
+    vals = plots.positive(df["flash_vs_golden.rmse.mean"])
+    lo, hi = np.nanmin(vals) / 3, np.nanmax(vals) * 6
+    for ax, group in zip(axes.ravel(), groups):
+        g = df[df["group"] == group]
+        x = np.arange(len(g))
+        colors = [plots.COLORS["baseline"] if str(p).startswith("fa2") else plots.COLORS["flash"] for p in g["policy"]]
+        bars = ax.bar(x, plots.positive(g["flash_vs_golden.rmse.mean"]), yerr=plots.errors(g, "flash_vs_golden.rmse"),
+                      capsize=2, color=colors)
+        for bar, same in zip(bars, g["same_as"]):
+            if same:
+                bar.set_hatch("//")
+                bar.set_edgecolor("white")
+                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() * 1.25, "≡", ha="center", fontsize=11)
+        ax.set_xticks(x, [v.replace(" (swapped)", "\nswapped").replace(", state=", "\nstate=").replace(" (", "\n(")
+                          for v in g["variant"]], rotation=0 if len(g) <= 3 else 35, ha="center" if len(g) <= 3
+                      else "right", fontsize=7.5)
+        ax.set_yscale("log")
+        ax.set_ylim(lo, hi)
+        ax.set_title(_GROUP_TITLES.get(group, group))
+    for ax in axes.ravel()[len(groups):]:
+        ax.set_visible(False)
+    for row in axes:
+        row[0].set_ylabel("RMSE vs golden")
+    from matplotlib.patches import Patch
+    fig.legend(handles=[Patch(color=plots.COLORS["flash"], label="paper(bf16)"), Patch(color=plots.COLORS["baseline"],
+                                                                                 label="fa2(bf16)"),
+                        Patch(facecolor="#cccccc", hatch="//", edgecolor="white",
+                              label="≡ bit-identical to a bar on its left")],
+               loc="outside lower center", ncols=3, fontsize=9)
+    r = df.iloc[0]
+    fig.suptitle(f"Flash attention knobs, bf16, N={int(r['N'])}, D={int(r['D'])}: only block_kv, normalisation, "
+                 f"exp form and the state format can matter")
+    return fig
+
+
+def figures(df, out_dir):
+    """Draw and save the figures (PNG and SVG); returns their paths."""
+    return plots.save(fig_algorithm(df), os.path.join(out_dir, "fig6_algorithm"))

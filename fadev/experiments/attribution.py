@@ -15,9 +15,12 @@ inputs are drawn exactly in F, so ``input`` never matters here; ``state`` only a
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pandas as pd
 
+from .. import plots, report
 from ..policy import STAGES, Policy
 from . import common
 from .common import Finding
@@ -26,12 +29,30 @@ NAME = "attribution"
 TITLE = "Attribution by stage (beyond the paper)"
 FIGURES = ("attribution",)
 
+INTRO = (
+    'Which intermediate is to blame. `raise`: from `paper(F)`, one stage at a time to fp32 (share = fraction '
+    "of the start's mean squared error removed: 1 - (rmse/rmse_start)^2). `lower`: from `fa2(F)`, one stage "
+    "at a time to F (share = that stage's added MSE over all stages' added MSE). Stages already in the "
+    'target format are left out; inputs are exact in F, so `input` never matters here.')
+"""The report's prose before the figures."""
+
+COLUMNS = [
+    ('format', 'format', 's'), ('direction', 'walk', 's'), ('stage', 'stage', 's'),
+    ('flash_vs_golden.rmse', 'RMSE vs golden', 'pm'), ('ratio', '/ start', 'x'), ('share', 'share', '%'),
+]
+"""The report table's columns: (column or column stem with .mean/.std, header, style); see fadev.report.table."""
+
+
+REPRODUCE = True
+"""Part of ``python -m fadev reproduce``'s default set."""
+
 SIZES = {
     "quick": {"formats": ("bf16", "fp16"), "N": 16384, "n_query": 64, "D": 64, "block_q": 64, "block_kv": 64,
               "seeds": 3},
     "full": {"formats": ("bf16", "fp16"), "N": 16384, "n_query": 1024, "D": 64, "block_q": 64, "block_kv": 64,
              "seeds": 10},
 }
+SIZE_DOCS = common.SIZE_DOCS
 
 WALKS = {"raise": ("paper", "fp32"), "lower": ("fa2", None)}
 """direction: (start preset, target format; None = the input format F)."""
@@ -44,7 +65,7 @@ def stages_to_change(start, fmt, target):
     return [s for s in STAGES if s not in ("input", "state") and getattr(pol, s).name != target]
 
 
-def run(size="quick", out=None, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
     """One row per (format, direction, stage) (stage 'none' = the start policy): mean/std over seeds of
     flash_vs_golden.rmse and .max_abs, ``ratio`` = rmse / rmse of the start, ``share`` (module docstring).
     Results in out/attribution.jsonl."""
@@ -83,7 +104,7 @@ def run(size="quick", out=None, device="cpu", workers=1, progress=False, **overr
     return df
 
 
-def findings(df) -> list:
+def findings(df, *, device="cpu") -> list:
     out = []
     for (fmt, direction), g in df.groupby(["format", "direction"], sort=False):
         g = g[g["stage"] != "none"].sort_values("share", ascending=False)
@@ -100,6 +121,45 @@ def findings(df) -> list:
     return out
 
 
-def plot(df, stem_dir):
-    from .. import plots
-    return plots.plot_attribution(df, stem_dir)
+def table(df) -> str:
+    return report.table(df, COLUMNS)
+
+
+def fig_attribution(df):
+    """Bars per stage: RMSE relative to the start policy (log x; < 1: raising the stage helps, > 1:
+    lowering it hurts), share of the MSE annotated; rows = direction, columns = format."""
+    fmts = list(dict.fromkeys(df["format"]))
+    dirs = [d for d in ("raise", "lower") if d in set(df["direction"])]
+    fig, axes = plots.figure(5.2 * len(fmts), 3.6 * len(dirs), len(dirs), len(fmts))
+    for i, direction in enumerate(dirs):
+        for j, fmt in enumerate(fmts):
+            ax = axes[i, j]
+            g = df[(df["format"] == fmt) & (df["direction"] == direction) & (df["stage"] != "none")]
+            start = df[(df["format"] == fmt) & (df["direction"] == direction) & (df["stage"] == "none")]
+            y = np.arange(len(g))
+            ratio = g["ratio"].to_numpy(dtype=float)
+            color = plots.COLORS["diff"] if direction == "raise" else plots.COLORS["flash"]
+            ax.barh(y, ratio - 1, left=1, color=color, height=0.65)
+            for yi, r, share in zip(y, ratio, g["share"]):
+                label = "0%" if abs(share) < 0.005 else f"{share:.0%}"
+                ax.text(r * (1.04 if r >= 1 else 0.96), yi, label, va="center",
+                        ha="left" if r >= 1 else "right", fontsize=8)
+            ax.axvline(1, color="black", lw=0.8)
+            ax.set_xscale("log")
+            lo, hi = min(np.nanmin(ratio), 1) / 1.6, max(np.nanmax(ratio), 1) * 1.6
+            ax.set_xlim(lo, hi)
+            ax.set_yticks(y, g["stage"])
+            ax.invert_yaxis()
+            rm = float(start["flash_vs_golden.rmse.mean"].iloc[0]) if len(start) else np.nan
+            if direction == "raise":
+                ax.set_title(f"paper({fmt}) (RMSE {rm:.1e}): raise one stage to fp32")
+                ax.set_xlabel("RMSE / RMSE of paper(F)   (labels: share of MSE removed)")
+            else:
+                ax.set_title(f"fa2({fmt}) (RMSE {rm:.1e}): lower one stage to {fmt}")
+                ax.set_xlabel("RMSE / RMSE of fa2(F)   (labels: share of MSE added)")
+    return fig
+
+
+def figures(df, out_dir):
+    """Draw and save the figures (PNG and SVG); returns their paths."""
+    return plots.save(fig_attribution(df), os.path.join(out_dir, "attribution"))

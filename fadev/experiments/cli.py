@@ -1,10 +1,11 @@
-"""Command-line subcommands of the reproduction: ``reproduce`` and one per experiment.
+"""Command-line subcommands of the experiments: ``reproduce`` and one per experiment.
 
 ``python -m fadev reproduce [--quick|--full] [--device cpu|cuda] [--out DIR] [--only NAME,...]`` runs the
 experiments and writes DIR/report.md; ``python -m fadev NAME [...]`` runs one experiment (its size
 parameters can be overridden one by one, e.g. ``python -m fadev seqlen --Ns 128,1024 --seeds 2``) and
-writes DIR/NAME.md next to its results and figures. fadev/__main__.py registers them through
-:func:`add_subcommands`.
+writes DIR/NAME.md next to its results and figures; NAME's underscores are written as dashes
+(``train-drift``). Every experiment's subcommand is built the same way from its module (SIZES,
+SIZE_DOCS, the docstring). fadev/__main__.py registers them through :func:`add_subcommands`.
 """
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ import os
 import sys
 import time
 
-from . import EXPERIMENTS, reproduce
-from ..sweep_cli import positive_int
-from .common import SIZE_DOCS
+from ..sweep.cli import positive_int
+from . import EXPERIMENTS, document, reproduce, run_one
 
 
 def _int_list(text):
@@ -43,39 +43,53 @@ def _names(text):
     return names
 
 
-def _common(sp):
-    size = sp.add_mutually_exclusive_group()
-    size.add_argument("--quick", dest="size", action="store_const", const="quick",
-                      help="small sizes: minutes on a laptop CPU (the default)")
-    size.add_argument("--full", dest="size", action="store_const", const="full",
-                      help="paper-scale sizes (more query rows, longer sequences, more seeds): for a many-core "
-                           "machine or a GPU")
+SIZE_HELP = {"quick": "small sizes: minutes on a laptop CPU (the default)",
+             "full": "paper-scale sizes (more query rows, longer sequences, more seeds): for a many-core machine or "
+                     "a GPU"}
+
+
+def _common(sp, sizes=("quick", "full")):
+    """The options every experiment command shares: --SIZE for each size, --device, --out, --workers,
+    --no-progress (``sizes``: {size: parameters} or names)."""
+    group = sp.add_mutually_exclusive_group()
+    for size in sizes:
+        if isinstance(sizes, dict):
+            text = f"{size} sizes{' (the default)' if size == 'quick' else ''}: " + \
+                ", ".join(f"{k}={_shown(v)}" for k, v in sizes[size].items())
+        else:
+            text = SIZE_HELP[size]
+        group.add_argument(f"--{size}", dest="size", action="store_const", const=size, help=text)
     sp.set_defaults(size="quick")
     sp.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cuda: also measure PyTorch's real SDPA kernels (experiment 'kernels') where PyTorch sees "
                          "a GPU, and run fadev's emulation on the GPU where fadev has CUDA attention kernels "
-                         "(else on the CPU); default cpu")
+                         "(else on the CPU; train-drift: models and attention on the GPU); default cpu")
     sp.add_argument("--out", default="results", metavar="DIR",
                     help="output folder for results (NAME.jsonl raw rows, resumable; NAME.csv tables), figures "
                          "(PNG + SVG) and the report (default: results)")
     sp.add_argument("--workers", type=positive_int, default=1,
                     help="worker processes for the sweep engine (default 1: one process, the C kernels use every "
                          "core)")
-    sp.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars on stderr")
+    sp.add_argument("--no-progress", dest="progress", action="store_false", help="no progress output on stderr")
 
 
-def _size_option(sp, key, quick, full):
-    """--KEY overriding one size parameter, typed from its quick value."""
-    if isinstance(quick, tuple) and quick and isinstance(quick[0], int):
-        kind, shown = _int_list, lambda v: ",".join(map(str, v))
-    elif isinstance(quick, tuple):
-        kind, shown = _str_list, lambda v: ",".join(v)
-    elif isinstance(quick, int):
-        kind, shown = positive_int, str
+def _shown(v):
+    return ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def _size_option(sp, key, quick, full, doc):
+    """--KEY (and --KEY-WITH-DASHES) overriding one size parameter, typed from its quick value."""
+    names = [f"--{key}"] + ([f"--{key.replace('_', '-')}"] if "_" in key else [])
+    help_text = f"{doc} (quick: {_shown(quick)}; full: {_shown(full)})"
+    if isinstance(quick, bool):
+        sp.add_argument(*names, dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        return
+    if isinstance(quick, tuple):
+        kind = _int_list if quick and isinstance(quick[0], int) else _str_list
     else:
-        kind, shown = str, str
-    sp.add_argument(f"--{key}", type=kind, default=None, metavar=key.upper() if kind in (positive_int, str) else "A,B,...",
-                    help=f"{SIZE_DOCS.get(key, key)} (quick: {shown(quick)}; full: {shown(full)})")
+        kind = {int: positive_int, float: float}.get(type(quick), str)
+    sp.add_argument(*names, dest=key, type=kind, default=None, help=help_text,
+                    metavar="A,B,..." if isinstance(quick, tuple) else key.upper())
 
 
 def cmd_reproduce(args) -> int:
@@ -83,7 +97,7 @@ def cmd_reproduce(args) -> int:
     try:
         results = reproduce(args.size, args.out, args.device, only=args.only, workers=args.workers,
                             progress=args.progress, log=lambda line: print(line, flush=True))
-    except (OSError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError, ImportError) as e:
         print(f"fadev reproduce: {e}", file=sys.stderr)
         return 1
     held = [f for r in results.values() for f in r["findings"] if f.holds is not None]
@@ -93,49 +107,47 @@ def cmd_reproduce(args) -> int:
     return 0
 
 
-def _cmd_experiment(name):
+def _cmd_experiment(name, command):
     def cmd(args) -> int:
-        from .. import report
-        mod = EXPERIMENTS[name]
-        overrides = {k: getattr(args, k) for k in mod.SIZES["quick"] if getattr(args, k, None) is not None}
-        start = time.perf_counter()
+        exp = EXPERIMENTS[name]
+        overrides = {k: getattr(args, k) for k in exp.SIZES[args.size] if getattr(args, k, None) is not None}
         try:
-            df = mod.run(args.size, out=args.out, device=args.device, workers=args.workers, progress=args.progress,
-                         **overrides)
-        except (OSError, ValueError, RuntimeError) as e:
-            print(f"fadev {name}: {e}", file=sys.stderr)
+            result = run_one(name, args.size, args.out, args.device, args.workers, args.progress, **overrides)
+        except (OSError, ValueError, RuntimeError, ImportError) as e:
+            print(f"fadev {command}: {e}", file=sys.stderr)
             return 1
-        df.to_csv(os.path.join(args.out, f"{name}.csv"), index=False)
-        figures = mod.plot(df, args.out)
-        from . import findings
-        found = findings(name, df, args.device)
-        result = {name: {"df": df, "figures": figures, "findings": found, "seconds": time.perf_counter() - start}}
-        path = report.write(os.path.join(args.out, f"{name}.md"), result, size=args.size, device=args.device)
-        for f in found:
+        path = document(os.path.join(args.out, f"{name}.md"), {name: result}, args.size, args.device,
+                        command=f"python -m fadev {command} --{args.size} --out DIR",
+                        title=f"fadev {command}: {exp.TITLE}")
+        for f in result["findings"]:
             print(f.markdown())
-        print(f"\n{len(df)} rows in {os.path.join(args.out, name + '.csv')}; figures: "
-              f"{', '.join(os.path.basename(p) for p in figures)}; report: {path}")
+        print(f"\n{len(result['df'])} rows in {os.path.join(args.out, name + '.csv')}; figures: "
+              f"{', '.join(os.path.basename(p) for p in result['figures'])}; report: {path} "
+              f"({result['seconds']:.0f} s)")
         return 0
     return cmd
 
 
 def add_subcommands(sub):
     """Register ``reproduce`` and the experiment subcommands on an argparse subparsers object."""
+    default = [n for n, m in EXPERIMENTS.items() if m.REPRODUCE]
     sp = sub.add_parser(
         "reproduce", help="reproduce Golden et al. (arXiv 2405.02803) and more: experiments, figures, report.md",
-        description="Run the reproduction experiments (" + ", ".join(EXPERIMENTS) + "), write their raw rows "
+        description="Run the reproduction experiments (" + ", ".join(default) + "; --only adds " +
+                    ", ".join(n for n in EXPERIMENTS if n not in default) + "), write their raw rows "
                     "(DIR/NAME.jsonl, resumable), tables (DIR/NAME.csv), figures (PNG and SVG) and DIR/report.md, "
                     "which states each finding with our number next to the paper's claim and whether it holds.")
     _common(sp)
     sp.add_argument("--only", type=_names, default=None, metavar="NAME,...",
                     help="run only these experiments (comma-separated): " + ", ".join(EXPERIMENTS))
     sp.set_defaults(func=cmd_reproduce)
-    for name, mod in EXPERIMENTS.items():
-        doc = (mod.__doc__ or "").strip().split("\n\n")
-        ep = sub.add_parser(name, help=doc[0].split(":", 1)[-1].strip().rstrip("."),
+    for name, exp in EXPERIMENTS.items():
+        command = name.replace("_", "-")
+        doc = (exp.__doc__ or "").strip().split("\n\n")
+        ep = sub.add_parser(command, help=doc[0].split(":", 1)[-1].strip().rstrip("."),
                             description=" ".join(" ".join(doc[:2]).split()) + " Writes DIR/" + name + ".jsonl, "
                             f"DIR/{name}.csv, the figures and DIR/{name}.md.")
-        _common(ep)
-        for key, quick in mod.SIZES["quick"].items():
-            _size_option(ep, key, quick, mod.SIZES["full"][key])
-        ep.set_defaults(func=_cmd_experiment(name))
+        _common(ep, exp.SIZES)
+        for key, quick in exp.SIZES["quick"].items():
+            _size_option(ep, key, quick, exp.SIZES["full"][key], exp.SIZE_DOCS.get(key, key))
+        ep.set_defaults(func=_cmd_experiment(name, command))

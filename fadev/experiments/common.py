@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from .. import sweep
+from .. import cuda_available, sweep
 from ..attention import baseline_attention, random_qkv
 from ..metrics import compare
 from ..policy import Policy
@@ -58,9 +58,21 @@ def fingerprint(arr) -> str:
     return hashlib.sha1(np.ascontiguousarray(arr, dtype=np.float64).tobytes()).hexdigest()[:16]
 
 
-def check_size(size):
-    if size not in ("quick", "full"):
-        raise ValueError(f"size must be 'quick' or 'full', got {size!r}")
+PAPER = "Golden et al., \"Is Flash Attention Stable?\", arXiv 2405.02803"
+
+METHOD = (
+    "Method. Every arithmetic result is rounded to the format of the stage it belongs to (fadev's precision "
+    "policies, docs/design.md); deviations are measured against an fp64 golden run on the same inputs and "
+    "averaged over input seeds (± = standard deviation over seeds). Query rows are independent, so each "
+    "experiment computes a sample of query rows (`n_query`) against all N keys: the statistics are those of "
+    "the full N x N attention at O(n_query N D) cost (fadev/experiments/common.py).")
+"""The paragraph that opens a report of the paper experiments."""
+
+
+def check_size(size, table=("quick", "full")):
+    """``size`` if it names one of ``table``'s sizes, else ValueError."""
+    if size not in table:
+        raise ValueError(f"size must be {' or '.join(map(repr, table))}, got {size!r}")
     return size
 
 
@@ -159,7 +171,7 @@ class Finding:
 
 def sizes(table, size, overrides=None):
     """table[size] with ``overrides`` (non-None values) applied; unknown override names are an error."""
-    chosen = dict(table[check_size(size)])
+    chosen = dict(table[check_size(size, table)])
     for name, value in (overrides or {}).items():
         if name not in chosen:
             raise ValueError(f"unknown size parameter {name!r}; known: {', '.join(chosen)}")
@@ -178,7 +190,6 @@ def sweep_device(device):
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if device == "cuda":
-        from .. import cuda_available
         if cuda_available() and all((k, "cuda") in sweep.KERNELS for k in ("flash", "baseline")):
             return "cuda"
     return "cpu"

@@ -21,10 +21,12 @@ into the kernel (input stage fp64: the scales' product is applied exactly):
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pandas as pd
 
+from .. import plots, report
 from ..attention import baseline_attention, flash_attention, random_qkv
 from ..policy import Policy
 from . import common
@@ -35,10 +37,36 @@ NAME = "fp8"
 TITLE = "FP8 and outliers (FlashAttention-3 Table 3)"
 FIGURES = ("fa3_table3",)
 
+INTRO = (
+    'FlashAttention-3 §4.3 / Table 3: inputs N(0, 1) + N(0, 100) x Bernoulli(0.001) '
+    '(`random_qkv(dist="outlier")`), drawn in fp16; RMSE against fp64 attention on the same fp16 values. fp8 '
+    '= E4M3 with **per-tensor scaling** (one scale amax/448 per (batch, head) matrix: x is stored as '
+    'round_e4m3(x / s) and used as s * that) or **block quantisation** (one scale per block of rows: block_q '
+    "= 128 rows of Q, block_kv = 128 rows of K and V). **Hadamard** = FA3's incoherent processing: random "
+    '+-1 signs, then the normalised Walsh-Hadamard transform along D (csrc/hadamard.c, D log2 D fp64 '
+    'butterflies) applied to Q and K before quantisation (Q K^T is unchanged in exact arithmetic). Baseline '
+    'fp8 = `naive(fp16)` with P cast to fp8 for the P.V product (FA3: per-tensor scaling, fp32 matmul '
+    'accumulators, softmax results in fp16); FA3 fp8 = flash under `fa2(fp8_e4m3)` (fp32 scores, statistics '
+    "and accumulators; P in fp8), output in bf16, 128 x 128 tiles. FA3's fp16 path has FA2's numerics with "
+    'other tiles (fa2(fp16), 128 x 128). FA3 does not state N and D for Table 3 in the text reproduced here; '
+    'absolute RMSE depends on them (outputs shrink like 1/sqrt(N)), the ratios less so.')
+"""The report's prose before the figures."""
+
+COLUMNS = [
+    ('variant', 'variant', 's'), ('vs_golden.rmse', 'RMSE vs golden', 'pm'), ('fa3_reported', 'FA3 Table 3', 'e'),
+    ('vs_golden.max_abs', 'max |d|', 'e'), ('vs_golden.rel_l2', 'rel L2', 'e'),
+]
+"""The report table's columns: (column or column stem with .mean/.std, header, style); see fadev.report.table."""
+
+
+REPRODUCE = True
+"""Part of ``python -m fadev reproduce``'s default set."""
+
 SIZES = {
     "quick": {"N": 4096, "n_query": 64, "D": 128, "seeds": 5},
     "full": {"N": 8192, "n_query": 1024, "D": 128, "seeds": 10},
 }
+SIZE_DOCS = common.SIZE_DOCS
 
 FA3_REPORTED = {"baseline fp16": 3.2e-4, "FA2 fp16": 1.9e-4, "FA3 fp16": 1.9e-4, "baseline fp8 (per-tensor)": 2.4e-2,
                 "FA3 fp8 (block, Hadamard)": 9.1e-3}
@@ -104,7 +132,7 @@ def _evaluate(point):
     return common.metrics("vs_golden", out, ref)
 
 
-def run(size="quick", out=None, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
     """One row per variant (VARIANTS order): format, kernel, scaling, hadamard, mean/std over seeds of
     vs_golden.{rmse, max_abs, rel_l2}, and ``fa3_reported`` (FA3 Table 3's RMSE, NaN where it has none).
     Results in out/fp8.jsonl. Always on the CPU (fp8 scaling is not a sweep-engine feature)."""
@@ -125,7 +153,7 @@ def run(size="quick", out=None, device="cpu", workers=1, progress=False, **overr
     return df
 
 
-def findings(df) -> list:
+def findings(df, *, device="cpu") -> list:
     rm = dict(zip(df["variant"], df["vs_golden.rmse.mean"]))
     out = []
     for label, paper in FA3_REPORTED.items():
@@ -160,6 +188,39 @@ def findings(df) -> list:
     return out
 
 
-def plot(df, stem_dir):
-    from .. import plots
-    return plots.plot_fp8(df, stem_dir)
+def table(df) -> str:
+    return report.table(df, COLUMNS)
+
+
+def fig_fp8(df):
+    """Horizontal bars: RMSE vs golden per variant (log x), FA3 Table 3's values as black diamonds."""
+    fig, ax = plots.figure(7.6, 0.42 * len(df) + 1.4)
+    ax = ax[0, 0]
+    y = np.arange(len(df))
+    colors = [plots.COLORS["baseline"] if k == "baseline" else plots.COLORS["flash"] for k in df["kernel"]]
+    rmse = plots.positive(df["vs_golden.rmse.mean"])
+    ax.barh(y, rmse, xerr=plots.errors(df, "vs_golden.rmse"), color=colors, height=0.6, capsize=2,
+            error_kw={"ecolor": "#444444", "lw": 1})
+    rep = df["fa3_reported"].to_numpy(dtype=float)
+    ax.scatter(rep, y, marker="D", color="black", zorder=3)
+    for yi, v in zip(y, rmse):
+        ax.text(v * 0.9, yi, f"{v:.1e}", va="center", ha="right", color="white", fontsize=8, fontweight="bold")
+    ax.set_yticks(y, df["variant"])
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlim(np.nanmin(rmse) / 8, np.nanmax(np.concatenate([rmse, rep])) * 4)
+    ax.set_xlabel("RMSE vs fp64 golden")
+    r = df.iloc[0]
+    ax.set_title(f"Outlier inputs (FA3 §4.3), N={int(r['N'])}, D={int(r['D'])}")
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    fig.legend(handles=[Patch(color=plots.COLORS["baseline"], label="baseline (fadev)"),
+                        Patch(color=plots.COLORS["flash"], label="flash (fadev)"),
+                        Line2D([], [], marker="D", color="black", ls="none", label="FA3 Table 3 reports")],
+               loc="outside lower center", ncols=3, fontsize=8.5)
+    return fig
+
+
+def figures(df, out_dir):
+    """Draw and save the figures (PNG and SVG); returns their paths."""
+    return plots.save(fig_fp8(df), os.path.join(out_dir, "fa3_table3"))

@@ -8,9 +8,12 @@ from golden (the paper: ~10x at bf16).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pandas as pd
 
+from .. import plots, report
 from ..formats import as_format
 from . import common
 from .common import Finding
@@ -19,6 +22,25 @@ NAME = "precision"
 TITLE = "Numeric formats (Figs 3-4)"
 FIGURES = ("fig3_precision_flash_vs_baseline", "fig4_precision_vs_golden")
 
+INTRO = (
+    "Flash attention under `paper(F)` (the paper's re-implementation: every stored tensor in F, each "
+    "matmul/reduction accumulating in fp32) against baseline attention under `naive(F)` (PyTorch's matmul, "
+    'fused softmax, matmul in F), both against an fp64 golden run. Inputs are drawn N(0, 1) and rounded to '
+    'F, so all three runs see identical inputs and only the arithmetic differs.')
+"""The report's prose before the figures."""
+
+COLUMNS = [
+    ('format', 'format', 's'), ('bits', 'p', 'd'), ('flash_vs_golden.rmse', 'flash vs golden RMSE', 'pm'),
+    ('baseline_vs_golden.rmse', 'baseline vs golden RMSE', 'pm'), ('ratio.rmse', 'ratio (RMSE)', 'pmx'),
+    ('flash_vs_golden.max_abs', 'flash max', 'e'), ('baseline_vs_golden.max_abs', 'baseline max', 'e'),
+    ('ratio.max_abs', 'ratio (max)', 'pmx'), ('flash_vs_baseline.max_abs', 'max |flash - baseline|', 'pm'),
+]
+"""The report table's columns: (column or column stem with .mean/.std, header, style); see fadev.report.table."""
+
+
+REPRODUCE = True
+"""Part of ``python -m fadev reproduce``'s default set."""
+
 SIZES = {
     "quick": {"formats": common.FORMAT_ORDER, "N": 16384, "n_query": 64, "D": 64, "block_q": 64, "block_kv": 64,
               "seeds": 3},
@@ -26,6 +48,7 @@ SIZES = {
              "seeds": 10},
 }
 """N keys, n_query query rows (common.py: rows are independent), head dim D, flash tiles, seeds."""
+SIZE_DOCS = common.SIZE_DOCS
 
 PAIRS = {"vs_golden": "flash_vs_golden", "ref_vs_golden": "baseline_vs_golden", "vs_ref": "flash_vs_baseline"}
 KEEP = ("max_abs", "mean_diff", "std_diff", "mean_abs", "rmse", "rel_l2")
@@ -59,7 +82,7 @@ def _rename(col):
     return f"{PAIRS[head]}.{rest}" if head in PAIRS else col
 
 
-def run(size="quick", out=None, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
     """One row per format (fewest significand bits first): mean/std over seeds of every metric of
     flash_vs_golden, baseline_vs_golden, flash_vs_baseline, and ratio.rmse / ratio.max_abs (flash's
     deviation from golden over baseline's). Results in out/precision.jsonl (resumable)."""
@@ -74,7 +97,7 @@ def run(size="quick", out=None, device="cpu", workers=1, progress=False, **overr
     return df.sort_values("bits", kind="stable").reset_index(drop=True)
 
 
-def findings(df) -> list:
+def findings(df, *, device="cpu") -> list:
     out = []
     by = df.set_index("format")
     if "bf16" in by.index:
@@ -117,6 +140,65 @@ def findings(df) -> list:
     return out
 
 
-def plot(df, stem_dir):
-    from .. import plots
-    return plots.plot_precision(df, stem_dir)
+def table(df) -> str:
+    return report.table(df, COLUMNS)
+
+
+def _format_labels(df):
+    return [f"{f}\n(p={b})" for f, b in zip(df["format"], df["bits"])]
+
+
+def fig_precision_flash_vs_baseline(df):
+    """Fig 3: max and mean |flash - baseline| per format (fewest significand bits first), log y."""
+    fig, ax = plots.figure(6.4, 3.8)
+    ax = ax[0, 0]
+    x = np.arange(len(df))
+    for col, label, marker in (("flash_vs_baseline.max_abs", "max |flash − baseline|", "o"),
+                               ("flash_vs_baseline.rmse", "RMS(flash − baseline)", "s")):
+        ax.errorbar(x, plots.positive(df[f"{col}.mean"]), yerr=plots.errors(df, col), marker=marker, capsize=3, label=label,
+                    color=plots.COLORS["diff"] if marker == "o" else plots.COLORS["other"])
+    ax.set_yscale("log")
+    ax.set_xticks(x, _format_labels(df))
+    ax.set_ylabel("difference")
+    ax.set_xlabel("format (p = significand bits)")
+    r = df.iloc[0]
+    ax.set_title(f"Flash (paper(F)) vs baseline (naive(F)), N={int(r['N'])}, D={int(r['D'])}, "
+                 f"tiles {int(r['block_q'])}×{int(r['block_kv'])}")
+    ax.legend()
+    return fig
+
+
+def fig_precision_vs_golden(df):
+    """Fig 4: flash and baseline vs golden per format (grouped bars, log y), ratio annotated."""
+    fig, ax = plots.figure(7.2, 4.0)
+    ax = ax[0, 0]
+    x = np.arange(len(df))
+    w = 0.38
+    flash = plots.positive(df["flash_vs_golden.rmse.mean"])
+    base = plots.positive(df["baseline_vs_golden.rmse.mean"])
+    ax.bar(x - w / 2, flash, w, yerr=plots.errors(df, "flash_vs_golden.rmse"), capsize=2, color=plots.COLORS["flash"],
+           label="flash, paper(F)")
+    ax.bar(x + w / 2, base, w, yerr=plots.errors(df, "baseline_vs_golden.rmse"), capsize=2, color=plots.COLORS["baseline"],
+           label="baseline, naive(F)")
+    ax.set_yscale("log")
+    top = np.nanmax(np.concatenate([flash, base]))
+    ax.set_ylim(top=top * 30)
+    for xi, f, b, ratio in zip(x, flash, base, df["ratio.rmse.mean"]):
+        if np.isfinite(ratio):
+            ax.text(xi, np.nanmax([f, b]) * 2.2, f"{ratio:.3g}×", ha="center", fontsize=8.5)
+        elif np.isnan(b) and np.isfinite(f):
+            ax.text(xi + w / 2, f, "exact", ha="center", va="bottom", fontsize=7.5, rotation=90,
+                    color=plots.COLORS["baseline"])
+    ax.set_xticks(x, _format_labels(df))
+    ax.set_ylabel("RMSE vs fp64 golden")
+    ax.set_xlabel("format (p = significand bits)")
+    r = df.iloc[0]
+    ax.set_title(f"Deviation from fp64 golden, N={int(r['N'])} (labels: flash RMSE ÷ baseline RMSE)")
+    ax.legend(loc="upper right")
+    return fig
+
+
+def figures(df, out_dir):
+    """Draw and save the figures (PNG and SVG); returns their paths."""
+    return (plots.save(fig_precision_flash_vs_baseline(df), os.path.join(out_dir, "fig3_precision_flash_vs_baseline")) +
+            plots.save(fig_precision_vs_golden(df), os.path.join(out_dir, "fig4_precision_vs_golden")))

@@ -9,9 +9,12 @@ like 1/sqrt(N): absolute differences first fall, then rise; the relative differe
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pandas as pd
 
+from .. import plots, report
 from . import common
 from .common import Finding
 from .precision import paper_point, tidy
@@ -20,15 +23,35 @@ NAME = "seqlen"
 TITLE = "Sequence length (Fig 5)"
 FIGURES = ("fig5_seqlen",)
 
+INTRO = (
+    'The same comparison at bf16 and fp16 with fixed 64 x 64 tiles as the number of keys N grows. Each query '
+    'row adds one block sum per K/V block into its running l and O (N / block_kv rounded additions in F), '
+    'while the outputs themselves shrink like 1/sqrt(N): the absolute difference first falls with the output '
+    'magnitude, then rises; the relative difference rises throughout.')
+"""The report's prose before the figures."""
+
+COLUMNS = [
+    ('format', 'format', 's'), ('N', 'N', 'd'), ('flash_vs_baseline.max_abs', 'max |diff|', 'pm'),
+    ('flash_vs_baseline.mean_diff', 'mean diff', 'e'), ('flash_vs_baseline.std_diff', 'std diff', 'e'),
+    ('flash_vs_baseline.rel_l2', 'rel L2 diff', 'e'), ('flash_vs_golden.rmse', 'flash RMSE', 'e'),
+    ('baseline_vs_golden.rmse', 'baseline RMSE', 'e'), ('ratio.rmse', 'ratio', 'x'),
+]
+"""The report table's columns: (column or column stem with .mean/.std, header, style); see fadev.report.table."""
+
+
+REPRODUCE = True
+"""Part of ``python -m fadev reproduce``'s default set."""
+
 SIZES = {
     "quick": {"formats": ("bf16", "fp16"), "Ns": tuple(2**k for k in range(7, 16)), "n_query": 64, "D": 64,
               "block_q": 64, "block_kv": 64, "seeds": 3},
     "full": {"formats": ("bf16", "fp16"), "Ns": tuple(2**k for k in range(7, 18)), "n_query": 1024, "D": 64,
              "block_q": 64, "block_kv": 64, "seeds": 5},
 }
+SIZE_DOCS = common.SIZE_DOCS
 
 
-def run(size="quick", out=None, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
     """One row per (format, N): mean/std over seeds of flash_vs_baseline.{max_abs, mean_diff, std_diff,
     rel_l2, ...}, flash_vs_golden.*, baseline_vs_golden.*, ratio.*. Results in out/seqlen.jsonl."""
     s = common.sizes(SIZES, size, overrides)
@@ -46,7 +69,7 @@ def _rank_corr(x, y):
     return float(np.corrcoef(rx, ry)[0, 1])
 
 
-def findings(df) -> list:
+def findings(df, *, device="cpu") -> list:
     out = []
     for fmt, g in df.groupby("format", sort=False):
         # the paper's sweep is at bf16; other formats are shown for contrast, without a verdict
@@ -79,6 +102,52 @@ def findings(df) -> list:
     return out
 
 
-def plot(df, stem_dir):
-    from .. import plots
-    return plots.plot_seqlen(df, stem_dir)
+def table(df) -> str:
+    return report.table(df, COLUMNS)
+
+
+def fig_seqlen(df):
+    """Fig 5: max |flash - baseline|, relative L2, and mean ± std of flash - baseline vs N (log2 x)."""
+    fmts = list(dict.fromkeys(df["format"]))
+    fig, axes = plots.figure(10, 6.6, 2, 2)
+    (a_max, a_rel), (a_m1, a_m2) = axes
+    for fmt in fmts:
+        g = df[df["format"] == fmt].sort_values("N")
+        c = plots.COLORS.get(fmt, plots.COLORS["other"])
+        a_max.errorbar(g["N"], plots.positive(g["flash_vs_baseline.max_abs.mean"]),
+                       yerr=plots.errors(g, "flash_vs_baseline.max_abs"), marker="o", capsize=3, color=c, label=fmt)
+        a_rel.errorbar(g["N"], plots.positive(g["flash_vs_baseline.rel_l2.mean"]),
+                       yerr=plots.errors(g, "flash_vs_baseline.rel_l2"), marker="o", capsize=3, color=c, label=fmt)
+    for ax, title, ylabel in ((a_max, "Max difference", "max |flash − baseline|"),
+                              (a_rel, "Relative L2 difference", "‖flash − baseline‖ / ‖baseline‖")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.legend()
+    for ax, fmt in zip((a_m1, a_m2), fmts[:2] + [None] * (2 - len(fmts[:2]))):
+        if fmt is None:
+            ax.set_visible(False)
+            continue
+        g = df[df["format"] == fmt].sort_values("N")
+        c = plots.COLORS.get(fmt, plots.COLORS["other"])
+        mean = g["flash_vs_baseline.mean_diff.mean"].to_numpy(dtype=float)
+        std = g["flash_vs_baseline.std_diff.mean"].to_numpy(dtype=float)
+        ax.fill_between(g["N"], mean - std, mean + std, color=c, alpha=0.2, label="± std of the difference")
+        ax.plot(g["N"], mean, marker="o", color=c, label="mean of flash − baseline")
+        ax.axhline(0, color="black", lw=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"Mean and std of the difference, {fmt}")
+        ax.set_ylabel("flash − baseline")
+        ax.legend(loc="upper left")
+    for ax in axes[1]:
+        ax.set_xlabel("sequence length N (keys)")
+    r = df.iloc[0]
+    fig.suptitle(f"Flash (paper(F)) vs baseline (naive(F)) over sequence length, tiles {int(r['block_q'])}×"
+                 f"{int(r['block_kv'])}, D={int(r['D'])}")
+    return fig
+
+
+def figures(df, out_dir):
+    """Draw and save the figures (PNG and SVG); returns their paths."""
+    return plots.save(fig_seqlen(df), os.path.join(out_dir, "fig5_seqlen"))

@@ -1,21 +1,25 @@
-"""Training drift (Golden et al., arXiv 2405.02803, Section 5): how far the weights of a model trained
-with flash attention drift from the same training with baseline attention, next to two references --
-another initialisation seed and low-precision (mixed bf16/fp16) training.
+"""Training drift (Golden et al., arXiv 2405.02803, Section 5): the workload and the tracker behind the
+``train_drift`` experiment (:mod:`fadev.experiments.train_drift`, ``python -m fadev train-drift``), which
+measures how far the weights of a model trained with flash attention drift from the same training with
+baseline attention, next to two references -- another initialisation seed and low-precision (mixed
+bf16/fp16) training.
 
 * :mod:`fadev.training.digits`: the workload, a label-conditioned autoregressive transformer over
   scikit-learn's 8 x 8 digits (shipped with the package, no download);
 * :mod:`fadev.training.tracker`: runs in lockstep, distances between pairs of runs every k steps into a
-  resumable results file (:func:`track`);
-* :mod:`fadev.training.experiment`: the ``python -m fadev train-drift`` experiment (runs, figures,
-  DIR/train_drift.md).
+  resumable results file (:func:`track`).
 
-Needs PyTorch and scikit-learn; ``import fadev`` imports neither.
+Needs PyTorch and scikit-learn; ``import fadev`` imports neither, and neither does importing this package:
+its names and submodules load on first use.
 """
+import importlib
+
 __all__ = ["Pair", "RunSpec", "TrainConfig", "track", "config_key", "deterministic"]
 
 
 def __getattr__(name):  # torch is imported on first use, so that `python -m fadev --help` works without it
+    if name in ("digits", "tracker"):
+        return importlib.import_module(f"{__name__}.{name}")
     if name in __all__:
-        from . import tracker
-        return getattr(tracker, name)
+        return getattr(importlib.import_module(f"{__name__}.tracker"), name)
     raise AttributeError(f"module 'fadev.training' has no attribute {name!r}")

@@ -9,7 +9,7 @@ of the rest of the model, the initialisation seed. Everything is deterministic: 
 ``torch.use_deterministic_algorithms(True)``, no dropout, fadev's kernels bit-reproducible; two runs
 with identical specs hold bit-identical weights at every step.
 
-Rows (one results file, :mod:`fadev.resultfile`: append-only JSON Lines or CSV, each row fsynced):
+Rows (one results file, :mod:`fadev.sweep.results`: append-only JSON Lines or CSV, each row fsynced):
 
 * ``kind="drift"``: ``step`` (updates done; 0 = the initial weights), ``pair``, ``role``, ``a``, ``b``
   (run names) and the model-level distances of :func:`fadev.weights.compare` (``max_abs``,
@@ -45,7 +45,7 @@ import torch
 
 from .. import weights
 from ..policy import as_policy
-from ..resultfile import ResultsFile, frame
+from ..sweep.results import ResultsFile, frame
 from . import digits
 
 ROLES = ("flash", "init", "precision", "control", "other")

@@ -5,7 +5,7 @@ sweep killed at any moment leaves every finished row intact and at most a partia
 the next open truncates away (a malformed line elsewhere is an error, never guessed at). CSV files
 whose header lacks a new row's columns are rewritten atomically (temp file, fsync, rename) with the
 wider header. Rows read back keep their types: JSON Lines as written; CSV column by column (integers,
-bools, floats, else text). Used by :mod:`fadev.sweep`; Parquet is an export format only.
+bools, floats, else text). Used by :mod:`fadev.sweep` and :mod:`fadev.training`; Parquet is an export format only.
 """
 from __future__ import annotations
 

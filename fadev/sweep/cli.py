@@ -1,11 +1,13 @@
-"""The ``fadev sweep`` command: TOML configs of sweep points (fadev/sweep.py runs them), and the CLI's
+"""The ``fadev sweep`` command: TOML configs of sweep points (fadev.sweep runs them), and the CLI's
 shared argparse validator."""
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
-from .sweep import PARAMS, expand, point_key, run, validate
+from .running import run
+from .schema import PARAMS, expand, point_key, validate
 
 
 def load_config(path):
@@ -65,7 +67,6 @@ def add_subcommand(subparsers):
 
 
 def cmd_sweep(args) -> int:
-    import sys
     try:
         points, options = load_config(args.config)
         canon = validate(points)
