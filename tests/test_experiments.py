@@ -255,3 +255,66 @@ def test_size_overrides_are_checked():
     with pytest.raises(ValueError, match="device must be"):
         common.sweep_device("tpu")
     assert common.sweep_device("cuda") in ("cpu", "cuda")
+
+
+# ------------------------------------------------------------------ one experiment = one module
+
+def test_every_experiment_has_the_same_interface():
+    import inspect
+    from fadev.experiments import EXPERIMENTS
+    for name, mod in EXPERIMENTS.items():
+        assert mod.NAME == name and mod.TITLE and mod.INTRO and mod.FIGURES and isinstance(mod.REPRODUCE, bool)
+        assert {"quick", "full"} <= set(mod.SIZES) and set(mod.SIZE_DOCS) >= set(mod.SIZES["quick"]), name
+        run = inspect.signature(mod.run).parameters
+        assert list(run)[:2] == ["size", "out"], name
+        for kw in ("device", "workers", "progress"):
+            assert run[kw].kind is inspect.Parameter.KEYWORD_ONLY, (name, kw)
+        found = inspect.signature(mod.findings).parameters
+        assert list(found) == ["df", "device"] and found["device"].kind is inspect.Parameter.KEYWORD_ONLY, name
+        assert list(inspect.signature(mod.table).parameters) == ["df"], name
+        assert list(inspect.signature(mod.figures).parameters) == ["df", "out_dir"], name
+
+
+def test_report_renders_any_experiment(tmp_path):
+    """fadev.report knows no experiment: it renders whatever it is given."""
+    import types
+    import pandas as pd
+    from fadev import report
+    from fadev.experiments import Finding
+    df = pd.DataFrame({"x": [1, 2], "y.mean": [0.5, 0.25], "y.std": [0.1, 0.0]})
+    exp = types.SimpleNamespace(TITLE="A made-up experiment", INTRO="What it does.", SIZES={"quick": {"n": 2}},
+                                table=lambda d: report.table(d, [("x", "x", "d"), ("y", "y | mean", "pm")]))
+    result = {"experiment": exp, "df": df, "figures": [str(tmp_path / "fig.png")], "seconds": 1.0,
+              "findings": [Finding("a claim", "ours", "theirs", True), Finding("a note", "text")]}
+    path = report.write(str(tmp_path / "r.md"), {"madeup": result}, title="T", command="cmd --quick")
+    text = open(path).read()
+    assert text.startswith("# T\n") and "Regenerate with `cmd --quick`" in text
+    assert "| madeup | a claim | ours | theirs | holds |" in text and "## 1. A made-up experiment" in text
+    assert "What it does." in text and "Sizes (`quick`): n=2." in text and "![fig.png](fig.png)" in text
+    assert "| y \\| mean |" in text and "| 1 | 5.000e-01 ± 1.0e-01 |" in text and "| 2 | 2.500e-01 |" in text
+    import ast
+    import os
+    for module in ("report.py", "plots.py"):
+        tree = ast.parse(open(os.path.join(os.path.dirname(fadev.__file__), module)).read())
+        imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in imported if "experiments" in m], module
+
+
+def test_ring_experiment_tiny(tmp_path):
+    df = ring.run("tiny", str(tmp_path))
+    assert len(df) == len((tmp_path / "ring.jsonl").read_text().splitlines())
+    assert set(df["merge"]) == {"lowp_partials", "fp32_partials", "lowp_running", "allgather"}
+    zig = df[df["layout"] == "zigzag"]
+    assert set(zig["W"]) == {1, 2, 4, 8} and set(df[df["layout"] == "contiguous"]["W"]) == {1, 2, 4, 8}
+    assert (df[["out", "lse", "dq", "dk", "dv"]] > 0).all().all()  # bf16 runs always deviate from golden
+    for c in df.attrs["candidates"]:
+        assert c["factor"] == c["after"] / c["before"]
+    again = ring.run("tiny", str(tmp_path))  # every sweep point is read back
+    assert again.drop(columns="wall_s").equals(df.drop(columns="wall_s"))
+    assert again.attrs["candidates"] == df.attrs["candidates"]
+    text = ring.table(df)
+    assert text.count("| normal |") == text.count("| outlier |") == 24 and "| rank | candidate |" in text
+    assert len(ring.findings(df)) == 6
+    assert ring.growth_per_doubling([1, 2, 4], [1.0, 2.0, 4.0]) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="size must be 'tiny' or 'quick' or 'full'"):
+        ring.run("huge")
