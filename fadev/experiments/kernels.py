@@ -170,8 +170,9 @@ def fig_kernels(df):
         for impl in dict.fromkeys(g["impl"]):
             h = g[g["impl"] == impl].sort_values("N")
             color, marker, ls = _IMPL_STYLE.get(impl, (plots.COLORS["other"], "x", ":"))
-            ax.errorbar(h["N"], plots.positive(h["vs_golden.rmse.mean"]), yerr=plots.errors(h, "vs_golden.rmse"), color=color,
-                        marker=marker, ls=ls, capsize=2, label=impl, markerfacecolor="none" if ls == "--" else color)
+            ax.errorbar(h["N"], plots.positive(h["vs_golden.rmse.mean"]), yerr=plots.errors(h, "vs_golden.rmse"),
+                        color=color, marker=marker, ls=ls, capsize=2, label=impl,
+                        markerfacecolor="none" if ls == "--" else color)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length N (keys)")

@@ -155,8 +155,8 @@ def fig_precision_flash_vs_baseline(df):
     x = np.arange(len(df))
     for col, label, marker in (("flash_vs_baseline.max_abs", "max |flash − baseline|", "o"),
                                ("flash_vs_baseline.rmse", "RMS(flash − baseline)", "s")):
-        ax.errorbar(x, plots.positive(df[f"{col}.mean"]), yerr=plots.errors(df, col), marker=marker, capsize=3, label=label,
-                    color=plots.COLORS["diff"] if marker == "o" else plots.COLORS["other"])
+        ax.errorbar(x, plots.positive(df[f"{col}.mean"]), yerr=plots.errors(df, col), marker=marker, capsize=3,
+                    label=label, color=plots.COLORS["diff"] if marker == "o" else plots.COLORS["other"])
     ax.set_yscale("log")
     ax.set_xticks(x, _format_labels(df))
     ax.set_ylabel("difference")
@@ -178,8 +178,8 @@ def fig_precision_vs_golden(df):
     base = plots.positive(df["baseline_vs_golden.rmse.mean"])
     ax.bar(x - w / 2, flash, w, yerr=plots.errors(df, "flash_vs_golden.rmse"), capsize=2, color=plots.COLORS["flash"],
            label="flash, paper(F)")
-    ax.bar(x + w / 2, base, w, yerr=plots.errors(df, "baseline_vs_golden.rmse"), capsize=2, color=plots.COLORS["baseline"],
-           label="baseline, naive(F)")
+    ax.bar(x + w / 2, base, w, yerr=plots.errors(df, "baseline_vs_golden.rmse"), capsize=2,
+           color=plots.COLORS["baseline"], label="baseline, naive(F)")
     ax.set_yscale("log")
     top = np.nanmax(np.concatenate([flash, base]))
     ax.set_ylim(top=top * 30)

@@ -324,6 +324,6 @@ def table(df) -> str:
         lines += ["", "Candidate causes, each in isolation (ranked by the factor it multiplies the error by):", "",
                   "| rank | candidate | what | before | after | factor |", "|---|---|---|---|---|---|"]
         for n, c in enumerate(cands, 1):
-            lines.append(f"| {n} | {report.escape(c['candidate'])} | {report.escape(c['detail'])} | {c['before']:.3e} | "
-                         f"{c['after']:.3e} | {c['factor']:.2f} |")
+            lines.append(f"| {n} | {report.escape(c['candidate'])} | {report.escape(c['detail'])} | "
+                         f"{c['before']:.3e} | {c['after']:.3e} | {c['factor']:.2f} |")
     return "\n".join(lines)

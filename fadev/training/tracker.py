@@ -43,6 +43,7 @@ import time
 
 import torch
 
+from .. import torch as fatorch
 from .. import weights
 from ..policy import as_policy
 from ..sweep.results import ResultsFile, frame
@@ -188,7 +189,6 @@ class _Run:
     """A run's model, optimizer, SDPA patch and loss accumulators."""
 
     def __init__(self, spec, config, device):
-        import fadev.torch as fatorch
         self.spec = spec
         torch.manual_seed(spec.init_seed)
         self.model = digits.DigitsTransformer(config.width, config.heads, config.layers).to(device)
