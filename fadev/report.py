@@ -61,7 +61,8 @@ def escape(text) -> str:
 def write(path, results, *, title, command, size="quick", device="cpu", device_note="", preamble=()):
     """Write a Markdown report to ``path``; returns the path.
 
-    ``results``: {name: {"experiment": module, "df", "figures", "findings", "seconds"}} in section order.
+    ``results``: {name: {"experiment": module, "df", "figures", "findings", "seconds"}} in section order, with
+    optionally "sizes" (the parameters used; default: the experiment's SIZES[size]).
     ``title``: the document's heading; ``command``: the command that regenerates it (with DIR for the
     output folder); ``device_note``: text after the device (e.g. " (PyTorch sees a GPU)"); ``preamble``:
     paragraphs before the summary."""
@@ -92,8 +93,9 @@ def write(path, results, *, title, command, size="quick", device="cpu", device_n
 def section(number, name, result, size, out_dir) -> list:
     """The lines of one experiment's section: title, prose, sizes, figures, findings, table."""
     exp = result["experiment"]
+    sizes = result.get("sizes", exp.SIZES[size])
     lines = [f"## {number}. {exp.TITLE}", "", exp.INTRO, "",
-             f"Sizes (`{size}`): " + ", ".join(f"{k}={_short(v)}" for k, v in exp.SIZES[size].items()) +
+             f"Sizes (`{size}`): " + ", ".join(f"{k}={_short(v)}" for k, v in sizes.items()) +
              f". Raw rows: `{name}.jsonl`; this table: `{name}.csv`; {result['seconds']:.1f} s.", ""]
     for fig in result["figures"]:
         if fig.endswith(".png"):

@@ -115,6 +115,10 @@ def test_experiment_subcommand_with_overrides(tmp_path, capsys):
                  "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "bf16: max |flash - baseline| vs N" in text and "seqlen.md" in text
+    with open(os.path.join(out, "seqlen.md")) as fh:
+        md = fh.read()
+    assert md.startswith("# Sequence length (Fig 5) (`python -m fadev seqlen`)") and "Method. " in md
+    assert "Sizes (`quick`): formats=bf16, Ns=128/512, n_query=8, D=64" in md  # the parameters used
     _check_figure(os.path.join(out, "fig5_seqlen.png"))
     import pandas as pd
     df = pd.read_csv(os.path.join(out, "seqlen.csv"))

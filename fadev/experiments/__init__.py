@@ -63,31 +63,35 @@ def findings(name, df, device="cpu"):
 
 
 def run_one(name, size="quick", out="results", device="cpu", workers=1, progress=False, **overrides) -> dict:
-    """Run one experiment and write out/NAME.csv and its figures; returns {"experiment", "df", "figures",
-    "findings", "seconds"} (a result for :func:`document`)."""
+    """Run one experiment and write out/NAME.csv and its figures; returns {"experiment", "sizes", "df",
+    "figures", "findings", "seconds"} (a result for :func:`document`; sizes: the parameters used)."""
     exp = _experiment(name)
     start = time.perf_counter()
     os.makedirs(out, exist_ok=True)
     df = exp.run(size, out, device=device, workers=workers, progress=progress, **overrides)
     df.to_csv(os.path.join(out, f"{name}.csv"), index=False)
     figures = exp.figures(df, out)
-    return {"experiment": exp, "df": df, "figures": figures, "findings": exp.findings(df, device=device),
-            "seconds": time.perf_counter() - start}
+    sizes = {**exp.SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
+    return {"experiment": exp, "sizes": sizes, "df": df, "figures": figures,
+            "findings": exp.findings(df, device=device), "seconds": time.perf_counter() - start}
 
 
 def document(path, results, size="quick", device="cpu", command=None, title=None):
     """Write the Markdown report of ``results`` ({name: run_one's result}) to ``path``; returns the path.
     ``command``: how to regenerate it (default: ``python -m fadev reproduce``); ``title``: the heading
-    (default: the reproduction's)."""
+    (default: the reproduction's). The method paragraph opens it when an experiment samples query rows
+    (has an ``n_query`` size parameter)."""
+    sampled = any("n_query" in r["experiment"].SIZES[size] for r in results.values())
     return report.write(path, results, title=title or f"Reproducing {PAPER} with fadev",
                         command=command or f"python -m fadev reproduce --{size} --out DIR", size=size, device=device,
-                        device_note=" (PyTorch sees a GPU)" if torch_cuda() else "", preamble=[METHOD])
+                        device_note=" (PyTorch sees a GPU)" if torch_cuda() else "",
+                        preamble=[METHOD] if sampled else [])
 
 
 def reproduce(size="quick", out="results", device="cpu", only=None, workers=1, progress=False, log=None):
     """Run the experiments (those with ``REPRODUCE``, or the names in ``only``), write out/NAME.jsonl (raw
     rows), out/NAME.csv (the aggregated table), the figures (PNG and SVG) and out/report.md. Returns {name:
-    {"experiment", "df", "figures", "findings", "seconds"}}. ``log``: a callable taking a line of progress
+    {"experiment", "sizes", "df", "figures", "findings", "seconds"}}. ``log``: a callable taking a line of progress
     text (e.g. print)."""
     names = [n for n, m in EXPERIMENTS.items() if m.REPRODUCE] if not only else list(only)
     unknown = [n for n in names if n not in EXPERIMENTS]

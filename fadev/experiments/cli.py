@@ -118,7 +118,7 @@ def _cmd_experiment(name, command):
             return 1
         path = document(os.path.join(args.out, f"{name}.md"), {name: result}, args.size, args.device,
                         command=f"python -m fadev {command} --{args.size} --out DIR",
-                        title=f"fadev {command}: {exp.TITLE}")
+                        title=f"{exp.TITLE} (`python -m fadev {command}`)")
         for f in result["findings"]:
             print(f.markdown())
         print(f"\n{len(result['df'])} rows in {os.path.join(args.out, name + '.csv')}; figures: "
