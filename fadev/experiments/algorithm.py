@@ -40,25 +40,25 @@ TITLE = "Algorithm and tiling (Fig 6)"
 FIGURES = ("fig6_algorithm",)
 
 INTRO = (
-    'One knob changed at a time from flash under `paper(bf16)` with 64 x 64 tiles (and `fa2(bf16)` where '
+    "One knob changed at a time from flash under `paper(bf16)` with 64 x 64 tiles (and `fa2(bf16)` where "
     "FlashAttention-2 sets a knob differently).\n\n**Which knobs change nothing, and why.** Each query row's "
-    'output depends only on that row, the keys and the values: grouping rows into query blocks (`block_q`, '
-    'Br) and the order in which query blocks and K/V blocks are visited (`loop_order`) cannot change a '
-    'single rounding of a row. What a row sees is the sequence of its K/V blocks -- their size `block_kv` '
-    '(Bc: how many block sums are added into the running l and O, each addition rounded) -- the '
-    'normalisation form (eager divides O every block), the exp form (exp2 rounds a different constant into '
-    'the scale), and the `state` format, the format O and l are written to memory in between K/V blocks, '
-    'which only the kv_outer (FlashAttention-1) order uses. The table shows it: rows marked in `same as` are '
-    'equal to the last bit in all 16 recorded statistics for every seed (the tests check the outputs bit for '
+    "output depends only on that row, the keys and the values: grouping rows into query blocks (`block_q`, "
+    "Br) and the order in which query blocks and K/V blocks are visited (`loop_order`) cannot change a "
+    "single rounding of a row. What a row sees is the sequence of its K/V blocks -- their size `block_kv` "
+    "(Bc: how many block sums are added into the running l and O, each addition rounded) -- the "
+    "normalisation form (eager divides O every block), the exp form (exp2 rounds a different constant into "
+    "the scale), and the `state` format, the format O and l are written to memory in between K/V blocks, "
+    "which only the kv_outer (FlashAttention-1) order uses. The table shows it: rows marked in `same as` are "
+    "equal to the last bit in all 16 recorded statistics for every seed (the tests check the outputs bit for "
     "bit). The paper's tile findings are block_kv findings: a larger tile area or the FA1 SRAM rule's larger "
     "M raises Bc; swapping Br > Bc lowers it; 'square vs non-square' changes nothing as long as Bc stays.")
 """The report's prose before the figures."""
 
 COLUMNS = [
-    ('group', 'group', 's'), ('variant', 'variant', 's'), ('block_q', 'Br', 'd'), ('block_kv', 'Bc', 'd'),
-    ('loop_order', 'loop', 's'), ('normalize', 'norm', 's'), ('exp', 'exp', 's'), ('state', 'state', 's'),
-    ('flash_vs_golden.rmse', 'RMSE vs golden', 'e6'), ('flash_vs_baseline.max_abs', 'max |flash - baseline|', 'e'),
-    ('same_as', 'same as', 's'),
+    ("group", "group", "s"), ("variant", "variant", "s"), ("block_q", "Br", "d"), ("block_kv", "Bc", "d"),
+    ("loop_order", "loop", "s"), ("normalize", "norm", "s"), ("exp", "exp", "s"), ("state", "state", "s"),
+    ("flash_vs_golden.rmse", "RMSE vs golden", "e6"), ("flash_vs_baseline.max_abs", "max |flash - baseline|", "e"),
+    ("same_as", "same as", "s"),
 ]
 """The report table's columns: (column or column stem with .mean/.std, header, style); see fadev.report.table."""
 

@@ -30,15 +30,15 @@ TITLE = "Attribution by stage (beyond the paper)"
 FIGURES = ("attribution",)
 
 INTRO = (
-    'Which intermediate is to blame. `raise`: from `paper(F)`, one stage at a time to fp32 (share = fraction '
+    "Which intermediate is to blame. `raise`: from `paper(F)`, one stage at a time to fp32 (share = fraction "
     "of the start's mean squared error removed: 1 - (rmse/rmse_start)^2). `lower`: from `fa2(F)`, one stage "
     "at a time to F (share = that stage's added MSE over all stages' added MSE). Stages already in the "
-    'target format are left out; inputs are exact in F, so `input` never matters here.')
+    "target format are left out; inputs are exact in F, so `input` never matters here.")
 """The report's prose before the figures."""
 
 COLUMNS = [
-    ('format', 'format', 's'), ('direction', 'walk', 's'), ('stage', 'stage', 's'),
-    ('flash_vs_golden.rmse', 'RMSE vs golden', 'pm'), ('ratio', '/ start', 'x'), ('share', 'share', '%'),
+    ("format", "format", "s"), ("direction", "walk", "s"), ("stage", "stage", "s"),
+    ("flash_vs_golden.rmse", "RMSE vs golden", "pm"), ("ratio", "/ start", "x"), ("share", "share", "%"),
 ]
 """The report table's columns: (column or column stem with .mean/.std, header, style); see fadev.report.table."""
 

@@ -38,23 +38,23 @@ TITLE = "FP8 and outliers (FlashAttention-3 Table 3)"
 FIGURES = ("fa3_table3",)
 
 INTRO = (
-    'FlashAttention-3 §4.3 / Table 3: inputs N(0, 1) + N(0, 100) x Bernoulli(0.001) '
+    "FlashAttention-3 §4.3 / Table 3: inputs N(0, 1) + N(0, 100) x Bernoulli(0.001) "
     '(`random_qkv(dist="outlier")`), drawn in fp16; RMSE against fp64 attention on the same fp16 values. fp8 '
-    '= E4M3 with **per-tensor scaling** (one scale amax/448 per (batch, head) matrix: x is stored as '
-    'round_e4m3(x / s) and used as s * that) or **block quantisation** (one scale per block of rows: block_q '
+    "= E4M3 with **per-tensor scaling** (one scale amax/448 per (batch, head) matrix: x is stored as "
+    "round_e4m3(x / s) and used as s * that) or **block quantisation** (one scale per block of rows: block_q "
     "= 128 rows of Q, block_kv = 128 rows of K and V). **Hadamard** = FA3's incoherent processing: random "
-    '+-1 signs, then the normalised Walsh-Hadamard transform along D (csrc/hadamard.c, D log2 D fp64 '
-    'butterflies) applied to Q and K before quantisation (Q K^T is unchanged in exact arithmetic). Baseline '
-    'fp8 = `naive(fp16)` with P cast to fp8 for the P.V product (FA3: per-tensor scaling, fp32 matmul '
-    'accumulators, softmax results in fp16); FA3 fp8 = flash under `fa2(fp8_e4m3)` (fp32 scores, statistics '
+    "+-1 signs, then the normalised Walsh-Hadamard transform along D (csrc/hadamard.c, D log2 D fp64 "
+    "butterflies) applied to Q and K before quantisation (Q K^T is unchanged in exact arithmetic). Baseline "
+    "fp8 = `naive(fp16)` with P cast to fp8 for the P.V product (FA3: per-tensor scaling, fp32 matmul "
+    "accumulators, softmax results in fp16); FA3 fp8 = flash under `fa2(fp8_e4m3)` (fp32 scores, statistics "
     "and accumulators; P in fp8), output in bf16, 128 x 128 tiles. FA3's fp16 path has FA2's numerics with "
-    'other tiles (fa2(fp16), 128 x 128). FA3 does not state N and D for Table 3 in the text reproduced here; '
-    'absolute RMSE depends on them (outputs shrink like 1/sqrt(N)), the ratios less so.')
+    "other tiles (fa2(fp16), 128 x 128). FA3 does not state N and D for Table 3 in the text reproduced here; "
+    "absolute RMSE depends on them (outputs shrink like 1/sqrt(N)), the ratios less so.")
 """The report's prose before the figures."""
 
 COLUMNS = [
-    ('variant', 'variant', 's'), ('vs_golden.rmse', 'RMSE vs golden', 'pm'), ('fa3_reported', 'FA3 Table 3', 'e'),
-    ('vs_golden.max_abs', 'max |d|', 'e'), ('vs_golden.rel_l2', 'rel L2', 'e'),
+    ("variant", "variant", "s"), ("vs_golden.rmse", "RMSE vs golden", "pm"), ("fa3_reported", "FA3 Table 3", "e"),
+    ("vs_golden.max_abs", "max |d|", "e"), ("vs_golden.rel_l2", "rel L2", "e"),
 ]
 """The report table's columns: (column or column stem with .mean/.std, header, style); see fadev.report.table."""
 

@@ -28,18 +28,18 @@ TITLE = "Real-kernel presets vs golden"
 FIGURES = ("kernels",)
 
 INTRO = (
-    'The presets that model real kernels against golden: `fa2(F)` (FlashAttention-2: fp32 '
-    'scores/softmax/statistics, P in F, 128 x 64 tiles, exp2), `fa1(F)` (kv_outer, eager, O and l stored in '
+    "The presets that model real kernels against golden: `fa2(F)` (FlashAttention-2: fp32 "
+    "scores/softmax/statistics, P in F, 128 x 64 tiles, exp2), `fa1(F)` (kv_outer, eager, O and l stored in "
     "F between K/V blocks), `naive(F)` and `torch_math(F)` (SDPA's math backend: fp32 inside). On a GPU with "
     "PyTorch, `--device cuda` adds PyTorch's real SDPA backends on the same inputs (flash, memory-efficient, "
-    'cuDNN, math, and math with `allow_fp16_bf16_reduction_math_sdp(True)`: without it the math backend '
-    'upcasts fp16/bf16 to fp32).')
+    "cuDNN, math, and math with `allow_fp16_bf16_reduction_math_sdp(True)`: without it the math backend "
+    "upcasts fp16/bf16 to fp32).")
 """The report's prose before the figures."""
 
 COLUMNS = [
-    ('impl', 'implementation', 's'), ('format', 'format', 's'), ('N', 'N', 'd'),
-    ('vs_golden.rmse', 'RMSE vs golden', 'pm'), ('vs_golden.max_abs', 'max |d|', 'e'),
-    ('vs_golden.rel_l2', 'rel L2', 'e'),
+    ("impl", "implementation", "s"), ("format", "format", "s"), ("N", "N", "d"),
+    ("vs_golden.rmse", "RMSE vs golden", "pm"), ("vs_golden.max_abs", "max |d|", "e"),
+    ("vs_golden.rel_l2", "rel L2", "e"),
 ]
 """The report table's columns: (column or column stem with .mean/.std, header, style); see fadev.report.table."""
 

@@ -25,15 +25,15 @@ FIGURES = ("fig3_precision_flash_vs_baseline", "fig4_precision_vs_golden")
 INTRO = (
     "Flash attention under `paper(F)` (the paper's re-implementation: every stored tensor in F, each "
     "matmul/reduction accumulating in fp32) against baseline attention under `naive(F)` (PyTorch's matmul, "
-    'fused softmax, matmul in F), both against an fp64 golden run. Inputs are drawn N(0, 1) and rounded to '
-    'F, so all three runs see identical inputs and only the arithmetic differs.')
+    "fused softmax, matmul in F), both against an fp64 golden run. Inputs are drawn N(0, 1) and rounded to "
+    "F, so all three runs see identical inputs and only the arithmetic differs.")
 """The report's prose before the figures."""
 
 COLUMNS = [
-    ('format', 'format', 's'), ('bits', 'p', 'd'), ('flash_vs_golden.rmse', 'flash vs golden RMSE', 'pm'),
-    ('baseline_vs_golden.rmse', 'baseline vs golden RMSE', 'pm'), ('ratio.rmse', 'ratio (RMSE)', 'pmx'),
-    ('flash_vs_golden.max_abs', 'flash max', 'e'), ('baseline_vs_golden.max_abs', 'baseline max', 'e'),
-    ('ratio.max_abs', 'ratio (max)', 'pmx'), ('flash_vs_baseline.max_abs', 'max |flash - baseline|', 'pm'),
+    ("format", "format", "s"), ("bits", "p", "d"), ("flash_vs_golden.rmse", "flash vs golden RMSE", "pm"),
+    ("baseline_vs_golden.rmse", "baseline vs golden RMSE", "pm"), ("ratio.rmse", "ratio (RMSE)", "pmx"),
+    ("flash_vs_golden.max_abs", "flash max", "e"), ("baseline_vs_golden.max_abs", "baseline max", "e"),
+    ("ratio.max_abs", "ratio (max)", "pmx"), ("flash_vs_baseline.max_abs", "max |flash - baseline|", "pm"),
 ]
 """The report table's columns: (column or column stem with .mean/.std, header, style); see fadev.report.table."""
 

@@ -24,17 +24,17 @@ TITLE = "Sequence length (Fig 5)"
 FIGURES = ("fig5_seqlen",)
 
 INTRO = (
-    'The same comparison at bf16 and fp16 with fixed 64 x 64 tiles as the number of keys N grows. Each query '
-    'row adds one block sum per K/V block into its running l and O (N / block_kv rounded additions in F), '
-    'while the outputs themselves shrink like 1/sqrt(N): the absolute difference first falls with the output '
-    'magnitude, then rises; the relative difference rises throughout.')
+    "The same comparison at bf16 and fp16 with fixed 64 x 64 tiles as the number of keys N grows. Each query "
+    "row adds one block sum per K/V block into its running l and O (N / block_kv rounded additions in F), "
+    "while the outputs themselves shrink like 1/sqrt(N): the absolute difference first falls with the output "
+    "magnitude, then rises; the relative difference rises throughout.")
 """The report's prose before the figures."""
 
 COLUMNS = [
-    ('format', 'format', 's'), ('N', 'N', 'd'), ('flash_vs_baseline.max_abs', 'max |diff|', 'pm'),
-    ('flash_vs_baseline.mean_diff', 'mean diff', 'e'), ('flash_vs_baseline.std_diff', 'std diff', 'e'),
-    ('flash_vs_baseline.rel_l2', 'rel L2 diff', 'e'), ('flash_vs_golden.rmse', 'flash RMSE', 'e'),
-    ('baseline_vs_golden.rmse', 'baseline RMSE', 'e'), ('ratio.rmse', 'ratio', 'x'),
+    ("format", "format", "s"), ("N", "N", "d"), ("flash_vs_baseline.max_abs", "max |diff|", "pm"),
+    ("flash_vs_baseline.mean_diff", "mean diff", "e"), ("flash_vs_baseline.std_diff", "std diff", "e"),
+    ("flash_vs_baseline.rel_l2", "rel L2 diff", "e"), ("flash_vs_golden.rmse", "flash RMSE", "e"),
+    ("baseline_vs_golden.rmse", "baseline RMSE", "e"), ("ratio.rmse", "ratio", "x"),
 ]
 """The report table's columns: (column or column stem with .mean/.std, header, style); see fadev.report.table."""
 
