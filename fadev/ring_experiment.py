@@ -42,8 +42,9 @@ def _golden(q, k, v, dout, causal):
 
 
 def _ring(q, k, v, dout, W, layout, merge, causal, policy=POLICY):
-    o, l = fadev.ring_attention(q, k, v, W, layout, merge, policy, causal, return_lse=True)
-    return (o, l) + fadev.ring_attention_backward(q, k, v, o, l, dout, W, layout, merge, policy, causal)
+    ring = {"world_size": W, "layout": layout, "merge": merge, "causal": causal}
+    o, l = fadev.ring_attention(q, k, v, policy, return_lse=True, **ring)
+    return (o, l) + fadev.ring_attention_backward(q, k, v, o, l, dout, policy, **ring)
 
 
 def _errors(res, gold):
@@ -109,7 +110,8 @@ def _depth(cfg, W, merge, policy, seed=0):
             if mg is None:
                 o, lse = fadev.flash_attention(q, k, v, pol, causal=True, return_lse=True)
             else:
-                o, lse = fadev.ring_attention(q, k, v, W, "zigzag", mg, pol, True, return_lse=True)
+                o, lse = fadev.ring_attention(q, k, v, pol, world_size=W, layout="zigzag", merge=mg, causal=True,
+                                              return_lse=True)
             saved.append((q, k, v, o, lse))
             xs.append(x + o)
         dx = dtop
@@ -118,7 +120,8 @@ def _depth(cfg, W, merge, policy, seed=0):
             if mg is None:
                 dq, dk, dv = fadev.flash_attention_backward(q, k, v, o, lse, dx, pol, causal=True)
             else:
-                dq, dk, dv = fadev.ring_attention_backward(q, k, v, o, lse, dx, W, "zigzag", mg, pol, True)
+                dq, dk, dv = fadev.ring_attention_backward(q, k, v, o, lse, dx, pol, world_size=W, layout="zigzag",
+                                                           merge=mg, causal=True)
             dx = dx + (dq @ mats[layer, 0].T + dk @ mats[layer, 1].T + dv @ mats[layer, 2].T) / math.sqrt(layer + 1)
         return xs[-1], dx
 

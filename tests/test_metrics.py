@@ -343,10 +343,10 @@ def test_wasserstein_thread_count_does_not_change_bits(rng):
     fa, fb = fadev.round(a, "fp16"), fadev.round(b, "fp16")
     fa, fb = np.nan_to_num(fa, posinf=0, neginf=0), np.nan_to_num(fb, posinf=0, neginf=0)
     fadev.set_num_threads(1)
-    want = (fadev.wasserstein(a, b), fadev.wasserstein(fa, fb, method="count"), fadev.wasserstein(fa, fb, "sort"))
+    want = (fadev.wasserstein(a, b), fadev.wasserstein(fa, fb, method="count"), fadev.wasserstein(fa, fb, method="sort"))
     for threads in (2, 3):
         fadev.set_num_threads(threads)
-        got = (fadev.wasserstein(a, b), fadev.wasserstein(fa, fb, method="count"), fadev.wasserstein(fa, fb, "sort"))
+        got = (fadev.wasserstein(a, b), fadev.wasserstein(fa, fb, method="count"), fadev.wasserstein(fa, fb, method="sort"))
         assert [bits(x) for x in got] == [bits(x) for x in want]
 
 
@@ -509,7 +509,7 @@ def test_wasserstein_errors():
         fadev.wasserstein(np.array([1j]), [1.0])
     with pytest.raises(TypeError, match=r"b: expected a real numeric array"):
         fadev.wasserstein([1.0], ["x"])
-    with pytest.raises(ValueError, match=r"method must be one of \['auto', 'count', 'sort'\], got 'fast'"):
+    with pytest.raises(ValueError, match="method must be one of auto, sort, count, got 'fast'"):
         fadev.wasserstein([1.0], [2.0], method="fast")
 
 
