@@ -542,3 +542,15 @@ def test_binding_guards():
         _core.ulp_histogram(np.zeros(2), np.zeros(2), fmt, 0)
     with pytest.raises(ValueError, match=r"test and ref must have the same size"):
         _core.ulp_error(np.zeros(2), np.zeros(3), fmt)
+
+
+@pytest.mark.parametrize("max_ulp", [1, 3, 16])
+def test_ulp_histogram_bucketing_of_gpu_errors_matches_c(max_ulp, rng):
+    """On the GPU the errors come from cuda_ulp_error and are bucketed on the host (metrics._bucket): that
+    bucketing, fed the CPU's (identical) errors, gives csrc/metrics.c's counts, NaN, inf and huge errors too."""
+    ref = rng.standard_normal(5000)
+    test = fadev.round(ref * (1 + 1e-2 * rng.standard_normal(5000)), "bf16")
+    test[:4], ref[4:6] = [np.nan, np.inf, -np.inf, 1e30], [np.inf, 0.0]
+    want = fadev.ulp_histogram(test, ref, "bf16", max_ulp=max_ulp)
+    counts, n_nan = fadev.metrics._bucket(fadev.ulp_error(test, ref, "bf16"), max_ulp)
+    assert np.array_equal(counts, want.counts) and n_nan == want.n_nan and n_nan >= 2
