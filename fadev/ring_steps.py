@@ -62,14 +62,13 @@ def _rows(N, W, layout, r, piece):
 
 
 def _sigmoid(x):
-    if x >= 0:
-        return 1.0 / (1.0 + math.exp(-x))
-    e = math.exp(x)
-    return e / (1.0 + e)
+    e = math.exp(-abs(x))  # ring.c's exp(-x) for x >= 0, exp(x) below: the same value
+    return 1.0 / (1.0 + e) if x >= 0 else e / (1.0 + e)
 
 
 def _logsigmoid(x):
-    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+    t = math.log1p(math.exp(-abs(x)))
+    return -t if x >= 0 else x - t
 
 
 def _each(fn, x):

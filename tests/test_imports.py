@@ -20,7 +20,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fadev"
 LAYERS = [("_core",), ("formats",), ("policy",), ("_args",), ("cuda",),
           ("attention", "backward", "ring", "ring_steps", "native", "metrics"), ("",)]
 APPLICATIONS, MAIN = len(LAYERS), len(LAYERS) + 1
-LIBRARY = {name for layer in LAYERS for name in layer if name}  # module-level fadev imports only
+LIBRARY = {name for layer in LAYERS for name in layer if name} | {"torch", "weights"}  # module-level imports only
 
 
 def module_name(path: pathlib.Path) -> str:
