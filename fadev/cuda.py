@@ -400,6 +400,11 @@ class _Gpu:
         host = arr.numpy()
         return host.astype(np.float64) if widen else host
 
+    def to_host(self, arr: DeviceArray) -> np.ndarray:
+        """A NumPy copy of an operand, after other libraries' work on it is complete."""
+        self._before()
+        return arr.numpy()
+
     def from_host(self, host: np.ndarray):
         """A host (float64) result in the caller's kind: the NumPy array itself, or a device copy."""
         if self.kind == "numpy":

@@ -146,10 +146,6 @@ def backward(q, k, v, out, lse, dout, pol, fmts, world_size, layout, allgather, 
 
 # ---------------------------------------------------------------- the pieces on the GPU
 
-def _host(x):
-    return x.numpy() if isinstance(x, DeviceArray) else np.asarray(x)
-
-
 def _upload(*arrays):
     return [DeviceArray.from_numpy(np.ascontiguousarray(a)) for a in arrays]
 
@@ -163,7 +159,8 @@ def forward_on_gpu(gpu, q4, k4, v4, pol, fmts, ring_c, scale, causal, tiles, cho
     def flash(q, k, v, policy, piece_causal):
         return kernel.flash_attention(*_upload(q, k, v), policy._c, scale, piece_causal, *tiles, *choices)
 
-    out, lse = forward(_host(q4), _host(k4), _host(v4), pol, fmts, world_size, layout, allgather, causal, flash)
+    q, k, v = (gpu.to_host(x) for x in (q4, k4, v4))
+    out, lse = forward(q, k, v, pol, fmts, world_size, layout, allgather, causal, flash)
     return gpu.from_host(out), gpu.from_host(lse)
 
 
@@ -176,8 +173,8 @@ def backward_on_gpu(gpu, q4, k4, v4, out4, lse3, dout4, pol, fmts, ring_c, scale
         return kernel.flash_attention_backward(*_upload(q, k, v, out, lse, dout), policy._c, policy._c_backward, scale,
                                                piece_causal, *tiles, exp_form)
 
-    grads = backward(*(_host(x) for x in (q4, k4, v4, out4, lse3, dout4)), pol, fmts, world_size, layout, allgather,
-                     causal, flash_backward)
+    host = [gpu.to_host(x) for x in (q4, k4, v4, out4, lse3, dout4)]
+    grads = backward(*host, pol, fmts, world_size, layout, allgather, causal, flash_backward)
     return tuple(gpu.from_host(g) for g in grads)
 
 

@@ -56,8 +56,8 @@ def test_allgather_forward_is_plain_flash_for_every_world_size(causal):
         for W in (2, 3, 4, 8):
             if layout == "zigzag" and 48 % (2 * W):
                 continue
-            o, l = fadev.ring_attention(q, k, v, "fa2:bf16", world_size=W, layout=layout, merge="allgather", causal=causal,
-                                        block_kv=8, return_lse=True)
+            o, l = fadev.ring_attention(q, k, v, "fa2:bf16", world_size=W, layout=layout, merge="allgather",
+                                        causal=causal, block_kv=8, return_lse=True)
             assert same_bits(o, o1) and same_bits(l, l1), (layout, W)
 
 
@@ -72,8 +72,8 @@ def test_golden_every_layout_merge_and_world_size(causal, rng):
             for W in (1, 2, 3, 4, 8):
                 o, l = fadev.ring_attention(q, k, v, "golden", world_size=W, layout=layout, merge=merge, causal=causal,
                                             block_kv=5, return_lse=True)
-                g = fadev.ring_attention_backward(q, k, v, o, l, dout, "golden", world_size=W, layout=layout, merge=merge,
-                                                  causal=causal, block_kv=5)
+                g = fadev.ring_attention_backward(q, k, v, o, l, dout, "golden", world_size=W, layout=layout,
+                                                  merge=merge, causal=causal, block_kv=5)
                 errs = [np.abs(o - ref).max(), np.abs(l - ref_lse).max()]
                 errs += [np.abs(a - b).max() for a, b in zip(g, gref)]
                 assert max(errs) < 1e-12, (layout, merge, W, errs)
@@ -221,6 +221,38 @@ def test_step_composition_detects_a_wrong_merge():
     o2, _ = ring_steps.forward(q, k, v, pol, wrong, 3, "contiguous", False, False,
                                ring_steps.cpu_flash(1 / np.sqrt(8), (128, 64), (0, 0, 1)))
     assert not same_bits(o, o2)
+
+
+class _HostGpu:
+    """Stands in for fadev.cuda._Gpu with host arrays (the CPU kernels take the same arguments)."""
+
+    def operand(self, x, name, dtype=np.float64):
+        return np.ascontiguousarray(x, dtype=dtype)
+
+    def to_host(self, arr):
+        return arr
+
+    def from_host(self, arr):
+        return arr
+
+
+def test_ring_gpu_glue_with_the_cpu_kernels(monkeypatch, rng):
+    """ring_attention(device="cuda") end to end with the GPU calls replaced by the CPU's (no GPU here): the
+    routing, the ring parameters handed to fadev.ring_steps and the per-piece kernel calls give ring.c's bits."""
+    q, k, v = fadev.random_qkv((1, 2, 24, 8), dist="outlier", seed=11, heads_kv=1)
+    dout = rng.standard_normal(q.shape)
+    ring = {"world_size": 3, "layout": "zigzag", "causal": True, "block_kv": 5}
+    want = [fadev.ring_attention(q, k, v, "fa1:fp16", merge=m, return_lse=True, **ring) for m in MERGES]
+    grads = [fadev.ring_attention_backward(q, k, v, *o, dout, "fa1:fp16", merge=m, **ring)
+             for m, o in zip(MERGES, want)]
+    monkeypatch.setattr(fadev.ring._cuda, "route", lambda device, **named: _HostGpu() if device == "cuda" else None)
+    monkeypatch.setattr(ring_steps, "route", lambda device: fadev._core)
+    monkeypatch.setattr(ring_steps, "_upload", lambda *arrays: [np.ascontiguousarray(a) for a in arrays])
+    for m, (o, l), g in zip(MERGES, want, grads):
+        o2, l2 = fadev.ring_attention(q, k, v, "fa1:fp16", merge=m, return_lse=True, device="cuda", **ring)
+        assert same_bits(o, o2) and same_bits(l, l2), m
+        g2 = fadev.ring_attention_backward(q, k, v, o, l, dout, "fa1:fp16", merge=m, device="cuda", **ring)
+        assert all(same_bits(a, b) for a, b in zip(g, g2)), m
 
 
 @pytest.mark.gpu
