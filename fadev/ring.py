@@ -143,7 +143,8 @@ def ring_attention(q, k, v, policy, *, world_size, layout="contiguous", merge="l
     if gpu is None:
         out, lse = _core.ring_attention(q4, k4, v4, pol._c, ring_c, scale, causal, *tiles, *choices)
     else:
-        out, lse = _steps.forward_on_gpu(gpu, q4, k4, v4, pol, mg.resolve(pol), ring_c, scale, causal, tiles, choices)
+        ring = (mg.resolve(pol), world_size, layout, mg.allgather, causal)
+        out, lse = _steps.forward_on_gpu(gpu, q4, k4, v4, pol, ring, scale, tiles, choices)
     return _args.unshape_forward(out, lse, rank, return_lse)
 
 
@@ -164,8 +165,8 @@ def ring_attention_backward(q, k, v, out, lse, dout, policy, *, world_size, layo
         grads = _core.ring_attention_backward(q4, k4, v4, out4, lse3, dout4, pol._c, pol._c_backward, ring_c, scale,
                                               causal, *tiles, exp_form)
     else:
-        grads = _steps.backward_on_gpu(gpu, q4, k4, v4, out4, lse3, dout4, pol, mg.resolve(pol), ring_c, scale,
-                                       causal, tiles, exp_form)
+        ring = (mg.resolve(pol), world_size, layout, mg.allgather, causal)
+        grads = _steps.backward_on_gpu(gpu, q4, k4, v4, out4, lse3, dout4, pol, ring, scale, tiles, exp_form)
     return _args.unshape_grads(grads, rank)
 
 

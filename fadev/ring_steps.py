@@ -150,29 +150,31 @@ def _upload(*arrays):
     return [DeviceArray.from_numpy(np.ascontiguousarray(a)) for a in arrays]
 
 
-def forward_on_gpu(gpu, q4, k4, v4, pol, fmts, ring_c, scale, causal, tiles, choices):
-    """The ring forward with every piece on the GPU's emulated flash kernel (device operands in, the
-    caller's kind of arrays out)."""
-    world_size, layout, allgather = ring_c[0], ("contiguous", "zigzag", "striped")[ring_c[1]], bool(ring_c[2])
+def forward_on_gpu(gpu, q4, k4, v4, pol, ring, scale, tiles, choices):
+    """The ring forward with every piece on the GPU's emulated flash kernel: device operands in (``gpu``: the
+    call's fadev.cuda._Gpu), the caller's kind of arrays out. ``ring``: (fmts, world_size, layout,
+    allgather, causal), as :func:`forward` takes them."""
     kernel = route("cuda")  # NumPy in, NumPy out, for the host-side merge
 
     def flash(q, k, v, policy, piece_causal):
         return kernel.flash_attention(*_upload(q, k, v), policy._c, scale, piece_causal, *tiles, *choices)
 
+    fmts, world_size, layout, allgather, causal = ring
     q, k, v = (gpu.to_host(x) for x in (q4, k4, v4))
     out, lse = forward(q, k, v, pol, fmts, world_size, layout, allgather, causal, flash)
     return gpu.from_host(out), gpu.from_host(lse)
 
 
-def backward_on_gpu(gpu, q4, k4, v4, out4, lse3, dout4, pol, fmts, ring_c, scale, causal, tiles, exp_form):
-    """The ring backward with every piece on the GPU's emulated flash backward kernel."""
-    world_size, layout, allgather = ring_c[0], ("contiguous", "zigzag", "striped")[ring_c[1]], bool(ring_c[2])
+def backward_on_gpu(gpu, q4, k4, v4, out4, lse3, dout4, pol, ring, scale, tiles, exp_form):
+    """The ring backward with every piece on the GPU's emulated flash backward kernel (as
+    :func:`forward_on_gpu`)."""
     kernel = route("cuda")
 
     def flash_backward(q, k, v, out, lse, dout, policy, piece_causal):
         return kernel.flash_attention_backward(*_upload(q, k, v, out, lse, dout), policy._c, policy._c_backward, scale,
                                                piece_causal, *tiles, exp_form)
 
+    fmts, world_size, layout, allgather, causal = ring
     host = [gpu.to_host(x) for x in (q4, k4, v4, out4, lse3, dout4)]
     grads = backward(*host, pol, fmts, world_size, layout, allgather, causal, flash_backward)
     return tuple(gpu.from_host(g) for g in grads)
