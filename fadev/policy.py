@@ -75,7 +75,7 @@ _FA_IN_F = ("input", "p", "out", "bwd_p", "ds", "grad")
 """The stages a FlashAttention kernel stores in its input format F (P and dS feed tensor cores)."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Policy:
     """The format of every attention stage, the rounding mode, and the flash tiling defaults.
 
@@ -83,7 +83,8 @@ class Policy:
     Presets are defined for any format F; "fp32" stages in the fa2/fa1/torch_math presets mean
     "fp32, or F when F is wider" (so ``Policy.fa2("fp64")`` is all fp64 arithmetic).
 
-    Stage fields take a :class:`~fadev.Format` or a name. ``rounding`` is "rne", "rtz" or "stochastic"
+    Every field is a keyword argument: ``Policy(input="bf16", score_acc="fp32", ...)``. Stage fields take a
+    :class:`~fadev.Format` or a name. ``rounding`` is "rne", "rtz" or "stochastic"
     (keyed by ``seed``). ``block_q``, ``block_kv``, ``loop_order``, ``normalize``, ``exp`` are what
     ``flash_attention`` uses when the caller passes None.
     """
