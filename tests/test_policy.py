@@ -180,3 +180,10 @@ def test_preset_errors(call, exc, match):
 def test_bad_field_names_the_parameter(field, value, exc):
     with pytest.raises(exc, match=field):
         Policy.fa2("bf16").replace(**{field: value})
+
+
+def test_policy_fields_are_keyword_only():
+    stages = {s: "fp32" for s in STAGES if s != "state"}
+    assert Policy(**stages, state=None).stages()["p"] == "fp32"
+    with pytest.raises(TypeError, match="positional"):
+        Policy(*["fp32"] * 12)
