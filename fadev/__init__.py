@@ -2,7 +2,14 @@
 
 Baseline and flash attention under a per-stage precision policy, low-precision formats bit-exact
 against ml_dtypes, and deviation metrics against an fp64 golden answer. See README.md.
+
+Submodules not imported here (``fadev.torch`` needs PyTorch; ``fadev.weights``, ``fadev.sweep``,
+``fadev.experiments``, ...) are imported on first attribute access,
+so ``import fadev`` never imports torch and ``fadev.torch.attention`` works without an explicit import.
 """
+import importlib
+import importlib.util
+
 from . import _core
 from .formats import (Format, as_format, custom_format, formats, from_bits, from_ml_dtypes, round, to_bits,
                       to_ml_dtypes, ulp)
@@ -12,9 +19,17 @@ from .policy import STAGES, Policy, as_policy
 from .attention import baseline_attention, flash_attention, golden_attention, random_qkv
 from .backward import baseline_attention_backward, flash_attention_backward
 from .ring import RingMerge, ring_attention, ring_attention_backward, ring_coverage
-from .cuda import DeviceArray, native_attention, native_attention_backward, native_tiles
+from .cuda import DeviceArray
+from .native import native_attention, native_attention_backward, native_tiles
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    """Import a submodule (``fadev.torch``, ``fadev.sweep``, ...) on first access (PEP 562)."""
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_num_threads() -> int:

@@ -12,62 +12,40 @@ so do query rows that see no key.
 """
 from __future__ import annotations
 
-import numpy as np
-
+from . import _args
 from . import _core
 from . import cuda as _cuda
-from .attention import _array, _prepare, _tile
-from .formats import _numeric
 from .policy import EXP_FORMS
 
 
-def _saved(q, out, lse, dout, rank, gpu=None, dtype=np.float64, lse_dtype=np.float64):
-    """out, dout (4-D) and lse (3-D) as float64 arrays (device arrays of ``dtype`` and ``lse_dtype`` with
-    ``gpu``), their shapes checked against q's original rank."""
-    out, dout = _array(out, "out", gpu, dtype), _array(dout, "dout", gpu, dtype)
-    lse = gpu.operand(lse, "lse", lse_dtype) if gpu else _numeric(lse, "lse").astype(np.float64, copy=False)
-    shape = q.shape[4 - rank:]
-    for name, arr, want in (("out", out, shape), ("dout", dout, shape), ("lse", lse, shape[:-1])):
-        if arr.shape != want:
-            what = "q's shape without its last axis" if name == "lse" else "q's shape"
-            raise ValueError(f"{name}: expected {what} {want}, got {arr.shape}")
-    return (out.reshape(q.shape), lse.reshape(q.shape[:3]), dout.reshape(q.shape))
-
-
-def _finish(grads, rank):
-    return tuple(g.reshape(g.shape[4 - rank:]) for g in grads)
-
-
-def baseline_attention_backward(q, k, v, out, lse, dout, policy, causal=False, scale=None, device=None):
+def baseline_attention_backward(q, k, v, out, lse, dout, policy, *, causal=False, scale=None, device=None):
     """Gradients (dq, dk, dv) of materialised attention, as autograd differentiates it: P recomputed
     exactly as :func:`fadev.baseline_attention` computes it, D_i = sum_j P_ij dP_ij, one block of all
     queries and one of all keys. ``out`` and ``lse`` are checked for shape but not read. ``policy``,
     ``causal``, ``scale`` and ``device`` as the forward's."""
     gpu = _cuda.route(device, q=q, k=k, v=v, out=out, lse=lse, dout=dout)
-    q4, k4, v4, pol, scale, rank = _prepare(q, k, v, policy, scale, causal, gpu)
-    out4, lse3, dout4 = _saved(q4, out, lse, dout, rank, gpu)
+    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
+    out4, lse3, dout4 = _args.saved(q4, out, lse, dout, rank, gpu)
     grads = (gpu or _core).baseline_attention_backward(q4, k4, v4, out4, lse3, dout4, pol._c, pol._c_backward, scale,
-                                              bool(causal))
-    return _finish(grads, rank)
+                                                       causal)
+    return _args.unshape_grads(grads, rank)
 
 
-def flash_attention_backward(q, k, v, out, lse, dout, policy, block_q=None, block_kv=None, exp=None, causal=False,
-                             scale=None, device=None):
+def flash_attention_backward(q, k, v, out, lse, dout, policy, *, causal=False, scale=None, block_q=None,
+                             block_kv=None, sram_bytes=None, exp=None, device=None):
     """Gradients (dq, dk, dv) by FlashAttention-2's backward: P recomputed from the saved ``lse``,
     D_i = rowsum(dO * O), dQ summed over K/V blocks of ``block_kv`` keys, dK and dV over query blocks of
-    ``block_q`` rows. ``exp`` ("exp" or "exp2") must be the forward's. None takes the policy's value (the
-    presets carry their kernel's, e.g. fa2: 128 x 64, exp2). ``device`` as the forward's."""
+    ``block_q`` rows (or both from ``sram_bytes``, as the forward's). ``exp`` ("exp" or "exp2") must be
+    the forward's. None takes the policy's value (the presets carry their kernel's, e.g. fa2: 128 x 64,
+    exp2). ``device`` as the forward's."""
     gpu = _cuda.route(device, q=q, k=k, v=v, out=out, lse=lse, dout=dout)
-    q4, k4, v4, pol, scale, rank = _prepare(q, k, v, policy, scale, causal, gpu)
-    out4, lse3, dout4 = _saved(q4, out, lse, dout, rank, gpu)
-    block_q = _tile(pol.block_q if block_q is None else block_q, "block_q")
-    block_kv = _tile(pol.block_kv if block_kv is None else block_kv, "block_kv")
-    exp = pol.exp if exp is None else exp
-    if exp not in EXP_FORMS:
-        raise ValueError(f"exp must be one of {', '.join(EXP_FORMS)}, got {exp!r}")
+    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
+    out4, lse3, dout4 = _args.saved(q4, out, lse, dout, rank, gpu)
+    block_q, block_kv = _args.tiles(pol, q4.shape[3], block_q, block_kv, sram_bytes)
+    exp_form = _args.choice("exp", exp, EXP_FORMS, pol.exp)
     grads = (gpu or _core).flash_attention_backward(q4, k4, v4, out4, lse3, dout4, pol._c, pol._c_backward, scale,
-                                                    bool(causal), block_q, block_kv, EXP_FORMS.index(exp))
-    return _finish(grads, rank)
+                                                    causal, block_q, block_kv, exp_form)
+    return _args.unshape_grads(grads, rank)
 
 
 __all__ = ["baseline_attention_backward", "flash_attention_backward"]

@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from . import _core
-from .formats import _numeric, round as _round
+from .formats import _numeric
 
 _BUILD_HINT = ("fadev's GPU kernels need a build with nvcc -- FADEV_CUDA=1 pip install -e . (or FADEV_CUDA=1 "
                "python setup.py build_ext --inplace) -- and a visible CUDA device")
@@ -43,7 +43,7 @@ _F64 = np.dtype(np.float64)
 
 # ---------------------------------------------------------------- availability
 
-def _no_gpu(what: str) -> RuntimeError:
+def no_gpu(what: str) -> RuntimeError:
     info = _core.cuda_info()
     why = ("fadev was built without CUDA" if not info["compiled"]
            else "fadev was built with CUDA, but no CUDA device is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)")
@@ -53,7 +53,7 @@ def _no_gpu(what: str) -> RuntimeError:
 _DEVICE_COUNT = None
 
 
-def _device_count() -> int:
+def device_count() -> int:
     """CUDA devices fadev can use (0 if built without CUDA); asked once per process."""
     global _DEVICE_COUNT
     if _DEVICE_COUNT is None:
@@ -89,8 +89,8 @@ class DeviceArray:
         shape, dtype = _shape_of(shape), np.dtype(dtype)
         if dtype.hasobject:
             raise TypeError(f"dtype must be a numeric dtype, got {dtype}")
-        if not _device_count():
-            raise _no_gpu("DeviceArray")
+        if not device_count():
+            raise no_gpu("DeviceArray")
         self._shape, self._dtype = shape, dtype
         self._ptr = _core.cuda_malloc(math.prod(shape) * dtype.itemsize)
 
@@ -240,9 +240,9 @@ def _resolve(device, named: dict):
                              f"the GPU, or copy to the host first")
         return "cpu"
     what = f"device={device!r}" if device is not None else f"{on_gpu[0]} is a CUDA array (device=None)"
-    count = _device_count()
+    count = device_count()
     if not count:
-        raise _no_gpu(what)
+        raise no_gpu(what)
     if where >= count:
         raise ValueError(f"device={device!r}: fadev sees {count} CUDA device(s)")
     if where != 0:
@@ -270,9 +270,6 @@ def route(device, **named):
 
 
 # ---------------------------------------------------------------- one GPU call
-
-_NATIVE = {"fp16": (0, np.dtype(np.float16)), "bf16": (1, np.dtype(ml_dtypes.bfloat16))}
-
 
 def _torch_dtype(dtype):
     import torch
@@ -403,6 +400,20 @@ class _Gpu:
         host = arr.numpy()
         return host.astype(np.float64) if widen else host
 
+    def to_host(self, arr: DeviceArray) -> np.ndarray:
+        """A NumPy copy of an operand, after other libraries' work on it is complete."""
+        self._before()
+        return arr.numpy()
+
+    def from_host(self, host: np.ndarray):
+        """A host (float64) result in the caller's kind: the NumPy array itself, or a device copy."""
+        if self.kind == "numpy":
+            return host
+        dev = self.empty(host.shape)
+        if host.size:
+            _core.cuda_upload(dev.ptr, np.ascontiguousarray(host, dtype=np.float64).reshape(-1).view(np.uint8))
+        return self.result(dev)
+
     def _before(self):
         """Order the kernel after other libraries' work on any stream (a device-wide barrier)."""
         if self._foreign:
@@ -452,11 +463,12 @@ class _Gpu:
         self._before()
         return _core.cuda_wasserstein(a.ptr, a.size, b.ptr, b.size), 1
 
-    def ulp_error(self, test, ref, fmt_c):
-        out = self.empty(test.shape)
+    def ulp_error(self, test, ref, fmt_c, host=False):
+        """The ULP errors in the caller's kind, or with ``host`` as a NumPy array."""
+        out = DeviceArray(test.shape) if host else self.empty(test.shape)
         self._before()
         _core.cuda_ulp_error(test.ptr, ref.ptr, test.size, fmt_c, out.ptr)
-        return self.result(out)
+        return out.numpy() if host else self.result(out)
 
     # -------------------------------------------------------------- native kernels
 
@@ -475,22 +487,8 @@ class _Gpu:
         return tuple(self.result(g, widen=True) for g in (dq, dk, dv))
 
 
-# ---------------------------------------------------------------- native FlashAttention-2-style kernels
-
-def native_tiles(dim) -> list:
-    """The (block_q, block_kv) tiles the native kernels support for head dim ``dim`` (the first is the
-    default); an empty list for a head dim they do not support."""
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
-        raise ValueError(f"dim must be a positive integer, got {dim!r}")
-    if not _core.cuda_info()["compiled"]:
-        raise _no_gpu("native_tiles")
-    try:
-        return [tuple(t) for t in _core.cuda_native_tiles(int(dim))]
-    except ValueError:  # FADEV_ERR_INVALID_ARGUMENT: a head dim without tiles
-        return []
-
-
-def _element_type(x) -> str:
+def element_type(x) -> str:
+    """The element type name of an array of any kind ("float16", "bfloat16", ...), without copying it."""
     if _torch_tensor(x):
         return str(x.dtype).replace("torch.", "")
     if isinstance(x, DeviceArray):
@@ -501,75 +499,4 @@ def _element_type(x) -> str:
     return np.asarray(x).dtype.name
 
 
-def _native_dtype(dtype, q) -> str:
-    if dtype is not None:
-        if dtype not in _NATIVE:
-            raise ValueError(f"dtype must be 'bf16' or 'fp16', got {dtype!r}")
-        return dtype
-    name = _element_type(q)
-    for key, (_, np_dtype) in _NATIVE.items():
-        if name == np_dtype.name:
-            return key
-    raise TypeError(f"q: the native kernels read float16 or bfloat16, got {name}; pass dtype='bf16' or 'fp16' to "
-                    f"round NumPy inputs to one of them")
-
-
-def _native_host(x, name, key):
-    """A host input rounded (nearest-even) to the native dtype ``key``; CUDA arrays unchanged."""
-    if is_cuda_array(x):
-        return x
-    return _round(_numeric(x, name), key).astype(_NATIVE[key][1])
-
-
-def _native_params(q, k, scale, causal, block_q, block_kv, code):
-    dim = q.shape[3]
-    tiles = native_tiles(dim)
-    if not tiles:
-        raise ValueError(f"q: the native kernels do not support head dim {dim}")
-    fits = [t for t in tiles if block_q in (None, t[0]) and block_kv in (None, t[1])]
-    if not fits:
-        raise ValueError(f"(block_q, block_kv) = ({block_q!r}, {block_kv!r}) is not a native tile for head dim {dim}; "
-                         f"supported: {tiles}")
-    (b, h, nq, d), (_, hkv, nk, _) = q.shape, k.shape
-    return (b, h, hkv, nq, nk, d, float(scale), bool(causal), fits[0][0], fits[0][1], code)
-
-
-def native_attention(q, k, v, causal=False, scale=None, block_q=None, block_kv=None, return_lse=False, dtype=None):
-    """FlashAttention-2-style forward on the tensor cores (cuda/native_forward.cu): fp16 or bf16 inputs
-    and output, fp32 accumulation and online softmax (exp2). Shapes, ``causal`` and ``scale`` as
-    :func:`fadev.flash_attention`; head dim 64 or 128; (``block_q``, ``block_kv``) one of
-    :func:`native_tiles` (default: its first). PyTorch CUDA tensors of float16 / bfloat16 give tensors
-    (``lse`` float32, natural log); NumPy (or ml_dtypes) arrays are rounded to ``dtype`` ("bf16" or
-    "fp16"; inferred from a float16 / bfloat16 array), copied to the GPU, and come back as float64
-    NumPy arrays holding the fp16 / bf16 (lse: fp32) values. Not differentiable: see
-    :func:`native_attention_backward`."""
-    from .attention import _finish, _prepare
-    key = _native_dtype(dtype, q)
-    gpu = route("cuda", q=q, k=k, v=v)
-    code, np_dtype = _NATIVE[key]
-    q, k, v = (_native_host(x, n, key) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    q4, k4, v4, _, scale, rank = _prepare(q, k, v, "golden", scale, causal, gpu, np_dtype)  # no policy: any passes
-    out, lse = gpu.native_forward(q4, k4, v4, _native_params(q4, k4, scale, causal, block_q, block_kv, code))
-    return _finish(out, lse, rank, return_lse)
-
-
-def native_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, block_q=None, block_kv=None,
-                              dtype=None):
-    """Gradients (dq, dk, dv) by the native FlashAttention-2-style backward (cuda/native_backward.cu): P
-    recomputed from the forward's ``lse`` (float32), dq accumulated in an fp32 workspace. ``out`` and
-    ``lse`` as :func:`native_attention` returned them; arguments and result kinds as that function's."""
-    from .attention import _prepare
-    from .backward import _finish, _saved
-    key = _native_dtype(dtype, q)
-    gpu = route("cuda", q=q, k=k, v=v, out=out, lse=lse, dout=dout)
-    code, np_dtype = _NATIVE[key]
-    q, k, v, out, dout = (_native_host(x, n, key) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"),
-                                                               (dout, "dout")))
-    q4, k4, v4, _, scale, rank = _prepare(q, k, v, "golden", scale, causal, gpu, np_dtype)  # no policy: any passes
-    out4, lse3, dout4 = _saved(q4, out, lse, dout, rank, gpu, np_dtype, np.float32)
-    params = _native_params(q4, k4, scale, causal, block_q, block_kv, code)
-    return _finish(gpu.native_backward(q4, k4, v4, out4, lse3, dout4, params), rank)
-
-
-__all__ = ["DeviceArray", "is_cuda_array", "resolve_device", "native_attention", "native_attention_backward",
-           "native_tiles"]
+__all__ = ["DeviceArray", "is_cuda_array", "resolve_device"]

@@ -26,6 +26,7 @@ import dataclasses
 
 import numpy as np
 
+from . import _args
 from . import _core
 from . import cuda as _cuda
 from .formats import as_format
@@ -96,7 +97,7 @@ def _deviation(test, ref, device) -> dict:
     return (gpu or _core).deviation(t, r)
 
 
-def compare(test, ref, device=None) -> Comparison:
+def compare(test, ref, *, device=None) -> Comparison:
     """All deviation metrics of ``test`` against ``ref`` (same shape) as a :class:`Comparison`.
 
     d = test - ref element-wise in fp64; ``wasserstein`` compares the two value distributions
@@ -117,44 +118,44 @@ def compare(test, ref, device=None) -> Comparison:
     return Comparison(wasserstein=w, **stats)
 
 
-def max_abs(test, ref, device=None) -> float:
+def max_abs(test, ref, *, device=None) -> float:
     """max |test - ref| (same shapes). NaN if any NaN in either input or test and ref hold the same
     infinity at some element (inf - inf); inf if some difference is infinite."""
     return _deviation(test, ref, device)["max_abs"]
 
 
-def mean_diff(test, ref, device=None) -> float:
+def mean_diff(test, ref, *, device=None) -> float:
     """Mean of the signed difference test - ref (bias), compensated sum. NaN if any NaN in either
     input or inf - inf; +-inf if infinite differences of one sign occur, NaN if of both signs."""
     return _deviation(test, ref, device)["mean_diff"]
 
 
-def std_diff(test, ref, device=None) -> float:
+def std_diff(test, ref, *, device=None) -> float:
     """Population standard deviation (ddof=0) of test - ref, from per-chunk two-pass sums.
     NaN if any NaN in either input or any difference is infinite (inf - mean is undefined)."""
     return _deviation(test, ref, device)["std_diff"]
 
 
-def mean_abs(test, ref, device=None) -> float:
+def mean_abs(test, ref, *, device=None) -> float:
     """Mean of |test - ref|. NaN if any NaN in either input or inf - inf; inf if some difference is
     infinite."""
     return _deviation(test, ref, device)["mean_abs"]
 
 
-def rmse(test, ref, device=None) -> float:
+def rmse(test, ref, *, device=None) -> float:
     """sqrt(mean((test - ref)^2)), overflow-safe (squares are rescaled by powers of two when needed).
     NaN if any NaN in either input or inf - inf; inf if some difference is infinite."""
     return _deviation(test, ref, device)["rmse"]
 
 
-def rel_l2(test, ref, device=None) -> float:
+def rel_l2(test, ref, *, device=None) -> float:
     """||test - ref||_2 / ||ref||_2. 0 when test == ref everywhere, inf when ref is all zero and
     test is not. NaN if any NaN in either input or inf - inf; inf if some difference is infinite,
     NaN if additionally ref holds an infinity (inf / inf)."""
     return _deviation(test, ref, device)["rel_l2"]
 
 
-def max_rel(test, ref, device=None) -> float:
+def max_rel(test, ref, *, device=None) -> float:
     """max |test_i - ref_i| / |ref_i| over the elements with ref_i != 0 (zeros of ref are skipped:
     their relative error is undefined); NaN when every ref_i is 0. NaN if any NaN in either input,
     inf - inf, or an infinite ref_i (inf / inf); inf if test_i is infinite where ref_i is finite
@@ -163,15 +164,14 @@ def max_rel(test, ref, device=None) -> float:
 
 
 def _w1(a, b, method, device=None):
-    if method not in _W1_METHODS:
-        raise ValueError(f"method must be one of {sorted(_W1_METHODS)}, got {method!r}")
+    _args.choice("method", method, tuple(_W1_METHODS))
     gpu = _cuda.route(device, a=a, b=b)
     x = _as_float64(a, "a", gpu).reshape(-1)
     y = _as_float64(b, "b", gpu).reshape(-1)
     return (gpu or _core).wasserstein(x, y, _W1_METHODS[method])
 
 
-def wasserstein(a, b, method: str = "auto", device=None) -> float:
+def wasserstein(a, b, *, method: str = "auto", device=None) -> float:
     """Exact Wasserstein-1 distance between the value distributions of ``a`` and ``b``.
 
     W1 = integral of |F_a(x) - F_b(x)| dx over the empirical CDFs of the flattened inputs; sizes and
@@ -193,7 +193,7 @@ def _wasserstein_method(a, b, method: str = "auto") -> str:
     return _W1_METHOD_NAMES[_w1(a, b, method)[1]]
 
 
-def ulp_error(test, ref, fmt, device=None):
+def ulp_error(test, ref, fmt, *, device=None):
     """|test - ref| / ulp(ref) element-wise, as a float64 array of the inputs' shape.
 
     ulp(ref) is the spacing of format ``fmt`` (a :class:`~fadev.Format` or a name) at ref:
@@ -230,20 +230,35 @@ class UlpHistogram:
                 "fmt": self.fmt}
 
 
-def ulp_histogram(test, ref, fmt, max_ulp: int = 16) -> UlpHistogram:
+def _bucket(err: np.ndarray, max_ulp: int):
+    """(counts, n_nan) of ULP errors, bucketed as csrc/metrics.c's fadev_ulp_histogram does."""
+    err = err.reshape(-1)
+    nan = np.isnan(err)
+    err = err[~nan]
+    bucket = np.where(err >= max_ulp, max_ulp, np.trunc(np.minimum(err, max_ulp))).astype(np.int64)
+    return np.bincount(bucket, minlength=max_ulp + 1), int(nan.sum())
+
+
+def ulp_histogram(test, ref, fmt, *, max_ulp: int = 16, device=None) -> UlpHistogram:
     """Histogram of :func:`ulp_error` by integer ULP bucket: 0, 1, ..., max_ulp - 1, and >= max_ulp.
 
     Bucket k holds errors in [k, k+1) (so a correctly rounded result lands in bucket 0). Errors that
     are NaN (a NaN in test or ref, or an infinite ref) are counted in ``n_nan``, not in a bucket;
-    infinite errors land in the last bucket. ``max_ulp``: integer in 1..2^20.
+    infinite errors land in the last bucket. ``max_ulp``: integer in 1..2^20. ``device`` as
+    :func:`compare`'s: on the GPU the errors are computed there (the same exact values) and counted on
+    the host, so the counts are the CPU's.
     """
     fmt = as_format(fmt)
     if isinstance(max_ulp, bool) or not isinstance(max_ulp, (int, np.integer)):
         raise TypeError(f"max_ulp must be an integer, got {max_ulp!r}")
     if not 1 <= max_ulp <= MAX_ULP_LIMIT:
         raise ValueError(f"max_ulp must be in 1..{MAX_ULP_LIMIT}, got {max_ulp}")
-    t, r = _pair(test, ref)
-    counts, n_nan = _core.ulp_histogram(t, r, fmt._c, int(max_ulp))
+    gpu = _cuda.route(device, test=test, ref=ref)
+    t, r = _pair(test, ref, gpu)
+    if gpu is None:
+        counts, n_nan = _core.ulp_histogram(t, r, fmt._c, int(max_ulp))
+    else:
+        counts, n_nan = _bucket(gpu.ulp_error(t, r, fmt._c, host=True), int(max_ulp))
     return UlpHistogram(counts.astype(np.int64), int(n_nan), int(t.size), int(max_ulp), fmt.name)
 
 

@@ -1,6 +1,6 @@
 """Precision policies: the format of every intermediate of attention.
 
-A :class:`Policy` names one format per stage (../shared/DESIGN.md, "Precision policy"); every
+A :class:`Policy` names one format per stage (docs/design.md, "Precision policy"); every
 arithmetic result is rounded to the format of the stage it belongs to. Presets model real
 computations; ``pol.replace(p="fp32")`` changes one stage.
 """
@@ -66,7 +66,16 @@ def _acc(f: Format) -> Format:
     return formats["fp32"] if f.precision < 24 else f
 
 
-@dataclasses.dataclass(frozen=True)
+def _fa_acc(f: Format) -> Format:
+    """The flash kernels' registers: fp32, or F when F is wider."""
+    return formats["fp32"] if f.precision <= 24 else f
+
+
+_FA_IN_F = ("input", "p", "out", "bwd_p", "ds", "grad")
+"""The stages a FlashAttention kernel stores in its input format F (P and dS feed tensor cores)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Policy:
     """The format of every attention stage, the rounding mode, and the flash tiling defaults.
 
@@ -74,7 +83,8 @@ class Policy:
     Presets are defined for any format F; "fp32" stages in the fa2/fa1/torch_math presets mean
     "fp32, or F when F is wider" (so ``Policy.fa2("fp64")`` is all fp64 arithmetic).
 
-    Stage fields take a :class:`~fadev.Format` or a name. ``rounding`` is "rne", "rtz" or "stochastic"
+    Every field is a keyword argument: ``Policy(input="bf16", score_acc="fp32", ...)``. Stage fields take a
+    :class:`~fadev.Format` or a name. ``rounding`` is "rne", "rtz" or "stochastic"
     (keyed by ``seed``). ``block_q``, ``block_kv``, ``loop_order``, ``normalize``, ``exp`` are what
     ``flash_attention`` uses when the caller passes None.
     """
@@ -176,10 +186,17 @@ class Policy:
     # ------------------------------------------------------------ presets
 
     @classmethod
+    def _split(cls, F: Format, A: Format, in_f: tuple, state=None, **options) -> "Policy":
+        """The stages named in ``in_f`` in F, every other forward and backward stage in A (``state`` as
+        given: None or F)."""
+        stages = {s: F if s in in_f else A for s in STAGES + BACKWARD_STAGES if s != "state"}
+        return cls(**stages, state=state, **options)
+
+    @classmethod
     def golden(cls) -> "Policy":
         """Every stage in fp64: the reference answer."""
         f = formats["fp64"]
-        return cls(f, f, f, f, f, f, f, f, f, f, None, f, *[f] * 10, name="golden")
+        return cls._split(f, f, (), name="golden")
 
     @classmethod
     def paper(cls, fmt) -> "Policy":
@@ -187,49 +204,44 @@ class Policy:
         Every stored tensor is F; each matmul or reduction accumulates in A (fp32 for narrower F) as
         the tensor library does, and rounds its result to F."""
         F = as_format(fmt)
-        A = _acc(F)
-        return cls(F, A, F, F, A, F, F, F, A, F, None, F,
-                   bwd_p=F, dp_acc=A, dp=F, delta_acc=A, dsoft=F, ds=F, grad_acc=A, dq_acc=F, dkv_acc=F, grad=F,
-                   name=f"paper({F})")
+        return cls._split(F, _acc(F), ("input", "score", "softmax", "stats", "rescale", "p", "out_acc", "out",
+                                       "bwd_p", "dp", "dsoft", "ds", "dq_acc", "dkv_acc", "grad"),
+                          name=f"paper({F})")
 
     @classmethod
     def naive(cls, fmt) -> "Policy":
         """Standard PyTorch attention in F (matmul, fused softmax, matmul): the paper's baseline at F.
         The matmuls accumulate in A and round S and O to F; the fused softmax works in A and writes P in F."""
         F = as_format(fmt)
-        A = _acc(F)
-        return cls(F, A, F, A, A, A, A, F, A, A, None, F,
-                   bwd_p=F, dp_acc=A, dp=F, delta_acc=A, dsoft=A, ds=F, grad_acc=A, dq_acc=A, dkv_acc=A, grad=F,
-                   name=f"naive({F})")
+        return cls._split(F, _acc(F), ("input", "score", "p", "out", "bwd_p", "dp", "ds", "grad"),
+                          name=f"naive({F})")
 
     @classmethod
     def fa2(cls, fmt) -> "Policy":
         """FlashAttention-2's CUDA kernel: scores, softmax and statistics in fp32 registers, P rounded
         to F for the tensor-core P.V product, O accumulated in fp32, written once in F. exp2 with log2(e)
-        folded into the scale, deferred normalisation, query blocks outer, 128x64 tiles."""
+        folded into the scale, deferred normalisation, query blocks outer, 128x64 tiles. Backward: P and
+        dS rounded to F before their tensor-core products, dP and the softmax backward in fp32 registers,
+        dQ accumulated in fp32 across K/V blocks (atomics in fp32), dK/dV in fp32 across query blocks,
+        gradients written in F."""
         F = as_format(fmt)
-        A = formats["fp32"] if F.precision <= 24 else F
-        return cls(F, A, A, A, A, A, A, F, A, A, None, F, *_fa_backward(F, A), block_q=128, block_kv=64,
-                   loop_order="q_outer",
-                   normalize="deferred", exp="exp2", name=f"fa2({F})")
+        return cls._split(F, _fa_acc(F), _FA_IN_F, block_q=128, block_kv=64, loop_order="q_outer",
+                          normalize="deferred", exp="exp2", name=f"fa2({F})")
 
     @classmethod
     def fa1(cls, fmt) -> "Policy":
         """FlashAttention-1: fp32 arithmetic as fa2, but K/V blocks outer (each query block's O and l
         written to memory in F between K/V blocks: state = F) and O renormalised every block (eager)."""
         F = as_format(fmt)
-        A = formats["fp32"] if F.precision <= 24 else F
-        return cls(F, A, A, A, A, A, A, F, A, A, F, F, *_fa_backward(F, A), block_q=128, block_kv=128,
-                   loop_order="kv_outer",
-                   normalize="eager", exp="exp", name=f"fa1({F})")
+        return cls._split(F, _fa_acc(F), _FA_IN_F, state=F, block_q=128, block_kv=128, loop_order="kv_outer",
+                          normalize="eager", exp="exp", name=f"fa1({F})")
 
     @classmethod
     def torch_math(cls, fmt) -> "Policy":
         """PyTorch SDPA's math backend on fp16/bf16: inputs upcast to fp32, everything in fp32, the
         output rounded to F."""
         F = as_format(fmt)
-        A = formats["fp32"] if F.precision <= 24 else F
-        return cls(F, A, A, A, A, A, A, A, A, A, None, F, *[A] * 9, F, name=f"torch_math({F})")
+        return cls._split(F, _fa_acc(F), ("input", "out", "grad"), name=f"torch_math({F})")
 
     @classmethod
     def preset(cls, name: str, fmt=None) -> "Policy":
@@ -243,13 +255,6 @@ class Policy:
         if fmt is None:
             raise ValueError(f"preset {name!r} needs a format, e.g. Policy.preset({name!r}, 'bf16')")
         return makers[name](fmt)
-
-
-def _fa_backward(F, A):
-    """FlashAttention-2's backward: P and dS rounded to F before their tensor-core products, dP and the
-    softmax backward in fp32 registers, dQ accumulated in fp32 across K/V blocks (atomics in fp32), dK/dV in
-    fp32 across query blocks, gradients written in F."""
-    return (F, A, A, A, A, F, A, A, A, F)
 
 
 def as_policy(policy, name: str = "policy") -> Policy:

@@ -28,13 +28,13 @@ Format fields take a format name or one of the policy-relative tokens: "acc" (fp
 from __future__ import annotations
 
 import dataclasses
-import numbers
 
 import numpy as np
 
+from . import _args
 from . import _core
-from .attention import _finish as _finish_forward, _prepare, _tile
-from .backward import _finish as _finish_backward, _saved
+from . import cuda as _cuda
+from . import ring_steps as _steps
 from .formats import as_format, formats
 from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, Policy
 
@@ -80,8 +80,7 @@ class RingMerge:
             "lowp_running": {"partial_out": "acc", "running_out": "input"},
             "allgather": {"allgather": True, "partial_grad": "acc", "dkv_transport": "grad"},
         }
-        if name not in presets:
-            raise ValueError(f"merge must be one of {', '.join(MERGES)} or a RingMerge, got {name!r}")
+        _args.choice("merge", name, MERGES)
         return cls(**presets[name], name=name)
 
     def replace(self, **changes) -> "RingMerge":
@@ -109,13 +108,8 @@ def as_merge(merge) -> RingMerge:
 
 
 def _ring_args(q4, k4, world_size, layout, merge):
-    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    world_size = int(world_size)
-    if world_size > 2**31 - 1:
-        raise ValueError(f"world_size must be < 2^31, got {world_size}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    world_size = _args.positive_int(world_size, "world_size")
+    _args.choice("layout", layout, LAYOUTS)
     merge = as_merge(merge)
     N = q4.shape[2]
     if k4.shape[2] != N:
@@ -127,60 +121,62 @@ def _ring_args(q4, k4, world_size, layout, merge):
     return world_size, merge
 
 
-def _tiles(pol, block_q, block_kv):
-    return (_tile(pol.block_q if block_q is None else block_q, "block_q"),
-            _tile(pol.block_kv if block_kv is None else block_kv, "block_kv"))
-
-
-def _choice(name, value, default, allowed):
-    value = default if value is None else value
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-    return allowed.index(value)
-
-
-def ring_attention(q, k, v, world_size, layout="contiguous", merge="lowp_partials", policy="fa2:bf16", causal=False,
-                   scale=None, return_lse=False, block_q=None, block_kv=None, loop_order=None, normalize=None,
-                   exp=None):
+def ring_attention(q, k, v, policy, *, world_size, layout="contiguous", merge="lowp_partials", causal=False,
+                   scale=None, block_q=None, block_kv=None, loop_order=None, normalize=None, exp=None,
+                   return_lse=False, device=None):
     """Attention computed by a ring of ``world_size`` ranks (one device, exact per-rank arithmetic).
 
     ``layout``: "contiguous", "zigzag" (N divisible by 2W) or "striped"; ``merge``: a preset name
     (see the module doc) or a :class:`RingMerge`; ``policy`` governs every flash call; tiling options as
     :func:`fadev.flash_attention` (per call). Returns ``out`` or ``(out, lse)``; lse is the running LSE
-    in the merge's ``running_lse`` format (allgather: the flash call's, in ``stats``)."""
-    q4, k4, v4, pol, scale, rank = _prepare(q, k, v, policy, scale, causal)
+    in the merge's ``running_lse`` format (allgather: the flash call's, in ``stats``). ``device`` as
+    :func:`fadev.flash_attention`'s: on the GPU every ring step's flash call runs on the GPU's emulated
+    flash kernel and the merge on the host (:mod:`fadev.ring_steps`), the same bits as the CPU."""
+    gpu = _cuda.route(device, q=q, k=k, v=v)
+    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
     world_size, mg = _ring_args(q4, k4, world_size, layout, merge)
-    bq, bkv = _tiles(pol, block_q, block_kv)
-    choices = (_choice("loop_order", loop_order, pol.loop_order, LOOP_ORDERS),
-               _choice("normalize", normalize, pol.normalize, NORMALIZE), _choice("exp", exp, pol.exp, EXP_FORMS))
-    out, lse = _core.ring_attention(q4, k4, v4, pol._c, mg._c(pol, world_size, layout), scale, bool(causal), bq, bkv,
-                                    *choices)
-    return _finish_forward(out, lse, rank, return_lse)
+    tiles = _args.tiles(pol, q4.shape[3], block_q, block_kv)
+    choices = (_args.choice("loop_order", loop_order, LOOP_ORDERS, pol.loop_order),
+               _args.choice("normalize", normalize, NORMALIZE, pol.normalize),
+               _args.choice("exp", exp, EXP_FORMS, pol.exp))
+    ring_c = mg._c(pol, world_size, layout)
+    if gpu is None:
+        out, lse = _core.ring_attention(q4, k4, v4, pol._c, ring_c, scale, causal, *tiles, *choices)
+    else:
+        ring = (mg.resolve(pol), world_size, layout, mg.allgather, causal)
+        out, lse = _steps.forward_on_gpu(gpu, q4, k4, v4, pol, ring, scale, tiles, choices)
+    return _args.unshape_forward(out, lse, rank, return_lse)
 
 
-def ring_attention_backward(q, k, v, out, lse, dout, world_size, layout="contiguous", merge="lowp_partials",
-                            policy="fa2:bf16", causal=False, scale=None, block_q=None, block_kv=None, exp=None):
+def ring_attention_backward(q, k, v, out, lse, dout, policy, *, world_size, layout="contiguous", merge="lowp_partials",
+                            causal=False, scale=None, block_q=None, block_kv=None, exp=None, device=None):
     """(dq, dk, dv) of the ring backward: every piece's flash backward with the saved global ``out`` and
     ``lse`` (as :func:`ring_attention` returned them), dq summed across steps in ``dq_acc``, dk/dv carried
-    around the ring (``dkv_acc`` adds, ``dkv_transport`` per hop) or reduce-scattered (allgather)."""
-    q4, k4, v4, pol, scale, rank = _prepare(q, k, v, policy, scale, causal)
+    around the ring (``dkv_acc`` adds, ``dkv_transport`` per hop) or reduce-scattered (allgather).
+    ``device`` as :func:`ring_attention`'s (the pieces' flash backward on the GPU, the sums on the host)."""
+    gpu = _cuda.route(device, q=q, k=k, v=v, out=out, lse=lse, dout=dout)
+    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
     world_size, mg = _ring_args(q4, k4, world_size, layout, merge)
-    out4, lse3, dout4 = _saved(q4, out, lse, dout, rank)
-    bq, bkv = _tiles(pol, block_q, block_kv)
-    exp_form = _choice("exp", exp, pol.exp, EXP_FORMS)
-    grads = _core.ring_attention_backward(q4, k4, v4, out4, lse3, dout4, pol._c, pol._c_backward,
-                                          mg._c(pol, world_size, layout), scale, bool(causal), bq, bkv, exp_form)
-    return _finish_backward(grads, rank)
+    out4, lse3, dout4 = _args.saved(q4, out, lse, dout, rank, gpu)
+    tiles = _args.tiles(pol, q4.shape[3], block_q, block_kv)
+    exp_form = _args.choice("exp", exp, EXP_FORMS, pol.exp)
+    ring_c = mg._c(pol, world_size, layout)
+    if gpu is None:
+        grads = _core.ring_attention_backward(q4, k4, v4, out4, lse3, dout4, pol._c, pol._c_backward, ring_c, scale,
+                                              causal, *tiles, exp_form)
+    else:
+        ring = (mg.resolve(pol), world_size, layout, mg.allgather, causal)
+        grads = _steps.backward_on_gpu(gpu, q4, k4, v4, out4, lse3, dout4, pol, ring, scale, tiles, exp_form)
+    return _args.unshape_grads(grads, rank)
 
 
-def ring_coverage(seq, world_size, layout="contiguous", causal=False, allgather=False):
+def ring_coverage(seq, *, world_size, layout="contiguous", causal=False, allgather=False):
     """(seq, seq) int32 counts: how many of the ring's flash pieces compute each (query, key) pair, from
     the same piece list the kernels use (the full causal mask, tril, or all ones, when correct)."""
-    if isinstance(seq, bool) or not isinstance(seq, numbers.Integral) or not 1 <= seq <= 8192:
-        raise ValueError(f"seq must be an integer in 1..8192, got {seq!r}")
+    seq = _args.positive_int(seq, "seq", limit=8192)
     q4 = np.zeros((1, 1, int(seq), 1))
     world_size, mg = _ring_args(q4, q4, world_size, layout, "allgather" if allgather else "lowp_partials")
-    return _core.ring_coverage(int(seq), bool(causal), mg._c(Policy.golden(), world_size, layout))
+    return _core.ring_coverage(seq, _args.causal_of(causal), mg._c(Policy.golden(), world_size, layout))
 
 
 __all__ = ["ring_attention", "ring_attention_backward", "ring_coverage", "RingMerge", "LAYOUTS", "MERGES"]

@@ -40,9 +40,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules import module as _torch_module
 
-import fadev as _fadev
-from .attention import MAX_DIM, baseline_attention, flash_attention, sram_tiles
-from .cuda import _device_count as _cuda_devices
+from . import _args
+from ._args import MAX_DIM
+from .attention import baseline_attention, flash_attention
+from .backward import baseline_attention_backward, flash_attention_backward
+from .cuda import device_count as _cuda_devices
 from .formats import to_bits as _to_bits
 from .metrics import compare
 from .policy import Policy, as_policy
@@ -166,18 +168,8 @@ def _to_dtype(arr, dtype) -> torch.Tensor:
 
 # ---------------------------------------------------------------- one attention configuration
 
-def _backward_fn(kernel):
-    name = f"{kernel}_attention_backward"
-    fn = getattr(_fadev, name, None)
-    if fn is None:
-        raise NotImplementedError(f"fadev.{name} is not available in this build of fadev, so fadev.torch "
-                                  f"cannot compute gradients")
-    return fn
-
-
 def _check_kernel(kernel, tiling):
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be 'flash' or 'baseline', got {kernel!r}")
+    _args.choice("kernel", kernel, KERNELS)
     unknown = sorted(set(tiling) - set(FLASH_TILING))
     if unknown:
         raise TypeError(f"unknown tiling argument(s) {', '.join(unknown)}; flash takes {', '.join(FLASH_TILING)}")
@@ -205,15 +197,12 @@ class _Kernel:
         return baseline_attention(q, k, v, self.policy, causal=causal, scale=scale, return_lse=True)
 
     def backward(self, q, k, v, out, lse, dout, causal, scale):
-        fn = _backward_fn(self.kernel)
         if self.kernel == "baseline":
-            return fn(q, k, v, out, lse, dout, self.policy, causal=causal, scale=scale)
+            return baseline_attention_backward(q, k, v, out, lse, dout, self.policy, causal=causal, scale=scale)
         tiling = dict(self.tiling)
-        block_q, block_kv = tiling.get("block_q"), tiling.get("block_kv")
-        if tiling.get("sram_bytes") is not None:
-            block_q, block_kv = sram_tiles(tiling["sram_bytes"], q.shape[-1])
-        return fn(q, k, v, out, lse, dout, self.policy, block_q=block_q, block_kv=block_kv, exp=tiling.get("exp"),
-                  causal=causal, scale=scale)
+        return flash_attention_backward(q, k, v, out, lse, dout, self.policy, causal=causal, scale=scale,
+                                        block_q=tiling.get("block_q"), block_kv=tiling.get("block_kv"),
+                                        sram_bytes=tiling.get("sram_bytes"), exp=tiling.get("exp"))
 
 
 def _shape4(shape):

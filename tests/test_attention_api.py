@@ -2,6 +2,7 @@
 the C entry points' status codes, thread-count independence, and the golden (fp64) kernels against an
 independent NumPy float64 attention. Bit parity with the slow twin lives in test_attention.py."""
 import ctypes
+import inspect
 import math
 
 import numpy as np
@@ -380,3 +381,34 @@ def test_random_qkv_outliers():
     big = np.count_nonzero(np.abs(q) > 6)
     assert 450 <= big <= 800  # P(|N(0,101)| > 6) ~ 0.55 of the ~1000 hits
     assert 0.95 < q.std() ** 2 / (1 + 100 * 0.001) < 1.05
+
+
+# ---------------------------------------------------------------- one uniform, keyword-only API
+
+ORDER = ("world_size", "layout", "merge", "causal", "scale", "block_q", "block_kv", "sram_bytes", "loop_order",
+         "normalize", "exp", "return_lse", "device", "dtype")
+KERNELS = {"baseline_attention": ("q", "k", "v", "policy"), "flash_attention": ("q", "k", "v", "policy"),
+           "golden_attention": ("q", "k", "v"), "ring_attention": ("q", "k", "v", "policy"),
+           "baseline_attention_backward": ("q", "k", "v", "out", "lse", "dout", "policy"),
+           "flash_attention_backward": ("q", "k", "v", "out", "lse", "dout", "policy"),
+           "ring_attention_backward": ("q", "k", "v", "out", "lse", "dout", "policy"),
+           "native_attention": ("q", "k", "v"), "native_attention_backward": ("q", "k", "v", "out", "lse", "dout")}
+METRICS = {"compare": ("test", "ref"), "max_abs": ("test", "ref"), "mean_diff": ("test", "ref"),
+           "std_diff": ("test", "ref"), "mean_abs": ("test", "ref"), "rmse": ("test", "ref"), "rel_l2": ("test", "ref"),
+           "max_rel": ("test", "ref"), "wasserstein": ("a", "b"), "ulp_error": ("test", "ref", "fmt"),
+           "ulp_histogram": ("test", "ref", "fmt")}
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS) + sorted(METRICS))
+def test_every_entry_point_has_keyword_only_options_in_one_order(name):
+    params = inspect.signature(getattr(fadev, name)).parameters.values()
+    positional = tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD)
+    keywords = [p.name for p in params if p.kind == p.KEYWORD_ONLY]
+    assert positional == {**KERNELS, **METRICS}[name]
+    assert not [p for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY)]
+    if name in METRICS:
+        assert keywords[-1] == "device", keywords
+        return
+    assert keywords == [k for k in ORDER if k in keywords], keywords
+    assert ("dtype" if name.startswith("native") else "device") in keywords
+    assert "causal" in keywords and "scale" in keywords

@@ -120,7 +120,7 @@ def test_native_argument_errors():
     q, k, v = fadev.random_qkv((1, 2, 8, 64))
     with pytest.raises(TypeError, match="q: the native kernels read float16 or bfloat16, got float64; pass dtype="):
         fadev.native_attention(q, k, v)
-    with pytest.raises(ValueError, match="dtype must be 'bf16' or 'fp16', got 'fp8'"):
+    with pytest.raises(ValueError, match="dtype must be one of fp16, bf16, got 'fp8'"):
         fadev.native_attention(q, k, v, dtype="fp8")
     with pytest.raises(ValueError, match="dim must be a positive integer, got 0"):
         fadev.native_tiles(0)

@@ -166,6 +166,17 @@ def test_gpu_ulp_error_bit_identical(fmt, kind):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("max_ulp", [1, 4, 16])
+def test_gpu_ulp_histogram_same_counts(max_ulp, kind):
+    test, ref = _ulp_inputs(np.random.default_rng(10))
+    cpu = fadev.ulp_histogram(test, ref, "bf16", max_ulp=max_ulp)
+    gpu = fadev.ulp_histogram(_as_input(test, kind), _as_input(ref, kind), "bf16", max_ulp=max_ulp, device="cuda")
+    assert np.array_equal(gpu.counts, cpu.counts) and (gpu.n_nan, gpu.n) == (cpu.n_nan, cpu.n)
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_ulp_error_keeps_shape():
     rng = np.random.default_rng(9)
     ref = rng.standard_normal((3, 5, 7))

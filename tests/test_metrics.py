@@ -342,11 +342,15 @@ def test_wasserstein_thread_count_does_not_change_bits(rng):
     a, b = rng.standard_cauchy(300001), rng.standard_normal(200000)
     fa, fb = fadev.round(a, "fp16"), fadev.round(b, "fp16")
     fa, fb = np.nan_to_num(fa, posinf=0, neginf=0), np.nan_to_num(fb, posinf=0, neginf=0)
+
+    def all_three():
+        return fadev.wasserstein(a, b), fadev.wasserstein(fa, fb, method="count"), fadev.wasserstein(fa, fb, method="sort")
+
     fadev.set_num_threads(1)
-    want = (fadev.wasserstein(a, b), fadev.wasserstein(fa, fb, method="count"), fadev.wasserstein(fa, fb, "sort"))
+    want = all_three()
     for threads in (2, 3):
         fadev.set_num_threads(threads)
-        got = (fadev.wasserstein(a, b), fadev.wasserstein(fa, fb, method="count"), fadev.wasserstein(fa, fb, "sort"))
+        got = all_three()
         assert [bits(x) for x in got] == [bits(x) for x in want]
 
 
@@ -509,7 +513,7 @@ def test_wasserstein_errors():
         fadev.wasserstein(np.array([1j]), [1.0])
     with pytest.raises(TypeError, match=r"b: expected a real numeric array"):
         fadev.wasserstein([1.0], ["x"])
-    with pytest.raises(ValueError, match=r"method must be one of \['auto', 'count', 'sort'\], got 'fast'"):
+    with pytest.raises(ValueError, match="method must be one of auto, sort, count, got 'fast'"):
         fadev.wasserstein([1.0], [2.0], method="fast")
 
 
@@ -542,3 +546,15 @@ def test_binding_guards():
         _core.ulp_histogram(np.zeros(2), np.zeros(2), fmt, 0)
     with pytest.raises(ValueError, match=r"test and ref must have the same size"):
         _core.ulp_error(np.zeros(2), np.zeros(3), fmt)
+
+
+@pytest.mark.parametrize("max_ulp", [1, 3, 16])
+def test_ulp_histogram_bucketing_of_gpu_errors_matches_c(max_ulp, rng):
+    """On the GPU the errors come from cuda_ulp_error and are bucketed on the host (metrics._bucket): that
+    bucketing, fed the CPU's (identical) errors, gives csrc/metrics.c's counts, NaN, inf and huge errors too."""
+    ref = rng.standard_normal(5000)
+    test = fadev.round(ref * (1 + 1e-2 * rng.standard_normal(5000)), "bf16")
+    test[:4], ref[4:6] = [np.nan, np.inf, -np.inf, 1e30], [np.inf, 0.0]
+    want = fadev.ulp_histogram(test, ref, "bf16", max_ulp=max_ulp)
+    counts, n_nan = fadev.metrics._bucket(fadev.ulp_error(test, ref, "bf16"), max_ulp)
+    assert np.array_equal(counts, want.counts) and n_nan == want.n_nan and n_nan >= 2

@@ -1,4 +1,4 @@
-"""Policy: presets as DESIGN.md's table, replace(), value semantics, as_policy strings, errors."""
+"""Policy: presets as docs/design.md's policy table, replace(), value semantics, as_policy strings, errors."""
 import dataclasses
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 from fadev import formats
 from fadev.policy import STAGES, Policy, as_policy
 
-# DESIGN.md, "Presets". F = the preset's format; A = fp32 when F is narrower than fp32, else F;
+# docs/design.md, the policy table. F = the preset's format; A = fp32 when F is narrower than fp32, else F;
 # W = the table's "fp32" column of the fused-kernel presets, read as fp32 or F where F is wider
 # (an fp64 kernel does not downcast its registers to fp32).
 TABLE_STAGES = ("input", "score_acc", "score", "softmax", "sum_acc", "stats", "rescale", "p", "pv_acc",
@@ -180,3 +180,10 @@ def test_preset_errors(call, exc, match):
 def test_bad_field_names_the_parameter(field, value, exc):
     with pytest.raises(exc, match=field):
         Policy.fa2("bf16").replace(**{field: value})
+
+
+def test_policy_fields_are_keyword_only():
+    stages = {s: "fp32" for s in STAGES if s != "state"}
+    assert Policy(**stages, state=None).stages()["p"] == "fp32"
+    with pytest.raises(TypeError, match="positional"):
+        Policy(*["fp32"] * 12)

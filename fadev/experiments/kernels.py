@@ -19,7 +19,7 @@ import os
 import pandas as pd
 
 from .. import plots, report
-from ..cuda import native_attention, native_tiles
+from ..native import native_attention, native_tiles
 from . import common
 from .common import Finding
 

@@ -1,0 +1,148 @@
+"""Argument and shape checks shared by every kernel entry point, and the reshape helpers around them.
+
+No kernels here: :mod:`fadev.attention`, :mod:`fadev.backward`, :mod:`fadev.ring`, :mod:`fadev.native` and
+:mod:`fadev.metrics` validate their arguments with these functions, then call fadev._core (CPU) or a
+:class:`fadev.cuda._Gpu` (GPU). Inputs are (N, D), (H, N, D) or (B, H, N, D); the kernels see 4-D
+(B, H, N, D) arrays, and results are reshaped back to the caller's rank.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from .formats import ROUNDING_MODES, _numeric
+from .policy import Policy, as_policy
+
+MAX_DIM = 256
+INT32_MAX = 2**31 - 1
+
+
+def choice(name, value, allowed, default=None) -> int:
+    """The index of ``value`` (``default`` when None) in the tuple ``allowed``; ValueError naming
+    ``name`` and the choices otherwise. The one checker of every string option."""
+    value = default if value is None else value
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return allowed.index(value)
+
+
+def positive_int(value, name, limit=INT32_MAX) -> int:
+    """``value`` as an int in 1..limit (bools refused); ValueError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= int(value) <= limit:
+        raise ValueError(f"{name} must be a positive integer (at most {'2^31 - 1' if limit == INT32_MAX else limit}), "
+                         f"got {value!r}")
+    return int(value)
+
+
+def operand(x, name, gpu=None, dtype=np.float64):
+    """x as a float64 NumPy array, or with ``gpu`` (a fadev.cuda._Gpu) a contiguous ``dtype`` device
+    array; 2-, 3- or 4-D with no empty axis."""
+    arr = gpu.operand(x, name, dtype) if gpu else _numeric(x, name)
+    if arr.ndim not in (2, 3, 4):
+        raise ValueError(f"{name}: expected a 2-D (N, D), 3-D (H, N, D) or 4-D (B, H, N, D) array, "
+                         f"got shape {arr.shape}")
+    if 0 in arr.shape:
+        raise ValueError(f"{name}: every dimension must be >= 1, got shape {arr.shape}")
+    return arr if gpu else arr.astype(np.float64, copy=False)
+
+
+def qkv(q, k, v, gpu=None, dtype=np.float64):
+    """Validated 4-D q, k, v (float64 NumPy, or device arrays of ``dtype`` with ``gpu``) and q's
+    original rank. K/V may have fewer heads (grouped-query) and another length."""
+    q, k, v = operand(q, "q", gpu, dtype), operand(k, "k", gpu, dtype), operand(v, "v", gpu, dtype)
+    if not q.ndim == k.ndim == v.ndim:
+        raise ValueError(f"q, k, v must have the same rank, got q {q.ndim}-D, k {k.ndim}-D, v {v.ndim}-D")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
+    rank = q.ndim
+    q4, k4, v4 = (t.reshape((1,) * (4 - rank) + t.shape) for t in (q, k, v))
+    B, H, _, D = q4.shape
+    if k4.shape[3] != D:
+        raise ValueError(f"k: head dim {k4.shape[3]} does not match q's head dim {D}")
+    if D > MAX_DIM:
+        raise ValueError(f"q: head dim D must be <= {MAX_DIM}, got {D}")
+    if k4.shape[0] != B:
+        raise ValueError(f"k: batch {k4.shape[0]} does not match q's batch {B}")
+    if H % k4.shape[1] != 0:
+        raise ValueError(f"q has {H} heads, not a multiple of k/v's {k4.shape[1]} heads (grouped-query needs "
+                         f"heads % heads_kv == 0)")
+    return q4, k4, v4, rank
+
+
+def scale_of(scale, dim) -> float:
+    """``scale`` as a float; None gives 1/sqrt(dim)."""
+    if scale is None:
+        return 1.0 / math.sqrt(dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return float(scale)
+
+
+def causal_of(causal) -> bool:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    return bool(causal)
+
+
+def check_policy(pol: Policy, q4, k4) -> None:
+    """What a policy asks of the shapes: stochastic rounding packs row indices in 21 bits."""
+    if ROUNDING_MODES[pol.rounding] == ROUNDING_MODES["stochastic"] and max(q4.shape[2], k4.shape[2]) >= 2**21:
+        raise ValueError(f"stochastic rounding needs sequence lengths < 2^21 (the counter packs them in 21 bits), "
+                         f"got seq_q={q4.shape[2]}, seq_kv={k4.shape[2]}")
+
+
+def prepare(q, k, v, policy, causal, scale, gpu=None):
+    """A policy kernel's arguments checked: 4-D q, k, v, the Policy, causal, the scale and q's rank."""
+    pol = as_policy(policy, "policy")
+    q4, k4, v4, rank = qkv(q, k, v, gpu)
+    check_policy(pol, q4, k4)
+    return q4, k4, v4, pol, causal_of(causal), scale_of(scale, q4.shape[3]), rank
+
+
+def saved(q4, out, lse, dout, rank, gpu=None, dtype=np.float64, lse_dtype=np.float64):
+    """A backward's out, dout (4-D) and lse (3-D) (device arrays of ``dtype`` / ``lse_dtype`` with
+    ``gpu``), their shapes checked against q's original rank."""
+    out, dout = operand(out, "out", gpu, dtype), operand(dout, "dout", gpu, dtype)
+    lse = gpu.operand(lse, "lse", lse_dtype) if gpu else _numeric(lse, "lse").astype(np.float64, copy=False)
+    shape = q4.shape[4 - rank:]
+    for name, arr, want in (("out", out, shape), ("dout", dout, shape), ("lse", lse, shape[:-1])):
+        if arr.shape != want:
+            what = "q's shape without its last axis" if name == "lse" else "q's shape"
+            raise ValueError(f"{name}: expected {what} {want}, got {arr.shape}")
+    return out.reshape(q4.shape), lse.reshape(q4.shape[:3]), dout.reshape(q4.shape)
+
+
+def sram_tiles(sram_bytes, dim):
+    """FlashAttention-1's tile rule for on-chip memory of M bytes: Bc = ceil(M / (4 d)), Br = min(Bc, d).
+    Returns (block_q, block_kv) = (Br, Bc)."""
+    m = positive_int(sram_bytes, "sram_bytes")
+    bc = -(-m // (4 * dim))
+    return min(bc, dim), bc
+
+
+def tiles(pol: Policy, dim, block_q=None, block_kv=None, sram_bytes=None):
+    """(block_q, block_kv): the caller's, FlashAttention-1's rule for ``sram_bytes``, or the policy's."""
+    if sram_bytes is not None:
+        if block_q is not None or block_kv is not None:
+            raise ValueError(f"sram_bytes={sram_bytes!r} derives block_q and block_kv; do not pass them too "
+                             f"(got block_q={block_q!r}, block_kv={block_kv!r})")
+        block_q, block_kv = sram_tiles(sram_bytes, dim)
+    return (positive_int(pol.block_q if block_q is None else block_q, "block_q"),
+            positive_int(pol.block_kv if block_kv is None else block_kv, "block_kv"))
+
+
+def unshape_forward(out, lse, rank, return_lse):
+    """A forward's (out, lse) from 4-D / 3-D back to the caller's rank: ``out`` or ``(out, lse)``."""
+    out = out.reshape(out.shape[4 - rank:])
+    if not return_lse:
+        return out
+    return out, lse.reshape(lse.shape[4 - rank:])
+
+
+def unshape_grads(grads, rank):
+    """A backward's (dq, dk, dv) from 4-D back to the caller's rank."""
+    return tuple(g.reshape(g.shape[4 - rank:]) for g in grads)

@@ -1,0 +1,100 @@
+"""fadev's native tensor-core kernels: FlashAttention-2-style forward and backward in fp16 / bf16 with
+fp32 accumulation (cuda/native_forward.cu, cuda/native_backward.cu), for timing and for comparing real
+hardware arithmetic with the emulated policies. GPU only; they take no policy (their arithmetic is
+fixed), so their options start at ``causal``.
+"""
+from __future__ import annotations
+
+import numbers
+
+import ml_dtypes
+import numpy as np
+
+from . import _args
+from . import _core
+from .cuda import element_type, is_cuda_array, no_gpu, route
+from .formats import _numeric, round as _round
+
+DTYPES = ("fp16", "bf16")
+_NP_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))  # by DTYPES index (the kernels' dtype code)
+
+
+def native_tiles(dim) -> list:
+    """The (block_q, block_kv) tiles the native kernels support for head dim ``dim`` (the first is the
+    default); an empty list for a head dim they do not support."""
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
+        raise ValueError(f"dim must be a positive integer, got {dim!r}")
+    if not _core.cuda_info()["compiled"]:
+        raise no_gpu("native_tiles")
+    try:
+        return [tuple(t) for t in _core.cuda_native_tiles(int(dim))]
+    except ValueError:  # FADEV_ERR_INVALID_ARGUMENT: a head dim without tiles
+        return []
+
+
+def _dtype_code(dtype, q) -> int:
+    """The index in DTYPES of ``dtype``, or of q's element type when None."""
+    if dtype is not None:
+        return _args.choice("dtype", dtype, DTYPES)
+    name = element_type(q)
+    for code, np_dtype in enumerate(_NP_DTYPES):
+        if name == np_dtype.name:
+            return code
+    raise TypeError(f"q: the native kernels read float16 or bfloat16, got {name}; pass dtype='bf16' or 'fp16' to "
+                    f"round NumPy inputs to one of them")
+
+
+def _host(x, name, code):
+    """A host input rounded (nearest-even) to the native dtype ``code``; CUDA arrays unchanged."""
+    if is_cuda_array(x):
+        return x
+    return _round(_numeric(x, name), DTYPES[code]).astype(_NP_DTYPES[code])
+
+
+def _params(q4, k4, causal, scale, block_q, block_kv, code):
+    dim = q4.shape[3]
+    tiles = native_tiles(dim)
+    if not tiles:
+        raise ValueError(f"q: the native kernels do not support head dim {dim}")
+    fits = [t for t in tiles if block_q in (None, t[0]) and block_kv in (None, t[1])]
+    if not fits:
+        raise ValueError(f"(block_q, block_kv) = ({block_q!r}, {block_kv!r}) is not a native tile for head dim {dim}; "
+                         f"supported: {tiles}")
+    (b, h, nq, d), (_, hkv, nk, _) = q4.shape, k4.shape
+    return (b, h, hkv, nq, nk, d, _args.scale_of(scale, d), _args.causal_of(causal), fits[0][0], fits[0][1], code)
+
+
+def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_kv=None, return_lse=False,
+                     dtype=None):
+    """FlashAttention-2-style forward on the tensor cores (cuda/native_forward.cu): fp16 or bf16 inputs
+    and output, fp32 accumulation and online softmax (exp2). Shapes, ``causal`` and ``scale`` as
+    :func:`fadev.flash_attention`; head dim 64 or 128; (``block_q``, ``block_kv``) one of
+    :func:`native_tiles` (default: its first). PyTorch CUDA tensors of float16 / bfloat16 give tensors
+    (``lse`` float32, natural log); NumPy (or ml_dtypes) arrays are rounded to ``dtype`` ("bf16" or
+    "fp16"; inferred from a float16 / bfloat16 array), copied to the GPU, and come back as float64
+    NumPy arrays holding the fp16 / bf16 (lse: fp32) values. Not differentiable: see
+    :func:`native_attention_backward`."""
+    code = _dtype_code(dtype, q)
+    gpu = route("cuda", q=q, k=k, v=v)
+    q, k, v = (_host(x, n, code) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    q4, k4, v4, rank = _args.qkv(q, k, v, gpu, _NP_DTYPES[code])
+    out, lse = gpu.native_forward(q4, k4, v4, _params(q4, k4, causal, scale, block_q, block_kv, code))
+    return _args.unshape_forward(out, lse, rank, return_lse)
+
+
+def native_attention_backward(q, k, v, out, lse, dout, *, causal=False, scale=None, block_q=None, block_kv=None,
+                              dtype=None):
+    """Gradients (dq, dk, dv) by the native FlashAttention-2-style backward (cuda/native_backward.cu): P
+    recomputed from the forward's ``lse`` (float32), dq accumulated in an fp32 workspace. ``out`` and
+    ``lse`` as :func:`native_attention` returned them; arguments and result kinds as that function's."""
+    code = _dtype_code(dtype, q)
+    gpu = route("cuda", q=q, k=k, v=v, out=out, lse=lse, dout=dout)
+    q, k, v, out, dout = (_host(x, n, code) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"),
+                                                         (dout, "dout")))
+    q4, k4, v4, rank = _args.qkv(q, k, v, gpu, _NP_DTYPES[code])
+    out4, lse3, dout4 = _args.saved(q4, out, lse, dout, rank, gpu, _NP_DTYPES[code], np.float32)
+    params = _params(q4, k4, causal, scale, block_q, block_kv, code)
+    return _args.unshape_grads(gpu.native_backward(q4, k4, v4, out4, lse3, dout4, params), rank)
+
+
+__all__ = ["native_attention", "native_attention_backward", "native_tiles", "DTYPES"]

@@ -1,0 +1,192 @@
+"""Ring attention composed step by step: csrc/ring.c's pieces, merge and gradient sums, in NumPy.
+
+csrc/ring.c runs a whole ring on the CPU in one C call. To run a ring's steps on another kernel (the
+GPU's emulated flash kernels), :func:`forward` and :func:`backward` walk the same (step, rank, piece)
+list in the same order (ring.c's top comment is the specification) and call a given flash function per
+piece; every merge and accumulation operation is done in fp64 and rounded nearest-even to its format,
+as ring.c does (sigmoid and log-sigmoid through the C library's exp / log1p, as ring.c calls them). With
+the CPU's flash kernel they reproduce ring.c bit for bit (tests/test_ring.py); the GPU's emulated flash
+kernels give the CPU's bits, so the ring on the GPU does too.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import _core
+from .cuda import DeviceArray, route
+from .formats import round as _round
+
+
+def positions(N, W, layout, r, local):
+    """Global rows of rank ``r``'s local rows ``local`` (ring.c's ring_pos)."""
+    if layout == "contiguous":
+        return r * (N // W) + local
+    if layout == "striped":
+        return local * W + r
+    h = N // (2 * W)
+    return np.where(local < h, r * h + local, (2 * W - 1 - r) * h + local - h)
+
+
+def pieces(N, W, layout, allgather, causal, r, s):
+    """(q_lo, q_n, src, k_lo, k_n, causal) of rank ``r`` at step ``s`` (ring.c's ring_pieces): query rows
+    q_lo.. of rank r against rows k_lo.. of rank src's block (global rows when src < 0)."""
+    n, h = N // W, N // (2 * W) if layout == "zigzag" else 0
+    if allgather:
+        if not causal:
+            return [(0, n, -1, 0, N, False)]
+        if layout == "contiguous":
+            return [(0, n, -1, 0, (r + 1) * n, True)]
+        if layout == "zigzag":
+            return [(0, h, -1, 0, (r + 1) * h, True), (h, h, -1, 0, (2 * W - r) * h, True)]
+        return [(a, 1, -1, 0, a * W + r + 1, False) for a in range(n)]
+    src = (r - s) % W
+    if not causal:
+        return [(0, n, src, 0, n, False)]
+    if layout == "contiguous":
+        return [] if src > r else [(0, n, src, 0, n, src == r)]
+    if layout == "zigzag":
+        return [(0, n, src, 0, n, True) if src == r else (0, n, src, 0, h, False) if src < r else
+                (h, h, src, 0, n, False)]
+    if src <= r:
+        return [(0, n, src, 0, n, True)]
+    return [(1, n - 1, src, 0, n - 1, True)] if n >= 2 else []
+
+
+def _rows(N, W, layout, r, piece):
+    q_lo, q_n, src, k_lo, k_n, _ = piece
+    qrows = positions(N, W, layout, r, np.arange(q_lo, q_lo + q_n))
+    krows = np.arange(k_lo, k_lo + k_n) if src < 0 else positions(N, W, layout, src, np.arange(k_lo, k_lo + k_n))
+    return qrows, krows
+
+
+def _sigmoid(x):
+    e = math.exp(-abs(x))  # ring.c's exp(-x) for x >= 0, exp(x) below: the same value
+    return 1.0 / (1.0 + e) if x >= 0 else e / (1.0 + e)
+
+
+def _logsigmoid(x):
+    t = math.log1p(math.exp(-abs(x)))
+    return -t if x >= 0 else x - t
+
+
+def _each(fn, x):
+    """fn on every element (math's exp / log1p are the C library's, as ring.c's; NumPy's may differ)."""
+    return np.array([fn(float(e)) for e in x.ravel()], dtype=np.float64).reshape(x.shape)
+
+
+def _steps(N, W, layout, allgather, causal):
+    """(rank, step, pieces) in ring.c's order: steps outer, ranks inner (allgather: one step)."""
+    for s in range(1 if allgather else W):
+        for r in range(W):
+            yield r, s, pieces(N, W, layout, allgather, causal, r, s)
+
+
+def forward(q, k, v, pol, fmts, world_size, layout, allgather, causal, flash):
+    """(out, lse) of the ring forward on 4-D float64 q, k, v; ``flash(q, k, v, policy, causal)`` -> (out,
+    lse) runs one piece; ``fmts``: RingMerge.resolve(pol)."""
+    N, W, m = q.shape[2], world_size, fmts["merge"]
+    out, run_l = np.zeros(q.shape), np.zeros(q.shape[:3])
+    seen = np.zeros(q.shape[:3], dtype=bool)
+    piece_pol = pol if allgather else pol.replace(out=fmts["partial_out"])
+    for r, _, pcs in _steps(N, W, layout, allgather, causal):
+        for pc in pcs:
+            qrows, krows = _rows(N, W, layout, r, pc)
+            ob, lb = flash(q[:, :, qrows], k[:, :, krows], v[:, :, krows], piece_pol, pc[5])
+            if allgather:
+                out[:, :, qrows], run_l[:, :, qrows], seen[:, :, qrows] = ob, lb, True
+                continue
+            lb = _round(lb, fmts["partial_lse"])
+            live = lb != -np.inf  # a row with no visible key (cannot happen with these pieces)
+            was = seen[:, :, qrows]
+            O, L = out[:, :, qrows], run_l[:, :, qrows]
+            new_O, new_L = _round(ob, fmts["running_out"]), _round(lb, fmts["running_lse"])
+            both = live & was
+            if both.any():
+                with np.errstate(all="ignore"):  # rows not merged may hold anything
+                    gt = _round(_each(_sigmoid, _round(lb - L, m)), m)
+                    merged_O = _round(_round(O - _round(gt[..., None] * _round(O - ob, m), m), m),
+                                      fmts["running_out"])
+                    ls = _round(_each(_logsigmoid, _round(L - lb, m)), m)
+                    merged_L = _round(_round(L - ls, m), fmts["running_lse"])
+                new_O, new_L = np.where(was[..., None], merged_O, new_O), np.where(was, merged_L, new_L)
+            out[:, :, qrows] = np.where(live[..., None], new_O, O)
+            run_l[:, :, qrows] = np.where(live, new_L, L)
+            seen[:, :, qrows] = was | live
+    out[~seen], run_l[~seen] = 0.0, -np.inf
+    if not allgather:
+        out = np.where(seen[..., None], _round(out, pol.out), out)
+    return out, run_l
+
+
+def backward(q, k, v, out, lse, dout, pol, fmts, world_size, layout, allgather, causal, flash_backward):
+    """(dq, dk, dv) of the ring backward; ``flash_backward(q, k, v, out, lse, dout, policy, causal)`` ->
+    (dq, dk, dv) runs one piece."""
+    N, W = q.shape[2], world_size
+    T, A = fmts["dkv_transport"], fmts["dkv_acc"]
+    aq, ak, av = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    piece_pol = pol.replace(grad=fmts["partial_grad"])
+    for r, s, pcs in _steps(N, W, layout, allgather, causal):
+        lk, lv = (np.zeros(k.shape), np.zeros(v.shape)) if allgather else (ak, av)
+        for pc in pcs:
+            qrows, krows = _rows(N, W, layout, r, pc)
+            gq, gk, gv = flash_backward(q[:, :, qrows], k[:, :, krows], v[:, :, krows], out[:, :, qrows],
+                                        lse[:, :, qrows], dout[:, :, qrows], piece_pol, pc[5])
+            aq[:, :, qrows] = _round(aq[:, :, qrows] + gq, fmts["dq_acc"])
+            lk[:, :, krows] = _round(lk[:, :, krows] + gk, A)
+            lv[:, :, krows] = _round(lv[:, :, krows] + gv, A)
+        if allgather:  # this rank's share of the reduce-scatter
+            ak[...] = _round(ak + _round(lk, T), T)
+            av[...] = _round(av + _round(lv, T), T)
+        elif r == W - 1:  # every block (and its dK, dV) moves one hop
+            ak[...], av[...] = _round(ak, T), _round(av, T)
+    return _round(aq, pol.grad), _round(ak, pol.grad), _round(av, pol.grad)
+
+
+# ---------------------------------------------------------------- the pieces on the GPU
+
+def _upload(*arrays):
+    return [DeviceArray.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+
+
+def forward_on_gpu(gpu, q4, k4, v4, pol, ring, scale, tiles, choices):
+    """The ring forward with every piece on the GPU's emulated flash kernel: device operands in (``gpu``: the
+    call's fadev.cuda._Gpu), the caller's kind of arrays out. ``ring``: (fmts, world_size, layout,
+    allgather, causal), as :func:`forward` takes them."""
+    kernel = route("cuda")  # NumPy in, NumPy out, for the host-side merge
+
+    def flash(q, k, v, policy, piece_causal):
+        return kernel.flash_attention(*_upload(q, k, v), policy._c, scale, piece_causal, *tiles, *choices)
+
+    fmts, world_size, layout, allgather, causal = ring
+    q, k, v = (gpu.to_host(x) for x in (q4, k4, v4))
+    out, lse = forward(q, k, v, pol, fmts, world_size, layout, allgather, causal, flash)
+    return gpu.from_host(out), gpu.from_host(lse)
+
+
+def backward_on_gpu(gpu, q4, k4, v4, out4, lse3, dout4, pol, ring, scale, tiles, exp_form):
+    """The ring backward with every piece on the GPU's emulated flash backward kernel (as
+    :func:`forward_on_gpu`)."""
+    kernel = route("cuda")
+
+    def flash_backward(q, k, v, out, lse, dout, policy, piece_causal):
+        return kernel.flash_attention_backward(*_upload(q, k, v, out, lse, dout), policy._c, policy._c_backward, scale,
+                                               piece_causal, *tiles, exp_form)
+
+    fmts, world_size, layout, allgather, causal = ring
+    host = [gpu.to_host(x) for x in (q4, k4, v4, out4, lse3, dout4)]
+    grads = backward(*host, pol, fmts, world_size, layout, allgather, causal, flash_backward)
+    return tuple(gpu.from_host(g) for g in grads)
+
+
+def cpu_flash(scale, tiles, choices):
+    """The CPU's flash kernel as :func:`forward`'s ``flash`` (what ring.c calls per piece): for tests."""
+    return lambda q, k, v, policy, piece_causal: _core.flash_attention(q, k, v, policy._c, scale, piece_causal, *tiles,
+                                                                       *choices)
+
+
+def cpu_flash_backward(scale, tiles, exp_form):
+    """The CPU's flash backward as :func:`backward`'s ``flash_backward``: for tests."""
+    return lambda q, k, v, out, lse, dout, policy, piece_causal: _core.flash_attention_backward(
+        q, k, v, out, lse, dout, policy._c, policy._c_backward, scale, piece_causal, *tiles, exp_form)
