@@ -3,13 +3,16 @@
 The GPU tests run where fadev was built with nvcc (FADEV_CUDA=1) and a CUDA device is present; elsewhere
 they are skipped (fadev.cuda_available() is False). The CPU-side tests run everywhere without a device.
 """
+import functools
+
 import numpy as np
 import pytest
 
 import fadev
+import helpers
 from fadev import _core
+from helpers import needs_gpu
 
-needs_gpu = pytest.mark.skipif(not fadev.cuda_available(), reason="no CUDA device (fadev.cuda_available() is False)")
 
 FORMATS = [fadev.formats[n] for n in fadev.formats] + [
     fadev.custom_format(5, -6, 7),
@@ -38,8 +41,7 @@ def _inputs(n=10**6, seed=0):
     return x
 
 
-def _same_bits(a, b):
-    return np.array_equal(np.asarray(a).view(np.uint64), np.asarray(b).view(np.uint64))
+_same_bits = functools.partial(helpers.same_bits, nan="exact")  # every bit, NaN payloads included
 
 
 @pytest.mark.gpu

@@ -6,19 +6,22 @@ tensors) run everywhere. GPU tests are marked ``gpu`` and run only where fadev w
 device is present (fadev.cuda_available()); their references are fadev's CPU kernels on the same values:
 bit for bit for the emulated kernels and ULP errors, 1e-12 relative for the deviation statistics and W1
 (sums in another order), 1e-13 normwise for the fp64 golden kernel (another operation order)."""
+import functools
+
 import numpy as np
 import pytest
 
 import fadev
 import fadev.cuda as fc
+import helpers
 from fadev import Policy
+from helpers import needs_gpu
 
 try:
     import torch
 except ImportError:  # the CPU-side tests need no torch
     torch = None
 
-needs_gpu = pytest.mark.skipif(not fadev.cuda_available(), reason="no CUDA device (fadev.cuda_available() is False)")
 no_gpu = pytest.mark.skipif(fadev.cuda_available(), reason="checks the path taken when fadev has no usable GPU")
 needs_torch = pytest.mark.skipif(torch is None, reason="needs torch")
 needs_torch_cuda = pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="needs torch with CUDA")
@@ -26,12 +29,8 @@ needs_torch_cuda = pytest.mark.skipif(torch is None or not torch.cuda.is_availab
 NO_GPU = r"fadev has no usable GPU: fadev was built with(out CUDA|\ CUDA, but no CUDA device is visible)"
 
 
-def same_bits(a, b):
-    """Equal float64 bit patterns (any NaN equals any NaN: the kernels' NaN payloads may differ)."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    both_nan = np.isnan(a) & np.isnan(b)
-    return a.shape == b.shape and np.array_equal(np.where(both_nan, 0, a).view(np.uint64),
-                                                 np.where(both_nan, 0, b).view(np.uint64))
+# the GPU against the CPU: every bit, but any NaN equals any NaN (the kernels' NaN payloads may differ)
+same_bits = functools.partial(helpers.same_bits, nan="any")
 
 
 def host(x):
