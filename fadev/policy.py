@@ -1,6 +1,6 @@
 """Precision policies: the format of every intermediate of attention.
 
-A :class:`Policy` names one format per stage (docs/design.md, "The precision policy"); every
+A :class:`Policy` names one format per stage (docs/design.md, "Precision policy"); every
 arithmetic result is rounded to the format of the stage it belongs to. Presets model real
 computations; ``pol.replace(p="fp32")`` changes one stage.
 """
