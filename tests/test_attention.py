@@ -6,7 +6,6 @@ Parity cases are drawn from seeded generators; each test id and each failure mes
 whole parameter set (policy, shapes, tiling, options, data seed), so a failure can be rerun alone.
 """
 import dataclasses
-import functools
 
 import numpy as np
 import pytest
@@ -24,9 +23,17 @@ HEAD_LAYOUTS = ((1, 1), (2, 1), (2, 2), (3, 1), (4, 2))  # (H, Hkv): grouped-que
 
 # ------------------------------------------------------------ helpers
 
-# the C kernels against their Python twin: every bit, but any NaN equals any NaN (payloads are not specified)
-bits_mismatch = functools.partial(helpers.first_difference, nan="any")
-assert_same_bits = functools.partial(helpers.assert_same_bits, nan="any")
+# The C kernels against their Python twin: every bit, but any NaN equals any NaN (payloads are not specified).
+
+
+def bits_mismatch(a, b):
+    """Index of the first element where a and b differ in bits, or None."""
+    return helpers.first_difference(a, b, nan="any")
+
+
+def assert_same_bits(got, want, what, context):
+    """Fails with the first differing element, both values in hex, and the case."""
+    return helpers.assert_same_bits(got, want, what, context, nan="any")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,6 @@ Parity cases are drawn from seeded generators; each test id and each failure mes
 parameter set (policy with every stage, shapes, tiling, options, data seed, which forward made out/lse).
 """
 import dataclasses
-import functools
 
 import numpy as np
 import pytest
@@ -24,8 +23,10 @@ GRADS = ("dq", "dk", "dv")
 
 # ------------------------------------------------------------ helpers
 
-# the C kernels against their Python twin: every bit, signed zeros distinguished, any NaN equal to any NaN
-assert_same_bits = functools.partial(helpers.assert_same_bits, nan="any")
+
+def assert_same_bits(got, want, what, context):
+    """The C kernels against their Python twin: every bit, signed zeros distinguished, any NaN equal to any NaN."""
+    return helpers.assert_same_bits(got, want, what, context, nan="any")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,8 +3,6 @@
 The GPU tests run where fadev was built with nvcc (FADEV_CUDA=1) and a CUDA device is present; elsewhere
 they are skipped (fadev.cuda_available() is False). The CPU-side tests run everywhere without a device.
 """
-import functools
-
 import numpy as np
 import pytest
 
@@ -41,7 +39,9 @@ def _inputs(n=10**6, seed=0):
     return x
 
 
-_same_bits = functools.partial(helpers.same_bits, nan="exact")  # every bit, NaN payloads included
+def _same_bits(a, b):
+    """Every bit, NaN payloads included."""
+    return helpers.same_bits(a, b, nan="exact")
 
 
 @pytest.mark.gpu

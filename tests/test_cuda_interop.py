@@ -6,8 +6,6 @@ tensors) run everywhere. GPU tests are marked ``gpu`` and run only where fadev w
 device is present (fadev.cuda_available()); their references are fadev's CPU kernels on the same values:
 bit for bit for the emulated kernels and ULP errors, 1e-12 relative for the deviation statistics and W1
 (sums in another order), 1e-13 normwise for the fp64 golden kernel (another operation order)."""
-import functools
-
 import numpy as np
 import pytest
 
@@ -29,8 +27,9 @@ needs_torch_cuda = pytest.mark.skipif(torch is None or not torch.cuda.is_availab
 NO_GPU = r"fadev has no usable GPU: fadev was built with(out CUDA|\ CUDA, but no CUDA device is visible)"
 
 
-# the GPU against the CPU: every bit, but any NaN equals any NaN (the kernels' NaN payloads may differ)
-same_bits = functools.partial(helpers.same_bits, nan="any")
+def same_bits(a, b):
+    """The GPU against the CPU: every bit, but any NaN equals any NaN (the kernels' NaN payloads may differ)."""
+    return helpers.same_bits(a, b, nan="any")
 
 
 def host(x):
