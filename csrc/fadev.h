@@ -81,7 +81,7 @@ fadev_status fadev_count_representable(const double *x, size_t n, const fadev_fo
 
 /* ---------------------------------------------------------------- precision policy */
 
-/* The format of every intermediate of attention (../shared/DESIGN.md, "Precision policy").
+/* The format of every intermediate of attention (docs/design.md, "Precision policy").
  * Accumulators hold the running sum inside one reduction; stored values are tensors between operations. */
 typedef struct fadev_policy {
     fadev_format input;       /* stored: Q, K, V rounded on entry */

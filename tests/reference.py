@@ -6,7 +6,8 @@ csrc/flash.c) and the CUDA kernels can be compared with it bit for bit. It is wr
 not to be fast: one query row at a time, one key at a time, one rounding at a time.
 
 Nothing here calls fadev's C core. Rounding to a format is re-implemented below from its
-definition with integer arithmetic on the float64 significand (math.frexp / math.ldexp), and the
+definition with integer arithmetic on the float64 significand (math.frexp / math.ldexp; what an
+overflow becomes is reference_formats.overflow_value, the formats spec), and the
 stochastic-rounding generator is Philox4x32-10 re-implemented in Python. fadev.Policy and
 fadev.Format are used only as records of format parameters.
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from reference_formats import overflow_value
 
 MASK32 = 0xFFFFFFFF
 LOG2E = float.fromhex("0x1.71547652b82fep+0")  # log2(e) rounded to fp64 (C's M_LOG2E)
@@ -69,17 +72,6 @@ def random53(seed, stream, index):
 
 def _is_fp64(fmt):
     return (fmt.precision, fmt.emin, fmt.emax, fmt.subnormals, fmt.has_inf) == (53, -1022, 1023, True, True)
-
-
-def _overflowed(fmt, negative, mode):
-    """What a magnitude rounded above fmt.largest becomes (toward zero always clamps, as IEEE)."""
-    if fmt.overflow == "saturate" or mode == "rtz":
-        value = fmt.largest
-    elif fmt.overflow == "nan":
-        value = math.nan
-    else:
-        value = math.inf
-    return -value if negative else value
 
 
 def round_value(x: float, fmt, mode: str = "rne", random53_bits: int = 0) -> float:
@@ -137,7 +129,7 @@ def round_value(x: float, fmt, mode: str = "rne", random53_bits: int = 0) -> flo
             up = random53_bits < (dropped >> (shift - 53))
     result = math.ldexp(kept + int(up), q)
     if result > fmt.largest:
-        return _overflowed(fmt, negative, mode)
+        return overflow_value(fmt, negative, mode)
     return -result if negative else result
 
 

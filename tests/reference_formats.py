@@ -21,7 +21,8 @@ from fractions import Fraction
 import numpy as np
 
 
-def _overflow_value(fmt, negative, mode):
+def overflow_value(fmt, negative, mode):
+    """What a magnitude rounded above fmt.largest becomes (toward zero always clamps, as IEEE)."""
     if fmt.overflow == "saturate" or mode == "rtz":
         v = fmt.largest
     elif fmt.overflow == "nan":
@@ -68,7 +69,7 @@ def round_exact(x: float, fmt, mode: str = "rne") -> float:
         k += 1
     r = k * quantum
     if r > Fraction(fmt.largest):
-        return _overflow_value(fmt, x < 0, mode)
+        return overflow_value(fmt, x < 0, mode)
     return math.copysign(float(r), x)
 
 
@@ -120,7 +121,7 @@ def round_ref(x, fmt, mode: str = "rne"):
     negative = np.signbit(x)
     over = np.isfinite(x) & (r > fmt.largest)
     r = np.where(negative, -r, r)
-    r = np.where(over, np.where(negative, -1.0, 1.0) * abs(_overflow_value(fmt, False, mode)), r)
+    r = np.where(over, np.where(negative, -1.0, 1.0) * abs(overflow_value(fmt, False, mode)), r)
     r = np.where(x == 0, x, r)
     if fmt.has_inf:
         special = x

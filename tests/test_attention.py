@@ -6,14 +6,15 @@ Parity cases are drawn from seeded generators; each test id and each failure mes
 whole parameter set (policy, shapes, tiling, options, data seed), so a failure can be rerun alone.
 """
 import dataclasses
-import math
 
 import numpy as np
 import pytest
 
 import fadev
+import helpers
 import reference as ref
 from fadev.policy import STAGES, Policy
+from helpers import make_qkv, numpy_attention, rel_err
 
 FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp32", "tf32")
 PRESETS = ("paper", "naive", "fa2", "fa1", "torch_math")
@@ -22,54 +23,17 @@ HEAD_LAYOUTS = ((1, 1), (2, 1), (2, 2), (3, 1), (4, 2))  # (H, Hkv): grouped-que
 
 # ------------------------------------------------------------ helpers
 
-
-def make_qkv(seed, B, H, Hkv, Nq, Nk, D, spread=1.0, k_spread=1.0):
-    """Standard normal q, k, v; q times `spread` (> 1 widens the scores: deep softmax tails,
-    underflow), k times `k_spread` (1e-20 on both makes q.k products fall below fp32's normals)."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, H, Nq, D)) * spread
-    k = rng.standard_normal((B, Hkv, Nk, D)) * k_spread
-    v = rng.standard_normal((B, Hkv, Nk, D))
-    return q, k, v
+# The C kernels against their Python twin: every bit, but any NaN equals any NaN (payloads are not specified).
 
 
 def bits_mismatch(a, b):
-    """Index of the first element where a and b differ in bits (any NaN equals any NaN), or None."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    na, nb = np.isnan(a), np.isnan(b)
-    differ = (na != nb) | (~na & ~nb & (a.view(np.uint64) != b.view(np.uint64)))
-    if not differ.any():
-        return None
-    return tuple(int(i) for i in np.argwhere(differ)[0])
+    """Index of the first element where a and b differ in bits, or None."""
+    return helpers.first_difference(a, b, nan="any")
 
 
 def assert_same_bits(got, want, what, context):
-    where = bits_mismatch(got, want)
-    if where is not None:
-        n = int((np.isnan(got) != np.isnan(want)).sum() + (~np.isnan(got) & (got != want)).sum())
-        pytest.fail(f"{what} differs from the twin at {where}: C {float(got[where]).hex()} twin "
-                    f"{float(want[where]).hex()} ({n} elements differ)\n  {context}")
-
-
-def rel_err(a, b):
-    """Normwise relative error max|a - b| / max|b|."""
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def numpy_attention(q, k, v, causal=False, scale=None):
-    """Independent float64 attention: softmax(Q K^T scale) V with np.exp; returns (out, lse)."""
-    H, Hkv, Nq, Nk, D = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
-    k, v = np.repeat(k, H // Hkv, axis=1), np.repeat(v, H // Hkv, axis=1)
-    s = q @ np.swapaxes(k, -1, -2) * (1 / math.sqrt(D) if scale is None else scale)
-    if causal:
-        s = np.where(np.arange(Nk)[None, :] <= np.arange(Nq)[:, None] + (Nk - Nq), s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    empty = np.isneginf(m)  # a row that sees no key: out 0, lse -inf
-    e = np.exp(s - np.where(empty, 0.0, m))
-    l = e.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        return (e / np.where(empty, 1.0, l)) @ v, (m + np.log(l))[..., 0]
+    """Fails with the first differing element, both values in hex, and the case."""
+    return helpers.assert_same_bits(got, want, what, context, nan="any")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,32 +9,15 @@ import numpy as np
 import pytest
 
 import fadev
+import helpers
 from fadev import Policy
 from fadev.attention import sram_tiles
-
-
-def numpy_attention(q, k, v, causal=False, scale=None):
-    """Plain float64 attention with BLAS matmuls: (out, lse) for 4-D q (B,H,Nq,D), k/v (B,Hkv,Nk,D)."""
-    D = q.shape[-1]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    group = q.shape[1] // k.shape[1]
-    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    s = scale * (q @ np.swapaxes(k, -1, -2))
-    if causal:
-        nq, nk = q.shape[2], k.shape[2]
-        s = np.where(np.arange(nk)[None, :] <= np.arange(nq)[:, None] + (nk - nq), s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    e = np.exp(s - m)
-    l = e.sum(-1, keepdims=True)
-    return (e / l) @ v, (m + np.log(l))[..., 0]
-
-
-def rel_err(a, b):
-    return np.max(np.abs(a - b)) / np.max(np.abs(b))
+from helpers import numpy_attention, rel_err
 
 
 def same_bits(a, b):
-    return a.shape == b.shape and np.array_equal(a.view(np.uint64), b.view(np.uint64))
+    """Results of paths promised to be the same: every bit, NaN payloads included."""
+    return helpers.same_bits(a, b, nan="exact")
 
 
 @pytest.fixture

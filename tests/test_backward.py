@@ -6,16 +6,16 @@ Parity cases are drawn from seeded generators; each test id and each failure mes
 parameter set (policy with every stage, shapes, tiling, options, data seed, which forward made out/lse).
 """
 import dataclasses
-import math
 
 import numpy as np
 import pytest
-import torch
 
 import fadev
+import helpers
 import reference as ref
 import reference_backward as rb
 from fadev.policy import BACKWARD_STAGES, STAGES, Policy
+from helpers import make_inputs, numpy_grads, rel_err, torch_grads
 
 HEAD_LAYOUTS = ((1, 1), (2, 1), (2, 2), (3, 1), (4, 2))  # (H, Hkv): grouped-query when Hkv < H
 GRADS = ("dq", "dk", "dv")
@@ -24,75 +24,9 @@ GRADS = ("dq", "dk", "dv")
 # ------------------------------------------------------------ helpers
 
 
-def make_inputs(seed, B, H, Hkv, Nq, Nk, D, spread=1.0, magnitude=1.0):
-    """Standard normal q (times `spread`: > 1 sharpens the softmax), k, v and dout (times `magnitude`:
-    1e-20 puts the dO.V and dS.Q products below fp32's normal range)."""
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((B, H, Nq, D)) * spread
-    k = rng.standard_normal((B, Hkv, Nk, D)) * magnitude
-    v = rng.standard_normal((B, Hkv, Nk, D)) * magnitude
-    return q, k, v, rng.standard_normal((B, H, Nq, D)) * magnitude
-
-
 def assert_same_bits(got, want, what, context):
-    """Bit equality (signed zeros distinguished; any NaN equals any NaN), else the first difference."""
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}\n  {context}"
-    differ = (got.view(np.uint64) != want.view(np.uint64)) & ~(np.isnan(got) & np.isnan(want))
-    if differ.any():
-        at = tuple(int(i) for i in np.argwhere(differ)[0])
-        pytest.fail(f"{what} differs from the twin at {at}: C {float(got[at]).hex()} twin {float(want[at]).hex()} "
-                    f"({int(differ.sum())} of {differ.size} elements differ)\n  {context}")
-
-
-def rel_err(a, b):
-    """Normwise relative error max|a - b| / max|b|."""
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def _mask(Nq, Nk, causal):
-    """visible[i, j]: bottom-right aligned causal mask (all True when not causal)."""
-    if not causal:
-        return np.ones((Nq, Nk), dtype=bool)
-    return np.arange(Nk)[None, :] <= np.arange(Nq)[:, None] + (Nk - Nq)
-
-
-def torch_grads(q, k, v, dout, causal, scale=None):
-    """float64 torch autograd of softmax(scale Q K^T) V (K/V heads repeated for grouped-query); a row
-    that sees no key gives out 0 (its softmax runs on zeros and is multiplied by 0)."""
-    H, Hkv, Nq, Nk, D = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
-    tq, tk, tv = (torch.tensor(t, dtype=torch.float64, requires_grad=True) for t in (q, k, v))
-    kk, vv = tk.repeat_interleave(H // Hkv, dim=1), tv.repeat_interleave(H // Hkv, dim=1)
-    s = tq @ kk.transpose(-1, -2) * (1 / math.sqrt(D) if scale is None else scale)
-    visible = torch.tensor(_mask(Nq, Nk, causal))
-    empty = ~visible.any(dim=-1, keepdim=True)
-    s = s.masked_fill(~visible, -math.inf).masked_fill(empty, 0.0)
-    out = (torch.softmax(s, dim=-1) * ~empty) @ vv
-    out.backward(torch.tensor(dout, dtype=torch.float64))
-    return tuple(t.grad.numpy() for t in (tq, tk, tv))
-
-
-def numpy_grads(q, k, v, dout, causal, scale=None):
-    """The analytic gradients in NumPy float64: P = softmax(S), O = P V, dV = P^T dO, dP = dO V^T,
-    D = rowsum(dO * O), dS = P (dP - D), dQ = scale dS K, dK = scale dS^T Q; K/V heads of a group summed."""
-    B, H, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    g = H // Hkv
-    scale = 1 / math.sqrt(D) if scale is None else scale
-    kr, vr = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
-    visible = _mask(Nq, Nk, causal)
-    s = np.where(visible, q @ np.swapaxes(kr, -1, -2) * scale, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
-    e = np.exp(s - np.where(np.isneginf(m), 0.0, m))
-    l = np.sum(e, axis=-1, keepdims=True)
-    P = e / np.where(l == 0, 1.0, l)
-    O = P @ vr
-    dP = dout @ np.swapaxes(vr, -1, -2)
-    dS = P * (dP - np.sum(dout * O, axis=-1, keepdims=True))
-    dq = scale * dS @ kr
-    dk = scale * np.swapaxes(dS, -1, -2) @ q
-    dv = np.swapaxes(P, -1, -2) @ dout
-    return dq, dk.reshape(B, Hkv, g, Nk, D).sum(axis=2), dv.reshape(B, Hkv, g, Nk, D).sum(axis=2)
+    """The C kernels against their Python twin: every bit, signed zeros distinguished, any NaN equal to any NaN."""
+    return helpers.assert_same_bits(got, want, what, context, nan="any")
 
 
 @dataclasses.dataclass(frozen=True)

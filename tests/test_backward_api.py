@@ -7,20 +7,18 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 import fadev
+import helpers
 from fadev import Policy
+from helpers import rel_err, torch_grads as torch_attention_grads
 
 BACKWARDS = [fadev.baseline_attention_backward, fadev.flash_attention_backward]
 
 
 def same_bits(a, b):
-    return a.shape == b.shape and np.array_equal(a.view(np.uint64), b.view(np.uint64))
-
-
-def rel_err(a, b):
-    return np.max(np.abs(a - b)) / np.max(np.abs(b))
+    """Results of paths promised to be the same: every bit, NaN payloads included."""
+    return helpers.same_bits(a, b, nan="exact")
 
 
 def problem(shape, heads_kv=None, seq_kv=None, policy="golden", causal=False, seed=0, dist="normal", **forward):
@@ -271,21 +269,6 @@ def test_thread_count_independence():
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert all(same_bits(x, y) for x, y in zip(a, b))
-
-
-def torch_attention_grads(q, k, v, dout, causal=False, scale=None):
-    """dq, dk, dv of plain attention softmax(scale q k^T) v by torch float64 autograd (GQA by repetition)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    tq, tk, tv = (torch.tensor(t, requires_grad=True) for t in (q, k, v))
-    group = q.shape[1] // k.shape[1]
-    kr, vr = tk.repeat_interleave(group, 1), tv.repeat_interleave(group, 1)
-    s = scale * (tq @ kr.transpose(-1, -2))
-    if causal:
-        nq, nk = q.shape[2], k.shape[2]
-        seen = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
-        s = s.masked_fill(~seen, -math.inf)
-    (torch.softmax(s, -1) @ vr).backward(torch.tensor(dout))
-    return tq.grad.numpy(), tk.grad.numpy(), tv.grad.numpy()
 
 
 @pytest.mark.parametrize("dist", ["normal", "outlier"])

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 import fadev
+import helpers
 from fadev import _core
+from helpers import needs_gpu
 
-needs_gpu = pytest.mark.skipif(not fadev.cuda_available(), reason="no CUDA device (fadev.cuda_available() is False)")
 
 FORMATS = [fadev.formats[n] for n in fadev.formats] + [
     fadev.custom_format(5, -6, 7),
@@ -39,7 +40,8 @@ def _inputs(n=10**6, seed=0):
 
 
 def _same_bits(a, b):
-    return np.array_equal(np.asarray(a).view(np.uint64), np.asarray(b).view(np.uint64))
+    """Every bit, NaN payloads included."""
+    return helpers.same_bits(a, b, nan="exact")
 
 
 @pytest.mark.gpu

@@ -13,27 +13,19 @@ import numpy as np
 import pytest
 
 import fadev
+import helpers
 from fadev.policy import STAGES, Policy
+from helpers import make_qkv, needs_gpu
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not fadev.cuda_available(), reason="no CUDA device (fadev.cuda_available() is False)")]
+pytestmark = [pytest.mark.gpu, needs_gpu]
 
 PRESETS = ("paper", "naive", "fa2", "fa1", "torch_math")
 FORMATS = ("bf16", "fp16", "fp8_e4m3", "tf32", "fp32")
 
 
-def make_qkv(seed, B, H, Hkv, Nq, Nk, D, spread=1.0):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((B, H, Nq, D)) * spread, rng.standard_normal((B, Hkv, Nk, D)),
-            rng.standard_normal((B, Hkv, Nk, D)))
-
-
 def differing(a, b):
-    """Number of elements whose bits differ (any NaN equals any NaN)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.shape == b.shape
-    na, nb = np.isnan(a), np.isnan(b)
-    return int(((na != nb) | (~na & ~nb & (a.view(np.uint64) != b.view(np.uint64)))).sum())
+    """How many elements differ in bits (any NaN equals any NaN: the GPU's NaN is canonical)."""
+    return helpers.count_differing(a, b, nan="any")
 
 
 def run_both(kind, q, k, v, policy, **kw):

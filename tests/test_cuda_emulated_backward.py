@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 
 import fadev
+import helpers
 from fadev.policy import BACKWARD_STAGES, Policy
+from helpers import make_inputs, needs_gpu
 
 
 def gpu(test):
     """Marks a test `gpu` and skips it where no CUDA device is usable (CI)."""
-    test = pytest.mark.gpu(test)
-    return pytest.mark.skipif(not fadev.cuda_available(), reason="no CUDA device (fadev.cuda_available() is False)")(test)
+    return needs_gpu(pytest.mark.gpu(test))
 
 
 PRESETS = ("paper", "naive", "fa2", "fa1", "torch_math")
@@ -29,19 +30,9 @@ FORMATS = ("bf16", "fp16", "fp8_e4m3")
 GRADS = ("dq", "dk", "dv")
 
 
-def make_inputs(seed, B, H, Hkv, Nq, Nk, D, spread=1.0):
-    """Standard normal q (times `spread`: > 1 sharpens the softmax), k, v and dout."""
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((B, H, Nq, D)) * spread, rng.standard_normal((B, Hkv, Nk, D)),
-            rng.standard_normal((B, Hkv, Nk, D)), rng.standard_normal((B, H, Nq, D)))
-
-
 def differing(a, b):
-    """Number of elements whose bits differ (signed zeros distinguished; any NaN equals any NaN)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.shape == b.shape
-    na, nb = np.isnan(a), np.isnan(b)
-    return int(((na != nb) | (~na & ~nb & (a.view(np.uint64) != b.view(np.uint64)))).sum())
+    """How many elements differ in bits (any NaN equals any NaN: the GPU's NaN is canonical)."""
+    return helpers.count_differing(a, b, nan="any")
 
 
 def run_both(kind, q, k, v, dout, policy, causal=False, **tiles):
@@ -64,12 +55,7 @@ def assert_same(kind, q, k, v, dout, policy, causal=False, **tiles):
                f"causal={causal} tiles={tiles} q{q.shape} k{k.shape}")
     for name, g, c in zip(GRADS, gpu, cpu):
         assert isinstance(g, np.ndarray) and g.shape == c.shape, f"{name}: {type(g)} {np.shape(g)}\n  {context}"
-        n = differing(g, c)
-        if n:
-            at = tuple(int(i) for i in np.argwhere((g.view(np.uint64) != c.view(np.uint64)) &
-                                                   ~(np.isnan(g) & np.isnan(c)))[0])
-            pytest.fail(f"{name}: {n} of {g.size} elements differ from the CPU, first at {at}: GPU "
-                        f"{float(g[at]).hex()} CPU {float(c[at]).hex()}\n  {context}")
+        helpers.assert_same_bits(g, c, name, context, nan="any", names=("GPU", "CPU"))
 
 
 @gpu

@@ -18,8 +18,8 @@ import pytest
 
 import fadev
 from fadev import _core
+from helpers import needs_gpu
 
-needs_gpu = pytest.mark.skipif(not fadev.cuda_available(), reason="no CUDA device (fadev.cuda_available() is False)")
 EPS = 2.0**-52
 
 # (B, H, Hkv, Nq, Nk, D, causal)

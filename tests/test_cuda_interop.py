@@ -11,14 +11,15 @@ import pytest
 
 import fadev
 import fadev.cuda as fc
+import helpers
 from fadev import Policy
+from helpers import needs_gpu
 
 try:
     import torch
 except ImportError:  # the CPU-side tests need no torch
     torch = None
 
-needs_gpu = pytest.mark.skipif(not fadev.cuda_available(), reason="no CUDA device (fadev.cuda_available() is False)")
 no_gpu = pytest.mark.skipif(fadev.cuda_available(), reason="checks the path taken when fadev has no usable GPU")
 needs_torch = pytest.mark.skipif(torch is None, reason="needs torch")
 needs_torch_cuda = pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="needs torch with CUDA")
@@ -27,11 +28,8 @@ NO_GPU = r"fadev has no usable GPU: fadev was built with(out CUDA|\ CUDA, but no
 
 
 def same_bits(a, b):
-    """Equal float64 bit patterns (any NaN equals any NaN: the kernels' NaN payloads may differ)."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    both_nan = np.isnan(a) & np.isnan(b)
-    return a.shape == b.shape and np.array_equal(np.where(both_nan, 0, a).view(np.uint64),
-                                                 np.where(both_nan, 0, b).view(np.uint64))
+    """The GPU against the CPU: every bit, but any NaN equals any NaN (the kernels' NaN payloads may differ)."""
+    return helpers.same_bits(a, b, nan="any")
 
 
 def host(x):

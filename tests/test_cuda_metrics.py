@@ -12,8 +12,8 @@ import pytest
 
 import fadev
 from fadev import _core
+from helpers import needs_gpu
 
-needs_gpu = pytest.mark.skipif(not fadev.cuda_available(), reason="no CUDA device (fadev.cuda_available() is False)")
 STATS = ("max_abs", "mean_diff", "std_diff", "mean_abs", "rmse", "rel_l2", "max_rel")
 COUNTS = ("n", "n_nan", "n_inf")
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import fadev
+from helpers import needs_gpu
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not fadev.cuda_available(), reason="no CUDA device (fadev.cuda_available() is False)")]
+pytestmark = [pytest.mark.gpu, needs_gpu]
 
 CASES = [(fmt, D, causal) for fmt in ("bf16", "fp16") for D in (64, 128) for causal in (False, True)]
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import fadev
+import helpers
 import reference_formats as ref
 from fadev import _core
 
@@ -46,14 +47,8 @@ def bits64(a):
 
 def assert_same(actual, expected, context=""):
     """Bit-identical float64 arrays, except that any NaN matches any NaN."""
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    assert actual.shape == expected.shape
-    nan_a, nan_e = np.isnan(actual), np.isnan(expected)
-    bad = (nan_a != nan_e) | (~nan_a & (bits64(actual) != bits64(expected)))
-    if bad.any():
-        i = np.flatnonzero(bad)[:5]
-        pytest.fail(f"{bad.sum()} of {bad.size} differ {context}: x index {i.tolist()}, got {actual.flat[i].tolist()} "
-                    f"expected {expected.flat[i].tolist()}")
+    helpers.assert_same_bits(actual, expected, "result", context, nan="any",
+                             names=("actual", "expected"))
 
 
 # ---------------------------------------------------------------- test inputs

@@ -12,11 +12,13 @@ import fadev
 from fadev import ring_steps
 from fadev.ring import LAYOUTS, MERGES, RingMerge
 
+import helpers
 import reference_ring
 
 
 def same_bits(a, b):
-    return a.shape == b.shape and np.array_equal(np.asarray(a).view(np.uint64), np.asarray(b).view(np.uint64))
+    """Every bit, NaN payloads included."""
+    return helpers.same_bits(a, b, nan="exact")
 
 
 def _qkv(N=48, D=8, H=2, seed=0, dist="normal"):
