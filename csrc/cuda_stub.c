@@ -40,32 +40,22 @@ fadev_status fadev_cuda_pointer_device(const void *ptr, int *device) {
     return FADEV_ERR_NO_CUDA;
 }
 
-fadev_status fadev_cuda_baseline_attention(const double *q, const double *k, const double *v, double *out,
-                                           double *lse, const fadev_attention_params *params,
-                                           const fadev_policy *policy) {
-    return FADEV_ERR_NO_CUDA;
-}
+/* the parameter lists of fadev.h's emulated attention entry points */
+#define FORWARD_ARGS                                                                                          \
+    const double *q, const double *k, const double *v, double *out, double *lse, const fadev_attention_params *params, \
+        const fadev_policy *policy
+#define BACKWARD_ARGS                                                                                       \
+    const double *q, const double *k, const double *v, const double *out, const double *lse, const double *dout, \
+        double *dq, double *dk, double *dv, const fadev_attention_params *params, const fadev_policy *policy,     \
+        const fadev_policy_backward *policy_backward
 
-fadev_status fadev_cuda_flash_attention(const double *q, const double *k, const double *v, double *out, double *lse,
-                                        const fadev_attention_params *params, const fadev_policy *policy) {
-    return FADEV_ERR_NO_CUDA;
-}
+fadev_status fadev_cuda_baseline_attention(FORWARD_ARGS) { return FADEV_ERR_NO_CUDA; }
 
-fadev_status fadev_cuda_baseline_attention_backward(const double *q, const double *k, const double *v,
-                                                    const double *out, const double *lse, const double *dout,
-                                                    double *dq, double *dk, double *dv,
-                                                    const fadev_attention_params *params, const fadev_policy *policy,
-                                                    const fadev_policy_backward *policy_backward) {
-    return FADEV_ERR_NO_CUDA;
-}
+fadev_status fadev_cuda_flash_attention(FORWARD_ARGS) { return FADEV_ERR_NO_CUDA; }
 
-fadev_status fadev_cuda_flash_attention_backward(const double *q, const double *k, const double *v,
-                                                 const double *out, const double *lse, const double *dout,
-                                                 double *dq, double *dk, double *dv,
-                                                 const fadev_attention_params *params, const fadev_policy *policy,
-                                                 const fadev_policy_backward *policy_backward) {
-    return FADEV_ERR_NO_CUDA;
-}
+fadev_status fadev_cuda_baseline_attention_backward(BACKWARD_ARGS) { return FADEV_ERR_NO_CUDA; }
+
+fadev_status fadev_cuda_flash_attention_backward(BACKWARD_ARGS) { return FADEV_ERR_NO_CUDA; }
 
 fadev_status fadev_cuda_golden_attention(const double *q, const double *k, const double *v, double *out, double *lse,
                                          const fadev_attention_params *params) {
