@@ -102,7 +102,8 @@ static fadev_status prep_task(void *ctxp, size_t task) {
     const bwd_job *job = (const bwd_job *)ctxp;
     bwd_ctx *bx = job->bx; /* each task writes its own head's rows */
     const att_ctx *cx = &bx->cx;
-    const int64_t D = cx->plan.pr.dim, Nq = cx->plan.pr.seq_q, Nk = cx->plan.pr.seq_kv, ld = bx->ld, nqh = cx->plan.pr.batch * cx->plan.pr.heads;
+    const fadev_attention_params *pr = &cx->plan.pr;
+    const int64_t D = pr->dim, Nq = pr->seq_q, Nk = pr->seq_kv, ld = bx->ld, nqh = pr->batch * pr->heads;
     if ((int64_t)task >= nqh) {
         const int64_t bhk = (int64_t)task - nqh;
         for (int64_t j = 0; j < Nk; j++)
@@ -138,7 +139,8 @@ static fadev_status prep_task(void *ctxp, size_t task) {
         const uint64_t idx = ATT_INDEX(i, 0, 0);
         bx->row_d[row] = att_round(&bx->dsoft, acc, BWD_STREAM(EV_DELTA, bh), idx);
         double lse = att_round(&cx->plan.stats, job->lse[row], BWD_STREAM(EV_LSE, bh), idx);
-        bx->row_l[row] = cx->plan.exp2 ? att_round(&cx->plan.stats, lse * bx->c3, BWD_STREAM(EV_LSE_LOG2, bh), idx) : lse;
+        bx->row_l[row] =
+            cx->plan.exp2 ? att_round(&cx->plan.stats, lse * bx->c3, BWD_STREAM(EV_LSE_LOG2, bh), idx) : lse;
     }
     bx->do_min[bh] = dm.min, bx->do_max[bh] = dm.max, bx->do_finite[bh] = dm.finite;
     bx->q_min[bh] = qm.min, bx->q_max[bh] = qm.max, bx->q_finite[bh] = qm.finite;

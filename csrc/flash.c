@@ -91,7 +91,8 @@ static void row_update(const att_ctx *cx, int64_t bh, int64_t i, int64_t jb, dou
 static fadev_status flash_task(void *ctxp, size_t task) {
     const flash_job *job = (const flash_job *)ctxp;
     const att_ctx *cx = job->cx;
-    const int64_t D = cx->plan.pr.dim, Nq = cx->plan.pr.seq_q, Nk = cx->plan.pr.seq_kv, bq = job->block_q, bkv = job->block_kv;
+    const fadev_attention_params *pr = &cx->plan.pr;
+    const int64_t D = pr->dim, Nq = pr->seq_q, Nk = pr->seq_kv, bq = job->block_q, bkv = job->block_kv;
     const int64_t bh = (int64_t)task / job->tasks_per_head;
     const int64_t i0 = ((int64_t)task % job->tasks_per_head) * bq;
     const int64_t nr = i0 + bq < Nq ? bq : Nq - i0;

@@ -20,8 +20,9 @@
  *
  * Wasserstein-1 between the empirical distributions of a (n_a values) and b (n_b values):
  *   W1 = integral |F_a(x) - F_b(x)| dx = integral_0^1 |Q_a(u) - Q_b(u)| du   (Q: quantile functions).
- *   sort path: given both sorted (by the caller: NumPy's np.sort), walk u over the merged breakpoints i/n_a, j/n_b, kept as
- *     exact integers in units of 1/L, L = lcm(n_a, n_b): W1 = sum len_k |a_(i) - b_(j)| / L. The walk
+ *   sort path: given both sorted (by the caller: NumPy's np.sort), walk u over the merged breakpoints
+ *     i/n_a, j/n_b, kept as exact integers in units of 1/L, L = lcm(n_a, n_b):
+ *     W1 = sum len_k |a_(i) - b_(j)| / L. The walk
  *     is cut into segments by a-index (count fixed by n_a), each a compensated sum, added in order.
  *     Equal sizes reduce to sum |a_(i) - b_(i)| / n. IEEE rules apply to the terms: a NaN anywhere
  *     gives NaN, inf paired with the same inf gives NaN, inf paired with anything else gives inf
@@ -400,8 +401,9 @@ fadev_status fadev_wasserstein(const double *a, size_t n_a, const double *b, siz
     size_t total = n_a + n_b;
     if (method == FADEV_W1_COUNT || (method == FADEV_W1_AUTO && total >= PATTERNS)) {
         fadev_format formats[2];
-        fadev_format_make(8, -126, 127, 1, 1, FADEV_OVERFLOW_INF, 0, &formats[0]); /* bf16 */
-        fadev_format_make(11, -14, 15, 1, 1, FADEV_OVERFLOW_INF, 0, &formats[1]);  /* fp16 */
+        fadev_status made = fadev_format_make(8, -126, 127, 1, 1, FADEV_OVERFLOW_INF, 0, &formats[0]); /* bf16 */
+        if (made == FADEV_OK) made = fadev_format_make(11, -14, 15, 1, 1, FADEV_OVERFLOW_INF, 0, &formats[1]); /* fp16 */
+        if (made != FADEV_OK) return made;
         size_t n_tasks = (total + (1u << 18) - 1) >> 18;
         if (n_tasks > MAX_COUNT_TASKS) n_tasks = MAX_COUNT_TASKS;
         if (n_tasks > (size_t)fadev_get_num_threads()) n_tasks = (size_t)fadev_get_num_threads();

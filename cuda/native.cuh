@@ -179,8 +179,9 @@ static inline fadev_status native_validate(const fadev_native_params *p) {
     if (p->dtype != FADEV_NATIVE_FP16 && p->dtype != FADEV_NATIVE_BF16)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: dtype must be fp16 (0) or bf16 (1)");
     int found = 0;
-    for (int i = 0; i < native_tile_count((int)p->attn.dim); i++)
-        found |= native_tile_list((int)p->attn.dim)[i][0] == p->attn.block_q && native_tile_list((int)p->attn.dim)[i][1] == p->attn.block_kv;
+    const int dim = (int)p->attn.dim;
+    for (int i = 0; i < native_tile_count(dim); i++)
+        found |= native_tile_list(dim)[i][0] == p->attn.block_q && native_tile_list(dim)[i][1] == p->attn.block_kv;
     if (!found)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT,
                           "native attention: (block_q, block_kv) is not a compiled tile (see fadev_cuda_native_tiles)");
