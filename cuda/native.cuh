@@ -168,7 +168,7 @@ static inline fadev_status native_bad(fadev_status st, const char *message) {
 static inline fadev_status native_validate(const fadev_native_params *p) {
     if (!p) return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: params is NULL");
     const char *why = "";
-    const fadev_status shape = att_check_params(&p->attn, 128, 0, &why); /* the CPU kernels' checks (stage.h) */
+    const fadev_status shape = att_check_params(&p->attn, 256, 0, &why); /* the CPU kernels' checks (stage.h) */
     if (shape != FADEV_OK) {
         char message[128];
         snprintf(message, sizeof message, "native attention: %s", why);
