@@ -23,8 +23,10 @@
 typedef fadev_status (*map_fn)(PyObject *const *in, PyObject *out, const void *options);
 
 /* Takes the n_in arrays in (new references, or NULL after a failed conversion: then it just cleans up);
- * a new array of out_type shaped like in[0] receives fn's result, computed without the GIL. */
-static PyObject *map_call(PyObject **in, int n_in, int out_type, map_fn fn, const void *options, const char *what) {
+ * a new array of out_type shaped like in[0] receives fn's result, computed without the GIL. device: fn runs
+ * on the GPU (its errors carry CUDA's message). */
+static PyObject *map_call(PyObject **in, int n_in, int out_type, map_fn fn, const void *options, const char *what,
+                          int device) {
     PyObject *out = NULL;
     fadev_status st = FADEV_OK;
     int ok = 1;
@@ -37,7 +39,7 @@ static PyObject *map_call(PyObject **in, int n_in, int out_type, map_fn fn, cons
     for (int i = 0; i < n_in; i++) Py_XDECREF(in[i]);
     if (out && st != FADEV_OK) {
         Py_CLEAR(out);
-        return raise_status(st, what);
+        return device ? raise_device_status(st, what) : raise_status(st, what);
     }
     return out;
 }
@@ -67,7 +69,7 @@ static PyObject *round_call(PyObject *args, int cuda) {
         return NULL;
     o.f32 = !cuda && PyArray_Check(x) && PyArray_TYPE((PyArrayObject *)x) == NPY_FLOAT32;
     PyObject *in = as_array(x, o.f32 ? NPY_FLOAT32 : NPY_FLOAT64, "x");
-    return map_call(&in, 1, NPY_FLOAT64, cuda ? run_cuda_round : run_round, &o, cuda ? "cuda round" : "round");
+    return map_call(&in, 1, NPY_FLOAT64, cuda ? run_cuda_round : run_round, &o, cuda ? "cuda round" : "round", cuda);
 }
 
 static PyObject *py_round(PyObject *self, PyObject *args) { return round_call(args, 0); }
@@ -100,7 +102,7 @@ static PyObject *py_to_bits(PyObject *self, PyObject *args) {
     if (o.width != 1 && o.width != 2 && o.width != 4 && o.width != 8)
         return PyErr_Format(PyExc_ValueError, "width must be 1, 2, 4 or 8 bytes, got %d", o.width);
     PyObject *in = as_array(x, NPY_FLOAT64, "x");
-    return map_call(&in, 1, width_type(o.width), run_to_bits, &o, "to_bits");
+    return map_call(&in, 1, width_type(o.width), run_to_bits, &o, "to_bits", 0);
 }
 
 static PyObject *py_from_bits(PyObject *self, PyObject *args) {
@@ -111,7 +113,7 @@ static PyObject *py_from_bits(PyObject *self, PyObject *args) {
         return PyErr_Format(PyExc_TypeError, "bits must be an unsigned integer array (uint8/16/32/64)");
     o.width = (int)PyArray_ITEMSIZE((PyArrayObject *)bits);
     PyObject *in = as_array(bits, width_type(o.width), "bits");
-    return map_call(&in, 1, NPY_FLOAT64, run_from_bits, &o, "from_bits");
+    return map_call(&in, 1, NPY_FLOAT64, run_from_bits, &o, "from_bits", 0);
 }
 
 static PyObject *py_format_layout(PyObject *self, PyObject *args) {
@@ -248,7 +250,7 @@ static PyObject *py_ulp_error(PyObject *self, PyObject *args) {
     ulp_options o;
     if (!PyArg_ParseTuple(args, "OOO&", &tobj, &robj, parse_format, &o.fmt)) return NULL;
     if (!metric_pair(tobj, robj, "test", "ref", 1, &in[0], &in[1])) return NULL;
-    return map_call(in, 2, NPY_FLOAT64, run_ulp_error, &o, "ulp_error");
+    return map_call(in, 2, NPY_FLOAT64, run_ulp_error, &o, "ulp_error", 0);
 }
 
 static PyObject *py_ulp_histogram(PyObject *self, PyObject *args) {
@@ -462,7 +464,7 @@ static PyObject *py_hadamard(PyObject *self, PyObject *args) {
         o.signs = DATA(s);
     }
     Py_INCREF(x); /* map_call takes one reference */
-    result = map_call(&x, 1, NPY_FLOAT64, run_hadamard, &o, "hadamard (dim must be a power of two, signs +-1)");
+    result = map_call(&x, 1, NPY_FLOAT64, run_hadamard, &o, "hadamard (dim must be a power of two, signs +-1)", 0);
 done:
     Py_DECREF(x);
     Py_XDECREF(s);
