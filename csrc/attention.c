@@ -15,15 +15,6 @@
 
 /* ------------------------------------------------------------------ validation and set-up */
 
-int att_valid_format(const fadev_format *f) {
-    fadev_format check;
-    if (!(f->largest > 0)) return 0;
-    if (fadev_format_make(f->precision, f->emin, f->emax, f->subnormals, f->has_inf, f->overflow, f->largest,
-                          &check) != FADEV_OK)
-        return 0;
-    return check.subnormals == f->subnormals && check.has_inf == f->has_inf;
-}
-
 static int mul_ok(size_t *acc, int64_t factor) {
     if (factor < 0) return 0;
     return !__builtin_mul_overflow(*acc, (size_t)factor, acc);
@@ -42,74 +33,13 @@ static int scratch_sizes(const fadev_attention_params *pr, size_t *nq, size_t *n
     return ok;
 }
 
-/* The policy's 13 formats, in the order of att_ctx's stages (input .. out). */
-#define POLICY_FORMATS(pol)                                                                                \
-    {&(pol)->input, &(pol)->score_acc, &(pol)->score, &(pol)->softmax, &(pol)->sum_acc, &(pol)->stats,     \
-     &(pol)->rescale, &(pol)->p, &(pol)->pv_acc, &(pol)->out_acc, &(pol)->state_out, &(pol)->state_stats, \
-     &(pol)->out}
-
 fadev_status att_validate(const double *q, const double *k, const double *v, const double *out,
                           const fadev_attention_params *pr, const fadev_policy *pol, int flash) {
     if (!q || !k || !v || !out || !pr || !pol) return FADEV_ERR_INVALID_ARGUMENT;
-    if (pr->batch < 1 || pr->heads < 1 || pr->heads_kv < 1 || pr->seq_q < 1 || pr->seq_kv < 1)
-        return FADEV_ERR_INVALID_ARGUMENT;
-    if (pr->dim < 1 || pr->dim > 256) return FADEV_ERR_INVALID_ARGUMENT;
-    if (pr->heads % pr->heads_kv != 0) return FADEV_ERR_SHAPE;
-    if (!isfinite(pr->scale) || (pr->causal != 0 && pr->causal != 1)) return FADEV_ERR_INVALID_ARGUMENT;
-    if (flash) {
-        if (pr->block_q < 1 || pr->block_kv < 1) return FADEV_ERR_INVALID_ARGUMENT;
-        if (pr->loop_order != FADEV_Q_OUTER && pr->loop_order != FADEV_KV_OUTER) return FADEV_ERR_INVALID_ARGUMENT;
-        if (pr->normalize != FADEV_DEFERRED && pr->normalize != FADEV_EAGER) return FADEV_ERR_INVALID_ARGUMENT;
-        if (pr->exp_form != FADEV_EXP && pr->exp_form != FADEV_EXP2) return FADEV_ERR_INVALID_ARGUMENT;
-    }
-    if (pol->rounding != FADEV_ROUND_NEAREST_EVEN && pol->rounding != FADEV_ROUND_TOWARD_ZERO &&
-        pol->rounding != FADEV_ROUND_STOCHASTIC)
-        return FADEV_ERR_INVALID_MODE;
-    const fadev_format *fmts[] = POLICY_FORMATS(pol);
-    for (size_t s = 0; s < sizeof fmts / sizeof fmts[0]; s++)
-        if (!att_valid_format(fmts[s])) return FADEV_ERR_INVALID_FORMAT;
-    /* the stochastic counter packs (i, u, w) into 21-bit fields */
-    if (pol->rounding == FADEV_ROUND_STOCHASTIC && (pr->seq_q >= (1 << 21) || pr->seq_kv >= (1 << 21)))
-        return FADEV_ERR_INVALID_ARGUMENT;
+    fadev_status st = att_check_params(pr, 256, flash, NULL);
+    if (st == FADEV_OK) st = att_check_policy(pol, pr);
     size_t nq, nkt, nv;
-    if (!scratch_sizes(pr, &nq, &nkt, &nv)) return FADEV_ERR_OVERFLOW;
-    return FADEV_OK;
-}
-
-static int is_fp64(const fadev_format *f) {
-    return f->precision == 53 && f->emin == -1022 && f->emax == 1023 && f->subnormals && f->has_inf &&
-           f->largest == DBL_MAX;
-}
-
-static int is_fp32(const fadev_format *f) {
-    return f->precision == 24 && f->emin == -126 && f->emax == 127 && f->subnormals && f->has_inf &&
-           f->overflow == FADEV_OVERFLOW_INF && f->largest == (double)FLT_MAX;
-}
-
-int att_inside_fp32(const fadev_format *f) {
-    int lowest = f->subnormals ? f->emin - f->precision + 1 : f->emin;
-    return f->precision <= 24 && f->emin >= -126 && f->largest <= (double)FLT_MAX && lowest >= -149;
-}
-
-double att_round_slow(const att_stage *st, double x, uint64_t stream, uint64_t index) {
-    return att_round_general(st, x, stream, index);
-}
-
-att_stage att_make_stage(const fadev_format *f, const fadev_policy *pol) {
-    att_stage st;
-    st.fmt = *f;
-    st.mode = pol->rounding;
-    st.seed = pol->seed;
-    int rne = pol->rounding == FADEV_ROUND_NEAREST_EVEN;
-    st.kind = is_fp64(f)                          ? ATT_EXACT
-              : (is_fp32(f) && rne)                 ? ATT_F32
-              : (rne && f->precision < 53)          ? ATT_RNE
-                                                    : ATT_GENERAL;
-    st.shift = 53 - f->precision;
-    st.lo_bits = fadev_bits_of(ldexp(1.0, f->emin));
-    st.hi_bits = fadev_bits_of(f->largest);
-    st.half_m1 = st.shift ? (1ull << (st.shift - 1)) - 1 : 0;
-    st.keep_mask = ~((1ull << st.shift) - 1);
+    if (st == FADEV_OK && !scratch_sizes(pr, &nq, &nkt, &nv)) st = FADEV_ERR_OVERFLOW;
     return st;
 }
 
@@ -122,9 +52,9 @@ typedef struct prep_job {
 static fadev_status prep_task(void *ctxp, size_t task) {
     prep_job *job = (prep_job *)ctxp;
     att_ctx *cx = job->cx;
-    const int64_t D = cx->pr.dim, Nq = cx->pr.seq_q, Nk = cx->pr.seq_kv;
-    const int64_t nqh = cx->pr.batch * cx->pr.heads, nkh = cx->pr.batch * cx->pr.heads_kv;
-    const att_stage *in = &cx->input;
+    const int64_t D = cx->plan.pr.dim, Nq = cx->plan.pr.seq_q, Nk = cx->plan.pr.seq_kv;
+    const int64_t nqh = cx->plan.pr.batch * cx->plan.pr.heads, nkh = cx->plan.pr.batch * cx->plan.pr.heads_kv;
+    const att_stage *in = &cx->plan.input;
     if ((int64_t)task < nqh) {
         int64_t bh = (int64_t)task;
         const double *src = job->q + bh * Nq * D;
@@ -185,24 +115,7 @@ void att_free(att_ctx *cx) {
 fadev_status att_init(att_ctx *cx, const double *q, const double *k, const double *v,
                       const fadev_attention_params *params, const fadev_policy *pol, int exp2_form) {
     memset(cx, 0, sizeof *cx);
-    cx->pr = *params;
-    cx->group = params->heads / params->heads_kv;
-    const fadev_format *fmts[] = POLICY_FORMATS(pol);
-    att_stage *stages[] = {&cx->input, &cx->score_acc, &cx->score, &cx->softmax, &cx->sum_acc, &cx->stats,
-                           &cx->rescale, &cx->p, &cx->pv_acc, &cx->out_acc, &cx->state_out, &cx->state_stats,
-                           &cx->out};
-    for (size_t s = 0; s < sizeof fmts / sizeof fmts[0]; s++) *stages[s] = att_make_stage(fmts[s], pol);
-    cx->exp2 = exp2_form;
-    /* constants: rounded once to nearest even (log2 e and ln 2 are the fp64 constants M_LOG2E, M_LN2) */
-    double log2e = 0x1.71547652b82fep+0, ln2 = 0x1.62e42fefa39efp-1;
-    cx->c = fadev_round_one(exp2_form ? params->scale * log2e : params->scale, &pol->score,
-                            FADEV_ROUND_NEAREST_EVEN, 0);
-    cx->c2 = fadev_round_one(ln2, &pol->stats, FADEV_ROUND_NEAREST_EVEN, 0);
-
-    const fadev_format *in = &pol->input;
-    cx->qk_float = cx->score_acc.kind == ATT_F32 && att_inside_fp32(in) && 2 * in->precision <= 24;
-    cx->pv_float = cx->pv_acc.kind == ATT_F32 && att_inside_fp32(in) && att_inside_fp32(&pol->p) &&
-                   in->precision + pol->p.precision <= 24;
+    att_plan_init(&cx->plan, params, pol, exp2_form);
     cx->q_rows = params->seq_q + 3;
     cx->kt_cols = att_round_up(params->seq_kv, 16) + 16;
     cx->d_pad = att_round_up(params->dim, 16);
@@ -212,12 +125,12 @@ fadev_status att_init(att_ctx *cx, const double *q, const double *k, const doubl
     cx->kt = att_calloc_lines(nkt, sizeof(double));
     cx->v = att_calloc_lines(nv, sizeof(double));
     int ok = cx->q && cx->kt && cx->v;
-    if (cx->qk_float) {
+    if (cx->plan.qk_float) {
         cx->qf = att_calloc_lines(nq, sizeof(float));
         cx->ktf = att_calloc_lines(nkt, sizeof(float));
         ok = ok && cx->qf && cx->ktf;
     }
-    if (cx->pv_float) {
+    if (cx->plan.pv_float) {
         cx->vf = att_calloc_lines(nv, sizeof(float));
         ok = ok && cx->vf;
     }
@@ -249,16 +162,16 @@ static mag float_magnitudes(const float *a, int64_t rows, int64_t cols, int64_t 
 
 void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis, int64_t j0,
                 double *s, int64_t lds) {
-    const int64_t D = cx->pr.dim, bhk = att_kv_head(cx, bh);
+    const int64_t D = cx->plan.pr.dim, bhk = att_kv_head(cx, bh);
     int64_t ncols = 0;
     for (int64_t r = 0; r < nr; r++) ncols = nvis[r] > ncols ? nvis[r] : ncols;
     if (ncols == 0) return;
     const int64_t q_at = (bh * cx->q_rows + i0) * D, k_at = bhk * D * cx->kt_cols + j0;
-    const int possible = cx->qk_float && cx->k_finite[bhk];
+    const int possible = cx->plan.qk_float && cx->k_finite[bhk];
     const mag qm = possible ? float_magnitudes(cx->qf + q_at, nr, D, D, NULL) : MAG_EMPTY;
     att_mm m = {0};
-    m.tier = att_mm_tier(&cx->score_acc, possible, qm.min, qm.max, qm.finite, cx->k_min[bhk], cx->k_max[bhk], 1);
-    m.index = ATT_MM_ROW_COL_K, m.zero = 1, m.acc = &cx->score_acc, m.stream = ATT_STREAM(ATT_SCORE_ACC, bh);
+    m.tier = att_mm_tier(&cx->plan.score_acc, possible, qm.min, qm.max, qm.finite, cx->k_min[bhk], cx->k_max[bhk], 1);
+    m.index = ATT_MM_ROW_COL_K, m.zero = 1, m.acc = &cx->plan.score_acc, m.stream = ATT_STREAM(ATT_SCORE_ACC, bh);
     m.row0 = i0, m.col0 = j0;
     m.a = cx->q + q_at, m.af = cx->qf ? cx->qf + q_at : NULL, m.lda = D;
     m.b = cx->kt + k_at, m.bf = cx->ktf ? cx->ktf + k_at : NULL, m.ldb = cx->kt_cols;
@@ -268,8 +181,8 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
      * order picks) does not depend on the tiling */
     att_mm_run(&m, m.tier == ATT_MM_SCALAR ? nr : att_rows(nr), NULL, NULL, D, nvis, ncols);
     /* s = R_score(c * R_score(acc)) */
-    const double c = cx->c;
-    const att_stage *sc = &cx->score;
+    const double c = cx->plan.c;
+    const att_stage *sc = &cx->plan.score;
     for (int64_t r = 0; r < nr; r++) {
         double *row = s + r * lds;
         if (sc->kind == ATT_EXACT) {
@@ -288,9 +201,9 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
 
 void att_pv(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis, int64_t j0,
             const double *p, int64_t ldp, double *pv, int64_t ldo, float *pbuf) {
-    const int64_t D = cx->pr.dim, dpad = cx->d_pad, bhk = att_kv_head(cx, bh);
-    const int64_t v_at = (bhk * cx->pr.seq_kv + j0) * dpad;
-    const int possible = cx->pv_float && cx->v_finite[bhk];
+    const int64_t D = cx->plan.pr.dim, dpad = cx->d_pad, bhk = att_kv_head(cx, bh);
+    const int64_t v_at = (bhk * cx->plan.pr.seq_kv + j0) * dpad;
+    const int possible = cx->plan.pv_float && cx->v_finite[bhk];
     mag pm = MAG_EMPTY;
     if (possible) {
         for (int64_t r = 0; r < nr; r++)
@@ -298,8 +211,8 @@ void att_pv(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t
         pm = float_magnitudes(pbuf, nr, 0, ldp, nvis);
     }
     att_mm m = {0};
-    m.tier = att_mm_tier(&cx->pv_acc, possible, pm.min, pm.max, pm.finite, cx->v_min[bhk], cx->v_max[bhk], 1);
-    m.index = ATT_MM_ROW_K_COL, m.zero = 1, m.acc = &cx->pv_acc, m.stream = ATT_STREAM(ATT_PV_ACC, bh);
+    m.tier = att_mm_tier(&cx->plan.pv_acc, possible, pm.min, pm.max, pm.finite, cx->v_min[bhk], cx->v_max[bhk], 1);
+    m.index = ATT_MM_ROW_K_COL, m.zero = 1, m.acc = &cx->plan.pv_acc, m.stream = ATT_STREAM(ATT_PV_ACC, bh);
     m.row0 = i0, m.k0 = j0;
     m.a = p, m.af = pbuf, m.lda = ldp;
     m.b = cx->v + v_at, m.bf = cx->vf ? cx->vf + v_at : NULL, m.ldb = dpad;
@@ -311,7 +224,7 @@ void att_pv(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t
 
 void att_write_row(const att_ctx *cx, int64_t bh, int64_t i, int seen, const double *o, int divide, double m,
                    double l, double *out, double *lse) {
-    const int64_t D = cx->pr.dim;
+    const int64_t D = cx->plan.pr.dim;
     if (!seen) { /* no visible key: no rounding events */
         memset(out, 0, (size_t)D * sizeof(double));
         if (lse) *lse = -INFINITY;
@@ -319,13 +232,13 @@ void att_write_row(const att_ctx *cx, int64_t bh, int64_t i, int seen, const dou
     }
     const uint64_t s23 = ATT_STREAM(ATT_OUT, bh);
     if (divide)
-        for (int64_t d = 0; d < D; d++) out[d] = att_round(&cx->out, o[d] / l, s23, ATT_INDEX(i, d, 0));
+        for (int64_t d = 0; d < D; d++) out[d] = att_round(&cx->plan.out, o[d] / l, s23, ATT_INDEX(i, d, 0));
     else
-        for (int64_t d = 0; d < D; d++) out[d] = att_round(&cx->out, o[d], s23, ATT_INDEX(i, d, 0));
+        for (int64_t d = 0; d < D; d++) out[d] = att_round(&cx->plan.out, o[d], s23, ATT_INDEX(i, d, 0));
     if (lse) {
         const uint64_t idx = ATT_INDEX(i, 0, 0), s13 = ATT_STREAM(ATT_STATS_LSE, bh);
-        double log_l = att_round(&cx->stats, log(l), ATT_STREAM(ATT_STATS_LOG, bh), idx);
-        if (cx->exp2) m = att_round(&cx->stats, m * cx->c2, s13, ATT_INDEX(i, 0, 1));
-        *lse = att_round(&cx->stats, m + log_l, s13, idx);
+        double log_l = att_round(&cx->plan.stats, log(l), ATT_STREAM(ATT_STATS_LOG, bh), idx);
+        if (cx->plan.exp2) m = att_round(&cx->plan.stats, m * cx->plan.c2, s13, ATT_INDEX(i, 0, 1));
+        *lse = att_round(&cx->plan.stats, m + log_l, s13, idx);
     }
 }

@@ -34,7 +34,7 @@
 /* dQacc = R_dq_acc(dQacc + part) for the rows i0.. of head bh that see a key of K/V block jb (first key k0). */
 static void add_dq_block(const bwd_ctx *bx, int64_t bh, int64_t i0, int64_t nr, int64_t jb, int64_t k0,
                          const double *part, double *acc) {
-    const int64_t D = bx->cx.pr.dim;
+    const int64_t D = bx->cx.plan.pr.dim;
     const uint64_t stream = BWD_STREAM(EV_DQ_ACC, bh);
     for (int64_t r = 0; r < nr; r++) {
         if (last_key(&bx->cx, i0 + r) < k0) continue;
@@ -48,7 +48,7 @@ static void add_dq_block(const bwd_ctx *bx, int64_t bh, int64_t i0, int64_t nr, 
  * head bh sees. */
 static void add_dkv_block(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t qb, int64_t q_last, int64_t k0,
                           int64_t nk) {
-    const int64_t D = bx->cx.pr.dim, ld = bx->ld, seen = last_key(&bx->cx, q_last) - k0 + 1;
+    const int64_t D = bx->cx.plan.pr.dim, ld = bx->ld, seen = last_key(&bx->cx, q_last) - k0 + 1;
     const uint64_t sv = BWD_STREAM(EV_DKV_DV, bh), sk = BWD_STREAM(EV_DKV_DK, bh);
     for (int64_t c = 0; c < nk && c < seen; c++)
         for (int64_t d = 0; d < D; d++) {
@@ -62,11 +62,11 @@ static void add_dkv_block(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t qb
  * the bottom-right causal mask shows the last query row every key.) */
 static void finish_dkv(const bwd_ctx *bx, const bwd_work *w, int64_t b, int64_t g, int64_t k0, int64_t nk) {
     const att_ctx *cx = &bx->cx;
-    const int64_t D = cx->pr.dim, bhk = b * cx->pr.heads_kv + g;
+    const int64_t D = cx->plan.pr.dim, bhk = b * cx->plan.pr.heads_kv + g;
     const uint64_t sk = BWD_STREAM(EV_GRAD_DK, bhk), sv = BWD_STREAM(EV_GRAD_DV, bhk);
     for (int64_t c = 0; c < nk; c++) {
         const int64_t j = k0 + c;
-        double *dk = bx->dk + (bhk * cx->pr.seq_kv + j) * D, *dv = bx->dv + (bhk * cx->pr.seq_kv + j) * D;
+        double *dk = bx->dk + (bhk * cx->plan.pr.seq_kv + j) * D, *dv = bx->dv + (bhk * cx->plan.pr.seq_kv + j) * D;
         for (int64_t d = 0; d < D; d++) {
             dk[d] = att_round(&bx->grad, bx->c_grad * w->dk_acc[c * D + d], sk, ATT_INDEX(j, d, 0));
             dv[d] = att_round(&bx->grad, w->dv_acc[c * D + d], sv, ATT_INDEX(j, d, 0));
@@ -76,10 +76,10 @@ static void finish_dkv(const bwd_ctx *bx, const bwd_work *w, int64_t b, int64_t 
 
 /* dq = R_grad(c dQacc) for rows i0.. of head bh (acc: their dQacc, row stride D; may be dq itself). */
 static void finish_dq(const bwd_ctx *bx, int64_t bh, int64_t i0, int64_t nr, const double *acc) {
-    const int64_t D = bx->cx.pr.dim;
+    const int64_t D = bx->cx.plan.pr.dim;
     const uint64_t stream = BWD_STREAM(EV_GRAD_DQ, bh);
     for (int64_t r = 0; r < nr; r++) {
-        double *dq = bx->dq + (bh * bx->cx.pr.seq_q + i0 + r) * D;
+        double *dq = bx->dq + (bh * bx->cx.plan.pr.seq_q + i0 + r) * D;
         if (last_key(&bx->cx, i0 + r) < 0) {
             memset(dq, 0, (size_t)D * sizeof(double));
             continue;
@@ -102,7 +102,8 @@ static fadev_status prep_task(void *ctxp, size_t task) {
     const bwd_job *job = (const bwd_job *)ctxp;
     bwd_ctx *bx = job->bx; /* each task writes its own head's rows */
     const att_ctx *cx = &bx->cx;
-    const int64_t D = cx->pr.dim, Nq = cx->pr.seq_q, Nk = cx->pr.seq_kv, ld = bx->ld, nqh = cx->pr.batch * cx->pr.heads;
+    const fadev_attention_params *pr = &cx->plan.pr;
+    const int64_t D = pr->dim, Nq = pr->seq_q, Nk = pr->seq_kv, ld = bx->ld, nqh = pr->batch * pr->heads;
     if ((int64_t)task >= nqh) {
         const int64_t bhk = (int64_t)task - nqh;
         for (int64_t j = 0; j < Nk; j++)
@@ -123,22 +124,23 @@ static fadev_status prep_task(void *ctxp, size_t task) {
         const int64_t row = bh * Nq + i;
         double acc = 0;
         for (int64_t d = 0; d < D; d++) {
-            double x = att_round(&cx->input, job->dout[row * D + d], s0, ATT_INDEX(i, d, 0));
+            double x = att_round(&cx->plan.input, job->dout[row * D + d], s0, ATT_INDEX(i, d, 0));
             double qx = cx->q[(bh * cx->q_rows + i) * D + d];
             bx->dout[row * ld + d] = x, bx->q[row * ld + d] = qx;
             if (bx->doutf) bx->doutf[row * ld + d] = (float)x;
             if (bx->qf) bx->qf[row * ld + d] = (float)qx;
             mag_add(&dm, x), mag_add(&qm, qx);
             if (!bx->baseline) {
-                double o = att_round(&cx->out, job->out[row * D + d], s1, ATT_INDEX(i, d, 0));
+                double o = att_round(&cx->plan.out, job->out[row * D + d], s1, ATT_INDEX(i, d, 0));
                 acc = att_round(&bx->delta_acc, acc + x * o, s4, ATT_INDEX(i, d, 0));
             }
         }
         if (bx->baseline) continue;
         const uint64_t idx = ATT_INDEX(i, 0, 0);
         bx->row_d[row] = att_round(&bx->dsoft, acc, BWD_STREAM(EV_DELTA, bh), idx);
-        double lse = att_round(&cx->stats, job->lse[row], BWD_STREAM(EV_LSE, bh), idx);
-        bx->row_l[row] = cx->exp2 ? att_round(&cx->stats, lse * bx->c3, BWD_STREAM(EV_LSE_LOG2, bh), idx) : lse;
+        double lse = att_round(&cx->plan.stats, job->lse[row], BWD_STREAM(EV_LSE, bh), idx);
+        bx->row_l[row] =
+            cx->plan.exp2 ? att_round(&cx->plan.stats, lse * bx->c3, BWD_STREAM(EV_LSE_LOG2, bh), idx) : lse;
     }
     bx->do_min[bh] = dm.min, bx->do_max[bh] = dm.max, bx->do_finite[bh] = dm.finite;
     bx->q_min[bh] = qm.min, bx->q_max[bh] = qm.max, bx->q_finite[bh] = qm.finite;
@@ -153,7 +155,7 @@ static fadev_status baseline_stats_task(void *ctxp, size_t task) {
     const bwd_job *job = (const bwd_job *)ctxp;
     bwd_ctx *bx = job->bx;
     const att_ctx *cx = &bx->cx;
-    const int64_t Nq = cx->pr.seq_q, Nk = cx->pr.seq_kv, per_head = (Nq + STATS_ROWS - 1) / STATS_ROWS;
+    const int64_t Nq = cx->plan.pr.seq_q, Nk = cx->plan.pr.seq_kv, per_head = (Nq + STATS_ROWS - 1) / STATS_ROWS;
     const int64_t bh = (int64_t)task / per_head, first = ((int64_t)task % per_head) * STATS_ROWS;
     const int64_t last = min64(first + STATS_ROWS, Nq), lds = att_score_ld(Nk);
     double *s = malloc((size_t)(STATS_GROUP * lds) * sizeof(double));
@@ -191,7 +193,7 @@ static fadev_status baseline_stats_task(void *ctxp, size_t task) {
 static int key_tile(const bwd_ctx *bx, int64_t kt, int64_t *jb, int64_t *k0, int64_t *nk) {
     const int64_t per_block = (bx->block_kv + bx->tile_kv - 1) / bx->tile_kv;
     *jb = kt / per_block;
-    const int64_t end = min64((*jb + 1) * bx->block_kv, bx->cx.pr.seq_kv);
+    const int64_t end = min64((*jb + 1) * bx->block_kv, bx->cx.plan.pr.seq_kv);
     *k0 = *jb * bx->block_kv + (kt % per_block) * bx->tile_kv;
     *nk = min64(bx->tile_kv, end - *k0);
     return *k0 + *nk == end;
@@ -206,9 +208,9 @@ static int key_tile(const bwd_ctx *bx, int64_t kt, int64_t *jb, int64_t *k0, int
 static fadev_status pipeline_task(void *ctxp, size_t task) {
     const bwd_ctx *bx = ((const bwd_job *)ctxp)->bx;
     const att_ctx *cx = &bx->cx;
-    const int64_t D = cx->pr.dim, Nq = cx->pr.seq_q, ld = bx->ld, bq = bx->block_q, tq = bx->tile_q;
+    const int64_t D = cx->plan.pr.dim, Nq = cx->plan.pr.seq_q, ld = bx->ld, bq = bx->block_q, tq = bx->tile_q;
     const int64_t bg = (int64_t)task / bx->key_tiles, kt = (int64_t)task % bx->key_tiles;
-    const int64_t b = bg / cx->pr.heads_kv, g = bg % cx->pr.heads_kv;
+    const int64_t b = bg / cx->plan.pr.heads_kv, g = bg % cx->plan.pr.heads_kv;
     int64_t jb, k0, nk;
     const int last = key_tile(bx, kt, &jb, &k0, &nk);
     _Atomic int64_t *done = bx->progress + task, *before = kt > 0 ? done - 1 : NULL;
@@ -218,8 +220,8 @@ static fadev_status pipeline_task(void *ctxp, size_t task) {
         return FADEV_ERR_NO_MEMORY;
     }
     int64_t step = 0;
-    for (int64_t h = g * cx->group; h < (g + 1) * cx->group; h++) {
-        const int64_t bh = b * cx->pr.heads + h;
+    for (int64_t h = g * cx->plan.group; h < (g + 1) * cx->plan.group; h++) {
+        const int64_t bh = b * cx->plan.pr.heads + h;
         for (int64_t q0 = 0, qb = 0; q0 < Nq; q0 += bq, qb++) {
             const int64_t q_end = min64(q0 + bq, Nq);
             memset(w.dv_part, 0, (size_t)(nk * ld) * sizeof(double));
@@ -248,8 +250,8 @@ static fadev_status pipeline_task(void *ctxp, size_t task) {
 /* Task bh: dq of the head's rows from their dQacc (in place). */
 static fadev_status finish_task(void *ctxp, size_t task) {
     const bwd_ctx *bx = ((const bwd_job *)ctxp)->bx;
-    const int64_t Nq = bx->cx.pr.seq_q, bh = (int64_t)task;
-    finish_dq(bx, bh, 0, Nq, bx->dq + bh * Nq * bx->cx.pr.dim);
+    const int64_t Nq = bx->cx.plan.pr.seq_q, bh = (int64_t)task;
+    finish_dq(bx, bh, 0, Nq, bx->dq + bh * Nq * bx->cx.plan.pr.dim);
     return FADEV_OK;
 }
 

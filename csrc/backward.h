@@ -42,7 +42,7 @@ typedef struct bwd_ctx {
 
 /* last key query row i sees (causal, bottom-right aligned), Nk - 1 otherwise; < 0: none */
 static inline int64_t last_key(const att_ctx *cx, int64_t i) {
-    return cx->pr.causal ? i + cx->pr.seq_kv - cx->pr.seq_q : cx->pr.seq_kv - 1;
+    return cx->plan.pr.causal ? i + cx->plan.pr.seq_kv - cx->plan.pr.seq_q : cx->plan.pr.seq_kv - 1;
 }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }

@@ -23,7 +23,7 @@ void bwd_work_free(bwd_work *w) {
 }
 
 fadev_status bwd_work_alloc(bwd_work *w, const bwd_ctx *bx, int64_t keys) {
-    const size_t tq = (size_t)bx->tile_q, tk = (size_t)bx->tile_kv, ld = (size_t)bx->ld, D = (size_t)bx->cx.pr.dim;
+    const size_t tq = (size_t)bx->tile_q, tk = (size_t)bx->tile_kv, ld = (size_t)bx->ld, D = (size_t)bx->cx.plan.pr.dim;
     const size_t tile = (size_t)att_rows(bx->tile_q) * (size_t)att_score_ld(bx->tile_kv), nk = (size_t)keys + 1;
     const size_t n_idx = (tq > tk ? tq : tk) + 4, d = sizeof(double), f = sizeof(float);
     w->nvis = calloc(n_idx, sizeof(int64_t)), w->kb = calloc(n_idx, sizeof(int64_t));
@@ -42,13 +42,13 @@ fadev_status bwd_work_alloc(bwd_work *w, const bwd_ctx *bx, int64_t keys) {
 void bwd_dp_products(const bwd_ctx *bx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis, int64_t j0,
                      int64_t maxv, double *dp, int64_t lds) {
     const att_ctx *cx = &bx->cx;
-    const int64_t D = cx->pr.dim, bhk = att_kv_head(cx, bh);
+    const int64_t D = cx->plan.pr.dim, bhk = att_kv_head(cx, bh);
     att_mm m = {0};
     m.tier = att_mm_tier(&bx->dp_acc, bx->dp_float, bx->do_min[bh], bx->do_max[bh], bx->do_finite[bh],
                          cx->v_min[bhk], cx->v_max[bhk], cx->v_finite[bhk]);
     m.index = ATT_MM_ROW_COL_K, m.zero = 1, m.acc = &bx->dp_acc, m.stream = BWD_STREAM(EV_DP_ACC, bh);
     m.row0 = i0, m.col0 = j0;
-    const int64_t a_at = (bh * cx->pr.seq_q + i0) * bx->ld, b_at = bhk * D * bx->vt_cols + j0;
+    const int64_t a_at = (bh * cx->plan.pr.seq_q + i0) * bx->ld, b_at = bhk * D * bx->vt_cols + j0;
     m.a = bx->dout + a_at, m.af = bx->doutf ? bx->doutf + a_at : NULL, m.lda = bx->ld;
     m.b = bx->vt + b_at, m.bf = bx->vtf ? bx->vtf + b_at : NULL, m.ldb = bx->vt_cols;
     m.c = dp, m.ldc = lds;
@@ -58,7 +58,7 @@ void bwd_dp_products(const bwd_ctx *bx, int64_t bh, int64_t i0, int64_t nr, cons
 int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr, int64_t j0, int64_t n,
              double *dv_part, double *dk_part) {
     const att_ctx *cx = &bx->cx;
-    const int64_t D = cx->pr.dim, Nq = cx->pr.seq_q, Nk = cx->pr.seq_kv, ld = bx->ld, tq = bx->tile_q;
+    const int64_t D = cx->plan.pr.dim, Nq = cx->plan.pr.seq_q, Nk = cx->plan.pr.seq_kv, ld = bx->ld, tq = bx->tile_q;
     const int64_t lds = att_score_ld(n), bhk = att_kv_head(cx, bh);
     int64_t maxv = 0;
     for (int64_t r = 0; r < nr; r++) {
@@ -81,9 +81,9 @@ int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr,
         const double m = bx->baseline ? bx->row_m[row] : bx->row_l[row], l = bx->row_l[row], Di = bx->row_d[row];
         for (int64_t c = 0; c < nv; c++) {
             const uint64_t idx = ATT_INDEX(i, j0 + c, 0);
-            double x = att_round(&cx->softmax, s[c] - m, s6, idx), p;
-            if (bx->baseline) p = att_round(&cx->p, att_round(&cx->softmax, exp(x), s7, idx) / l, s16, idx);
-            else p = att_round(&cx->softmax, att_exp(cx, x), s7, idx);
+            double x = att_round(&cx->plan.softmax, s[c] - m, s6, idx), p;
+            if (bx->baseline) p = att_round(&cx->plan.p, att_round(&cx->plan.softmax, exp(x), s7, idx) / l, s16, idx);
+            else p = att_round(&cx->plan.softmax, att_exp(cx, x), s7, idx);
             double pr = att_round(&bx->bwd_p, p, b6, idx), dpv = att_round(&bx->dp, dpa[c], b8, idx);
             double t = att_round(&bx->dsoft, dpv - Di, b9, idx);
             pp[c] = pr;
@@ -103,7 +103,7 @@ int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr,
             for (int64_t c = 0; c < w->nvis[r]; c++) w->af[r * lds + c] = (float)w->ds[r * lds + c];
     /* dV[j] += sum_i P'_ij dO_i and dK[j] += sum_i dS_ij Q_i over the rows that see key j (a suffix), ascending */
     for (int64_t c = 0; c < n; c++) {
-        int64_t first = cx->pr.causal ? j0 + c - (Nk - Nq) - i0 : 0;
+        int64_t first = cx->plan.pr.causal ? j0 + c - (Nk - Nq) - i0 : 0;
         w->kb[c] = first < 0 ? 0 : first > nr ? nr : first;
     }
     for (int pass = 0; pass < 2; pass++) {
@@ -141,8 +141,8 @@ void bwd_tile_dq(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t
     m.tier = w->dq_tier, m.index = ATT_MM_ROW_K_COL, m.acc = &bx->grad_acc, m.stream = BWD_STREAM(EV_ACC_DQ, bh);
     m.row0 = i0, m.k0 = j0;
     m.a = w->ds, m.af = w->af, m.lda = att_score_ld(n);
-    m.b = bx->k + (bhk * cx->pr.seq_kv + j0) * bx->ld, m.ldb = bx->ld;
-    m.bf = bx->kf ? bx->kf + (bhk * cx->pr.seq_kv + j0) * bx->ld : NULL;
+    m.b = bx->k + (bhk * cx->plan.pr.seq_kv + j0) * bx->ld, m.ldb = bx->ld;
+    m.bf = bx->kf ? bx->kf + (bhk * cx->plan.pr.seq_kv + j0) * bx->ld : NULL;
     m.c = dq_part, m.ldc = bx->ld;
-    att_mm_run(&m, nr, NULL, w->nvis, 0, NULL, cx->pr.dim);
+    att_mm_run(&m, nr, NULL, w->nvis, 0, NULL, cx->plan.pr.dim);
 }

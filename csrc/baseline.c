@@ -30,13 +30,13 @@ void att_softmax_row(const att_ctx *cx, int64_t bh, int64_t i, double *s, int64_
     const uint64_t s8 = ATT_STREAM(ATT_SUM_ACC, bh), s16 = ATT_STREAM(ATT_P, bh);
     for (int64_t j = 0; j < nv; j++) {
         uint64_t idx = ATT_INDEX(i, j, 0);
-        double x = att_round(&cx->softmax, s[j] - m, s6, idx);
-        s[j] = att_round(&cx->softmax, exp(x), s7, idx);
+        double x = att_round(&cx->plan.softmax, s[j] - m, s6, idx);
+        s[j] = att_round(&cx->plan.softmax, exp(x), s7, idx);
     }
     double acc = 0;
-    for (int64_t j = 0; j < nv; j++) acc = att_round(&cx->sum_acc, acc + s[j], s8, ATT_INDEX(i, j, 0));
-    double l = att_round(&cx->stats, acc, ATT_STREAM(ATT_STATS_AL, bh), ATT_INDEX(i, 0, 0));
-    for (int64_t j = 0; j < nv; j++) p[j] = att_round(&cx->p, s[j] / l, s16, ATT_INDEX(i, j, 0));
+    for (int64_t j = 0; j < nv; j++) acc = att_round(&cx->plan.sum_acc, acc + s[j], s8, ATT_INDEX(i, j, 0));
+    double l = att_round(&cx->plan.stats, acc, ATT_STREAM(ATT_STATS_AL, bh), ATT_INDEX(i, 0, 0));
+    for (int64_t j = 0; j < nv; j++) p[j] = att_round(&cx->plan.p, s[j] / l, s16, ATT_INDEX(i, j, 0));
     *m_out = m;
     *l_out = l;
 }
@@ -44,7 +44,7 @@ void att_softmax_row(const att_ctx *cx, int64_t bh, int64_t i, double *s, int64_
 static fadev_status baseline_task(void *ctxp, size_t task) {
     const baseline_job *job = (const baseline_job *)ctxp;
     const att_ctx *cx = job->cx;
-    const int64_t D = cx->pr.dim, Nq = cx->pr.seq_q, Nk = cx->pr.seq_kv;
+    const int64_t D = cx->plan.pr.dim, Nq = cx->plan.pr.seq_q, Nk = cx->plan.pr.seq_kv;
     const int64_t bh = (int64_t)task / job->tasks_per_head;
     const int64_t first = ((int64_t)task % job->tasks_per_head) * TASK_ROWS;
     const int64_t last = first + TASK_ROWS < Nq ? first + TASK_ROWS : Nq;

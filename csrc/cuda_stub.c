@@ -2,6 +2,9 @@
  * A build with nvcc defines FADEV_WITH_CUDA and takes these from cuda/ instead. */
 #include "fadev.h"
 
+/* the stubs read none of their arguments */
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+
 #ifndef FADEV_WITH_CUDA
 int fadev_cuda_compiled(void) { return 0; }
 
@@ -9,117 +12,86 @@ int fadev_cuda_device_count(void) { return 0; }
 
 fadev_status fadev_cuda_device_info(int device, char *name, size_t name_len, int *major, int *minor,
                                     size_t *total_memory) {
-    (void)device, (void)name, (void)name_len, (void)major, (void)minor, (void)total_memory;
     return FADEV_ERR_NO_CUDA;
 }
 
 fadev_status fadev_cuda_round_f64(const double *x, double *out, size_t n, const fadev_format *fmt, int mode,
                                   uint64_t seed, uint64_t stream, uint64_t index_offset) {
-    (void)x, (void)out, (void)n, (void)fmt, (void)mode, (void)seed, (void)stream, (void)index_offset;
     return FADEV_ERR_NO_CUDA;
 }
 
 const char *fadev_cuda_last_error(void) { return "fadev was built without CUDA"; }
 
 fadev_status fadev_cuda_malloc(void **ptr, size_t bytes) {
-    (void)bytes;
     if (ptr) *ptr = NULL;
     return FADEV_ERR_NO_CUDA;
 }
 
 fadev_status fadev_cuda_free(void *ptr) {
-    (void)ptr;
     return FADEV_ERR_NO_CUDA;
 }
 
 fadev_status fadev_cuda_memcpy(void *dst, const void *src, size_t bytes, int kind) {
-    (void)dst, (void)src, (void)bytes, (void)kind;
     return FADEV_ERR_NO_CUDA;
 }
 
 fadev_status fadev_cuda_pointer_device(const void *ptr, int *device) {
-    (void)ptr;
     if (device) *device = -1;
     return FADEV_ERR_NO_CUDA;
 }
 
-fadev_status fadev_cuda_baseline_attention(const double *q, const double *k, const double *v, double *out,
-                                           double *lse, const fadev_attention_params *params,
-                                           const fadev_policy *policy) {
-    (void)q, (void)k, (void)v, (void)out, (void)lse, (void)params, (void)policy;
-    return FADEV_ERR_NO_CUDA;
-}
+/* the parameter lists of fadev.h's emulated attention entry points */
+#define FORWARD_ARGS                                                                                          \
+    const double *q, const double *k, const double *v, double *out, double *lse, const fadev_attention_params *params, \
+        const fadev_policy *policy
+#define BACKWARD_ARGS                                                                                       \
+    const double *q, const double *k, const double *v, const double *out, const double *lse, const double *dout, \
+        double *dq, double *dk, double *dv, const fadev_attention_params *params, const fadev_policy *policy,     \
+        const fadev_policy_backward *policy_backward
 
-fadev_status fadev_cuda_flash_attention(const double *q, const double *k, const double *v, double *out, double *lse,
-                                        const fadev_attention_params *params, const fadev_policy *policy) {
-    (void)q, (void)k, (void)v, (void)out, (void)lse, (void)params, (void)policy;
-    return FADEV_ERR_NO_CUDA;
-}
+fadev_status fadev_cuda_baseline_attention(FORWARD_ARGS) { return FADEV_ERR_NO_CUDA; }
 
-fadev_status fadev_cuda_baseline_attention_backward(const double *q, const double *k, const double *v,
-                                                    const double *out, const double *lse, const double *dout,
-                                                    double *dq, double *dk, double *dv,
-                                                    const fadev_attention_params *params, const fadev_policy *policy,
-                                                    const fadev_policy_backward *policy_backward) {
-    (void)q, (void)k, (void)v, (void)out, (void)lse, (void)dout, (void)dq, (void)dk, (void)dv;
-    (void)params, (void)policy, (void)policy_backward;
-    return FADEV_ERR_NO_CUDA;
-}
+fadev_status fadev_cuda_flash_attention(FORWARD_ARGS) { return FADEV_ERR_NO_CUDA; }
 
-fadev_status fadev_cuda_flash_attention_backward(const double *q, const double *k, const double *v,
-                                                 const double *out, const double *lse, const double *dout,
-                                                 double *dq, double *dk, double *dv,
-                                                 const fadev_attention_params *params, const fadev_policy *policy,
-                                                 const fadev_policy_backward *policy_backward) {
-    (void)q, (void)k, (void)v, (void)out, (void)lse, (void)dout, (void)dq, (void)dk, (void)dv;
-    (void)params, (void)policy, (void)policy_backward;
-    return FADEV_ERR_NO_CUDA;
-}
+fadev_status fadev_cuda_baseline_attention_backward(BACKWARD_ARGS) { return FADEV_ERR_NO_CUDA; }
+
+fadev_status fadev_cuda_flash_attention_backward(BACKWARD_ARGS) { return FADEV_ERR_NO_CUDA; }
 
 fadev_status fadev_cuda_golden_attention(const double *q, const double *k, const double *v, double *out, double *lse,
                                          const fadev_attention_params *params) {
-    (void)q, (void)k, (void)v, (void)out, (void)lse, (void)params;
     return FADEV_ERR_NO_CUDA;
 }
 
 fadev_status fadev_cuda_deviation_stats(const double *test, const double *ref, size_t n, fadev_deviation *out) {
-    (void)test, (void)ref, (void)n, (void)out;
     return FADEV_ERR_NO_CUDA;
 }
 
 fadev_status fadev_cuda_wasserstein(const double *a, size_t n_a, const double *b, size_t n_b, double *out) {
-    (void)a, (void)n_a, (void)b, (void)n_b, (void)out;
     return FADEV_ERR_NO_CUDA;
 }
 
 fadev_status fadev_cuda_ulp_error(const double *test, const double *ref, size_t n, const fadev_format *fmt,
                                   double *out) {
-    (void)test, (void)ref, (void)n, (void)fmt, (void)out;
     return FADEV_ERR_NO_CUDA;
 }
 
 fadev_status fadev_cuda_native_tiles(int dim, int32_t *tiles, int max_pairs, int *count) {
-    (void)dim, (void)tiles, (void)max_pairs;
     if (count) *count = 0;
     return FADEV_ERR_NO_CUDA;
 }
 
 fadev_status fadev_cuda_native_forward(const void *q, const void *k, const void *v, void *out, float *lse,
                                        const fadev_native_params *params) {
-    (void)q, (void)k, (void)v, (void)out, (void)lse, (void)params;
     return FADEV_ERR_NO_CUDA;
 }
 
 size_t fadev_cuda_native_workspace(const fadev_native_params *params) {
-    (void)params;
     return 0;
 }
 
 fadev_status fadev_cuda_native_backward(const void *q, const void *k, const void *v, const void *out,
                                         const float *lse, const void *dout, void *dq, void *dk, void *dv,
                                         float *workspace, const fadev_native_params *params) {
-    (void)q, (void)k, (void)v, (void)out, (void)lse, (void)dout, (void)dq, (void)dk, (void)dv, (void)workspace;
-    (void)params;
     return FADEV_ERR_NO_CUDA;
 }
 #endif

@@ -138,7 +138,7 @@ typedef struct fadev_attention_params {
     int32_t exp_form;   /* flash: fadev_exp_form */
 } fadev_attention_params;
 
-/* ---------------------------------------------------------------- metrics (metrics.c, sort.c) */
+/* ---------------------------------------------------------------- metrics (metrics.c) */
 
 /* Deviation of `test` from `ref`, d = test - ref in fp64 (NaN/inf rules: metrics.c, top comment). */
 typedef struct fadev_deviation {
@@ -159,20 +159,19 @@ typedef struct fadev_deviation {
 fadev_status fadev_deviation_stats(const double *test, const double *ref, size_t n, fadev_deviation *out);
 
 typedef enum fadev_w1_method {
-    FADEV_W1_AUTO = 0, /* counting when both inputs fit bf16 or fp16 and n_a + n_b >= 65536, else sorting */
-    FADEV_W1_SORT = 1, /* radix sort both, integrate |Q_a(u) - Q_b(u)| over u (O(n log n)) */
+    FADEV_W1_AUTO = 0, /* counting when both inputs fit bf16 or fp16 and n_a + n_b >= 65536; else nothing is
+                          computed and *method_used = FADEV_W1_SORT asks the caller to sort and call again */
+    FADEV_W1_SORT = 1, /* a and b already sorted ascending (NaNs last, as np.sort leaves them): integrate
+                          |Q_a(u) - Q_b(u)| over u in one O(n_a + n_b) walk */
     FADEV_W1_COUNT = 2 /* histogram by 16-bit pattern (O(n + 2^16)); FADEV_ERR_NOT_REPRESENTABLE if
                           some value is not a finite bf16 or fp16 number in both inputs */
 } fadev_w1_method;
 
 /* Exact Wasserstein-1 distance between the empirical distributions of a (n_a >= 1 values) and b
- * (n_b >= 1): the integral of |F_a - F_b|. *method_used receives FADEV_W1_SORT or FADEV_W1_COUNT. */
+ * (n_b >= 1): the integral of |F_a - F_b|. *method_used receives FADEV_W1_SORT or FADEV_W1_COUNT. The sort
+ * itself is the caller's (fadev.metrics uses NumPy's, faster than a radix sort of our own). */
 fadev_status fadev_wasserstein(const double *a, size_t n_a, const double *b, size_t n_b, int method,
                                double *out, int *method_used);
-
-/* out = x sorted ascending in IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN);
- * x and out must not overlap. Multi-threaded LSD radix sort. */
-fadev_status fadev_sort_f64(const double *x, double *out, size_t n);
 
 /* out[i] = |test[i] - ref[i]| / ulp(ref[i]) with ulp(r) = 2^(max(e, emin) - p + 1), r in [2^e, 2^(e+1)),
  * fmt's p and emin (the binade rule extends past emax; below 2^emin without subnormals: 2^emin, as
@@ -297,7 +296,8 @@ const char *fadev_cuda_last_error(void);
 
 /* Everything below takes DEVICE pointers (memory of the current CUDA device), runs on the legacy default
  * stream and synchronises before returning, so asynchronous faults are reported by the call that caused
- * them (FADEV_ERR_CUDA with CUDA's message in fadev_cuda_last_error). FADEV_ERR_NO_CUDA: built without
+ * them (FADEV_ERR_CUDA with CUDA's message in fadev_cuda_last_error; FADEV_ERR_NO_MEMORY, with it too, when the
+ * device is out of memory: cudaErrorMemoryAllocation). FADEV_ERR_NO_CUDA: built without
  * nvcc, or no device. A CPU-only build takes stubs from cuda_stub.c. */
 
 /* Device memory (memory.cu). kind: 0 host->device, 1 device->host, 2 device->device. */
@@ -347,12 +347,9 @@ fadev_status fadev_cuda_ulp_error(const double *test, const double *ref, size_t 
  * workspace of fadev_cuda_native_workspace() bytes (dq accumulated in fp32). */
 typedef enum fadev_native_dtype { FADEV_NATIVE_FP16 = 0, FADEV_NATIVE_BF16 = 1 } fadev_native_dtype;
 typedef struct fadev_native_params {
-    int64_t batch, heads, heads_kv, seq_q, seq_kv, dim;
-    double scale;
-    int32_t causal;   /* bottom-right aligned, as fadev_attention_params */
-    int32_t block_q;  /* Br */
-    int32_t block_kv; /* Bc */
-    int32_t dtype;    /* fadev_native_dtype */
+    fadev_attention_params attn; /* shapes, scale, causal (bottom-right aligned), block_q (Br), block_kv (Bc);
+                                    loop_order, normalize and exp_form are not read */
+    int32_t dtype;               /* fadev_native_dtype */
 } fadev_native_params;
 /* Writes up to max_pairs (block_q, block_kv) pairs supported for head dim `dim` into tiles[2 * i], tiles[2 * i + 1];
  * *count receives how many there are. */

@@ -48,50 +48,51 @@ static double row_softmax(const att_ctx *cx, int64_t bh, int64_t i, int64_t jb, 
     double rowsum = 0;
     for (int64_t jj = 0; jj < nv; jj++) {
         uint64_t idx = ATT_INDEX(i, j0 + jj, 0);
-        double x = att_round(&cx->softmax, s[jj] - m_new, s6, idx);
-        double e = att_round(&cx->softmax, att_exp(cx, x), s7, idx);
-        rowsum = att_round(&cx->sum_acc, rowsum + e, s8, idx);
-        p[jj] = att_round(&cx->p, e, s16, idx);
+        double x = att_round(&cx->plan.softmax, s[jj] - m_new, s6, idx);
+        double e = att_round(&cx->plan.softmax, att_exp(cx, x), s7, idx);
+        rowsum = att_round(&cx->plan.sum_acc, rowsum + e, s8, idx);
+        p[jj] = att_round(&cx->plan.p, e, s16, idx);
     }
     const uint64_t idx = ATT_INDEX(i, jb, 0);
     double alpha = 0;
     if (m != -INFINITY) {
-        double diff = att_round(&cx->rescale, m - m_new, ATT_STREAM(ATT_RESCALE_DIFF, bh), idx);
-        alpha = att_round(&cx->rescale, att_exp(cx, diff), ATT_STREAM(ATT_RESCALE_ALPHA, bh), idx);
+        double diff = att_round(&cx->plan.rescale, m - m_new, ATT_STREAM(ATT_RESCALE_DIFF, bh), idx);
+        alpha = att_round(&cx->plan.rescale, att_exp(cx, diff), ATT_STREAM(ATT_RESCALE_ALPHA, bh), idx);
     }
-    double a_l = att_round(&cx->stats, alpha * *l_io, ATT_STREAM(ATT_STATS_AL, bh), idx);
-    double rs = att_round(&cx->stats, rowsum, ATT_STREAM(ATT_STATS_ROWSUM, bh), idx);
-    double l_new = att_round(&cx->stats, a_l + rs, ATT_STREAM(ATT_STATS_LNEW, bh), idx);
+    double a_l = att_round(&cx->plan.stats, alpha * *l_io, ATT_STREAM(ATT_STATS_AL, bh), idx);
+    double rs = att_round(&cx->plan.stats, rowsum, ATT_STREAM(ATT_STATS_ROWSUM, bh), idx);
+    double l_new = att_round(&cx->plan.stats, a_l + rs, ATT_STREAM(ATT_STATS_LNEW, bh), idx);
     *m_io = m_new;
     *l_io = l_new;
     *l_new_out = l_new;
-    return cx->pr.normalize == FADEV_EAGER ? a_l : alpha;
+    return cx->plan.pr.normalize == FADEV_EAGER ? a_l : alpha;
 }
 
 /* Step 7 (and 9) for one row: O updated in place from pv. */
 static void row_update(const att_ctx *cx, int64_t bh, int64_t i, int64_t jb, double factor, double l_new,
                        const double *pv, double *o, double *l_io) {
-    const int64_t D = cx->pr.dim;
-    const att_stage *oa = &cx->out_acc;
+    const int64_t D = cx->plan.pr.dim;
+    const att_stage *oa = &cx->plan.out_acc;
     const uint64_t s18 = ATT_STREAM(ATT_OUT_ACC_AO, bh), s19 = ATT_STREAM(ATT_OUT_ACC_PV, bh);
     const uint64_t s20 = ATT_STREAM(ATT_OUT_ACC_SUM, bh), s24 = ATT_STREAM(ATT_OUT_ACC_DIV, bh);
     for (int64_t d = 0; d < D; d++) {
         uint64_t idx = ATT_INDEX(i, jb, d);
         double scaled = att_round(oa, factor * o[d], s18, idx), part = att_round(oa, pv[d], s19, idx);
         o[d] = att_round(oa, scaled + part, s20, idx);
-        if (cx->pr.normalize == FADEV_EAGER) o[d] = att_round(oa, o[d] / l_new, s24, idx);
+        if (cx->plan.pr.normalize == FADEV_EAGER) o[d] = att_round(oa, o[d] / l_new, s24, idx);
     }
-    if (cx->pr.loop_order == FADEV_KV_OUTER) {
+    if (cx->plan.pr.loop_order == FADEV_KV_OUTER) {
         const uint64_t s21 = ATT_STREAM(ATT_STATE_OUT, bh);
-        for (int64_t d = 0; d < D; d++) o[d] = att_round(&cx->state_out, o[d], s21, ATT_INDEX(i, jb, d));
-        *l_io = att_round(&cx->state_stats, *l_io, ATT_STREAM(ATT_STATE_STATS, bh), ATT_INDEX(i, jb, 0));
+        for (int64_t d = 0; d < D; d++) o[d] = att_round(&cx->plan.state_out, o[d], s21, ATT_INDEX(i, jb, d));
+        *l_io = att_round(&cx->plan.state_stats, *l_io, ATT_STREAM(ATT_STATE_STATS, bh), ATT_INDEX(i, jb, 0));
     }
 }
 
 static fadev_status flash_task(void *ctxp, size_t task) {
     const flash_job *job = (const flash_job *)ctxp;
     const att_ctx *cx = job->cx;
-    const int64_t D = cx->pr.dim, Nq = cx->pr.seq_q, Nk = cx->pr.seq_kv, bq = job->block_q, bkv = job->block_kv;
+    const fadev_attention_params *pr = &cx->plan.pr;
+    const int64_t D = pr->dim, Nq = pr->seq_q, Nk = pr->seq_kv, bq = job->block_q, bkv = job->block_kv;
     const int64_t bh = (int64_t)task / job->tasks_per_head;
     const int64_t i0 = ((int64_t)task % job->tasks_per_head) * bq;
     const int64_t nr = i0 + bq < Nq ? bq : Nq - i0;
@@ -122,7 +123,7 @@ static fadev_status flash_task(void *ctxp, size_t task) {
             any |= w.nvis[r];
         }
         if (!any) {
-            if (cx->pr.causal) break; /* later blocks are masked for every row too */
+            if (cx->plan.pr.causal) break; /* later blocks are masked for every row too */
             continue;
         }
         att_scores(cx, bh, i0, nr, w.nvis, j0, w.s, lds);
@@ -139,7 +140,7 @@ static fadev_status flash_task(void *ctxp, size_t task) {
     }
     for (int64_t r = 0; r < nr; r++) {
         const int64_t i = i0 + r;
-        att_write_row(cx, bh, i, (int)w.seen[r], w.o + r * D, cx->pr.normalize != FADEV_EAGER, w.m[r], w.l[r],
+        att_write_row(cx, bh, i, (int)w.seen[r], w.o + r * D, cx->plan.pr.normalize != FADEV_EAGER, w.m[r], w.l[r],
                       job->out + (bh * Nq + i) * D, job->lse ? job->lse + bh * Nq + i : NULL);
     }
     scratch_free(&w);

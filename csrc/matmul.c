@@ -19,7 +19,7 @@
  * multiply and add separately rounded, as the spec requires. */
 #include <string.h>
 
-#include "attention.h"
+#include "matmul.h"
 
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(FADEV_NO_CLONES)
 #define MM_CLONES __attribute__((target_clones("avx2", "default")))

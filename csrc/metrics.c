@@ -20,8 +20,9 @@
  *
  * Wasserstein-1 between the empirical distributions of a (n_a values) and b (n_b values):
  *   W1 = integral |F_a(x) - F_b(x)| dx = integral_0^1 |Q_a(u) - Q_b(u)| du   (Q: quantile functions).
- *   sort path: radix-sort both (sort.c) and walk u over the merged breakpoints i/n_a, j/n_b, kept as
- *     exact integers in units of 1/L, L = lcm(n_a, n_b): W1 = sum len_k |a_(i) - b_(j)| / L. The walk
+ *   sort path: given both sorted (by the caller: NumPy's np.sort), walk u over the merged breakpoints
+ *     i/n_a, j/n_b, kept as exact integers in units of 1/L, L = lcm(n_a, n_b):
+ *     W1 = sum len_k |a_(i) - b_(j)| / L. The walk
  *     is cut into segments by a-index (count fixed by n_a), each a compensated sum, added in order.
  *     Equal sizes reduce to sum |a_(i) - b_(i)| / n. IEEE rules apply to the terms: a NaN anywhere
  *     gives NaN, inf paired with the same inf gives NaN, inf paired with anything else gives inf
@@ -40,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "deviation.h"
 #include "fadev.h"
 #include "round.h"
 
@@ -54,39 +56,12 @@ enum {
 
 __extension__ typedef unsigned __int128 u128;
 
-/* ------------------------------------------------------------ compensated sums */
-
-typedef struct nsum {
-    double s, c; /* the value is s + c */
-} nsum;
-
-static inline void nadd(nsum *a, double x) {
-    double t = a->s + x;
-    if (fabs(a->s) >= fabs(x))
-        a->c += (a->s - t) + x;
-    else
-        a->c += (x - t) + a->s;
-    a->s = t;
-}
-
-/* Once s is inf or NaN, c holds inf - inf garbage: s alone is the IEEE result of the sum. */
-static inline void nadd_sum(nsum *a, nsum b) {
-    nadd(a, b.s);
-    if (isfinite(b.s)) nadd(a, b.c);
-}
-
-static inline double nval(nsum a) { return isfinite(a.s) ? a.s + a.c : a.s; }
-
 /* ------------------------------------------------------------ deviation */
 
 typedef struct chunk_stats {
-    nsum sum_d, sum_abs, sum_sq, sum_ref_sq; /* over finite d, scaled by sd (d) and sr (ref) */
-    nsum dev1, dev2;                         /* sum (d*sd - mean_c), sum (d*sd - mean_c)^2 (all-finite chunks) */
-    double mean_c;                           /* scaled chunk mean of d, rounded (all-finite chunks only) */
-    double max_abs, max_ref, max_rel;        /* unscaled */
-    uint64_t n_finite, n_rel;                /* finite d; ref != 0 */
-    uint64_t n_nan_in, n_inf_in, n_nan_d, n_pos_inf_d, n_neg_inf_d, n_ref_inf;
-    int rel_nan;                             /* some |d| / |ref| with ref != 0 is NaN */
+    dev_part t;       /* the chunk's totals (deviation.h) */
+    nsum dev1, dev2;  /* sum (d*sd - mean_c), sum (d*sd - mean_c)^2 (all-finite chunks) */
+    double mean_c;    /* scaled chunk mean of d, rounded (all-finite chunks only) */
 } chunk_stats;
 
 typedef struct deviation_job {
@@ -121,15 +96,15 @@ static int chunk_fast(const deviation_job *job, size_t begin, size_t end, chunk_
     }
     /* a NaN d makes sum_abs NaN (|d| >= 0, so an overflowing sum becomes inf, never NaN) */
     if (isnan(sum_abs.s) || isinf(max_abs)) return 0;
-    cs->sum_d = sum_d;
-    cs->sum_abs = sum_abs;
-    cs->sum_sq = sum_sq;
-    cs->sum_ref_sq = sum_ref_sq;
-    cs->max_abs = max_abs;
-    cs->max_ref = max_ref;
-    cs->max_rel = max_rel;
-    cs->n_finite = end - begin;
-    cs->n_rel = n_rel;
+    cs->t.sum_d = sum_d;
+    cs->t.sum_abs = sum_abs;
+    cs->t.sum_sq = sum_sq;
+    cs->t.sum_ref_sq = sum_ref_sq;
+    cs->t.max_abs = max_abs;
+    cs->t.max_ref = max_ref;
+    cs->t.max_rel = max_rel;
+    cs->t.n_finite = end - begin;
+    cs->t.n_rel = n_rel;
     /* second pass over the cache-resident chunk: deviations from the (rounded) chunk mean */
     double mean_c = nval(sum_d) / (double)(end - begin);
     nsum dev1 = {0, 0}, dev2 = {0, 0};
@@ -151,37 +126,37 @@ static void chunk_careful(const deviation_job *job, size_t begin, size_t end, ch
         double t = job->test[i], r = job->ref[i];
         double d = t - r;
         if (isnan(t) || isnan(r))
-            cs->n_nan_in++;
+            cs->t.n_nan_in++;
         else if (isinf(t) || isinf(r))
-            cs->n_inf_in++;
-        if (isinf(r)) cs->n_ref_inf++;
+            cs->t.n_inf_in++;
+        if (isinf(r)) cs->t.n_ref_inf++;
         if (r != 0) {
             double rel = fabs(d) / fabs(r);
-            cs->n_rel++;
+            cs->t.n_rel++;
             if (isnan(rel))
-                cs->rel_nan = 1;
-            else if (rel > cs->max_rel)
-                cs->max_rel = rel;
+                cs->t.rel_nan = 1;
+            else if (rel > cs->t.max_rel)
+                cs->t.max_rel = rel;
         }
         if (isnan(d)) {
-            cs->n_nan_d++;
+            cs->t.n_nan_d++;
             continue;
         }
         if (isinf(d)) {
             if (d > 0)
-                cs->n_pos_inf_d++;
+                cs->t.n_pos_inf_d++;
             else
-                cs->n_neg_inf_d++;
+                cs->t.n_neg_inf_d++;
             continue;
         }
         double ds = d * sd, rs = r * sr;
-        nadd(&cs->sum_d, ds);
-        nadd(&cs->sum_abs, fabs(ds));
-        nadd(&cs->sum_sq, ds * ds);
-        nadd(&cs->sum_ref_sq, rs * rs);
-        if (fabs(d) > cs->max_abs) cs->max_abs = fabs(d);
-        if (fabs(r) > cs->max_ref) cs->max_ref = fabs(r);
-        cs->n_finite++;
+        nadd(&cs->t.sum_d, ds);
+        nadd(&cs->t.sum_abs, fabs(ds));
+        nadd(&cs->t.sum_sq, ds * ds);
+        nadd(&cs->t.sum_ref_sq, rs * rs);
+        if (fabs(d) > cs->t.max_abs) cs->t.max_abs = fabs(d);
+        if (fabs(r) > cs->t.max_ref) cs->t.max_ref = fabs(r);
+        cs->t.n_finite++;
     }
 }
 
@@ -198,18 +173,6 @@ static fadev_status deviation_task(void *ctx, size_t task) {
     return FADEV_OK;
 }
 
-/* 2^k for the k that brings m (> 0) into [1, 2), clamped to a representable power; *k_out = k. */
-static double scale_for(double m, int *k_out) {
-    int e = ilogb(m);
-    int k = -e;
-    if (k > 1023) k = 1023;
-    if (k < -1022) k = -1022;
-    *k_out = k;
-    return ldexp(1.0, k);
-}
-
-static int needs_scaling(double m) { return m > 0x1p448 || (m > 0 && m < 0x1p-448); }
-
 fadev_status fadev_deviation_stats(const double *test, const double *ref, size_t n, fadev_deviation *out) {
     if (n == 0) return FADEV_ERR_INVALID_ARGUMENT;
     size_t n_chunks = (n + CHUNK - 1) / CHUNK;
@@ -217,93 +180,35 @@ fadev_status fadev_deviation_stats(const double *test, const double *ref, size_t
     job.chunks = (chunk_stats *)malloc(n_chunks * sizeof *job.chunks);
     if (!job.chunks) return FADEV_ERR_NO_MEMORY;
     fadev_status st = fadev_parallel_for(n_chunks, deviation_task, &job);
+    dev_part tot;
     int kd = 0, kr = 0;
-    if (st == FADEV_OK) {
+    for (int sweep = 0; st == FADEV_OK && sweep < 2; sweep++) {
+        memset(&tot, 0, sizeof tot);
+        for (size_t c = 0; c < n_chunks; c++) dev_combine(&tot, &job.chunks[c].t);
         /* squares of values outside [2^-448, 2^448] may overflow or underflow: sum again, scaled */
-        double max_abs = 0, max_ref = 0;
-        uint64_t non_finite = 0;
-        for (size_t c = 0; c < n_chunks; c++) {
-            const chunk_stats *cs = &job.chunks[c];
-            if (cs->max_abs > max_abs) max_abs = cs->max_abs;
-            if (cs->max_ref > max_ref) max_ref = cs->max_ref;
-            non_finite += cs->n_nan_d + cs->n_pos_inf_d + cs->n_neg_inf_d;
-        }
-        if (!non_finite && (needs_scaling(max_abs) || needs_scaling(max_ref))) {
-            if (needs_scaling(max_abs)) job.sd = scale_for(max_abs, &kd);
-            if (needs_scaling(max_ref)) job.sr = scale_for(max_ref, &kr);
+        if (sweep == 0 && dev_rescale(&tot, &job.sd, &job.sr, &kd, &kr))
             st = fadev_parallel_for(n_chunks, deviation_task, &job);
-        }
+        else
+            break;
     }
-    if (st != FADEV_OK) {
-        free(job.chunks);
-        return st;
-    }
-    nsum sum_d = {0, 0}, sum_abs = {0, 0}, sum_sq = {0, 0}, sum_ref_sq = {0, 0};
-    double max_abs = 0, max_rel = 0;
-    uint64_t n_rel = 0, n_nan_in = 0, n_inf_in = 0, nan_d = 0, pos_inf = 0, neg_inf = 0, ref_inf = 0;
-    int rel_nan = 0;
-    for (size_t c = 0; c < n_chunks; c++) {
-        const chunk_stats *cs = &job.chunks[c];
-        nadd_sum(&sum_d, cs->sum_d);
-        nadd_sum(&sum_abs, cs->sum_abs);
-        nadd_sum(&sum_sq, cs->sum_sq);
-        nadd_sum(&sum_ref_sq, cs->sum_ref_sq);
-        if (cs->max_abs > max_abs) max_abs = cs->max_abs;
-        if (cs->max_rel > max_rel) max_rel = cs->max_rel;
-        n_rel += cs->n_rel;
-        n_nan_in += cs->n_nan_in;
-        n_inf_in += cs->n_inf_in;
-        nan_d += cs->n_nan_d;
-        pos_inf += cs->n_pos_inf_d;
-        neg_inf += cs->n_neg_inf_d;
-        ref_inf += cs->n_ref_inf;
-        rel_nan |= cs->rel_nan;
-    }
-    out->n = n;
-    out->n_nan = n_nan_in;
-    out->n_inf = n_inf_in;
-    const double dn = (double)n;
-    if (nan_d) {
-        out->max_abs = out->mean_diff = out->std_diff = out->mean_abs = out->rmse = out->rel_l2 = out->max_rel = NAN;
-    } else if (pos_inf || neg_inf) {
-        out->max_abs = out->mean_abs = out->rmse = INFINITY;
-        out->mean_diff = pos_inf && neg_inf ? NAN : pos_inf ? INFINITY : -INFINITY;
-        out->std_diff = NAN;
-        out->rel_l2 = ref_inf ? NAN : INFINITY;
-        out->max_rel = rel_nan ? NAN : n_rel ? max_rel : NAN;
-    } else {
-        /* every d is finite; sums are of d * 2^kd and ref * 2^kr. With h_c = mean_c - mean, exactly:
-         * sum_c (d - mean)^k over chunk c = dev2_c + 2 h_c dev1_c + n_c h_c^2 (k = 2), dev1_c + n_c h_c (k = 1);
-         * M2 = T2 - T1^2 / n removes what the rounding of mean leaves (corrected two-pass). */
-        double mean_s = nval(sum_d) / dn;
+    if (st == FADEV_OK && !dev_finish_nonfinite(&tot, n, out)) {
+        /* every d is finite; with h_c = mean_c - mean, exactly: sum_c (d - mean)^k over chunk c =
+         * dev2_c + 2 h_c dev1_c + n_c h_c^2 (k = 2), dev1_c + n_c h_c (k = 1) */
+        double mean_s = nval(tot.sum_d) / (double)n;
         nsum t1 = {0, 0}, t2 = {0, 0};
         for (size_t c = 0; c < n_chunks; c++) {
             const chunk_stats *cs = &job.chunks[c];
-            double h = cs->mean_c - mean_s, nc = (double)cs->n_finite;
+            double h = cs->mean_c - mean_s, nc = (double)cs->t.n_finite;
             nadd_sum(&t2, cs->dev2);
             nadd(&t2, 2.0 * h * nval(cs->dev1));
             nadd(&t2, nc * (h * h));
             nadd_sum(&t1, cs->dev1);
             nadd(&t1, nc * h);
         }
-        double t1v = nval(t1);
-        double m2v = nval(t2) - t1v * (t1v / dn);
-        double ss = nval(sum_sq), rr = nval(sum_ref_sq);
-        out->max_abs = max_abs;
-        out->mean_diff = mean_s / job.sd;
-        out->std_diff = sqrt(m2v > 0 ? m2v / dn : 0.0) / job.sd;
-        out->mean_abs = (nval(sum_abs) / dn) / job.sd;
-        out->rmse = sqrt(ss / dn) / job.sd;
-        if (ss == 0)
-            out->rel_l2 = 0.0;
-        else if (rr == 0)
-            out->rel_l2 = INFINITY;
-        else
-            out->rel_l2 = ldexp(sqrt(ss) / sqrt(rr), kr - kd);
-        out->max_rel = n_rel ? max_rel : NAN;
+        dev_finish_finite(&tot, n, mean_s, t1, t2, job.sd, kd, kr, out);
     }
     free(job.chunks);
-    return FADEV_OK;
+    return st;
 }
 
 /* ------------------------------------------------------------ Wasserstein: sort path */
@@ -359,6 +264,7 @@ static fadev_status walk_task(void *ctx, size_t s) {
     return FADEV_OK;
 }
 
+/* a and b ascending, NaNs (if any) last; -0 and +0 in either order (|x - -0| = |x - +0|). */
 static fadev_status w1_sorted(const double *a, size_t n_a, const double *b, size_t n_b, double *out) {
     if (isnan(a[0]) || isnan(a[n_a - 1]) || isnan(b[0]) || isnan(b[n_b - 1])) { /* NaNs sort to the ends */
         *out = NAN;
@@ -380,20 +286,6 @@ static fadev_status w1_sorted(const double *a, size_t n_a, const double *b, size
     for (size_t s = 0; s < job.n_segments; s++) nadd_sum(&total, job.partial[s]);
     free(job.partial);
     *out = nval(total) / dl / job.scale;
-    return st;
-}
-
-static fadev_status w1_sort_path(const double *a, size_t n_a, const double *b, size_t n_b, double *out) {
-    double *sa = (double *)malloc(n_a * sizeof *sa);
-    double *sb = (double *)malloc(n_b * sizeof *sb);
-    fadev_status st = FADEV_ERR_NO_MEMORY;
-    if (sa && sb) {
-        st = fadev_sort_f64(a, sa, n_a);
-        if (st == FADEV_OK) st = fadev_sort_f64(b, sb, n_b);
-        if (st == FADEV_OK) st = w1_sorted(sa, n_a, sb, n_b, out);
-    }
-    free(sa);
-    free(sb);
     return st;
 }
 
@@ -509,8 +401,9 @@ fadev_status fadev_wasserstein(const double *a, size_t n_a, const double *b, siz
     size_t total = n_a + n_b;
     if (method == FADEV_W1_COUNT || (method == FADEV_W1_AUTO && total >= PATTERNS)) {
         fadev_format formats[2];
-        fadev_format_make(8, -126, 127, 1, 1, FADEV_OVERFLOW_INF, 0, &formats[0]); /* bf16 */
-        fadev_format_make(11, -14, 15, 1, 1, FADEV_OVERFLOW_INF, 0, &formats[1]);  /* fp16 */
+        fadev_status made = fadev_format_make(8, -126, 127, 1, 1, FADEV_OVERFLOW_INF, 0, &formats[0]); /* bf16 */
+        if (made == FADEV_OK) made = fadev_format_make(11, -14, 15, 1, 1, FADEV_OVERFLOW_INF, 0, &formats[1]); /* fp16 */
+        if (made != FADEV_OK) return made;
         size_t n_tasks = (total + (1u << 18) - 1) >> 18;
         if (n_tasks > MAX_COUNT_TASKS) n_tasks = MAX_COUNT_TASKS;
         if (n_tasks > (size_t)fadev_get_num_threads()) n_tasks = (size_t)fadev_get_num_threads();
@@ -530,7 +423,8 @@ fadev_status fadev_wasserstein(const double *a, size_t n_a, const double *b, siz
         if (method == FADEV_W1_COUNT) return FADEV_ERR_NOT_REPRESENTABLE;
     }
     *method_used = FADEV_W1_SORT;
-    return w1_sort_path(a, n_a, b, n_b, out);
+    if (method == FADEV_W1_AUTO) return FADEV_OK; /* nothing computed: the caller sorts, then asks for the walk */
+    return w1_sorted(a, n_a, b, n_b, out);
 }
 
 /* ------------------------------------------------------------ ULP error */

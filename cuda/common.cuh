@@ -8,8 +8,8 @@
 
 #include "../csrc/fadev.h"
 
-/* Records "where: CUDA's message" as this thread's last error; returns FADEV_ERR_CUDA. Clears a
- * non-sticky error so the next call starts clean. */
+/* Records "where: CUDA's message" as this thread's last error; returns FADEV_ERR_NO_MEMORY for
+ * cudaErrorMemoryAllocation, else FADEV_ERR_CUDA. Clears a non-sticky error so the next call starts clean. */
 fadev_status fadev_cuda_fail(cudaError_t err, const char *where);
 /* Records a message of our own (no CUDA error behind it) and returns `st`. */
 fadev_status fadev_cuda_fail_msg(fadev_status st, const char *message);

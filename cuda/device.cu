@@ -10,7 +10,7 @@ static thread_local char last_error[512] = "";
 fadev_status fadev_cuda_fail(cudaError_t err, const char *where) {
     snprintf(last_error, sizeof last_error, "%s: %s (%s)", where, cudaGetErrorString(err), cudaGetErrorName(err));
     cudaGetLastError(); /* clear a non-sticky error; a sticky one stays and is reported by every later call */
-    return FADEV_ERR_CUDA;
+    return err == cudaErrorMemoryAllocation ? FADEV_ERR_NO_MEMORY : FADEV_ERR_CUDA;
 }
 
 fadev_status fadev_cuda_fail_msg(fadev_status st, const char *message) {

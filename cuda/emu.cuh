@@ -24,41 +24,20 @@ struct emu_mag {
     int finite;
 };
 
-/* Everything a kernel needs, passed by value. Rounded inputs are in device memory: q (B, H, Nq, D),
+/* Everything a kernel needs, passed by value: the plan (stage.h: shapes, stages, constants, built by
+ * att_plan_init exactly as the CPU's att_init builds it) and the rounded inputs in device memory: q (B, H, Nq, D),
  * k and v (B, Hkv, Nk, D) as fp64, and as fp32 copies (qf, kf, vf) when the policy allows the float tier. */
-struct emu_ctx {
-    fadev_attention_params pr;
-    int64_t group; /* heads / heads_kv */
-    att_stage input, score_acc, score, softmax, sum_acc, stats, rescale, p, pv_acc, out_acc, state_out,
-        state_stats, out;
-    double c;  /* R_score(scale), or R_score(scale * log2 e) in the exp2 form */
-    double c2; /* R_stats(ln 2) */
-    int exp2;
-    int qk_float, pv_float; /* as att_ctx */
+struct emu_ctx : att_plan {
     const double *q, *k, *v;
     const float *qf, *kf, *vf;
     const emu_mag *kmag, *vmag; /* per K/V head */
 };
 
-/* One rounding event, bit-identical to att_round. */
+/* One rounding event, bit-identical to att_round (the same fast paths and fadev_round_one, stage.h). */
 __device__ __forceinline__ double emu_round(const att_stage &st, double x, uint64_t stream, uint64_t index) {
-    if (st.kind == ATT_EXACT) return x;
-    if (st.kind == ATT_F32) return (double)__double2float_rn(x);
-    if (st.kind == ATT_RNE) {
-        uint64_t u = fadev_bits_of(x), a = u & 0x7FFFFFFFFFFFFFFFull;
-        if (a - st.lo_bits <= st.hi_bits - st.lo_bits) {
-            uint64_t r = (a + st.half_m1 + ((a >> st.shift) & 1)) & st.keep_mask;
-            if (r <= st.hi_bits) return fadev_double_of(r | (u ^ a));
-        }
-    }
-    uint64_t bits = st.mode == FADEV_ROUND_STOCHASTIC ? fadev_random53(st.seed, stream, index) : 0;
-    return fadev_round_one(x, &st.fmt, st.mode, bits);
-}
-
-/* Exact maximum that propagates NaN (att_max). */
-__device__ __forceinline__ double emu_max(double a, double b) {
-    if (a != a || b != b) return a + b;
-    return a >= b ? a : b;
+    double y;
+    if (att_round_fast(&st, x, &y)) return y;
+    return att_round_general(&st, x, stream, index);
 }
 
 __device__ __forceinline__ double emu_exp(int exp2_form, double x) { return exp2_form ? exp2(x) : exp(x); }

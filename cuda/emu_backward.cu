@@ -254,8 +254,8 @@ __global__ void __launch_bounds__(THREADS) baseline_rows_kernel(const __grid_con
     double *s = a.sa + (gl * a.chunk_rows + rl) * Nk, *dp = a.sb + (gl * a.chunk_rows + rl) * Nk;
     /* max is exact: any order gives m (a zero's sign aside, which no later value depends on: exp(+-0) = 1) */
     double m = -INFINITY;
-    for (int64_t j = lane; j < nv; j += 32) m = emu_max(m, s[j]);
-    for (int off = 16; off; off >>= 1) m = emu_max(m, __shfl_xor_sync(FULL, m, off));
+    for (int64_t j = lane; j < nv; j += 32) m = att_max(m, s[j]);
+    for (int off = 16; off; off >>= 1) m = att_max(m, __shfl_xor_sync(FULL, m, off));
     const uint64_t s6 = ATT_STREAM(ATT_SOFTMAX_SUB, bh), s7 = ATT_STREAM(ATT_SOFTMAX_EXP, bh);
     const uint64_t s8 = ATT_STREAM(ATT_SUM_ACC, bh), s16 = ATT_STREAM(ATT_P, bh);
     const uint64_t b4 = bwd_stream(EV_DELTA_ACC, bh), b6 = bwd_stream(EV_BWD_P, bh);

@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(ROWS) flash_kernel(const fwd_args a) {
         for (int64_t jj = 0; jj < nv; jj++) {
             const double s = score(cx, sm, col, qk_tier, bh, bhk, i, j0 + jj);
             if (stored) s_set(sm, jj * ROWS + col, s);
-            m_new = emu_max(m_new, s);
+            m_new = att_max(m_new, s);
         }
         /* 2-7 chunk by chunk: softmax terms and P into shared memory, then the P.V chains */
         double rowsum = 0, factor = 0, l_new = 0;
@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(ROWS) baseline_kernel(const fwd_args a) {
     for (int64_t j = 0; j < nv; j++) {
         const double s = score(cx, sm, col, qk_tier, bh, bhk, i, j);
         if (stored) s_set(sm, j * ROWS + col, s);
-        m = emu_max(m, s);
+        m = att_max(m, s);
     }
     /* 3-4: e_j (kept in place of s_j when stored) and l */
     const uint64_t s6 = ATT_STREAM(ATT_SOFTMAX_SUB, bh), s7 = ATT_STREAM(ATT_SOFTMAX_EXP, bh);

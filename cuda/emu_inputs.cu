@@ -58,24 +58,7 @@ static fadev_status round_tensor(const double *src, device_buffer<double> &dst, 
 fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const double *k, const double *v,
                          const fadev_attention_params *params, const fadev_policy *pol, int exp2) {
     memset(cx, 0, sizeof *cx);
-    cx->pr = *params;
-    cx->group = params->heads / params->heads_kv;
-    const fadev_format *fmts[] = {&pol->input, &pol->score_acc, &pol->score, &pol->softmax, &pol->sum_acc,
-                                  &pol->stats, &pol->rescale, &pol->p, &pol->pv_acc, &pol->out_acc,
-                                  &pol->state_out, &pol->state_stats, &pol->out};
-    att_stage *stages[] = {&cx->input, &cx->score_acc, &cx->score, &cx->softmax, &cx->sum_acc, &cx->stats,
-                           &cx->rescale, &cx->p, &cx->pv_acc, &cx->out_acc, &cx->state_out, &cx->state_stats,
-                           &cx->out};
-    for (size_t s = 0; s < sizeof fmts / sizeof fmts[0]; s++) *stages[s] = att_make_stage(fmts[s], pol);
-    cx->exp2 = exp2;
-    /* the constants exactly as att_init computes them */
-    const double log2e = 0x1.71547652b82fep+0, ln2 = 0x1.62e42fefa39efp-1;
-    cx->c = fadev_round_one(exp2 ? params->scale * log2e : params->scale, &pol->score, FADEV_ROUND_NEAREST_EVEN, 0);
-    cx->c2 = fadev_round_one(ln2, &pol->stats, FADEV_ROUND_NEAREST_EVEN, 0);
-    const fadev_format *in = &pol->input;
-    cx->qk_float = cx->score_acc.kind == ATT_F32 && att_inside_fp32(in) && 2 * in->precision <= 24;
-    cx->pv_float = cx->pv_acc.kind == ATT_F32 && att_inside_fp32(in) && att_inside_fp32(&pol->p) &&
-                   in->precision + pol->p.precision <= 24;
+    att_plan_init(cx, params, pol, exp2); /* the stages and constants of att_init */
     const int64_t B = params->batch, D = params->dim;
     FADEV_TRY(round_tensor(q, store->q, store->qf, cx->qk_float, nullptr, B * params->heads, params->seq_q, D,
                            cx->input, ATT_IN_Q));

@@ -27,6 +27,7 @@
 #include <stdint.h>
 
 #include "common.cuh"
+#include "../csrc/stage.h"
 
 namespace {
 
@@ -290,14 +291,9 @@ bool mul_ok(int64_t *acc, int64_t x) {
 
 extern "C" fadev_status fadev_cuda_golden_attention(const double *q, const double *k, const double *v, double *out,
                                                     double *lse, const fadev_attention_params *params) {
-    /* validation as att_validate (csrc/attention.c) */
-    if (!q || !k || !v || !out || !params) return FADEV_ERR_INVALID_ARGUMENT;
+    if (!q || !k || !v || !out) return FADEV_ERR_INVALID_ARGUMENT;
+    FADEV_TRY(att_check_params(params, 256, 0, NULL)); /* the CPU kernels' shape checks (csrc/stage.h) */
     const fadev_attention_params *pr = params;
-    if (pr->batch < 1 || pr->heads < 1 || pr->heads_kv < 1 || pr->seq_q < 1 || pr->seq_kv < 1)
-        return FADEV_ERR_INVALID_ARGUMENT;
-    if (pr->dim < 1 || pr->dim > 256) return FADEV_ERR_INVALID_ARGUMENT;
-    if (pr->heads % pr->heads_kv != 0) return FADEV_ERR_SHAPE;
-    if (!isfinite(pr->scale) || (pr->causal != 0 && pr->causal != 1)) return FADEV_ERR_INVALID_ARGUMENT;
     int64_t n_q = 8, n_kv = 8; /* bytes of q (and out), of k (and v) */
     if (!mul_ok(&n_q, pr->batch) || !mul_ok(&n_q, pr->heads) || !mul_ok(&n_q, pr->seq_q) || !mul_ok(&n_q, pr->dim) ||
         !mul_ok(&n_kv, pr->batch) || !mul_ok(&n_kv, pr->heads_kv) || !mul_ok(&n_kv, pr->seq_kv) ||

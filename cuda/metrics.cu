@@ -10,7 +10,7 @@
  *     Pass 2 (every d finite): sums of e = d sd - mean and e^2, M2 = sum e^2 - (sum e)^2 / n (corrected
  *     two-pass). Sums differ in order from the CPU's, so results agree within rounding, not bit for bit.
  *   fadev_cuda_wasserstein(a, n_a, b, n_b): W1 = integral_0^1 |Q_a(u) - Q_b(u)| du, exactly as metrics.c's
- *     sort path. Both inputs are mapped to keys whose unsigned order is IEEE total order (sort.c's key_of:
+ *     sort path. Both inputs are mapped to keys whose unsigned order is IEEE total order (key_of below:
  *     -NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN; cub sorts doubles with -0 == +0, so we sort the
  *     keys), sorted with cub::DeviceRadixSort. With L = lcm(n_a, n_b), wa = L / n_a, wb = L / n_b the u-axis
  *     is cut at every a-breakpoint i wa and b-breakpoint j wb; each piece [p, next) is computed on its own:
@@ -29,6 +29,7 @@
 #include <cub/cub.cuh>
 
 #include "common.cuh"
+#include "../csrc/deviation.h"
 #include "../csrc/round.h"
 
 namespace {
@@ -46,32 +47,11 @@ __host__ __device__ __forceinline__ bool finite_(double x) {
 __host__ __device__ __forceinline__ bool nan_(double x) { return x != x; }
 __host__ __device__ __forceinline__ bool inf_(double x) { return (fadev_bits_of(x) << 1) == 0xFFE0000000000000ull; }
 
-/* ------------------------------------------------------------ compensated sums (metrics.c's nsum) */
-
-struct nsum {
-    double s, c; /* the value is s + c */
-};
-
-__host__ __device__ __forceinline__ void nadd(nsum &a, double x) {
-    double t = a.s + x;
-    if (fabs(a.s) >= fabs(x))
-        a.c += (a.s - t) + x;
-    else
-        a.c += (x - t) + a.s;
-    a.s = t;
-}
-
-/* Once s is inf or NaN, c holds inf - inf garbage: s alone is the IEEE result of the sum. */
-__host__ __device__ __forceinline__ void nadd_sum(nsum &a, const nsum &b) {
-    nadd(a, b.s);
-    if (finite_(b.s)) nadd(a, b.c);
-}
-
-__host__ __device__ __forceinline__ double nval(const nsum &a) { return finite_(a.s) ? a.s + a.c : a.s; }
+/* ------------------------------------------------------------ compensated sums (deviation.h) */
 
 struct nsum_combine {
     __host__ __device__ __forceinline__ nsum operator()(nsum a, const nsum &b) const {
-        nadd_sum(a, b);
+        nadd_sum(&a, b);
         return a;
     }
 };
@@ -85,7 +65,7 @@ template <typename T> struct host_buffer {
     ~host_buffer() { free(ptr); }
     fadev_status alloc(size_t count) {
         ptr = (T *)malloc((count ? count : 1) * sizeof(T));
-        return ptr ? FADEV_OK : FADEV_ERR_NO_MEMORY;
+        return ptr ? FADEV_OK : fadev_cuda_fail_msg(FADEV_ERR_NO_MEMORY, "metrics (cuda): host allocation failed");
     }
 };
 
@@ -97,31 +77,9 @@ unsigned blocks_for(size_t n) {
 
 /* ------------------------------------------------------------ deviation */
 
-struct dev_part {
-    nsum sum_d, sum_abs, sum_sq, sum_ref_sq; /* over finite d, scaled by sd (d) and sr (ref) */
-    double max_abs, max_ref, max_rel;        /* unscaled; max_rel over ref != 0, NaN ratios apart */
-    u64 n_finite, n_rel, n_nan_in, n_inf_in, n_nan_d, n_pos_inf_d, n_neg_inf_d, n_ref_inf;
-    int rel_nan;
-};
-
-struct dev_combine {
+struct dev_combine_op {
     __host__ __device__ dev_part operator()(dev_part a, const dev_part &b) const {
-        nadd_sum(a.sum_d, b.sum_d);
-        nadd_sum(a.sum_abs, b.sum_abs);
-        nadd_sum(a.sum_sq, b.sum_sq);
-        nadd_sum(a.sum_ref_sq, b.sum_ref_sq);
-        a.max_abs = b.max_abs > a.max_abs ? b.max_abs : a.max_abs;
-        a.max_ref = b.max_ref > a.max_ref ? b.max_ref : a.max_ref;
-        a.max_rel = b.max_rel > a.max_rel ? b.max_rel : a.max_rel;
-        a.n_finite += b.n_finite;
-        a.n_rel += b.n_rel;
-        a.n_nan_in += b.n_nan_in;
-        a.n_inf_in += b.n_inf_in;
-        a.n_nan_d += b.n_nan_d;
-        a.n_pos_inf_d += b.n_pos_inf_d;
-        a.n_neg_inf_d += b.n_neg_inf_d;
-        a.n_ref_inf += b.n_ref_inf;
-        a.rel_nan |= b.rel_nan;
+        dev_combine(&a, &b);
         return a;
     }
 };
@@ -154,10 +112,10 @@ __host__ __device__ __forceinline__ void dev_accumulate(dev_part &p, double t, d
         return;
     }
     double ds = d * sd, rs = r * sr;
-    nadd(p.sum_d, ds);
-    nadd(p.sum_abs, fabs(ds));
-    nadd(p.sum_sq, ds * ds);
-    nadd(p.sum_ref_sq, rs * rs);
+    nadd(&p.sum_d, ds);
+    nadd(&p.sum_abs, fabs(ds));
+    nadd(&p.sum_sq, ds * ds);
+    nadd(&p.sum_ref_sq, rs * rs);
     if (fabs(d) > p.max_abs) p.max_abs = fabs(d);
     if (fabs(r) > p.max_ref) p.max_ref = fabs(r);
     p.n_finite++;
@@ -171,7 +129,7 @@ __global__ void __launch_bounds__(THREADS) deviation_kernel(const double *test, 
         dev_accumulate(p, test[i], ref[i], sd, sr);
     typedef cub::BlockReduce<dev_part, THREADS> reduce_t;
     __shared__ typename reduce_t::TempStorage tmp;
-    dev_part total = reduce_t(tmp).Reduce(p, dev_combine());
+    dev_part total = reduce_t(tmp).Reduce(p, dev_combine_op());
     if (threadIdx.x == 0) parts[blockIdx.x] = total;
 }
 
@@ -181,8 +139,8 @@ struct spread_part {
 
 struct spread_combine {
     __host__ __device__ spread_part operator()(spread_part a, const spread_part &b) const {
-        nadd_sum(a.dev1, b.dev1);
-        nadd_sum(a.dev2, b.dev2);
+        nadd_sum(&a.dev1, b.dev1);
+        nadd_sum(&a.dev2, b.dev2);
         return a;
     }
 };
@@ -193,8 +151,8 @@ __global__ void __launch_bounds__(THREADS) spread_kernel(const double *test, con
     spread_part p = {{0, 0}, {0, 0}};
     for (size_t i = blockIdx.x * (size_t)THREADS + threadIdx.x; i < n; i += (size_t)gridDim.x * THREADS) {
         double e = (test[i] - ref[i]) * sd - mean;
-        nadd(p.dev1, e);
-        nadd(p.dev2, e * e);
+        nadd(&p.dev1, e);
+        nadd(&p.dev2, e * e);
     }
     typedef cub::BlockReduce<spread_part, THREADS> reduce_t;
     __shared__ typename reduce_t::TempStorage tmp;
@@ -202,20 +160,10 @@ __global__ void __launch_bounds__(THREADS) spread_kernel(const double *test, con
     if (threadIdx.x == 0) parts[blockIdx.x] = total;
 }
 
-/* metrics.c's scale_for and needs_scaling. */
-double scale_for(double m, int *k_out) {
-    int k = -ilogb(m);
-    if (k > 1023) k = 1023;
-    if (k < -1022) k = -1022;
-    *k_out = k;
-    return ldexp(1.0, k);
-}
-
-bool needs_scaling(double m) { return m > 0x1p448 || (m > 0 && m < 0x1p-448); }
 
 /* ------------------------------------------------------------ Wasserstein */
 
-/* sort.c's key_of / value_of: unsigned key order is IEEE total order. */
+/* Order-preserving keys: unsigned key order is IEEE total order. */
 __host__ __device__ __forceinline__ u64 key_of(double x) {
     u64 u = fadev_bits_of(x);
     return u ^ ((u64)((int64_t)u >> 63) | SIGN);
@@ -258,7 +206,7 @@ __global__ void __launch_bounds__(THREADS) w1_kernel(const u64 *ka, size_t n_a, 
     nsum sum = {0, 0};
     for (size_t u = blockIdx.x * (size_t)THREADS + threadIdx.x; u < n_a + n_b; u += (size_t)gridDim.x * THREADS) {
         double term;
-        if (w1_term(ka, n_a, kb, wa, wb, scale, u, &term)) nadd(sum, term);
+        if (w1_term(ka, n_a, kb, wa, wb, scale, u, &term)) nadd(&sum, term);
     }
     typedef cub::BlockReduce<nsum, THREADS> reduce_t;
     __shared__ typename reduce_t::TempStorage tmp;
@@ -311,53 +259,20 @@ __global__ void ulp_kernel(const double *test, const double *ref, size_t n, int 
         out[i] = ulp_error_one(test[i], ref[i], emin, p, q_below);
 }
 
-/* metrics.c's last step of fadev_deviation_stats, around two sweeps over the data: pass1(sd, sr, &part)
+/* fadev_deviation_stats' steps (deviation.h) around two sweeps over the data: pass1(sd, sr, &part)
  * (repeated scaled when squares could overflow or underflow) and pass2(sd, mean, &spread). */
 template <typename Pass1, typename Pass2>
 fadev_status deviation_from_passes(size_t n, Pass1 pass1, Pass2 pass2, fadev_deviation *out) {
     dev_part tot;
-    FADEV_TRY(pass1(1.0, 1.0, &tot));
-    const uint64_t non_finite = tot.n_nan_d + tot.n_pos_inf_d + tot.n_neg_inf_d;
     double sd = 1.0, sr = 1.0;
     int kd = 0, kr = 0;
-    if (!non_finite && (needs_scaling(tot.max_abs) || needs_scaling(tot.max_ref))) {
-        if (needs_scaling(tot.max_abs)) sd = scale_for(tot.max_abs, &kd);
-        if (needs_scaling(tot.max_ref)) sr = scale_for(tot.max_ref, &kr);
-        FADEV_TRY(pass1(sd, sr, &tot));
-    }
-    out->n = n;
-    out->n_nan = tot.n_nan_in;
-    out->n_inf = tot.n_inf_in;
-    const double dn = (double)n;
-    if (tot.n_nan_d) {
-        out->max_abs = out->mean_diff = out->std_diff = out->mean_abs = out->rmse = out->rel_l2 = out->max_rel = NAN;
-    } else if (tot.n_pos_inf_d || tot.n_neg_inf_d) {
-        out->max_abs = out->mean_abs = out->rmse = INFINITY;
-        out->mean_diff = tot.n_pos_inf_d && tot.n_neg_inf_d ? NAN : tot.n_pos_inf_d ? INFINITY : -INFINITY;
-        out->std_diff = NAN;
-        out->rel_l2 = tot.n_ref_inf ? NAN : INFINITY;
-        out->max_rel = tot.rel_nan ? NAN : tot.n_rel ? tot.max_rel : NAN;
-    } else {
-        const double mean_s = nval(tot.sum_d) / dn;
-        spread_part sp;
-        FADEV_TRY(pass2(sd, mean_s, &sp));
-        /* M2 = T2 - T1^2 / n removes what the rounding of mean leaves (corrected two-pass) */
-        double t1v = nval(sp.dev1);
-        double m2v = nval(sp.dev2) - t1v * (t1v / dn);
-        double ss = nval(tot.sum_sq), rr = nval(tot.sum_ref_sq);
-        out->max_abs = tot.max_abs;
-        out->mean_diff = mean_s / sd;
-        out->std_diff = sqrt(m2v > 0 ? m2v / dn : 0.0) / sd;
-        out->mean_abs = (nval(tot.sum_abs) / dn) / sd;
-        out->rmse = sqrt(ss / dn) / sd;
-        if (ss == 0)
-            out->rel_l2 = 0.0;
-        else if (rr == 0)
-            out->rel_l2 = INFINITY;
-        else
-            out->rel_l2 = ldexp(sqrt(ss) / sqrt(rr), kr - kd);
-        out->max_rel = tot.n_rel ? tot.max_rel : NAN;
-    }
+    FADEV_TRY(pass1(sd, sr, &tot));
+    if (dev_rescale(&tot, &sd, &sr, &kd, &kr)) FADEV_TRY(pass1(sd, sr, &tot));
+    if (dev_finish_nonfinite(&tot, n, out)) return FADEV_OK;
+    const double mean_s = nval(tot.sum_d) / (double)n;
+    spread_part sp;
+    FADEV_TRY(pass2(sd, mean_s, &sp));
+    dev_finish_finite(&tot, n, mean_s, sp.dev1, sp.dev2, sd, kd, kr, out);
     return FADEV_OK;
 }
 
@@ -404,7 +319,7 @@ extern "C" fadev_status fadev_cuda_deviation_stats(const double *test, const dou
         CUDA_TRY(cudaGetLastError());
         CUDA_TRY(cudaMemcpy(h_parts.ptr, d_parts.ptr, blocks * sizeof(dev_part), cudaMemcpyDeviceToHost));
         *total = h_parts.ptr[0];
-        for (unsigned b = 1; b < blocks; b++) *total = dev_combine()(*total, h_parts.ptr[b]);
+        for (unsigned b = 1; b < blocks; b++) dev_combine(total, &h_parts.ptr[b]);
         return FADEV_OK;
     };
     auto pass2 = [&](double sd, double mean, spread_part *total) -> fadev_status {
@@ -456,7 +371,7 @@ extern "C" fadev_status fadev_cuda_wasserstein(const double *a, size_t n_a, cons
             w1_kernel<u128><<<blocks, THREADS>>>(sa, n_a, sb, n_b, wa, wb, scale, d_parts.ptr);
         CUDA_TRY(cudaGetLastError());
         CUDA_TRY(cudaMemcpy(h_parts.ptr, d_parts.ptr, blocks * sizeof(nsum), cudaMemcpyDeviceToHost));
-        for (unsigned blk = 0; blk < blocks; blk++) nadd_sum(*total, h_parts.ptr[blk]);
+        for (unsigned blk = 0; blk < blocks; blk++) nadd_sum(total, h_parts.ptr[blk]);
         return FADEV_OK;
     };
     FADEV_TRY(w1_from_sorted(ends, n_a, n_b, walk, out));

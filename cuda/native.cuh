@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "common.cuh"
+#include "../csrc/stage.h"
 
 /* ---------------------------------------------------------------- element types */
 
@@ -166,34 +167,35 @@ static inline fadev_status native_bad(fadev_status st, const char *message) {
 /* Shapes, tiles, dtype and sizes (both entry points; the grid bound is checked for the smallest tiles). */
 static inline fadev_status native_validate(const fadev_native_params *p) {
     if (!p) return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: params is NULL");
-    if (p->batch < 1 || p->heads < 1 || p->heads_kv < 1 || p->seq_q < 1 || p->seq_kv < 1)
-        return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: batch, heads, heads_kv, seq_q, seq_kv must be >= 1");
-    if (p->dim != 64 && p->dim != 128)
+    const char *why = "";
+    const fadev_status shape = att_check_params(&p->attn, 256, 0, &why); /* the CPU kernels' checks (stage.h) */
+    if (shape != FADEV_OK) {
+        char message[128];
+        snprintf(message, sizeof message, "native attention: %s", why);
+        return native_bad(shape, message);
+    }
+    if (p->attn.dim != 64 && p->attn.dim != 128)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: dim must be 64 or 128");
     if (p->dtype != FADEV_NATIVE_FP16 && p->dtype != FADEV_NATIVE_BF16)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: dtype must be fp16 (0) or bf16 (1)");
-    if (p->causal != 0 && p->causal != 1)
-        return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: causal must be 0 or 1");
-    if (!isfinite(p->scale)) return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: scale must be finite");
     int found = 0;
-    for (int i = 0; i < native_tile_count((int)p->dim); i++)
-        found |= native_tile_list((int)p->dim)[i][0] == p->block_q && native_tile_list((int)p->dim)[i][1] == p->block_kv;
+    const int dim = (int)p->attn.dim;
+    for (int i = 0; i < native_tile_count(dim); i++)
+        found |= native_tile_list(dim)[i][0] == p->attn.block_q && native_tile_list(dim)[i][1] == p->attn.block_kv;
     if (!found)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT,
                           "native attention: (block_q, block_kv) is not a compiled tile (see fadev_cuda_native_tiles)");
-    if (p->heads % p->heads_kv != 0)
-        return native_bad(FADEV_ERR_SHAPE, "native attention: heads must be a multiple of heads_kv");
-    if (p->seq_q > NATIVE_MAX_SEQ || p->seq_kv > NATIVE_MAX_SEQ)
+    if (p->attn.seq_q > NATIVE_MAX_SEQ || p->attn.seq_kv > NATIVE_MAX_SEQ)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: seq_q and seq_kv must be <= 2^30");
     /* grids are 1-D: batch * heads * query tiles (forward), batch * heads_kv * key tiles (backward) */
-    const int64_t grid_max = INT32_MAX, n_qt = (p->seq_q + 31) / 32, n_kt = (p->seq_kv + 63) / 64;
-    if (p->batch > grid_max || p->heads > grid_max / p->batch || p->batch * p->heads > grid_max / n_qt ||
-        p->batch * p->heads_kv > grid_max / n_kt)
+    const int64_t grid_max = INT32_MAX, n_qt = (p->attn.seq_q + 31) / 32, n_kt = (p->attn.seq_kv + 63) / 64;
+    if (p->attn.batch > grid_max || p->attn.heads > grid_max / p->attn.batch || p->attn.batch * p->attn.heads > grid_max / n_qt ||
+        p->attn.batch * p->attn.heads_kv > grid_max / n_kt)
         return native_bad(FADEV_ERR_OVERFLOW, "native attention: batch * heads * tiles exceeds the grid limit");
     /* element counts (and their float32 workspace) must fit size_t; seq * dim < 2^38 already */
     const uint64_t limit = (uint64_t)SIZE_MAX / 8;
-    const uint64_t bh = (uint64_t)p->batch * (uint64_t)p->heads, seq = (uint64_t)(p->seq_q > p->seq_kv ? p->seq_q : p->seq_kv);
-    if (bh > limit / (seq * (uint64_t)p->dim + 1))
+    const uint64_t bh = (uint64_t)p->attn.batch * (uint64_t)p->attn.heads, seq = (uint64_t)(p->attn.seq_q > p->attn.seq_kv ? p->attn.seq_q : p->attn.seq_kv);
+    if (bh > limit / (seq * (uint64_t)p->attn.dim + 1))
         return native_bad(FADEV_ERR_OVERFLOW, "native attention: tensor sizes overflow size_t");
     return FADEV_OK;
 }

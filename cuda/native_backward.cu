@@ -249,13 +249,13 @@ template <typename T, int D, int BKV>
 static fadev_status native_backward_launch(const fadev_native_params *p, const native_bwd_args &a, const void *out,
                                            void *dq) {
     constexpr int BQ = native_bwd_block_q<D>(), smem = native_bwd_smem<D, BKV, BQ>();
-    const int64_t rows = p->batch * p->heads * p->seq_q, n = rows * D;
+    const int64_t rows = p->attn.batch * p->attn.heads * p->attn.seq_q, n = rows * D;
     CUDA_TRY(cudaMemsetAsync(a.dq_acc, 0, (size_t)n * sizeof(float), 0));
     native_dot_kernel<T, D><<<native_blocks(rows, 8), 256>>>(static_cast<const T *>(out), static_cast<const T *>(a.dout),
                                                               const_cast<float *>(a.dvec), rows);
     CUDA_TRY(cudaGetLastError());
     CUDA_TRY(cudaFuncSetAttribute(native_backward_kernel<T, D, BKV, BQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    native_backward_kernel<T, D, BKV, BQ><<<(unsigned)(p->batch * p->heads_kv * a.n_kt), BKV * 2, smem>>>(a);
+    native_backward_kernel<T, D, BKV, BQ><<<(unsigned)(p->attn.batch * p->attn.heads_kv * a.n_kt), BKV * 2, smem>>>(a);
     CUDA_TRY(cudaGetLastError());
     native_dq_kernel<T><<<native_blocks(n, 256), 256>>>(a.dq_acc, static_cast<T *>(dq), n, a.scale);
     CUDA_TRY(cudaGetLastError());
@@ -264,17 +264,17 @@ static fadev_status native_backward_launch(const fadev_native_params *p, const n
 
 template <typename T>
 static fadev_status native_backward_dispatch(const fadev_native_params *p, native_bwd_args a, const void *out, void *dq) {
-    a.n_kt = (int)((p->seq_kv + p->block_kv - 1) / p->block_kv);
-    if (p->dim == 64 && p->block_kv == 64) return native_backward_launch<T, 64, 64>(p, a, out, dq);
-    if (p->dim == 64 && p->block_kv == 128) return native_backward_launch<T, 64, 128>(p, a, out, dq);
-    if (p->dim == 128 && p->block_kv == 64) return native_backward_launch<T, 128, 64>(p, a, out, dq);
+    a.n_kt = (int)((p->attn.seq_kv + p->attn.block_kv - 1) / p->attn.block_kv);
+    if (p->attn.dim == 64 && p->attn.block_kv == 64) return native_backward_launch<T, 64, 64>(p, a, out, dq);
+    if (p->attn.dim == 64 && p->attn.block_kv == 128) return native_backward_launch<T, 64, 128>(p, a, out, dq);
+    if (p->attn.dim == 128 && p->attn.block_kv == 64) return native_backward_launch<T, 128, 64>(p, a, out, dq);
     return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: tile not compiled");
 }
 
 extern "C" size_t fadev_cuda_native_workspace(const fadev_native_params *params) {
     if (native_validate(params) != FADEV_OK) return 0;
-    const size_t rows = (size_t)params->batch * (size_t)params->heads * (size_t)params->seq_q;
-    return (rows * (size_t)params->dim + rows) * sizeof(float);
+    const size_t rows = (size_t)params->attn.batch * (size_t)params->attn.heads * (size_t)params->attn.seq_q;
+    return (rows * (size_t)params->attn.dim + rows) * sizeof(float);
 }
 
 extern "C" fadev_status fadev_cuda_native_backward(const void *q, const void *k, const void *v, const void *out,
@@ -290,16 +290,16 @@ extern "C" fadev_status fadev_cuda_native_backward(const void *q, const void *k,
         !native_aligned(lse, 4) || !native_aligned(workspace, 16))
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "fadev_cuda_native_backward: q, k, v, out, dout, dq, dk, dv and "
                                                       "workspace must be 16-byte aligned and lse 4-byte aligned");
-    const size_t rows = (size_t)params->batch * (size_t)params->heads * (size_t)params->seq_q;
+    const size_t rows = (size_t)params->attn.batch * (size_t)params->attn.heads * (size_t)params->attn.seq_q;
     native_bwd_args a;
     a.q = q, a.k = k, a.v = v, a.dout = dout, a.lse = lse;
-    a.dq_acc = workspace, a.dvec = workspace + rows * (size_t)params->dim;
+    a.dq_acc = workspace, a.dvec = workspace + rows * (size_t)params->attn.dim;
     a.dk = dk, a.dv = dv;
-    a.heads = (int)params->heads, a.group = (int)(params->heads / params->heads_kv);
-    a.seq_q = (int)params->seq_q, a.seq_kv = (int)params->seq_kv, a.causal = params->causal;
+    a.heads = (int)params->attn.heads, a.group = (int)(params->attn.heads / params->attn.heads_kv);
+    a.seq_q = (int)params->attn.seq_q, a.seq_kv = (int)params->attn.seq_kv, a.causal = params->attn.causal;
     a.n_kt = 0;
-    a.scale_log2 = (float)(params->scale * NATIVE_LOG2E);
-    a.scale = (float)params->scale;
+    a.scale_log2 = (float)(params->attn.scale * NATIVE_LOG2E);
+    a.scale = (float)params->attn.scale;
     FADEV_TRY(params->dtype == FADEV_NATIVE_FP16 ? native_backward_dispatch<__half>(params, a, out, dq)
                                                  : native_backward_dispatch<__nv_bfloat16>(params, a, out, dq));
     return fadev_cuda_finish("fadev_cuda_native_backward");

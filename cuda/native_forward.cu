@@ -191,14 +191,14 @@ template <typename T, int D, int BQ, int BKV> static fadev_status native_forward
 }
 
 template <typename T> static fadev_status native_forward_dispatch(const fadev_native_params *p, native_fwd_args a) {
-    const int bq = p->block_q, bkv = p->block_kv;
-    a.n_qt = (int)((p->seq_q + bq - 1) / bq);
-    const int64_t ctas = p->batch * p->heads * a.n_qt;
-    if (p->dim == 64 && bq == 64 && bkv == 64) return native_forward_launch<T, 64, 64, 64>(a, ctas);
-    if (p->dim == 64 && bq == 128 && bkv == 64) return native_forward_launch<T, 64, 128, 64>(a, ctas);
-    if (p->dim == 64 && bq == 128 && bkv == 128) return native_forward_launch<T, 64, 128, 128>(a, ctas);
-    if (p->dim == 128 && bq == 64 && bkv == 64) return native_forward_launch<T, 128, 64, 64>(a, ctas);
-    if (p->dim == 128 && bq == 128 && bkv == 64) return native_forward_launch<T, 128, 128, 64>(a, ctas);
+    const int bq = p->attn.block_q, bkv = p->attn.block_kv;
+    a.n_qt = (int)((p->attn.seq_q + bq - 1) / bq);
+    const int64_t ctas = p->attn.batch * p->attn.heads * a.n_qt;
+    if (p->attn.dim == 64 && bq == 64 && bkv == 64) return native_forward_launch<T, 64, 64, 64>(a, ctas);
+    if (p->attn.dim == 64 && bq == 128 && bkv == 64) return native_forward_launch<T, 64, 128, 64>(a, ctas);
+    if (p->attn.dim == 64 && bq == 128 && bkv == 128) return native_forward_launch<T, 64, 128, 128>(a, ctas);
+    if (p->attn.dim == 128 && bq == 64 && bkv == 64) return native_forward_launch<T, 128, 64, 64>(a, ctas);
+    if (p->attn.dim == 128 && bq == 128 && bkv == 64) return native_forward_launch<T, 128, 128, 64>(a, ctas);
     return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: tile not compiled");
 }
 
@@ -226,10 +226,10 @@ extern "C" fadev_status fadev_cuda_native_forward(const void *q, const void *k, 
                           "fadev_cuda_native_forward: q, k, v, out must be 16-byte aligned and lse 4-byte aligned");
     native_fwd_args a;
     a.q = q, a.k = k, a.v = v, a.out = out, a.lse = lse;
-    a.heads = (int)params->heads, a.group = (int)(params->heads / params->heads_kv);
-    a.seq_q = (int)params->seq_q, a.seq_kv = (int)params->seq_kv, a.causal = params->causal;
+    a.heads = (int)params->attn.heads, a.group = (int)(params->attn.heads / params->attn.heads_kv);
+    a.seq_q = (int)params->attn.seq_q, a.seq_kv = (int)params->attn.seq_kv, a.causal = params->attn.causal;
     a.n_qt = 0;
-    a.scale_log2 = (float)(params->scale * NATIVE_LOG2E);
+    a.scale_log2 = (float)(params->attn.scale * NATIVE_LOG2E);
     FADEV_TRY(params->dtype == FADEV_NATIVE_FP16 ? native_forward_dispatch<__half>(params, a)
                                                  : native_forward_dispatch<__nv_bfloat16>(params, a));
     return fadev_cuda_finish("fadev_cuda_native_forward");

@@ -114,7 +114,7 @@ def compare(test, ref, *, device=None) -> Comparison:
     t, r = _pair(test, ref, gpu)
     core = gpu or _core
     stats = core.deviation(t, r)
-    w, _ = core.wasserstein(t, r, 0)
+    w, _ = _w1(t, r, "auto", device)
     return Comparison(wasserstein=w, **stats)
 
 
@@ -168,7 +168,14 @@ def _w1(a, b, method, device=None):
     gpu = _cuda.route(device, a=a, b=b)
     x = _as_float64(a, "a", gpu).reshape(-1)
     y = _as_float64(b, "b", gpu).reshape(-1)
-    return (gpu or _core).wasserstein(x, y, _W1_METHODS[method])
+    if gpu:
+        return gpu.wasserstein(x, y, _W1_METHODS[method])
+    # method "auto" answers (None, sort) when counting does not apply; the sort is NumPy's (NaNs last), the
+    # O(n) quantile walk the C core's
+    w1, used = (None, _W1_METHODS["sort"]) if method == "sort" else _core.wasserstein(x, y, _W1_METHODS[method])
+    if w1 is None:
+        w1, used = _core.wasserstein(np.sort(x), np.sort(y), _W1_METHODS["sort"])
+    return w1, used
 
 
 def wasserstein(a, b, *, method: str = "auto", device=None) -> float:
@@ -176,7 +183,7 @@ def wasserstein(a, b, *, method: str = "auto", device=None) -> float:
 
     W1 = integral of |F_a(x) - F_b(x)| dx over the empirical CDFs of the flattened inputs; sizes and
     shapes may differ. Equals ``scipy.stats.wasserstein_distance(a.ravel(), b.ravel())``.
-    ``method``: "sort" (multi-threaded radix sort, then the quantile integral
+    ``method``: "sort" (NumPy's sort, then the quantile integral
     sum |a_(i) - b_(j)| * overlap of their quantile intervals, with exact integer interval lengths),
     "count" (O(n + 2^16): histograms by 16-bit pattern; every value of both inputs must be a finite
     bf16 number, or every value a finite fp16 number -- fp8 data qualifies -- else ValueError), or

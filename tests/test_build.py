@@ -92,3 +92,72 @@ def test_c_sources_compile_warning_free(tmp_path):
                "-pthread", "-fPIC", *includes, "-c", src, "-o", str(tmp_path / "x.o")]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, f"{os.path.basename(src)}:\n{r.stderr}"
+
+
+def native_sources():
+    """Every C and CUDA source and header of csrc/ and cuda/, by path relative to the checkout."""
+    paths = []
+    for folder, pattern in (("csrc", "*.[ch]"), ("cuda", "*.cu"), ("cuda", "*.cuh")):
+        paths += glob.glob(os.path.join(ROOT, folder, pattern))
+    assert paths, "csrc/ and cuda/ not found next to tests/"
+    return sorted(os.path.relpath(p, ROOT) for p in paths)
+
+
+def include_graph(sources):
+    """file -> the files it names in a quoted #include (resolved against its own folder, as the compiler does)."""
+    graph = {}
+    for rel in sources:
+        folder = os.path.dirname(rel)
+        with open(os.path.join(ROOT, rel)) as f:
+            quoted = [line.split('"')[1] for line in f if line.lstrip().startswith("#include \"")]
+        graph[rel] = [os.path.normpath(os.path.join(folder, name)) for name in quoted]
+    return graph
+
+
+def find_cycle(graph):
+    """One include cycle as a list of files (first == last), or None: depth-first search with colours."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in graph.get(node, []):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_find_cycle_finds_cycles():
+    assert find_cycle({"a.h": ["b.h"], "b.h": ["c.h"], "c.h": ["a.h"]}) == ["a.h", "b.h", "c.h", "a.h"]
+    assert find_cycle({"a.c": ["a.h", "b.h"], "a.h": ["b.h"], "b.h": []}) is None
+    assert find_cycle({"x.h": ["x.h"]}) == ["x.h", "x.h"]
+
+
+def test_no_include_cycle_in_the_c_and_cuda_sources():
+    graph = include_graph(native_sources())
+    assert graph["csrc/attention.h"] == ["csrc/matmul.h"]  # the layers: stage.h <- matmul.h <- attention.h
+    assert "csrc/stage.h" in graph["csrc/matmul.h"]
+    missing = {name for targets in graph.values() for name in targets} - set(graph)
+    assert not missing, f"quoted #include of files that do not exist: {sorted(missing)}"
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_c_and_cuda_sources_stay_small():
+    lines = {}
+    for rel in native_sources():
+        with open(os.path.join(ROOT, rel)) as f:
+            lines[rel] = sum(1 for _ in f)
+    assert not {rel: n for rel, n in lines.items() if n >= 600}, "split these files (each < 600 lines)"

@@ -354,31 +354,35 @@ def test_wasserstein_thread_count_does_not_change_bits(rng):
         assert [bits(x) for x in got] == [bits(x) for x in want]
 
 
-@pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("kind", ["normal", "ints", "one_digit", "two_digits", "constant", "specials", "small"])
-def test_sort_is_ieee_total_order(rng, kind, threads):
-    fadev.set_num_threads(threads)  # one block, or several blocks with a count pass per digit
-    n = 200000
-    if kind == "normal":
-        x = rng.standard_normal(n) * 10.0 ** rng.uniform(-300, 300, n)
-    elif kind == "ints":
-        x = rng.integers(-1000, 1000, n).astype(float)
-    elif kind == "one_digit":  # keys differ only in the lowest 11 bits: one radix pass
-        x = 1.0 + rng.integers(0, 2048, n) * 2.0**-52
-    elif kind == "two_digits":
-        x = 1.0 + rng.integers(0, 2**22, n) * 2.0**-52
-    elif kind == "constant":
-        x = np.full(n, -3.5)
-    elif kind == "specials":
-        x = rng.choice([-INF, INF, NAN, -NAN, 0.0, -0.0, 5e-324, -5e-324, 1.0, -1.0], n)
-    else:
-        x = rng.standard_normal(31)
-    got = _core.sort(x)
+def total_order_sort(x):
+    """x sorted in IEEE total order (-NaN < -inf < ... < -0 < +0 < ... < +inf < +NaN), through order keys."""
     keys = x.view(np.uint64)
-    keys = np.where(keys >> 63 == 1, ~keys, keys | np.uint64(1 << 63))
-    want = np.sort(keys)
-    back = np.where(want >> 63 == 1, want ^ np.uint64(1 << 63), ~want).view(np.float64)
-    assert np.array_equal(got.view(np.uint64), back.view(np.uint64))
+    keys = np.sort(np.where(keys >> 63 == 1, ~keys, keys | np.uint64(1 << 63)))
+    return np.where(keys >> 63 == 1, keys ^ np.uint64(1 << 63), ~keys).view(np.float64)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ints", "specials", "zeros", "small"])
+def test_wasserstein_walk_does_not_depend_on_the_sort_order_of_ties(rng, kind):
+    """The C walk takes NumPy's sort (NaNs last, -0 and +0 in any order); it gives the bits it gives on the
+    IEEE total order (where -NaN comes first and -0 before +0), for equal and unequal sizes."""
+    specials = [-INF, INF, NAN, -NAN, 0.0, -0.0, 5e-324, -5e-324, 1.0, -1.0]
+    for n_a, n_b in [(2000, 2000), (2000, 1500), (31, 7)]:
+        def gen(n):
+            if kind == "normal":
+                return rng.standard_normal(n) * 10.0 ** rng.uniform(-300, 300, n)
+            if kind == "ints":
+                return rng.integers(-20, 20, n).astype(float)
+            if kind == "specials":
+                return rng.choice(specials, n)
+            if kind == "zeros":
+                return rng.choice([0.0, -0.0, 1.0], n)
+            return rng.standard_normal(n)
+        a, b = gen(n_a), gen(n_b)
+        got = _core.wasserstein(np.sort(a), np.sort(b), 1)
+        want = _core.wasserstein(total_order_sort(a), total_order_sort(b), 1)
+        assert got[1] == want[1] == 1
+        assert bits(got[0]) == bits(want[0]) or (np.isnan(got[0]) and np.isnan(want[0]))
+        assert bits(got[0]) == bits(fadev.wasserstein(a, b, "sort")) or np.isnan(got[0])
 
 
 # ------------------------------------------------------------------ ULP error
@@ -541,6 +545,8 @@ def test_binding_guards():
         _core.deviation(["x"], np.zeros(1))
     with pytest.raises(ValueError, match=r"wasserstein: invalid argument"):
         _core.wasserstein(np.zeros(2), np.zeros(2), 7)
+    assert _core.wasserstein(np.array([2.0, 1.0]), np.zeros(3), 0) == (None, 1)  # auto: sort them, call again
+    assert _core.wasserstein(np.array([1.0, 2.0]), np.zeros(3), 1) == (1.5, 1)
     fmt = fadev.formats["bf16"]._c
     with pytest.raises(ValueError, match=r"max_ulp must be in 1..2\^20, got 0"):
         _core.ulp_histogram(np.zeros(2), np.zeros(2), fmt, 0)

@@ -1,0 +1,214 @@
+/* fadev._core's argument handling, shared by module.c and module_cuda.c: status -> exception, the
+ * converters of formats, policies, ring parameters, device pointers and CUDA parameter tuples, array
+ * conversion, and the option lists of the attention entry points. No arithmetic. */
+#include "module.h"
+
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#define PY_ARRAY_UNIQUE_SYMBOL fadev_ARRAY_API
+#define NO_IMPORT_ARRAY
+#include <numpy/arrayobject.h>
+
+/* ------------------------------------------------------------ errors */
+
+static PyObject *raise_with(fadev_status st, const char *what, int device) {
+    PyObject *kind = PyExc_RuntimeError;
+    switch (st) {
+    case FADEV_ERR_INVALID_FORMAT:
+    case FADEV_ERR_INVALID_MODE:
+    case FADEV_ERR_INVALID_ARGUMENT:
+    case FADEV_ERR_SHAPE:
+    case FADEV_ERR_NOT_REPRESENTABLE: kind = PyExc_ValueError; break;
+    case FADEV_ERR_OVERFLOW:
+    case FADEV_ERR_NO_MEMORY: kind = PyExc_MemoryError; break;
+    default: break;
+    }
+    if (st == FADEV_ERR_CUDA || st == FADEV_ERR_NO_CUDA || (device && st == FADEV_ERR_NO_MEMORY))
+        PyErr_Format(kind, "%s: %s (%s)", what, fadev_status_string(st), fadev_cuda_last_error());
+    else
+        PyErr_Format(kind, "%s: %s", what, fadev_status_string(st));
+    return NULL;
+}
+
+PyObject *raise_status(fadev_status st, const char *what) { return raise_with(st, what, 0); }
+
+PyObject *raise_device_status(fadev_status st, const char *what) { return raise_with(st, what, 1); }
+
+/* ------------------------------------------------------------ converters */
+
+/* A format arrives as the tuple (precision, emin, emax, subnormals, has_inf, overflow, largest). */
+int parse_format(PyObject *obj, void *out) {
+    int p, emin, emax, sub, inf, overflow;
+    double largest;
+    if (!PyArg_ParseTuple(obj, "iiiiiid;fmt must be a (precision, emin, emax, subnormals, has_inf, "
+                               "overflow, largest) tuple", &p, &emin, &emax, &sub, &inf, &overflow, &largest))
+        return 0;
+    fadev_status st = fadev_format_make(p, emin, emax, sub, inf, overflow, largest, (fadev_format *)out);
+    if (st != FADEV_OK) {
+        raise_status(st, "fmt");
+        return 0;
+    }
+    return 1;
+}
+
+/* A policy arrives as Policy._c: 13 format tuples in fadev_policy field order, rounding, seed. */
+int parse_policy(PyObject *obj, void *out) {
+    fadev_policy *pol = (fadev_policy *)out;
+    int rounding;
+    unsigned long long seed;
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 15) {
+        PyErr_Format(PyExc_TypeError, "policy must be a tuple of 13 format tuples, rounding and seed (Policy._c), "
+                                      "got %.100s", Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    if (!PyArg_ParseTuple(obj, "O&O&O&O&O&O&O&O&O&O&O&O&O&iK;policy must be Policy._c", parse_format, &pol->input,
+                          parse_format, &pol->score_acc, parse_format, &pol->score, parse_format, &pol->softmax,
+                          parse_format, &pol->sum_acc, parse_format, &pol->stats, parse_format, &pol->rescale,
+                          parse_format, &pol->p, parse_format, &pol->pv_acc, parse_format, &pol->out_acc,
+                          parse_format, &pol->state_out, parse_format, &pol->state_stats, parse_format, &pol->out,
+                          &rounding, &seed))
+        return 0;
+    pol->rounding = rounding;
+    pol->seed = seed;
+    return 1;
+}
+
+/* A backward policy arrives as Policy._c_backward: 10 format tuples in fadev_policy_backward field order. */
+int parse_policy_backward(PyObject *obj, void *out) {
+    fadev_policy_backward *pb = (fadev_policy_backward *)out;
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 10) {
+        PyErr_Format(PyExc_TypeError, "policy_backward must be a tuple of 10 format tuples (Policy._c_backward), "
+                                      "got %.100s", Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    return PyArg_ParseTuple(obj, "O&O&O&O&O&O&O&O&O&O&;policy_backward must be Policy._c_backward", parse_format,
+                            &pb->bwd_p, parse_format, &pb->dp_acc, parse_format, &pb->dp, parse_format,
+                            &pb->delta_acc, parse_format, &pb->dsoft, parse_format, &pb->ds, parse_format,
+                            &pb->grad_acc, parse_format, &pb->dq_acc, parse_format, &pb->dkv_acc, parse_format,
+                            &pb->grad);
+}
+
+/* Ring params arrive as RingMerge._c: (world_size, layout, allgather, 9 format tuples in field order). */
+int parse_ring(PyObject *obj, void *out) {
+    fadev_ring_params *rp = (fadev_ring_params *)out;
+    int w, layout, allgather;
+    if (!PyArg_ParseTuple(obj, "iiiO&O&O&O&O&O&O&O&O&;ring must be RingMerge._c(...)", &w, &layout, &allgather,
+                          parse_format, &rp->partial_out, parse_format, &rp->partial_lse, parse_format, &rp->merge,
+                          parse_format, &rp->running_out, parse_format, &rp->running_lse, parse_format,
+                          &rp->partial_grad, parse_format, &rp->dq_acc, parse_format, &rp->dkv_acc, parse_format,
+                          &rp->dkv_transport))
+        return 0;
+    rp->world_size = w, rp->layout = layout, rp->allgather = allgather;
+    return 1;
+}
+
+/* A device address: a non-negative Python int (0 means NULL). */
+int parse_ptr(PyObject *obj, void *out) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "a device pointer must be an int, got %.100s", Py_TYPE(obj)->tp_name);
+        return 0;
+    }
+    unsigned long long address = PyLong_AsUnsignedLongLong(obj);
+    if (address == (unsigned long long)-1 && PyErr_Occurred()) return 0;
+    *(void **)out = (void *)(uintptr_t)address;
+    return 1;
+}
+
+/* The shapes (batch, heads, heads_kv, seq_q, seq_kv, dim) that lead both CUDA parameter tuples. */
+static void set_shapes(fadev_attention_params *pr, const long long s[6]) {
+    pr->batch = s[0], pr->heads = s[1], pr->heads_kv = s[2], pr->seq_q = s[3], pr->seq_kv = s[4], pr->dim = s[5];
+}
+
+/* fadev_attention_params from (batch, heads, heads_kv, seq_q, seq_kv, dim, scale, causal, block_q, block_kv,
+ * loop_order, normalize, exp_form). */
+int parse_params(PyObject *obj, void *out) {
+    fadev_attention_params *pr = (fadev_attention_params *)out;
+    long long s[6];
+    int causal, block_q, block_kv, loop_order, normalize, exp_form;
+    memset(pr, 0, sizeof *pr);
+    if (!PyArg_ParseTuple(obj, "LLLLLLdpiiiii;params must be (batch, heads, heads_kv, seq_q, seq_kv, dim, scale, "
+                               "causal, block_q, block_kv, loop_order, normalize, exp_form)", &s[0], &s[1], &s[2],
+                          &s[3], &s[4], &s[5], &pr->scale, &causal, &block_q, &block_kv, &loop_order, &normalize,
+                          &exp_form))
+        return 0;
+    set_shapes(pr, s);
+    pr->causal = causal, pr->block_q = block_q, pr->block_kv = block_kv;
+    pr->loop_order = loop_order, pr->normalize = normalize, pr->exp_form = exp_form;
+    return 1;
+}
+
+/* fadev_native_params from (batch, heads, heads_kv, seq_q, seq_kv, dim, scale, causal, block_q, block_kv, dtype). */
+int parse_native_params(PyObject *obj, void *out) {
+    fadev_native_params *np = (fadev_native_params *)out;
+    long long s[6];
+    int causal, block_q, block_kv, dtype;
+    memset(np, 0, sizeof *np);
+    if (!PyArg_ParseTuple(obj, "LLLLLLdpiii;native params must be (batch, heads, heads_kv, seq_q, seq_kv, dim, "
+                               "scale, causal, block_q, block_kv, dtype)", &s[0], &s[1], &s[2], &s[3], &s[4], &s[5],
+                          &np->attn.scale, &causal, &block_q, &block_kv, &dtype))
+        return 0;
+    set_shapes(&np->attn, s);
+    np->attn.causal = causal, np->attn.block_q = block_q, np->attn.block_kv = block_kv, np->dtype = dtype;
+    return 1;
+}
+
+/* ------------------------------------------------------------ arrays */
+
+PyObject *as_array(PyObject *obj, int type, const char *name) {
+    PyObject *arr = PyArray_FROMANY(obj, type, 0, 0, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+    if (!arr) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: expected a real numeric array, got %.100s", name, Py_TYPE(obj)->tp_name);
+    }
+    return arr;
+}
+
+PyObject *new_like(PyObject *shape_of, int ndim, int type) {
+    PyArrayObject *a = (PyArrayObject *)shape_of;
+    return PyArray_SimpleNew(ndim < 0 ? PyArray_NDIM(a) : ndim, PyArray_DIMS(a), type);
+}
+
+/* ------------------------------------------------------------ options of the attention entry points */
+
+/* One option from item; 0 with an exception. */
+static int parse_option(PyObject *item, unsigned char option, call_options *c) {
+    fadev_attention_params *pr = &c->pr;
+    int flag = 0, value = 0;
+    switch (option) {
+    case OPT_POLICY: return parse_policy(item, &c->policy);
+    case OPT_POLICY_BACKWARD: return parse_policy_backward(item, &c->policy_backward);
+    case OPT_RING: return parse_ring(item, &c->ring);
+    case OPT_SCALE: return PyArg_Parse(item, "d", &pr->scale);
+    case OPT_CAUSAL:
+        if (!PyArg_Parse(item, "p", &flag)) return 0;
+        pr->causal = flag;
+        return 1;
+    default: break;
+    }
+    if (!PyArg_Parse(item, "i", &value)) return 0;
+    int32_t *fields[] = {[OPT_BLOCK_Q] = &pr->block_q, [OPT_BLOCK_KV] = &pr->block_kv,
+                         [OPT_LOOP_ORDER] = &pr->loop_order, [OPT_NORMALIZE] = &pr->normalize,
+                         [OPT_EXP_FORM] = &pr->exp_form};
+    *fields[option] = value;
+    return 1;
+}
+
+int parse_options(PyObject *args, Py_ssize_t first, const unsigned char *options, call_options *c, const char *what) {
+    memset(c, 0, sizeof *c);
+    Py_ssize_t count = 0;
+    while (options[count] != OPT_END) count++;
+    if (PyTuple_GET_SIZE(args) != first + count) {
+        PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd arguments (%zd given)", what, first + count,
+                     PyTuple_GET_SIZE(args));
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (!parse_option(PyTuple_GET_ITEM(args, first + i), options[i], c)) return 0;
+    return 1;
+}
+
+PyObject *deviation_dict(const fadev_deviation *d) {
+    return Py_BuildValue("{s:d,s:d,s:d,s:d,s:d,s:d,s:d,s:K,s:K,s:K}", "max_abs", d->max_abs, "mean_diff",
+                         d->mean_diff, "std_diff", d->std_diff, "mean_abs", d->mean_abs, "rmse", d->rmse,
+                         "rel_l2", d->rel_l2, "max_rel", d->max_rel, "n", (unsigned long long)d->n, "n_nan",
+                         (unsigned long long)d->n_nan, "n_inf", (unsigned long long)d->n_inf);
+}
