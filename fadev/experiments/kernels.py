@@ -130,7 +130,7 @@ TOLERANCE = 0.15
 
 def within(ratio) -> bool:
     """The verdict on one emulated/real RMSE ratio: within ±:data:`TOLERANCE` of 1."""
-    return bool(abs(ratio - 1) <= TOLERANCE)
+    return bool(1 - TOLERANCE <= ratio <= 1 + TOLERANCE)
 
 
 def ran_on(device) -> str:
