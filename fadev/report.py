@@ -40,7 +40,7 @@ def counts(findings) -> dict:
 
 
 def count_line(findings) -> str:
-    """One line with every source's count: "Golden et al.: 5 of 7 claims hold; ..." (the CLI's summary)."""
+    """One line with every source's count: "Golden et al.: 5 of 7 hold; ..." (the CLI's summary)."""
     names = {"golden": "Golden et al.", "fa3": "FlashAttention-3", "fadev": "fadev's checks"}
     return "; ".join(f"{names[src]}: {ok} of {n} hold" for src, (ok, n) in counts(findings).items())
 

@@ -18,9 +18,12 @@ from fadev.experiments.common import Finding
     ([False, True, True], "holds for N >= 1024; 1x at N = 256"),
     ([True, True, False], "holds for N <= 1024; 3x at N = 4096"),
     ([True, False, True], "holds at N = 256, 4096; 2x at N = 1024"),
+    ([False, True, False], "holds at N = 1024 only; 1x at N = 256, 3x at N = 4096"),
 ])
 def test_where_holds(ok, text):
     assert common.where_holds([256, 1024, 4096], ok, [1.0, 2.0, 3.0]) == text
+    assert common.where_holds([1, 2, 4, 8], [False, True, True, False], [1.0, 2.0, 3.0, 4.0]) == \
+        "holds for 2 <= N <= 4; 1x at N = 1, 4x at N = 8"
 
 
 def test_where_holds_errors():
@@ -82,6 +85,9 @@ def test_seqlen_verdicts_both_ways():
     assert [f.holds for f in bad if f.holds is not None] == [False, False, False]
     assert "it falls throughout" in bad[0].ours and "does not hold at any N = 1024..16384 (3x at N = 16384)" \
         in bad[3].ours
+    over = seqlen.findings(_seqlen_df(Ns, [4e-3, 2e-3, 3e-3, 8e-3], [1.9, 8.0, 30.0, 60.0]))[3]
+    assert over.holds and \
+        over.ours.endswith("holds at N = 4096 only; 1.9x at N = 1024, 30x at N = 8192")
     assert seqlen.shape([1, 2, 1]) == "rises, then falls" and seqlen.shape([1, 2, 1, 2]) == "goes up and down"
     assert seqlen.shape([2, 2]) == "is flat"
 

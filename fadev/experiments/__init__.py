@@ -86,10 +86,14 @@ def document(path, results, size="quick", device="cpu", command=None, title=None
     (default: the reproduction's). The method paragraph opens it when an experiment samples query rows
     (has an ``n_query`` size parameter)."""
     sampled = any("n_query" in r["experiment"].SIZES[size] for r in results.values())
-    where = sorted({r.get("ran_on") or common.ran_on(device) for r in results.values()})
+    where = {}
+    for name, r in results.items():
+        where.setdefault(r.get("ran_on") or common.ran_on(device), []).append(name)
+    device_text = next(iter(where)) if len(where) == 1 else \
+        "; ".join(f"{', '.join(names)} on {text}" for text, names in where.items())
     return report.write(path, results, title=title or f"Reproducing {PAPER} with fadev",
                         command=command or f"python -m fadev reproduce --{size} --out DIR", size=size,
-                        device="; ".join(where) + (" (each section says which)" if len(where) > 1 else ""),
+                        device=device_text,
                         device_note=" (PyTorch sees a GPU)" if torch_cuda() else "",
                         preamble=[METHOD] if sampled else [])
 

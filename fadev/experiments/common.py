@@ -178,10 +178,11 @@ class Finding:
 
 def where_holds(xs, ok, values, *, name="N", show=None) -> str:
     """Where along ``xs`` (ascending) a claim holds, as text: "holds at every N = 256..65536", "holds for
-    N >= 8192; 1.9x at N = 4096", "holds for N <= 1024; 0.84x at N = 4096", "holds at N = 512, 4096; 3.1x
-    at N = 1024", "does not hold at any N = 256..4096 (3.1x at N = 4096)". ``ok``: one bool per x;
-    ``values``: the measured value per x, shown by ``show`` (default :func:`fmt_ratio`) at the failing x
-    nearest the range where it holds (the largest x when it holds nowhere)."""
+    N >= 8192; 1.9x at N = 4096", "holds for N <= 1024; 0.84x at N = 4096", "holds for 8192 <= N <= 16384;
+    3.4x at N = 4096, 58x at N = 32768", "holds at N = 512, 4096; 3.1x at N = 1024", "does not hold at any
+    N = 256..4096 (3.1x at N = 4096)". ``ok``: one bool per x; ``values``: the measured value per x, shown
+    by ``show`` (default :func:`fmt_ratio`) at the failing x on each side of a range where it holds (the
+    first failing x when it holds at scattered x, the largest x when it holds nowhere)."""
     xs, ok = [int(x) for x in xs], [bool(o) for o in ok]
     if not (len(xs) == len(ok) == len(values)) or not xs:
         raise ValueError(f"xs, ok and values must have the same non-zero length, got {len(xs)}, {len(ok)}, "
@@ -193,13 +194,20 @@ def where_holds(xs, ok, values, *, name="N", show=None) -> str:
     if not any(ok):
         return f"does not hold at any {span} ({show(values[-1])} at {name} = {xs[-1]})"
     first, last = ok.index(True), len(ok) - 1 - ok[::-1].index(True)
-    if all(ok[first:]):
-        text, bad = f"holds for {name} >= {xs[first]}", first - 1
-    elif all(ok[:last + 1]):
-        text, bad = f"holds for {name} <= {xs[last]}", last + 1
+    if not all(ok[first:last + 1]):
+        text, bad = f"holds at {name} = " + ", ".join(str(x) for x, o in zip(xs, ok) if o), [ok.index(False)]
     else:
-        text, bad = f"holds at {name} = " + ", ".join(str(x) for x, o in zip(xs, ok) if o), ok.index(False)
-    return f"{text}; {show(values[bad])} at {name} = {xs[bad]}"
+        bad = [first - 1, last + 1]
+        if last == len(xs) - 1:
+            text = f"holds for {name} >= {xs[first]}"
+        elif first == 0:
+            text = f"holds for {name} <= {xs[last]}"
+        elif first == last:
+            text = f"holds at {name} = {xs[first]} only"
+        else:
+            text = f"holds for {xs[first]} <= {name} <= {xs[last]}"
+    shown = ", ".join(f"{show(values[i])} at {name} = {xs[i]}" for i in bad if 0 <= i < len(xs))
+    return f"{text}; {shown}"
 
 
 def ran_on(device) -> str:

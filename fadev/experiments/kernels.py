@@ -165,10 +165,10 @@ def ran_on(device) -> str:
     """Where the emulations ran, and whether PyTorch's kernels were measured."""
     where = common.ran_on(device)
     if device != "cuda":
-        return f"{where}; PyTorch's kernels not run (`--device cpu`)"
+        return f"{where}, PyTorch's kernels not run (`--device cpu`)"
     if not common.torch_cuda():
-        return f"{where}; PyTorch's kernels not run (PyTorch sees no GPU)"
-    return f"{where}; PyTorch's kernels on the GPU"
+        return f"{where}, PyTorch's kernels not run (PyTorch sees no GPU)"
+    return f"{where}, PyTorch's kernels on the GPU"
 
 
 def model_checks(df) -> list:
