@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from fadev import report
-from fadev.experiments import algorithm, common, fp8, kernels, precision, seqlen
+from fadev.experiments import algorithm, common, fp8, kernels, precision, seqlen, train_drift
 from fadev.experiments.common import Finding
 
 
@@ -173,3 +173,23 @@ def test_ran_on_says_where():
     if common.sweep_device("cuda") == "cpu":
         assert common.ran_on("cuda").startswith("the CPU (asked for `--device cuda`")
     assert "not run" in kernels.ran_on("cpu") and fp8.ran_on("cuda").startswith("the CPU")
+
+
+def _drift_df(ratio):
+    """Synthetic drift table: the precision pair drifts 1e-2 * step, init 2e-2 * step, flash ratio x precision."""
+    rows = []
+    for step in (0, 50, 100):
+        for pair, role, d in (("bf16 vs fp32", "precision", 1e-2), ("seed 0 vs 1", "init", 2e-2),
+                              ("flash vs baseline", "flash", ratio * 1e-2), ("same vs same", "control", 0.0)):
+            rows.append((pair, role, step, d * step, d * step))
+    return pd.DataFrame(rows, columns=["pair", "role", "step", "max_abs", "wasserstein"])
+
+
+@pytest.mark.parametrize("ratio, holds", [(0.3, True), (0.9, False), (0.05, False)])
+def test_train_drift_verdicts_both_ways(ratio, holds):
+    found = train_drift.findings(_drift_df(ratio))
+    checks = [f for f in found if f.holds is not None]
+    assert len(checks) == 2 and all(f.holds is holds and f.source == "golden" for f in checks)
+    assert f"{ratio:.3g} ({ratio:.3g} at step 100)" in checks[0].ours
+    assert ("holds for all" if holds else "holds for none") in found[2].ours
+    assert "exactly 0 at every logged step" in found[3].ours
