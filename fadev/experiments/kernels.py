@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import os
 
-import pandas as pd
-
 import numpy as np
+import pandas as pd
 
 from .. import plots, report
 from ..attention import baseline_attention
@@ -74,7 +73,7 @@ MODELS = {"torch flash": "fa2", "torch efficient": "fa2", "torch cudnn": "fa2", 
 def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
     """One row per (impl, format, N): mean/std over seeds of vs_golden.{rmse, max_abs, rel_l2}; ``impl`` is
     'emulated fa2', ..., or 'torch flash', ... (PyTorch rows only when device='cuda' and torch sees a GPU).
-    Results in out/kernels.jsonl and out/kernels_torch.jsonl."""
+    Results in out/kernels.jsonl, out/kernels_prescaled.jsonl and out/kernels_torch.jsonl."""
     s = common.sizes(SIZES, size, overrides)
     points = [{"kernel": kernel, "policy": f"{preset}:{fmt}", "N": min(s["n_query"], N), "N_kv": N, "D": s["D"],
                "seed": seed, "device": device}
@@ -164,6 +163,8 @@ def within(ratio) -> bool:
 def ran_on(device) -> str:
     """Where the emulations ran, and whether PyTorch's kernels were measured."""
     where = common.ran_on(device)
+    if where != "the CPU":
+        where += f" (\"{PRESCALED}\": the CPU)"
     if device != "cuda":
         return f"{where}, PyTorch's kernels not run (`--device cpu`)"
     if not common.torch_cuda():
