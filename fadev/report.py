@@ -1,5 +1,8 @@
 """Markdown reports of experiments: a summary of every claim with a verdict, then one section per experiment.
 
+The summary has one table per source of the claims (:data:`SOURCES`: Golden et al., FlashAttention-3,
+fadev's checks of its own emulation), each with its count of claims that hold (:func:`counts`).
+
 :func:`write` renders whatever experiments it is given, knowing none of them: each result carries its
 experiment (a module of :mod:`fadev.experiments`, with ``TITLE``, ``INTRO``, ``SIZES`` and ``table(df)``),
 its DataFrame, figure paths, findings and seconds. :func:`table` and :func:`escape` are the helpers the
@@ -14,6 +17,51 @@ import platform
 import numpy as np
 
 from . import __version__
+
+
+SOURCES = {"golden": "Claims of Golden et al. (arXiv 2405.02803)",
+           "fa3": "Claims of FlashAttention-3 (arXiv 2407.08608)",
+           "fadev": "fadev's checks of its emulation (against real kernels, and its own invariances)"}
+"""Where a verdict's claim comes from: {key: the heading of its summary table}, in summary order."""
+
+
+def counts(findings) -> dict:
+    """{source: (claims that hold, claims with a verdict)} over ``findings`` for every source of
+    :data:`SOURCES` (0 of 0 where none); a finding with a verdict must name one of them."""
+    out = {src: [0, 0] for src in SOURCES}
+    for f in findings:
+        if f.holds is None:
+            continue
+        if f.source not in SOURCES:
+            raise ValueError(f"finding {f.claim!r}: source must be one of {', '.join(SOURCES)}, got {f.source!r}")
+        out[f.source][0] += bool(f.holds)
+        out[f.source][1] += 1
+    return {src: tuple(v) for src, v in out.items()}
+
+
+def count_line(findings) -> str:
+    """One line with every source's count: "Golden et al.: 5 of 7 hold; ..." (the CLI's summary)."""
+    names = {"golden": "Golden et al.", "fa3": "FlashAttention-3", "fadev": "fadev's checks"}
+    return "; ".join(f"{names[src]}: {ok} of {n} hold" for src, (ok, n) in counts(findings).items())
+
+
+def summary(results) -> list:
+    """The summary's lines: one table per source with its count ("N of M hold"), rows per verdict."""
+    found = [(name, f) for name, r in results.items() for f in r["findings"]]
+    tally = counts([f for _, f in found])
+    lines = ["## Summary of the claims", ""]
+    for src, title in SOURCES.items():
+        ok, n = tally[src]
+        lines += [f"### {title}: {ok} of {n} hold", ""]
+        rows = [(name, f) for name, f in found if f.holds is not None and f.source == src]
+        if not rows:
+            lines += ["(none measured in this run)", ""]
+            continue
+        lines += ["| experiment | claim | ours | claimed | verdict |", "|---|---|---|---|---|"]
+        lines += [f"| {name} | {escape(f.claim)} | {escape(f.ours)} | {escape(f.paper)} | "
+                  f"{'holds' if f.holds else '**does not hold**'} |" for name, f in rows]
+        lines.append("")
+    return lines
 
 
 def _cell(row, col, style):
@@ -64,25 +112,19 @@ def write(path, results, *, title, command, size="quick", device="cpu", device_n
     ``results``: {name: {"experiment": module, "df", "figures", "findings", "seconds"}} in section order, with
     optionally "sizes" (the parameters used; default: the experiment's SIZES[size]).
     ``title``: the document's heading; ``command``: the command that regenerates it (with DIR for the
-    output folder); ``device_note``: text after the device (e.g. " (PyTorch sees a GPU)"); ``preamble``:
-    paragraphs before the summary."""
+    output folder); ``device``: where the run happened, as text (e.g. "CPU (asked for cuda: no GPU)");
+    ``device_note``: text after it; ``preamble``: paragraphs before the summary. A result's optional
+    "ran_on" (text) is printed in its section."""
     out_dir = os.path.dirname(os.path.abspath(path))
     total = sum(r["seconds"] for r in results.values())
     lines = [f"# {title}", "",
-             f"fadev {__version__}, `{size}` sizes, device `{device}`{device_note}; {platform.machine()} "
+             f"fadev {__version__}, `{size}` sizes, ran on: {device}{device_note}; {platform.machine()} "
              f"{platform.system()}, Python {platform.python_version()}, {os.cpu_count()} CPUs; "
              f"{datetime.date.today().isoformat()}; {total:.0f} s in this invocation (finished points are read back, "
              f"not recomputed). Regenerate with `{command}`.", ""]
     for paragraph in preamble:
         lines += [paragraph, ""]
-    verdicts = [(name, f) for name, r in results.items() for f in r["findings"] if f.holds is not None]
-    if verdicts:
-        lines += ["## Summary of the claims", "", "| experiment | claim | ours | paper | verdict |",
-                  "|---|---|---|---|---|"]
-        for name, f in verdicts:
-            lines.append(f"| {name} | {escape(f.claim)} | {escape(f.ours)} | {escape(f.paper)} | "
-                         f"{'holds' if f.holds else '**does not hold**'} |")
-        lines.append("")
+    lines += summary(results)
     for i, (name, r) in enumerate(results.items(), 1):
         lines += section(i, name, r, size, out_dir)
     with open(path, "w") as fh:
@@ -96,7 +138,8 @@ def section(number, name, result, size, out_dir) -> list:
     sizes = result.get("sizes", exp.SIZES[size])
     lines = [f"## {number}. {exp.TITLE}", "", exp.INTRO, "",
              f"Sizes (`{size}`): " + ", ".join(f"{k}={_short(v)}" for k, v in sizes.items()) +
-             f". Raw rows: `{name}.jsonl`; this table: `{name}.csv`; {result['seconds']:.1f} s.", ""]
+             f". Raw rows: `{name}.jsonl`; this table: `{name}.csv`; {result['seconds']:.1f} s" +
+             (f"; ran on: {result['ran_on']}." if result.get("ran_on") else "."), ""]
     for fig in result["figures"]:
         if fig.endswith(".png"):
             lines += [f"![{os.path.basename(fig)}]({os.path.relpath(fig, out_dir)})", ""]
@@ -113,4 +156,4 @@ def _short(v):
     return str(v)
 
 
-__all__ = ["write", "section", "table", "escape"]
+__all__ = ["SOURCES", "counts", "count_line", "summary", "write", "section", "table", "escape"]

@@ -10,7 +10,7 @@ import pytest
 import scipy.linalg
 
 import fadev
-from fadev import Policy, flash_attention, random_qkv
+from fadev import Policy, baseline_attention, compare, flash_attention, random_qkv
 from fadev.experiments import algorithm, attribution, common, fp8, kernels, precision, ring, seqlen
 from fadev.experiments.quant import hadamard, quantize, random_signs
 
@@ -138,6 +138,19 @@ def test_precision_flash_worse_than_baseline_and_shrinks_with_bits():
     assert list(df["bits"]) == [8, 11, 24]
     found = precision.findings(df.reset_index())
     assert found[0].claim.startswith("flash vs golden at bf16") and found[1].holds
+    # the headline ~10x claim does not hold at N = 4096: flash is about 3x the baseline's deviation there
+    assert found[0].holds is False and 2 < df.loc["bf16", "ratio.rmse.mean"] < 5
+    fp32 = next(f for f in found if f.claim == "at fp32")
+    assert ("closer" in fp32.ours) == (df.loc["fp32", "flash_vs_golden.rmse.mean"] <
+                                        df.loc["fp32", "baseline_vs_golden.rmse.mean"])
+
+
+def test_precision_headline_claim_at_quick_sizes():
+    """Golden et al.'s ~10x at bf16, at the quick sizes (N = 16384, 64 rows, 3 seeds): it holds there."""
+    sizes = {k: v for k, v in precision.SIZES["quick"].items() if k != "formats"}
+    df = precision.run(formats=("bf16",), **sizes)
+    found = precision.findings(df)[0]
+    assert 5 <= df["ratio.rmse.mean"].iloc[0] <= 20 and found.holds is True and found.source == "golden"
 
 
 def test_seqlen_flash_falls_behind_baseline_as_n_grows():
@@ -148,6 +161,8 @@ def test_seqlen_flash_falls_behind_baseline_as_n_grows():
     assert np.all(ratio > 1) and np.all(np.diff(ratio) > 0) and ratio[-1] > 5
     assert np.all(np.diff(rel) > 0)
     assert df["flash_vs_baseline.max_abs.mean"].iloc[-1] > df["flash_vs_baseline.max_abs.mean"].iloc[1]
+    ten = next(f for f in seqlen.findings(df) if "RMSE ratio" in f.claim)
+    assert ten.holds and "holds for N >= 16384" in ten.ours and "at N = 2048" in ten.ours
 
 
 def _flash(q, k, v, pol, **kw):
@@ -183,8 +198,11 @@ def test_algorithm_directions():
     assert lo.loc["fa2 kv_outer, state=bf16", "same_as"] == ""
     assert lo.loc["fa2 kv_outer, state=bf16", "flash_vs_golden.rmse.mean"] > \
         3 * lo.loc["fa2 q_outer", "flash_vs_golden.rmse.mean"]
-    holds = {f.claim.split(" (")[0]: f.holds for f in algorithm.findings(df) if f.holds is not None}
+    found = algorithm.findings(df)
+    holds = {f.claim.split(" (")[0]: f.holds for f in found if f.holds is not None}
     assert all(holds.values()) and len(holds) == 4
+    loop = next(f for f in found if f.claim.startswith("loop order"))
+    assert "bit for bit under paper(bf16) and fa2(bf16)" in loop.ours and loop.source == "fadev"
 
 
 def test_attribution_blames_the_running_statistics_at_bf16():
@@ -199,27 +217,62 @@ def test_attribution_blames_the_running_statistics_at_bf16():
 
 def test_kernels_emulation_columns_on_cpu():
     df = kernels.run(Ns=(256, 1024), n_query=16, seeds=1)
-    assert set(df["impl"]) == {"emulated fa2", "emulated fa1", "emulated naive", "emulated torch_math"}
+    assert set(df["impl"]) == {"emulated fa2", "emulated fa1", "emulated naive", "emulated torch_math",
+                               "emulated " + kernels.PRESCALED}
     r = df[df["N"] == 1024].set_index(["format", "impl"])["vs_golden.rmse.mean"]
     for f in ("fp16", "bf16"):  # fp32 statistics and P.V accumulators beat the naive baseline
         assert r[(f, "emulated torch_math")] < r[(f, "emulated naive")]
-        assert r[(f, "emulated fa2")] < r[(f, "emulated naive")]
+        assert r[(f, "emulated fa2")] < r[(f, "emulated naive")] < r[(f, "emulated " + kernels.PRESCALED)]
     text = " ".join(f.ours for f in kernels.findings(df))
     assert "not measured" in text
+
+
+def test_kernels_math_models_match_pytorch_on_cpu():
+    """PyTorch's math SDPA on the CPU obeys allow_fp16_bf16_reduction_math_sdp as on the GPU: torch_math(F)
+    models it without the flag, naive on q/k pre-scaled by sqrt(scale) with it, each to 1%; plain naive(F) is
+    ~0.87x the reduced backend's error (docs/numerics.md)."""
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    flag = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    for fmt, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        err = {"naive": [], "prescaled": [], "torch_math": [], "math": [], "math, reduced": []}
+        for seed in range(3):
+            q, k, v = common.inputs(2048, 32, 64, seed, fmt)
+            ref = common.golden(2048, 32, 64, seed, fmt)
+            err["naive"].append(compare(baseline_attention(q, k, v, Policy.naive(fmt)), ref).rmse)
+            err["torch_math"].append(compare(baseline_attention(q, k, v, Policy.torch_math(fmt)), ref).rmse)
+            err["prescaled"].append(compare(kernels.naive_prescaled(q, k, v, fmt), ref).rmse)
+            tq, tk, tv = (torch.from_numpy(t.copy()).to(dtype) for t in (q, k, v))
+            for name, reduced in (("math", False), ("math, reduced", True)):
+                try:
+                    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(reduced)
+                    with sdpa_kernel([SDPBackend.MATH]):
+                        out = F.scaled_dot_product_attention(tq, tk, tv)
+                finally:
+                    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(flag)
+                err[name].append(compare(out.double().numpy(), ref).rmse)
+        m = {key: np.mean(val) for key, val in err.items()}
+        assert kernels.within(m["prescaled"] / m["math, reduced"]) and kernels.within(m["torch_math"] / m["math"])
+        assert m["prescaled"] / m["math, reduced"] == pytest.approx(1, abs=0.01), (fmt, m)
+        assert m["torch_math"] / m["math"] == pytest.approx(1, abs=0.01), (fmt, m)
+        assert 0.8 < m["naive"] / m["math, reduced"] < 0.92, (fmt, m)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not common.torch_cuda(), reason="PyTorch sees no CUDA device")
 def test_kernels_torch_backends_match_their_emulations():
-    """On a GPU: PyTorch's SDPA kernels next to the presets that model them (measured on an H200: ratios
-    0.87-1.06 at N = 16384 and 65536)."""
+    """On a GPU: PyTorch's SDPA kernels next to the presets that model them, within the ±15% the presets
+    claim (measured on an H200 before q/k pre-scaling was modelled: 0.86-1.06 at every N, plain naive vs
+    math, reduced being the 0.86-0.87: docs/numerics.md)."""
     df = kernels.run(Ns=(4096,), n_query=64, seeds=2, device="cuda")
     r = df.set_index(["format", "impl"])["vs_golden.rmse.mean"]
     for f in ("fp16", "bf16"):
         assert r[(f, "torch math")] == pytest.approx(r[(f, "emulated torch_math")], rel=0.05)
-        assert 0.67 < r[(f, "torch flash")] / r[(f, "emulated fa2")] < 1.5
-        assert 0.67 < r[(f, "torch math, reduced")] / r[(f, "emulated naive")] < 1.5
-    assert all(f.holds for f in kernels.findings(df, device="cuda") if f.holds is not None)
+        assert 0.85 < r[(f, "emulated fa2")] / r[(f, "torch flash")] < 1.15
+        assert 0.85 < r[(f, "emulated " + kernels.PRESCALED)] / r[(f, "torch math, reduced")] < 1.15
+    checks = [f for f in kernels.findings(df, device="cuda") if f.holds is not None]
+    assert len(checks) == 2 * len(kernels.MODELS) and all(f.holds for f in checks), [f.ours for f in checks]
 
 
 def test_fp8_hadamard_reduces_rmse_on_outliers():
@@ -285,11 +338,15 @@ def test_report_renders_any_experiment(tmp_path):
     exp = types.SimpleNamespace(TITLE="A made-up experiment", INTRO="What it does.", SIZES={"quick": {"n": 2}},
                                 table=lambda d: report.table(d, [("x", "x", "d"), ("y", "y | mean", "pm")]))
     result = {"experiment": exp, "df": df, "figures": [str(tmp_path / "fig.png")], "seconds": 1.0,
-              "findings": [Finding("a claim", "ours", "theirs", True), Finding("a note", "text")]}
+              "findings": [Finding("a claim", "ours", "theirs", True, "golden"), Finding("a note", "text"),
+                           Finding("a check", "ours", "", False, "fadev")]}
     path = report.write(str(tmp_path / "r.md"), {"madeup": result}, title="T", command="cmd --quick")
     text = open(path).read()
     assert text.startswith("# T\n") and "Regenerate with `cmd --quick`" in text
     assert "| madeup | a claim | ours | theirs | holds |" in text and "## 1. A made-up experiment" in text
+    assert "### Claims of Golden et al. (arXiv 2405.02803): 1 of 1 hold" in text
+    assert "### Claims of FlashAttention-3 (arXiv 2407.08608): 0 of 0 hold" in text
+    assert "| madeup | a check | ours |  | **does not hold** |" in text and ": 0 of 1 hold" in text
     assert "What it does." in text and "Sizes (`quick`): n=2." in text and "![fig.png](fig.png)" in text
     assert "| y \\| mean |" in text and "| 1 | 5.000e-01 ± 1.0e-01 |" in text and "| 2 | 2.500e-01 |" in text
     import ast

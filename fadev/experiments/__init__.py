@@ -39,6 +39,7 @@ import time
 
 from .. import report
 from . import algorithm, attribution, fp8, kernels, precision, ring, seqlen, train_drift
+from . import common
 from .common import METHOD, PAPER, Finding, torch_cuda
 from .quant import hadamard, quantize, random_signs
 
@@ -64,7 +65,9 @@ def findings(name, df, device="cpu"):
 
 def run_one(name, size="quick", out="results", device="cpu", workers=1, progress=False, **overrides) -> dict:
     """Run one experiment and write out/NAME.csv and its figures; returns {"experiment", "sizes", "df",
-    "figures", "findings", "seconds"} (a result for :func:`document`; sizes: the parameters used)."""
+    "figures", "findings", "seconds", "ran_on"} (a result for :func:`document`; sizes: the parameters used;
+    ran_on: where it actually ran, the module's ``ran_on(device)`` where it has one, else
+    :func:`common.ran_on`)."""
     exp = _experiment(name)
     start = time.perf_counter()
     os.makedirs(out, exist_ok=True)
@@ -73,7 +76,8 @@ def run_one(name, size="quick", out="results", device="cpu", workers=1, progress
     figures = exp.figures(df, out)
     sizes = {**exp.SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
     return {"experiment": exp, "sizes": sizes, "df": df, "figures": figures,
-            "findings": exp.findings(df, device=device), "seconds": time.perf_counter() - start}
+            "findings": exp.findings(df, device=device), "seconds": time.perf_counter() - start,
+            "ran_on": getattr(exp, "ran_on", common.ran_on)(device)}
 
 
 def document(path, results, size="quick", device="cpu", command=None, title=None):
@@ -82,8 +86,14 @@ def document(path, results, size="quick", device="cpu", command=None, title=None
     (default: the reproduction's). The method paragraph opens it when an experiment samples query rows
     (has an ``n_query`` size parameter)."""
     sampled = any("n_query" in r["experiment"].SIZES[size] for r in results.values())
+    where = {}
+    for name, r in results.items():
+        where.setdefault(r.get("ran_on") or common.ran_on(device), []).append(name)
+    device_text = next(iter(where)) if len(where) == 1 else \
+        "; ".join(f"{', '.join(names)} on {text}" for text, names in where.items())
     return report.write(path, results, title=title or f"Reproducing {PAPER} with fadev",
-                        command=command or f"python -m fadev reproduce --{size} --out DIR", size=size, device=device,
+                        command=command or f"python -m fadev reproduce --{size} --out DIR", size=size,
+                        device=device_text,
                         device_note=" (PyTorch sees a GPU)" if torch_cuda() else "",
                         preamble=[METHOD] if sampled else [])
 

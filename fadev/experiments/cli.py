@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from .. import report
 from ..sweep.cli import positive_int
 from . import EXPERIMENTS, document, reproduce, run_one
 
@@ -100,9 +101,8 @@ def cmd_reproduce(args) -> int:
     except (OSError, ValueError, RuntimeError, ImportError) as e:
         print(f"fadev reproduce: {e}", file=sys.stderr)
         return 1
-    held = [f for r in results.values() for f in r["findings"] if f.holds is not None]
-    n_ok = sum(f.holds for f in held)
-    print(f"\n{n_ok} of {len(held)} paper claims hold; report: {os.path.join(args.out, 'report.md')} "
+    found = [f for r in results.values() for f in r["findings"]]
+    print(f"\n{report.count_line(found)}; report: {os.path.join(args.out, 'report.md')} "
           f"({time.perf_counter() - start:.0f} s)")
     return 0
 

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from .. import cuda_available, sweep
+from .. import cuda_available, report, sweep
 from ..attention import baseline_attention, random_qkv
 from ..metrics import compare
 from ..policy import Policy
@@ -155,18 +155,69 @@ def identical(df, metric_prefix="vs_golden"):
 
 @dataclasses.dataclass
 class Finding:
-    """One claim of the report: what we measured next to what the paper says, and whether it holds
-    (None: not a paper claim, or not measurable on this machine)."""
+    """One claim of the report: what we measured next to what its source says, and whether it holds
+    (None: a note, not a claim, or not measurable on this machine). ``source`` names whose claim a verdict
+    tests, a key of :data:`fadev.report.SOURCES` ("golden", "fa3", "fadev"); required with a verdict."""
 
     claim: str
     ours: str
     paper: str = ""
     holds: bool | None = None
+    source: str = ""
+
+    def __post_init__(self):
+        if self.holds is not None and self.source not in report.SOURCES:
+            raise ValueError(f"Finding {self.claim!r}: a verdict needs source in {', '.join(report.SOURCES)}, "
+                             f"got {self.source!r}")
 
     def markdown(self) -> str:
         verdict = {True: "**holds**", False: "**does not hold**", None: "(no verdict)"}[self.holds]
-        paper = f"; paper: {self.paper}" if self.paper else ""
+        paper = f"; claimed: {self.paper}" if self.paper else ""
         return f"- {self.claim}: {self.ours}{paper} — {verdict}"
+
+
+def where_holds(xs, ok, values, *, name="N", show=None) -> str:
+    """Where along ``xs`` (ascending) a claim holds, as text: "holds at every N = 256..65536", "holds for
+    N >= 8192; 1.9x at N = 4096", "holds for N <= 1024; 0.84x at N = 4096", "holds for 8192 <= N <= 16384;
+    3.4x at N = 4096, 58x at N = 32768", "holds at N = 512, 4096; 3.1x at N = 1024", "does not hold at any
+    N = 256..4096 (3.1x at N = 4096)". ``ok``: one bool per x; ``values``: the measured value per x, shown
+    by ``show`` (default :func:`fmt_ratio`) at the failing x on each side of a range where it holds (the
+    first failing x when it holds at scattered x, the largest x when it holds nowhere)."""
+    xs, ok = [int(x) for x in xs], [bool(o) for o in ok]
+    if not (len(xs) == len(ok) == len(values)) or not xs:
+        raise ValueError(f"xs, ok and values must have the same non-zero length, got {len(xs)}, {len(ok)}, "
+                         f"{len(values)}")
+    show = show or fmt_ratio
+    span = f"{name} = {xs[0]}" + (f"..{xs[-1]}" if len(xs) > 1 else "")
+    if all(ok):
+        return f"holds at every {span}"
+    if not any(ok):
+        return f"does not hold at any {span} ({show(values[-1])} at {name} = {xs[-1]})"
+    first, last = ok.index(True), len(ok) - 1 - ok[::-1].index(True)
+    if not all(ok[first:last + 1]):
+        text, bad = f"holds at {name} = " + ", ".join(str(x) for x, o in zip(xs, ok) if o), [ok.index(False)]
+    else:
+        bad = [first - 1, last + 1]
+        if last == len(xs) - 1:
+            text = f"holds for {name} >= {xs[first]}"
+        elif first == 0:
+            text = f"holds for {name} <= {xs[last]}"
+        elif first == last:
+            text = f"holds at {name} = {xs[first]} only"
+        else:
+            text = f"holds for {xs[first]} <= {name} <= {xs[last]}"
+    shown = ", ".join(f"{show(values[i])} at {name} = {xs[i]}" for i in bad if 0 <= i < len(xs))
+    return f"{text}; {shown}"
+
+
+def ran_on(device) -> str:
+    """Where an experiment's emulation ran when ``device`` was asked for, as report text: 'the CPU', 'the
+    GPU', or 'the CPU (asked for cuda: ...)' where :func:`sweep_device` fell back."""
+    used = sweep_device(device)
+    if used == device:
+        return "the GPU" if used == "cuda" else "the CPU"
+    why = "fadev has no usable CUDA device here" if not cuda_available() else "fadev's sweep has no CUDA kernels"
+    return f"the CPU (asked for `--device {device}`: {why})"
 
 
 def sizes(table, size, overrides=None):

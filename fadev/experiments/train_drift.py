@@ -283,7 +283,7 @@ def findings(df, *, device="cpu") -> list:
     last = int(df["step"].max())
     out = [Finding(f"{pair}, {metric}: flash drift / low-precision (bf16 vs fp32) drift, late training",
                    f"{prec[0]:.3g} ({prec[1]:.3g} at step {last}); / init-seed drift {init[0]:.3g} ({init[1]:.3g})",
-                   "1/2..1/5 of low-precision training's drift", bool(holds))
+                   "1/2..1/5 of low-precision training's drift", bool(holds), "golden")
            for pair, metric, prec, init, holds in verdicts(df)]
     out.append(Finding("conclusion", _conclusion(df)))
     control = df[df["role"] == "control"]
