@@ -20,7 +20,7 @@ import pandas as pd
 
 from .. import plots, report
 from ..native import native_attention, native_tiles
-from . import common
+from . import common, kernels_backward
 from .common import Finding
 
 NAME = "kernels"
@@ -87,7 +87,19 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **ov
     if "error" in allrows.columns:
         errors = allrows.dropna(subset=["error"]).groupby(["impl", "format", "N_kv"])["error"].first()
         df["error"] = [errors.get((i, f, n), "") for i, f, n in zip(df["impl"], df["format"], df["N_kv"])]
-    return df.rename(columns={"N": "n_query", "N_kv": "N"})
+    df = df.rename(columns={"N": "n_query", "N_kv": "N"})
+    df.attrs["backward"] = _backward(size, out, device, progress, overrides)
+    return df
+
+
+def _backward(size, out, device, progress, overrides):
+    """The backward study (kernels_backward.py) at its own sizes; with Ns, formats or seeds given for the
+    forward, at those (Ns up to the largest of its size)."""
+    own = kernels_backward.SIZES[size]
+    given = {k: overrides[k] for k in ("formats", "seeds") if overrides.get(k) is not None}
+    if overrides.get("Ns") is not None:
+        given["Ns"] = tuple(n for n in overrides["Ns"] if n <= max(own["Ns"])) or (min(own["Ns"]),)
+    return kernels_backward.run(size, out, device=device, progress=progress, **given)
 
 
 def _torch_evaluate(point):
@@ -136,7 +148,7 @@ def findings(df, *, device="cpu") -> list:
                            "not measured: this run had no CUDA GPU visible to PyTorch (or --device cpu); the "
                            "table holds fadev's emulations only. Run `python -m fadev kernels --device cuda` on a "
                            "GPU machine to put them side by side."))
-        return out
+        return out + _backward_findings(df)
     for (fmt, N), g in df.groupby(["format", "N"], sort=False):
         if N != df["N"].max():
             continue
@@ -147,11 +159,19 @@ def findings(df, *, device="cpu") -> list:
                 out.append(Finding(f"{fmt} N={N}: emulated {model} vs {real}",
                                    f"RMSE {rm[f'emulated {model}']:.2e} vs {rm[real]:.2e} ({ratio:.3g}x)",
                                    "the emulation reproduces the kernel's error statistics", bool(0.5 <= ratio <= 2)))
-    return out
+    return out + _backward_findings(df)
+
+
+def _backward_findings(df):
+    return kernels_backward.findings(df.attrs["backward"]) if "backward" in df.attrs else []
 
 
 def table(df) -> str:
-    return report.table(df, COLUMNS)
+    text = report.table(df, COLUMNS)
+    if "backward" in df.attrs:
+        text += "\n\nBackward, mean |err| ratio emulated / real kernel:\n\n"
+        text += kernels_backward.table(df.attrs["backward"])
+    return text
 
 
 _IMPL_STYLE = {"emulated fa2": ("#d62728", "o", "-"), "emulated fa1": ("#ff7f0e", "v", "-"),
