@@ -11,7 +11,7 @@ Emulated (always, on ``device``): fadev's forward then backward under ``fa2(F)``
 Real: on a CUDA GPU, PyTorch's SDPA backward through autograd (``torch.nn.attention.sdpa_kernel``) for the
 flash, memory-efficient, cuDNN and math backends (math both ways of
 ``allow_fp16_bf16_reduction_math_sdp``) and fadev's native tensor-core backward; without a GPU, PyTorch's
-CPU math and flash backward, labelled "(cpu)" (they are other kernels: no emulation claims to model them).
+CPU math backend (both ways: the same composite as on the GPU) and flash backward, labelled "(cpu)".
 
 The verdict (:func:`within`): an emulation reproduces a kernel when every ratio emulated / real of the
 metric, over N, causal and dq/dk/dv, lies within +-10%.
@@ -39,13 +39,17 @@ SIZES = {
     "full": {"formats": ("fp16", "bf16"), "Ns": (512, 2048, 8192, 16384), "D": 64, "seeds": 2,
              "causal": (False, True)},
 }
-EMULATED = (("fa2", "flash"), ("fa1", "flash"), ("naive", "baseline"), ("torch_math", "baseline"))
+EMULATED = (("fa2", "flash"), ("fa1", "flash"), ("naive", "baseline"), ("torch_math", "baseline"),
+            ("naive, split scale", "baseline"))
+"""Presets and kernels; "naive, split scale" is naive(F) on the math backend's pre-scaled q, k (:func:`_split_scale`)."""
 GPU_BACKENDS = ("flash", "efficient", "cudnn", "math", "math, reduced", "fadev native")
-CPU_BACKENDS = ("math", "flash")
+CPU_BACKENDS = ("math", "math, reduced", "flash")
 MODELS = {"torch flash": "fa2", "torch efficient": "fa2", "torch cudnn": "fa2", "fadev native": "fa2",
-          "torch math": "torch_math", "torch math, reduced": "naive", "torch math (cpu)": "torch_math"}
-"""Which emulation models which real backward: the forward's pairs, and PyTorch's CPU math backend (fp32 inside
-for fp16/bf16, as on the GPU). PyTorch's CPU flash backward is another algorithm: shown, not paired."""
+          "torch math": "torch_math", "torch math, reduced": "naive, split scale", "torch math (cpu)": "torch_math",
+          "torch math, reduced (cpu)": "naive, split scale"}
+"""Which emulation models which real backward: the forward's pairs (the reduced math backend by naive on the
+pre-scaled q, k), and PyTorch's CPU math backend both ways (the same composite as on the GPU). PyTorch's CPU
+flash backward is another algorithm: shown, not paired."""
 GRADS = ("dq", "dk", "dv")
 METRICS = ("rmse", "mean_abs")
 TOLERANCE = 0.10
@@ -103,14 +107,30 @@ def _torch_grads(torch, arrays, dtype, dev, causal, backend, reduced=False):
     return tuple(t.grad.to(torch.float64).cpu().numpy() for t in (q, k, v)), None
 
 
-def _emulated(preset, kernel, arrays, fmt, causal, device):
+def _split_scale(arrays, fmt, causal, device):
+    """PyTorch's math backend in reduced precision, from naive(F): it scales q and k by f = sqrt(scale) each
+    (aten's _scaled_dot_product_attention_math, "Scale q, k before matmul for stability"), in fp32 and
+    rounded to F, then runs matmul, softmax, matmul in F with no further scale; autograd multiplies the
+    gradients of the scaled q and k by f the same way. f = 8^-1/2 for D = 64 is no power of two, so each
+    product rounds: the extra error naive(F) alone (the user-written composite, scale on the scores) lacks."""
+    q, k, v, dout = arrays
+    f = fround(np.sqrt(q.shape[-1] ** -0.5), "fp32")
+    times_f = lambda x: fround(fround(x * f, "fp32"), fmt)  # noqa: E731 (fp32 opmath, result in F)
+    qs, ks = times_f(q), times_f(k)
+    dqs, dks, dv = _emulated("naive", "baseline", (qs, ks, v, dout), fmt, causal, device, scale=1.0)
+    return times_f(dqs), times_f(dks), dv
+
+
+def _emulated(preset, kernel, arrays, fmt, causal, device, scale=None):
+    if preset == "naive, split scale":
+        return _split_scale(arrays, fmt, causal, device)
     q, k, v, dout = arrays
     pol = Policy.preset(preset, fmt)
     if kernel == "flash":
-        out, lse = flash_attention(q, k, v, pol, causal=causal, return_lse=True, device=device)
-        return flash_attention_backward(q, k, v, out, lse, dout, pol, causal=causal, device=device)
-    out, lse = baseline_attention(q, k, v, pol, causal=causal, return_lse=True, device=device)
-    return baseline_attention_backward(q, k, v, out, lse, dout, pol, causal=causal, device=device)
+        out, lse = flash_attention(q, k, v, pol, causal=causal, scale=scale, return_lse=True, device=device)
+        return flash_attention_backward(q, k, v, out, lse, dout, pol, causal=causal, scale=scale, device=device)
+    out, lse = baseline_attention(q, k, v, pol, causal=causal, scale=scale, return_lse=True, device=device)
+    return baseline_attention_backward(q, k, v, out, lse, dout, pol, causal=causal, scale=scale, device=device)
 
 
 def _native(torch, arrays, fmt, causal, D):
@@ -133,7 +153,7 @@ def _evaluate(point):
     arrays = _inputs(N, D, point["seed"], fmt)
     ref = _reference(N, D, point["seed"], fmt, causal, device)
     if point["impl"].startswith("emulated "):
-        preset = point["impl"].split()[1]
+        preset = point["impl"].removeprefix("emulated ")
         return _row_metrics(_emulated(preset, dict(EMULATED)[preset], arrays, fmt, causal, device), ref)
     torch = _torch()
     nan = {f"{g}.{m}": float("nan") for g in GRADS for m in METRICS}
