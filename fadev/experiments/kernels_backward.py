@@ -181,8 +181,8 @@ def run(size="quick", out=None, *, device="cpu", progress=False, budget_s=None, 
     ``budget_s``: start no new (N, format, causal) after this many seconds (Ns ascending); those left out are
     in ``df.attrs["skipped"]``."""
     s = common.sizes(SIZES, size, overrides)
-    device = common.sweep_device(device)
     impls = [f"emulated {p}" for p, _ in EMULATED] + real_impls(device)
+    device = common.sweep_device(device)  # where the emulation runs: the GPU only with fadev's CUDA kernels
     start, frames, skipped = time.perf_counter(), [], []
     for N, fmt, causal in itertools.product(sorted(s["Ns"]), s["formats"], s["causal"]):
         if budget_s is not None and time.perf_counter() - start > budget_s:
