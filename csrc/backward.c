@@ -4,8 +4,8 @@
  *   flash:    P = R_softmax(E(R_softmax(s_ij - L_i))), L_i = R_stats(lse_i), times R_stats(log2 e) in exp2 form;
  *   baseline: P = R_p(R_softmax(exp(R_softmax(s_ij - m_i))) / l_i) with m_i, l_i exactly as its forward;
  *   P' = R_bwd_p(P);  dP = R_dp(dO_i . V_j)                                    the dot product in dp_acc
- *   D_i = R_dsoft(dO_i . O_i) (flash) or R_dsoft(sum_j P'_ij dP_ij) (baseline)  the sum in delta_acc
- *   dS = R_ds(R_dsoft(P' R_dsoft(dP - D_i)))
+ *   D_i = R_dsoft(dO_i . O_i) (flash) or R_dsoft(sum_j R_dsoft(P_ij) dP_ij) (baseline)  the sum in delta_acc
+ *   dS = R_ds(R_dsoft(R_dsoft(P) R_dsoft(dP - D_i)))       (P' feeds only the dV product)
  *   dQ_i: for each K/V block jb ascending, dQ_i = R_dq_acc(dQ_i + sum_{j in jb} dS_ij K_j)      sums in grad_acc
  *   dV_j: for each query head of the group, each query block qb ascending,
  *         dV_j = R_dkv_acc(dV_j + sum_{i in qb} P'_ij dO_i); dK_j likewise with dS_ij Q_i
@@ -150,7 +150,7 @@ static fadev_status prep_task(void *ctxp, size_t task) {
 enum { STATS_ROWS = 16, STATS_GROUP = 4 };
 
 /* Baseline rows (b, h, STATS_ROWS rows): m, l and P by the baseline forward's att_softmax_row, and
- * D_i = R_dsoft(sum_j P'_ij dP_ij) (step 5), all keys of a row at once. */
+ * D_i = R_dsoft(sum_j R_dsoft(P_ij) dP_ij) (step 5), all keys of a row at once. */
 static fadev_status baseline_stats_task(void *ctxp, size_t task) {
     const bwd_job *job = (const bwd_job *)ctxp;
     bwd_ctx *bx = job->bx;
@@ -164,7 +164,7 @@ static fadev_status baseline_stats_task(void *ctxp, size_t task) {
         free(s), free(dp);
         return FADEV_ERR_NO_MEMORY;
     }
-    const uint64_t b4 = BWD_STREAM(EV_DELTA_ACC, bh), b6 = BWD_STREAM(EV_BWD_P, bh), b8 = BWD_STREAM(EV_DP, bh);
+    const uint64_t b4 = BWD_STREAM(EV_DELTA_ACC, bh), b21 = BWD_STREAM(EV_DSOFT_P, bh), b8 = BWD_STREAM(EV_DP, bh);
     for (int64_t i0 = first; i0 < last; i0 += STATS_GROUP) {
         const int64_t nr = min64(STATS_GROUP, last - i0);
         int64_t nvis[STATS_GROUP], maxv = 0;
@@ -178,8 +178,8 @@ static fadev_status baseline_stats_task(void *ctxp, size_t task) {
             att_softmax_row(cx, bh, i, p, nvis[r], p, &m, &l); /* P in place of the scores */
             for (int64_t j = 0; j < nvis[r]; j++) {
                 uint64_t idx = ATT_INDEX(i, j, 0);
-                double pr = att_round(&bx->bwd_p, p[j], b6, idx);
-                acc = att_round(&bx->delta_acc, acc + pr * att_round(&bx->dp, dp[r * lds + j], b8, idx), b4, idx);
+                double ps = att_round(&bx->dsoft, p[j], b21, idx);
+                acc = att_round(&bx->delta_acc, acc + ps * att_round(&bx->dp, dp[r * lds + j], b8, idx), b4, idx);
             }
             bx->row_m[row] = m, bx->row_l[row] = l;
             bx->row_d[row] = att_round(&bx->dsoft, acc, BWD_STREAM(EV_DELTA, bh), ATT_INDEX(i, 0, 0));

@@ -14,7 +14,7 @@ enum bwd_event {
     EV_DOUT = 0, EV_OUT = 1, EV_LSE = 2, EV_LSE_LOG2 = 3, EV_DELTA_ACC = 4, EV_DELTA = 5, EV_BWD_P = 6,
     EV_DP_ACC = 7, EV_DP = 8, EV_DSOFT_SUB = 9, EV_DSOFT_MUL = 10, EV_DS = 11, EV_ACC_DV = 12, EV_ACC_DK = 13,
     EV_ACC_DQ = 14, EV_DKV_DV = 15, EV_DKV_DK = 16, EV_DQ_ACC = 17, EV_GRAD_DQ = 18, EV_GRAD_DK = 19,
-    EV_GRAD_DV = 20
+    EV_GRAD_DV = 20, EV_DSOFT_P = 21
 };
 #define BWD_STREAM(id, bh) ((1ull << 48) + (uint64_t)(id) + 32u * (uint64_t)(bh))
 

@@ -104,11 +104,11 @@ typedef struct fadev_policy {
 /* Backward stages (docs/numerics.md, "Backward"); used with the forward fadev_policy, whose stages govern
  * the recomputation of S and P and whose rounding mode and seed apply here too. */
 typedef struct fadev_policy_backward {
-    fadev_format bwd_p;     /* stored: recomputed P as fed to the dV and dS products */
+    fadev_format bwd_p;     /* stored: recomputed P as fed to the dV product */
     fadev_format dp_acc;    /* accumulator: each dP = dO.V dot product */
     fadev_format dp;        /* stored: dP after its product */
     fadev_format delta_acc; /* accumulator: D = rowsum(dO * O) (flash) / sum_j P dP (baseline) */
-    fadev_format dsoft;     /* stored: D, dP - D, P * (dP - D) */
+    fadev_format dsoft;     /* stored: P as the softmax backward reads it, D, dP - D, P * (dP - D) */
     fadev_format ds;        /* stored: dS as fed to the dQ and dK products */
     fadev_format grad_acc;  /* accumulator: each dV, dK, dQ dot product within one block */
     fadev_format dq_acc;    /* stored: dQ accumulated across K/V blocks */

@@ -5,8 +5,8 @@
  *   s_ij = R_score(c R_score(sum_t Q[i,t] K[j,t]))     chain in score_acc        (pair kernel)
  *   dP_ij = R_dp(sum_d dO[i,d] V[j,d])                  chain in dp_acc           (pair kernel)
  *   flash:    P = R_softmax(E(R_softmax(s - L_i))), L_i, D_i = R_dsoft(sum_d dO O) (flash_rows kernel)
- *   baseline: m_i, l_i and P = R_p(e / l_i) as its forward, D_i = R_dsoft(sum_j P' dP)  (baseline_rows kernel)
- *   P' = R_bwd_p(P);  dS = R_ds(R_dsoft(P' R_dsoft(dP - D_i)))
+ *   baseline: m_i, l_i and P = R_p(e / l_i) as its forward, D_i = R_dsoft(sum_j R_dsoft(P) dP)  (baseline_rows)
+ *   P' = R_bwd_p(P) (the dV product's);  dS = R_ds(R_dsoft(R_dsoft(P) R_dsoft(dP - D_i)))
  *   dQ[i,d] = chain over K/V blocks jb of R_dq_acc(dQ + sum_{j in jb} dS K[j,d])       (dq kernel, a thread each)
  *   dV[j,d], dK[j,d] = chain over (h of the group, query block qb) of R_dkv_acc(acc + sum_{i in qb} P' dO[i,d])
  *                      (resp. dS Q[i,d])                                               (dkv kernel, a thread each)
@@ -34,7 +34,7 @@ enum bwd_event {
     EV_DOUT = 0, EV_OUT = 1, EV_LSE = 2, EV_LSE_LOG2 = 3, EV_DELTA_ACC = 4, EV_DELTA = 5, EV_BWD_P = 6,
     EV_DP_ACC = 7, EV_DP = 8, EV_DSOFT_SUB = 9, EV_DSOFT_MUL = 10, EV_DS = 11, EV_ACC_DV = 12, EV_ACC_DK = 13,
     EV_ACC_DQ = 14, EV_DKV_DV = 15, EV_DKV_DK = 16, EV_DQ_ACC = 17, EV_GRAD_DQ = 18, EV_GRAD_DK = 19,
-    EV_GRAD_DV = 20
+    EV_GRAD_DV = 20, EV_DSOFT_P = 21
 };
 
 __host__ __device__ __forceinline__ uint64_t bwd_stream(int id, int64_t bh) {
@@ -84,10 +84,15 @@ __device__ __forceinline__ int products_exact(const emu_mag &x, const emu_mag &y
     return x.finite && y.finite && emu_products_fit_f32(emu_mag_min(x), emu_mag_max(x), emu_mag_min(y), emu_mag_max(y));
 }
 
-/* dS = R_ds(R_dsoft(P' R_dsoft(dP - D_i))) (step 6). */
-__device__ __forceinline__ double ds_of(const bwd_args &a, double pr, double dpv, double di, int64_t bh, uint64_t idx) {
+/* R_dsoft(P), the softmax backward's P (steps 5 and 6). */
+__device__ __forceinline__ double ps_of(const bwd_args &a, double p, int64_t bh, uint64_t idx) {
+    return emu_round(a.dsoft, p, bwd_stream(EV_DSOFT_P, bh), idx);
+}
+
+/* dS = R_ds(R_dsoft(R_dsoft(P) R_dsoft(dP - D_i))) (step 6). */
+__device__ __forceinline__ double ds_of(const bwd_args &a, double p, double dpv, double di, int64_t bh, uint64_t idx) {
     const double t = emu_round(a.dsoft, dpv - di, bwd_stream(EV_DSOFT_SUB, bh), idx);
-    const double u = emu_round(a.dsoft, pr * t, bwd_stream(EV_DSOFT_MUL, bh), idx);
+    const double u = emu_round(a.dsoft, ps_of(a, p, bh, idx) * t, bwd_stream(EV_DSOFT_MUL, bh), idx);
     return emu_round(a.ds, u, bwd_stream(EV_DS, bh), idx);
 }
 
@@ -236,11 +241,12 @@ __global__ void __launch_bounds__(PAIR_KEYS * PAIR_ROWS) pair_kernel(const __gri
     const double p = emu_round(cx.softmax, emu_exp(cx.exp2, x), ATT_STREAM(ATT_SOFTMAX_EXP, bh), idx);
     const double pr = emu_round(a.bwd_p, p, bwd_stream(EV_BWD_P, bh), idx);
     a.sa[at] = pr;
-    a.sb[at] = ds_of(a, pr, dpv, a.row_d[row], bh, idx);
+    a.sb[at] = ds_of(a, p, dpv, a.row_d[row], bh, idx);
 }
 
 /* Baseline, a warp per virtual row: m = max_j s_j, e_j (in place of s_j) and l = R_stats(sum e_j) exactly as
- * att_softmax_row; P_j = R_p(e_j / l), P' (in place of e_j), D_i = R_dsoft(sum_j P' dP); then dS in place of dP.
+ * att_softmax_row; P_j = R_p(e_j / l) (in place of e_j), D_i = R_dsoft(sum_j R_dsoft(P_j) dP); then dS in place of
+ * dP and P' = R_bwd_p(P_j) in place of P_j.
  * Lane L handles keys j = L mod 32; the sums are chains over j ascending, run by every lane on shuffled terms. */
 __global__ void __launch_bounds__(THREADS) baseline_rows_kernel(const __grid_constant__ bwd_args a) {
     const emu_ctx &cx = a.cx;
@@ -278,15 +284,19 @@ __global__ void __launch_bounds__(THREADS) baseline_rows_kernel(const __grid_con
         double term = 0;
         if (j < nv) {
             const uint64_t idx = ATT_INDEX(i, j, 0);
-            const double pr = emu_round(a.bwd_p, emu_round(cx.p, s[j] / l, s16, idx), b6, idx);
-            s[j] = pr;
-            term = pr * dp[j];
+            const double p = emu_round(cx.p, s[j] / l, s16, idx);
+            s[j] = p;
+            term = ps_of(a, p, bh, idx) * dp[j];
         }
         const int cnt = (int)(nv - j0 < 32 ? nv - j0 : 32);
         for (int c = 0; c < cnt; c++) acc = emu_round(a.delta_acc, acc + __shfl_sync(FULL, term, c), b4, ATT_INDEX(i, j0 + c, 0));
     }
     const double di = emu_round(a.dsoft, acc, bwd_stream(EV_DELTA, bh), ATT_INDEX(i, 0, 0));
-    for (int64_t j = lane; j < nv; j += 32) dp[j] = ds_of(a, s[j], dp[j], di, bh, ATT_INDEX(i, j, 0));
+    for (int64_t j = lane; j < nv; j += 32) {
+        const uint64_t idx = ATT_INDEX(i, j, 0);
+        dp[j] = ds_of(a, s[j], dp[j], di, bh, idx);
+        s[j] = emu_round(a.bwd_p, s[j], b6, idx);
+    }
 }
 
 /* ------------------------------------------------------------------ the sums (step 7) and the results (step 8) */

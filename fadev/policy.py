@@ -37,11 +37,11 @@ forward stages: bwd_p = p, dp_acc = pv_acc, dp = score, delta_acc = sum_acc, dso
 grad_acc = pv_acc, dq_acc = dkv_acc = out_acc, grad = out."""
 
 BACKWARD_STAGE_DOCS = {
-    "bwd_p": "stored: recomputed P as fed to the dV and dS products",
+    "bwd_p": "stored: recomputed P as fed to the dV product",
     "dp_acc": "accumulator: each dP = dO.V dot product",
     "dp": "stored: dP as stored after its product",
     "delta_acc": "accumulator: D = rowsum(dO * O) (flash) / sum_j P*dP (baseline, as autograd)",
-    "dsoft": "stored: the softmax-backward arithmetic D, dP - D, P*(dP - D)",
+    "dsoft": "stored: the softmax-backward arithmetic: P as it reads it, D, dP - D, P*(dP - D)",
     "ds": "stored: dS as fed to the dQ and dK products",
     "grad_acc": "accumulator: each dV, dK, dQ dot product within one block",
     "dq_acc": "stored: dQ accumulated across K/V blocks",
@@ -72,7 +72,8 @@ def _fa_acc(f: Format) -> Format:
 
 
 _FA_IN_F = ("input", "p", "out", "bwd_p", "ds", "grad")
-"""The stages a FlashAttention kernel stores in its input format F (P and dS feed tensor cores)."""
+"""The stages a FlashAttention kernel stores in its input format F (P and dS feed tensor cores; the
+softmax backward dS = P (dP - D) reads the fp32 P, not the rounded one)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -220,9 +221,11 @@ class Policy:
     def fa2(cls, fmt) -> "Policy":
         """FlashAttention-2's CUDA kernel: scores, softmax and statistics in fp32 registers, P rounded
         to F for the tensor-core P.V product, O accumulated in fp32, written once in F. exp2 with log2(e)
-        folded into the scale, deferred normalisation, query blocks outer, 128x64 tiles. Backward: P and
-        dS rounded to F before their tensor-core products, dP and the softmax backward in fp32 registers,
-        dQ accumulated in fp32 across K/V blocks (atomics in fp32), dK/dV in fp32 across query blocks,
+        folded into the scale, deferred normalisation, query blocks outer, 128x64 tiles. Backward
+        (flash_bwd_kernel.h): P recomputed in fp32 and rounded to F only for the tensor-core dV = P^T dO;
+        dP in fp32; dS = P (dP - D) in fp32 registers from the fp32 P, D = rowsum(dO * O) in fp32 from the
+        F output; dS rounded to F once, for both dQ = dS K and dK = dS^T Q; dQ accumulated in fp32 across
+        K/V blocks (fp32 atomics), dK/dV in fp32 across query blocks; the scale applied to the fp32 sums,
         gradients written in F."""
         F = as_format(fmt)
         return cls._split(F, _fa_acc(F), _FA_IN_F, block_q=128, block_kv=64, loop_order="q_outer",
@@ -231,9 +234,11 @@ class Policy:
     @classmethod
     def fa1(cls, fmt) -> "Policy":
         """FlashAttention-1: fp32 arithmetic as fa2, but K/V blocks outer (each query block's O and l
-        written to memory in F between K/V blocks: state = F) and O renormalised every block (eager)."""
+        written to memory in F between K/V blocks: state = F) and O renormalised every block (eager).
+        Backward (fmha_dgrad_kernel_1xN_loop.h): the softmax backward in F (P and dP - D packed to F,
+        multiplied with hmul), so dsoft = F; this also rounds D to F, which FA1 keeps in fp32."""
         F = as_format(fmt)
-        return cls._split(F, _fa_acc(F), _FA_IN_F, state=F, block_q=128, block_kv=128, loop_order="kv_outer",
+        return cls._split(F, _fa_acc(F), _FA_IN_F + ("dsoft",), state=F, block_q=128, block_kv=128, loop_order="kv_outer",
                           normalize="eager", exp="exp", name=f"fa1({F})")
 
     @classmethod

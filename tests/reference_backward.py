@@ -11,7 +11,7 @@ grouped-query when Hkv < H); both return (dq, dk, dv) shaped like (q, k, v):
 
 What the two share is steps 1 and 3 to 8; they differ in how P is recomputed (step 2: flash from the
 saved LSE, baseline exactly as its forward) and how D_i is formed (step 5: flash from dO and O,
-baseline from P' and dP as autograd's softmax backward), and baseline uses one block of all queries
+baseline from R_dsoft(P) and dP as autograd's softmax backward), and baseline uses one block of all queries
 and one block of all keys. `out` and `lse` are rounded on entry but only flash uses them.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ DSOFT_SUB, DSOFT_MUL, DS = 9, 10, 11
 GRAD_ACC_DV, GRAD_ACC_DK, GRAD_ACC_DQ = 12, 13, 14
 DKV_ACC_DV, DKV_ACC_DK, DQ_ACC = 15, 16, 17
 GRAD_DQ, GRAD_DK, GRAD_DV = 18, 19, 20
+DSOFT_P = 21
 
 
 def _check_saved(q, out, lse, dout):
@@ -86,8 +87,9 @@ def _backward(q, k, v, out, lse, dout, policy, block_q, block_kv, exp, causal, s
                     LSE = rnd.r(pol.stats, float(lse[b, h, i]), BWD + LSE_IN, bh, i, 0, 0)
                     L = LSE if exp == "exp" else rnd.r(pol.stats, LSE * c3, BWD + LSE_LOG2, bh, i, 0, 0)
                     P = _flash_row_p(Qi, Kh, keys, c_fwd, L, E, pol, rnd, bh, i)
-                # 3. P' = R_bwd_p(P)
+                # 3. P' = R_bwd_p(P) for the dV product, Ps = R_dsoft(P) for the softmax backward
                 Pr = {j: rnd.r(pol.bwd_p, P[j], BWD + BWD_P, bh, i, j, 0) for j in keys}
+                Ps = {j: rnd.r(pol.dsoft, P[j], BWD + DSOFT_P, bh, i, j, 0) for j in keys}
                 # 4. dP_ij = dO_i . V_j in dp_acc, stored in dp
                 dP = {}
                 for j in keys:
@@ -99,15 +101,15 @@ def _backward(q, k, v, out, lse, dout, policy, block_q, block_kv, exp, causal, s
                 acc = 0.0
                 if baseline:
                     for j in keys:
-                        acc = rnd.r(pol.delta_acc, acc + Pr[j] * dP[j], BWD + DELTA_ACC, bh, i, j, 0)
+                        acc = rnd.r(pol.delta_acc, acc + Ps[j] * dP[j], BWD + DELTA_ACC, bh, i, j, 0)
                 else:
                     for d in range(D):
                         acc = rnd.r(pol.delta_acc, acc + dOi[d] * Oi[d], BWD + DELTA_ACC, bh, i, d, 0)
                 Di = rnd.r(pol.dsoft, acc, BWD + DELTA, bh, i, 0, 0)
-                # 6. dS = R_ds(R_dsoft(P' * R_dsoft(dP - D)))
+                # 6. dS = R_ds(R_dsoft(Ps * R_dsoft(dP - D)))
                 for j in keys:
                     t = rnd.r(pol.dsoft, dP[j] - Di, BWD + DSOFT_SUB, bh, i, j, 0)
-                    u = rnd.r(pol.dsoft, Pr[j] * t, BWD + DSOFT_MUL, bh, i, j, 0)
+                    u = rnd.r(pol.dsoft, Ps[j] * t, BWD + DSOFT_MUL, bh, i, j, 0)
                     dS[b][h][i][j] = rnd.r(pol.ds, u, BWD + DS, bh, i, j, 0)
                 Pp[b][h][i] = Pr
 

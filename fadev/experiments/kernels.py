@@ -24,10 +24,9 @@ import pandas as pd
 
 from .. import plots, report
 from ..attention import baseline_attention
-from ..formats import round as round_to
 from ..native import native_attention, native_tiles
 from ..policy import Policy
-from . import common
+from . import common, kernels_backward
 from .common import Finding
 
 NAME = "kernels"
@@ -100,15 +99,28 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **ov
     if "error" in allrows.columns:
         errors = allrows.dropna(subset=["error"]).groupby(["impl", "format", "N_kv"])["error"].first()
         df["error"] = [errors.get((i, f, n), "") for i, f, n in zip(df["impl"], df["format"], df["N_kv"])]
-    return df.rename(columns={"N": "n_query", "N_kv": "N"})
+    df = df.rename(columns={"N": "n_query", "N_kv": "N"})
+    df.attrs["backward"] = _backward(size, out, device, progress, overrides)
+    return df
+
+
+def _backward(size, out, device, progress, overrides):
+    """The backward study (kernels_backward.py) at its own sizes; with Ns, formats or seeds given for the
+    forward, at those (Ns up to the largest of its size)."""
+    own = kernels_backward.SIZES[size]
+    given = {k: overrides[k] for k in ("formats", "seeds") if overrides.get(k) is not None}
+    if overrides.get("Ns") is not None:
+        given["Ns"] = tuple(n for n in overrides["Ns"] if n <= max(own["Ns"])) or (min(own["Ns"]),)
+    return kernels_backward.run(size, out, device=device, progress=progress, **given)
 
 
 def naive_prescaled(q, k, v, fmt):
     """PyTorch's math SDPA with ``allow_fp16_bf16_reduction_math_sdp(True)`` in fadev's arithmetic: q and k
-    multiplied by sqrt(1/sqrt(D)) (an fp32 constant, as PyTorch's scalar) and rounded to ``fmt``, then
-    naive(fmt) at scale 1: S = R_F(Q' K'^T) with fp32 accumulation, softmax in fp32 written in F, R_F(P V)."""
-    c = float(np.float32(np.sqrt(1 / np.sqrt(q.shape[-1]))))
-    return baseline_attention(round_to(q * c, fmt), round_to(k * c, fmt), v, Policy.naive(fmt), scale=1.0)
+    scaled by sqrt(1/sqrt(D)) as that backend does (:func:`kernels_backward.times_sqrt_scale`), then naive(fmt)
+    at scale 1: S = R_F(Q' K'^T) with fp32 accumulation, softmax in fp32 written in F, R_F(P V)."""
+    D = q.shape[-1]
+    qs, ks = kernels_backward.times_sqrt_scale(q, fmt, D), kernels_backward.times_sqrt_scale(k, fmt, D)
+    return baseline_attention(qs, ks, v, Policy.naive(fmt), scale=1.0)
 
 
 def _prescaled_evaluate(point):
@@ -206,12 +218,20 @@ def findings(df, *, device="cpu") -> list:
                            "not measured: this run had no CUDA GPU visible to PyTorch (or --device cpu); the "
                            "table holds fadev's emulations only. Run `python -m fadev kernels --device cuda` on a "
                            "GPU machine to put them side by side."))
-        return out
-    return out + model_checks(df)
+        return out + _backward_findings(df)
+    return out + model_checks(df) + _backward_findings(df)
+
+
+def _backward_findings(df):
+    return kernels_backward.findings(df.attrs["backward"]) if "backward" in df.attrs else []
 
 
 def table(df) -> str:
-    return report.table(df, COLUMNS)
+    text = report.table(df, COLUMNS)
+    if "backward" in df.attrs:
+        text += "\n\nBackward, mean |err| ratio emulated / real kernel:\n\n"
+        text += kernels_backward.table(df.attrs["backward"])
+    return text
 
 
 _IMPL_STYLE = {"emulated fa2": ("#d62728", "o", "-"), "emulated fa1": ("#ff7f0e", "v", "-"),
