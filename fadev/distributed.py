@@ -163,34 +163,43 @@ def _sdpa_dtype(pol):
 
 
 def _sdpa_pieces(scale, dtype, device):
-    """PyTorch's flash kernel per piece. Bottom-right causal with more keys than queries (allgather) runs
-    as top-left causal on queries padded at the front; K/V heads are repeated for grouped-query."""
-    ops = torch.ops.aten
+    """PyTorch's flash kernel per piece (the CPU's _for_cpu ops on the CPU). Bottom-right causal with more
+    keys than queries (allgather) runs as top-left causal on queries padded at the front with zero rows;
+    K/V heads are repeated for grouped-query and their gradients summed back."""
+    ops, cpu = torch.ops.aten, device.type == "cpu"
+
+    def dev(*arrays, dt=dtype):
+        return [torch.from_numpy(np.ascontiguousarray(a)).to(device, dt) for a in arrays]
+
+    def padded(x, pad):
+        return np.concatenate([np.zeros(x.shape[:2] + (pad,) + x.shape[3:]), x], axis=2) if pad else x
 
     def prep(q, k, v, causal):
-        pad = k.shape[2] - q.shape[2] if causal else 0
-        q = np.concatenate([np.zeros(q.shape[:2] + (pad, q.shape[3])), q], axis=2) if pad else q
-        rep = q.shape[1] // k.shape[1]
-        t = [torch.from_numpy(np.ascontiguousarray(a)).to(device, dtype) for a in (q, k, v)]
-        t[1], t[2] = t[1].repeat_interleave(rep, 1), t[2].repeat_interleave(rep, 1)
-        return t, pad, rep
+        pad, rep = (k.shape[2] - q.shape[2] if causal else 0), q.shape[1] // k.shape[1]
+        tq, tk, tv = dev(padded(q, pad), k, v)
+        return tq, tk.repeat_interleave(rep, 1), tv.repeat_interleave(rep, 1), pad, rep
 
     def flash(q, k, v, policy, causal):
-        (tq, tk, tv), pad, _ = prep(q, k, v, causal)
-        out, lse = ops._scaled_dot_product_flash_attention(tq, tk, tv, 0.0, causal, False, scale=scale)[:2]
+        tq, tk, tv, pad, _ = prep(q, k, v, causal)
+        if cpu:
+            out, lse = ops._scaled_dot_product_flash_attention_for_cpu(tq, tk, tv, 0.0, causal, scale=scale)
+        else:
+            out, lse = ops._scaled_dot_product_flash_attention(tq, tk, tv, 0.0, causal, False, scale=scale)[:2]
         return _host(out)[:, :, pad:], _host(lse)[:, :, pad:]
 
     def flash_backward(q, k, v, out, lse, dout, policy, causal):
-        (tq, tk, tv), pad, rep = prep(q, k, v, causal)
-        z = np.zeros(out.shape[:2] + (pad, out.shape[3]))
-        to = [torch.from_numpy(np.concatenate([z, a], axis=2)).to(device, dtype) for a in (out, dout)]
-        tl = torch.from_numpy(np.concatenate([np.zeros(lse.shape[:2] + (pad,)), lse], axis=2)).to(device,
-                                                                                                   torch.float32)
-        Nq, Nk = tq.shape[2], tk.shape[2]
-        dq, dk, dv = ops._scaled_dot_product_flash_attention_backward(
-            to[1], tq, tk, tv, to[0], tl, None, None, Nq, Nk, 0.0, causal, torch.empty(0), torch.empty(0),
-            scale=scale)
-        dk, dv = (g.reshape(g.shape[0], -1, rep, *g.shape[2:]).sum(2) for g in (dk, dv))
+        tq, tk, tv, pad, rep = prep(q, k, v, causal)
+        to, tdo = dev(padded(out, pad), padded(dout, pad))
+        (tl,) = dev(padded(lse, pad), dt=torch.float32)
+        if cpu:
+            dq, dk, dv = ops._scaled_dot_product_flash_attention_for_cpu_backward(tdo, tq, tk, tv, to, tl, 0.0,
+                                                                                  causal, scale=scale)
+        else:
+            empty = torch.empty(0, device=device)
+            dq, dk, dv = ops._scaled_dot_product_flash_attention_backward(
+                tdo, tq, tk, tv, to, tl, empty, empty, tq.shape[2], tk.shape[2], 0.0, causal, empty, empty,
+                scale=scale)
+        dk, dv = (g.reshape(g.shape[0], -1, rep, *g.shape[2:]).to(torch.float64).sum(2) for g in (dk, dv))
         return _host(dq)[:, :, pad:], _host(dk), _host(dv)
     return flash, flash_backward
 
