@@ -378,10 +378,8 @@ def _entry(rank, fn, world_size, port, backend, timeout, args):
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     init(backend, timeout)
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    fn(rank, world_size, *args)  # on an error, exit at once: a clean teardown would wait for the others
+    dist.destroy_process_group()
 
 
 def free_port():
