@@ -99,9 +99,9 @@ class _Comm:
         """Send ``tensors`` to rank r + 1, receive their like from r - 1; returns wait() -> received."""
         if self.size == 1:
             return lambda: tensors
+        tensors = [t.contiguous() for t in tensors]
         got = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self._peer((self.rank + 1) % self.size), self.group)
-               for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self._peer((self.rank + 1) % self.size), self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, g, self._peer((self.rank - 1) % self.size), self.group) for g in got]
         reqs = dist.batch_isend_irecv(ops)
 
@@ -112,14 +112,16 @@ class _Comm:
         return wait
 
     def all_gather(self, t):
+        t = t.contiguous()
         out = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(out, t.contiguous(), group=self.group)
+        dist.all_gather(out, t, group=self.group)
         return out
 
     def all_to_all(self, stacked):
         """(W, ...) in, (W, ...) out: row j goes to rank j; row j received comes from rank j."""
+        stacked = stacked.contiguous()
         out = torch.empty_like(stacked)
-        dist.all_to_all_single(out, stacked.contiguous(), group=self.group)
+        dist.all_to_all_single(out, stacked, group=self.group)
         return out
 
     def check_same(self, values, what):
