@@ -66,8 +66,8 @@ def _rms(x, w):
 
 def _rope(x, pos):
     half = x.shape[-1] // 2
-    freq = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64) / half)
-    ang = torch.as_tensor(pos, dtype=torch.float64)[:, None] * freq[None, :]
+    freq = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float64, device=x.device) / half)
+    ang = torch.as_tensor(pos, dtype=torch.float64, device=x.device)[:, None] * freq[None, :]
     cos, sin = torch.cos(ang), torch.sin(ang)
     a, b = x[..., :half], x[..., half:]
     return torch.cat([a * cos - b * sin, a * sin + b * cos], -1)
@@ -97,7 +97,7 @@ def exact_attention(q, k, v):
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     n = q.shape[2]
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
     return torch.softmax(s, -1) @ v
 
 

@@ -42,7 +42,7 @@ INTRO = (
 
 SIZES = {
     "quick": {"spawn": 4, "Ws": (1, 2, 4), "Ls": (1, 2, 4), "N": 64, "dim": 64, "heads": 4, "heads_kv": 2,
-              "layout": "zigzag", "kernels": ("emulated",)},
+              "layout": "zigzag", "kernels": ("emulated", "sdpa")},
     "full": {"spawn": 8, "Ws": (1, 2, 4, 8), "Ls": (1, 4, 16), "N": 512, "dim": 128, "heads": 8, "heads_kv": 2,
              "layout": "zigzag", "kernels": ("emulated", "sdpa")},
 }
@@ -74,13 +74,15 @@ def _errors(loss, grads, ref_loss, ref_grads):
 
 
 def _study(rank, world, cfg, path):
-    """Every rank: for each L, W, merge, kernel the distributed run on ranks 0..W-1; rank 0 adds the fp64
-    reference and the simulation's prediction and appends a row to ``path``."""
+    """Every rank: for each L, W, merge, kernel the distributed run on ranks 0..W-1 (on this rank's GPU under
+    nccl); rank 0 adds the fp64 reference and the simulation's prediction (CPU) and appends a row to ``path``."""
     import torch.distributed as dist
 
     from .. import distributed as fd
     from . import llama
+    import torch
     groups = {W: dist.new_group(list(range(W))) for W in cfg["Ws"]}
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     layout, N = cfg["layout"], cfg["N"]
     for L in cfg["Ls"]:
         mc = llama.Config(dim=cfg["dim"], heads=cfg["heads"], heads_kv=cfg["heads_kv"], ffn=2 * cfg["dim"], layers=L)
@@ -99,9 +101,11 @@ def _study(rank, world, cfg, path):
                         def attn(q, k, v):
                             return fd.ring_attention(q, k, v, POLICY, layout=layout, merge=merge, causal=True,
                                                      kernel=kernel, group=groups[W])
-                        loss, grads = llama.gradients(params, mc, tk, tg, pos, attn, N)
+                        on_dev = {n: p.to(dev) for n, p in params.items()}
+                        loss, grads = llama.gradients(on_dev, mc, tk.to(dev), tg.to(dev), pos, attn, N)
                         for t in [loss] + list(grads.values()):
                             dist.all_reduce(t, group=groups[W])
+                        loss, grads = loss.cpu(), {n: g.cpu() for n, g in grads.items()}
                     if rank == 0:
                         sim = llama.gradients(params, mc, tokens, targets, full_pos,
                                               llama.simulated_attention(POLICY, W, layout, merge), N)
