@@ -83,41 +83,59 @@ def _steps(N, W, layout, allgather, causal):
             yield r, s, pieces(N, W, layout, allgather, causal, r, s)
 
 
+def merge_piece(state, rows, ob, lb, fmts):
+    """Merge one piece's (out, lse) into a rank's running ``state`` = [out, lse, seen] (arrays, rows on axis
+    2; ``rows`` indexes them) as ring.c does: the piece's lse rounded to partial_lse, the first piece of a
+    row stored, later ones merged by the sigmoid / log-sigmoid update in ``merge``."""
+    m = fmts["merge"]
+    out, run_l, seen = state
+    lb = _round(lb, fmts["partial_lse"])
+    live = lb != -np.inf  # a row with no visible key (cannot happen with these pieces)
+    was = seen[:, :, rows]
+    O, L = out[:, :, rows], run_l[:, :, rows]
+    new_O, new_L = _round(ob, fmts["running_out"]), _round(lb, fmts["running_lse"])
+    both = live & was
+    if both.any():
+        with np.errstate(all="ignore"):  # rows not merged may hold anything
+            gt = _round(_each(_sigmoid, _round(lb - L, m)), m)
+            merged_O = _round(_round(O - _round(gt[..., None] * _round(O - ob, m), m), m), fmts["running_out"])
+            ls = _round(_each(_logsigmoid, _round(L - lb, m)), m)
+            merged_L = _round(_round(L - ls, m), fmts["running_lse"])
+        new_O, new_L = np.where(was[..., None], merged_O, new_O), np.where(was, merged_L, new_L)
+    out[:, :, rows] = np.where(live[..., None], new_O, O)
+    run_l[:, :, rows] = np.where(live, new_L, L)
+    seen[:, :, rows] = was | live
+
+
+def new_state(q_shape):
+    """A rank's empty running state [out, lse, seen] for queries of shape ``q_shape``."""
+    return [np.zeros(q_shape), np.zeros(q_shape[:3]), np.zeros(q_shape[:3], dtype=bool)]
+
+
+def finish(state, pol, allgather):
+    """(out, lse) from a running state: rows never seen get 0 / -inf; ring out rounded to ``pol.out``."""
+    out, run_l, seen = state
+    out[~seen], run_l[~seen] = 0.0, -np.inf
+    if not allgather:
+        out = np.where(seen[..., None], _round(out, pol.out), out)
+    return out, run_l
+
+
 def forward(q, k, v, pol, fmts, world_size, layout, allgather, causal, flash):
     """(out, lse) of the ring forward on 4-D float64 q, k, v; ``flash(q, k, v, policy, causal)`` -> (out,
     lse) runs one piece; ``fmts``: RingMerge.resolve(pol)."""
-    N, W, m = q.shape[2], world_size, fmts["merge"]
-    out, run_l = np.zeros(q.shape), np.zeros(q.shape[:3])
-    seen = np.zeros(q.shape[:3], dtype=bool)
+    N, W = q.shape[2], world_size
+    state = new_state(q.shape)
     piece_pol = pol if allgather else pol.replace(out=fmts["partial_out"])
     for r, _, pcs in _steps(N, W, layout, allgather, causal):
         for pc in pcs:
             qrows, krows = _rows(N, W, layout, r, pc)
             ob, lb = flash(q[:, :, qrows], k[:, :, krows], v[:, :, krows], piece_pol, pc[5])
             if allgather:
-                out[:, :, qrows], run_l[:, :, qrows], seen[:, :, qrows] = ob, lb, True
-                continue
-            lb = _round(lb, fmts["partial_lse"])
-            live = lb != -np.inf  # a row with no visible key (cannot happen with these pieces)
-            was = seen[:, :, qrows]
-            O, L = out[:, :, qrows], run_l[:, :, qrows]
-            new_O, new_L = _round(ob, fmts["running_out"]), _round(lb, fmts["running_lse"])
-            both = live & was
-            if both.any():
-                with np.errstate(all="ignore"):  # rows not merged may hold anything
-                    gt = _round(_each(_sigmoid, _round(lb - L, m)), m)
-                    merged_O = _round(_round(O - _round(gt[..., None] * _round(O - ob, m), m), m),
-                                      fmts["running_out"])
-                    ls = _round(_each(_logsigmoid, _round(L - lb, m)), m)
-                    merged_L = _round(_round(L - ls, m), fmts["running_lse"])
-                new_O, new_L = np.where(was[..., None], merged_O, new_O), np.where(was, merged_L, new_L)
-            out[:, :, qrows] = np.where(live[..., None], new_O, O)
-            run_l[:, :, qrows] = np.where(live, new_L, L)
-            seen[:, :, qrows] = was | live
-    out[~seen], run_l[~seen] = 0.0, -np.inf
-    if not allgather:
-        out = np.where(seen[..., None], _round(out, pol.out), out)
-    return out, run_l
+                state[0][:, :, qrows], state[1][:, :, qrows], state[2][:, :, qrows] = ob, lb, True
+            else:
+                merge_piece(state, qrows, ob, lb, fmts)
+    return finish(state, pol, allgather)
 
 
 def backward(q, k, v, out, lse, dout, pol, fmts, world_size, layout, allgather, causal, flash_backward):
@@ -150,15 +168,26 @@ def _upload(*arrays):
     return [DeviceArray.from_numpy(np.ascontiguousarray(a)) for a in arrays]
 
 
+def gpu_flash(scale, tiles, choices):
+    """The GPU's emulated flash kernel as :func:`forward`'s ``flash``: NumPy in, NumPy out (the merge runs
+    on the host)."""
+    kernel = route("cuda")
+    return lambda q, k, v, policy, piece_causal: kernel.flash_attention(*_upload(q, k, v), policy._c, scale,
+                                                                        piece_causal, *tiles, *choices)
+
+
+def gpu_flash_backward(scale, tiles, exp_form):
+    """The GPU's emulated flash backward as :func:`backward`'s ``flash_backward`` (as :func:`gpu_flash`)."""
+    kernel = route("cuda")
+    return lambda q, k, v, out, lse, dout, policy, piece_causal: kernel.flash_attention_backward(
+        *_upload(q, k, v, out, lse, dout), policy._c, policy._c_backward, scale, piece_causal, *tiles, exp_form)
+
+
 def forward_on_gpu(gpu, q4, k4, v4, pol, ring, scale, tiles, choices):
     """The ring forward with every piece on the GPU's emulated flash kernel: device operands in (``gpu``: the
     call's fadev.cuda._Gpu), the caller's kind of arrays out. ``ring``: (fmts, world_size, layout,
     allgather, causal), as :func:`forward` takes them."""
-    kernel = route("cuda")  # NumPy in, NumPy out, for the host-side merge
-
-    def flash(q, k, v, policy, piece_causal):
-        return kernel.flash_attention(*_upload(q, k, v), policy._c, scale, piece_causal, *tiles, *choices)
-
+    flash = gpu_flash(scale, tiles, choices)
     fmts, world_size, layout, allgather, causal = ring
     q, k, v = (gpu.to_host(x) for x in (q4, k4, v4))
     out, lse = forward(q, k, v, pol, fmts, world_size, layout, allgather, causal, flash)
@@ -168,12 +197,7 @@ def forward_on_gpu(gpu, q4, k4, v4, pol, ring, scale, tiles, choices):
 def backward_on_gpu(gpu, q4, k4, v4, out4, lse3, dout4, pol, ring, scale, tiles, exp_form):
     """The ring backward with every piece on the GPU's emulated flash backward kernel (as
     :func:`forward_on_gpu`)."""
-    kernel = route("cuda")
-
-    def flash_backward(q, k, v, out, lse, dout, policy, piece_causal):
-        return kernel.flash_attention_backward(*_upload(q, k, v, out, lse, dout), policy._c, policy._c_backward, scale,
-                                               piece_causal, *tiles, exp_form)
-
+    flash_backward = gpu_flash_backward(scale, tiles, exp_form)
     fmts, world_size, layout, allgather, causal = ring
     host = [gpu.to_host(x) for x in (q4, k4, v4, out4, lse3, dout4)]
     grads = backward(*host, pol, fmts, world_size, layout, allgather, causal, flash_backward)

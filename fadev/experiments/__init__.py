@@ -28,6 +28,8 @@ attribution   which policy stage is to blame: raise / lower one stage at a time
 kernels       presets of real kernels (fa2, fa1, naive, torch_math) vs golden; PyTorch SDPA on a GPU
 fp8           FlashAttention-3 Table 3: outlier inputs, fp16 and fp8 with scaling and Hadamard rotation
 ring          ring attention's error vs the number of ranks, and candidate causes (not in reproduce)
+ring_dist     ring attention on real ranks (torch.distributed): a deep model's gradient error vs W and
+              depth (not in reproduce)
 train_drift   Section 5: weight drift of training with flash vs baseline attention (PyTorch; not in
               reproduce)
 ============  =====================================================================================
@@ -38,12 +40,12 @@ import os
 import time
 
 from .. import report
-from . import algorithm, attribution, fp8, kernels, precision, ring, seqlen, train_drift
+from . import algorithm, attribution, fp8, kernels, precision, ring, ring_dist, seqlen, train_drift
 from . import common
 from .common import METHOD, PAPER, Finding, torch_cuda
 from .quant import hadamard, quantize, random_signs
 
-EXPERIMENTS = {m.NAME: m for m in (precision, seqlen, algorithm, attribution, kernels, fp8, ring, train_drift)}
+EXPERIMENTS = {m.NAME: m for m in (precision, seqlen, algorithm, attribution, kernels, fp8, ring, ring_dist, train_drift)}
 """{name: module} in report order."""
 
 

@@ -1,0 +1,54 @@
+"""The ring-dist study's parts in one process: the Llama-style model with a simulated ring under the fp64
+policy reproduces the exact fp64 model (and under fa2:bf16 does not); the findings' verdicts follow the data.
+The study end to end (processes, gloo) is the recorded run in docs/results/ring-dist-quick-cpu-2026-11-23."""
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("torch")
+from fadev.experiments import llama, ring_dist  # noqa: E402
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("merge", ["lowp_partials", "allgather"])
+def test_simulated_ring_in_the_model(merge):
+    cfg = llama.Config(vocab=32, dim=32, heads=4, heads_kv=2, ffn=64, layers=2)
+    params = llama.init(cfg, seed=0)
+    tokens, targets = llama.batch(cfg, 1, 16, seed=1)
+    pos = np.arange(16)
+    ref_loss, ref = llama.gradients(params, cfg, tokens, targets, pos, llama.exact_attention, 16)
+    for policy, bound in (("golden", 1e-12), ("fa2:bf16", None)):
+        attn = llama.simulated_attention(policy, 4, "zigzag", merge)
+        loss, grads = llama.gradients(params, cfg, tokens, targets, pos, attn, 16)
+        err = _rel(np.concatenate([grads[n].numpy().ravel() for n in ref]),
+                   np.concatenate([ref[n].numpy().ravel() for n in ref]))
+        if bound:
+            assert err < bound and abs(float(loss - ref_loss)) < 1e-12 * abs(float(ref_loss)), (policy, err)
+        else:
+            assert err > 1e-4, (policy, err)  # bf16 attention is visible in the gradients
+
+
+def _df(grow):
+    rows = []
+    for merge in ring_dist.MERGES:
+        for L in (1, 4):
+            for W in (1, 4):
+                g = 1e-3 * (grow ** (W == 4)) * (1.5 if merge == "lowp_partials" else 1.0)
+                rows.append({"kernel": "emulated", "merge": merge, "L": L, "W": W, "grad": g, "pred_grad": g,
+                             "loss_diff": 1e-5, "pred_loss_diff": 1e-5, "max_dev_from_prediction": 1e-16,
+                             "grad_attn": g, "grad_mlp": g, "grad_embed": g})
+    return pd.DataFrame(rows)
+
+
+def test_findings_follow_the_data():
+    grows = [f.ours for f in ring_dist.findings(_df(3.0))]
+    flat = [f.ours for f in ring_dist.findings(_df(1.0))]
+    assert grows[0].startswith("grows with W") and "(x3.00)" in grows[0]
+    assert flat[0].startswith("does not grow with W") and "(x1.00)" in flat[0]
+    assert "fp32_partials" in grows[4] or "lowp_running" in grows[4] or "allgather" in grows[4]
+    assert "x1.50 below lowp_partials" in grows[4]
+    table = ring_dist.table(_df(3.0))
+    assert table.count("\n") == 1 + 16 and "| emulated | allgather | 4 | 4 |" in table
