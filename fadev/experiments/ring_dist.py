@@ -219,7 +219,7 @@ def findings(df, *, device="cpu") -> list:
                            f"every parameter gradient within {dev:.1e} (relative L2) of the single-process "
                            f"simulation's; the gradient error itself within {ratio:.1e} relative of the "
                            "predicted one (the attention is bit-identical; the rest differs only in fp64 "
-                           "summation order across ranks)", holds=bool(ratio < 0.01)))
+                           "summation order across ranks)", holds=bool(ratio < 0.01), source="fadev"))
     return out
 
 
