@@ -197,10 +197,11 @@ def _sdpa_pieces(scale, dtype, device):
             dq, dk, dv = ops._scaled_dot_product_flash_attention_for_cpu_backward(tdo, tq, tk, tv, to, tl, 0.0,
                                                                                   causal, scale=scale)
         else:
-            empty = torch.empty(0, device=device)
+            # the backward takes the forward's cum_seq (undefined tensors outside varlen: an empty tensor would
+            # select the varlen path) and philox state, which Python can only get from the forward itself
+            fwd = ops._scaled_dot_product_flash_attention(tq, tk, tv, 0.0, causal, False, scale=scale)
             dq, dk, dv = ops._scaled_dot_product_flash_attention_backward(
-                tdo, tq, tk, tv, to, tl, empty, empty, tq.shape[2], tk.shape[2], 0.0, causal, empty, empty,
-                scale=scale)
+                tdo, tq, tk, tv, to, tl, fwd[2], fwd[3], fwd[4], fwd[5], 0.0, causal, fwd[6], fwd[7], scale=scale)
         dk, dv = (g.reshape(g.shape[0], -1, rep, *g.shape[2:]).to(torch.float64).sum(2) for g in (dk, dv))
         return _host(dq)[:, :, pad:], _host(dk), _host(dv)
     return flash, flash_backward
