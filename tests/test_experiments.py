@@ -272,7 +272,9 @@ def test_kernels_torch_backends_match_their_emulations():
         assert 0.85 < r[(f, "emulated fa2")] / r[(f, "torch flash")] < 1.15
         assert 0.85 < r[(f, "emulated " + kernels.PRESCALED)] / r[(f, "torch math, reduced")] < 1.15
     checks = [f for f in kernels.findings(df, device="cuda") if f.holds is not None]
-    assert len(checks) == 2 * len(kernels.MODELS) and all(f.holds for f in checks), [f.ours for f in checks]
+    forward = [f for f in checks if not f.claim.startswith("backward")]
+    assert len(forward) == 2 * len(kernels.MODELS) and all(f.holds for f in checks), \
+        [(f.claim, f.ours) for f in checks if not f.holds]
 
 
 def test_fp8_hadamard_reduces_rmse_on_outliers():
