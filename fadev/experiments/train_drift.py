@@ -130,11 +130,16 @@ def check_device(device):
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # torch's deterministic cuBLAS needs it
 
 
-def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides):
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None,
+        **overrides):
     """Train the runs in lockstep; returns the drift rows (one per pair and logged step) with the loss rows in
     ``df.attrs["loss"]`` and the settings in ``df.attrs["settings"]``. Results in out/train_drift.jsonl
     (resumable) and the loss table in out/train_drift_loss.csv. ``progress``: print a line per logged step;
-    ``workers`` is accepted for the common interface (the runs advance in lockstep in one process)."""
+    ``workers`` is accepted for the common interface (the runs advance in lockstep in one process); so is
+    ``cluster``, which must be local (None or {"executor": "local"}): the arms do not run as Ray tasks yet."""
+    if cluster is not None and cluster.get("executor", "local") != "local":
+        raise ValueError("train-drift trains its runs in lockstep in one process: --cluster ray is not supported "
+                         "for it yet (run it without --cluster)")
     check_device(device)
     s = settings(size, **overrides)
     config = training.TrainConfig(**{f.name: s[f.name] for f in dataclasses.fields(training.TrainConfig)
