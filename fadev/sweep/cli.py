@@ -127,7 +127,8 @@ def cmd_sweep(args) -> int:
         return 2
     out = args.out or options.get("out") or os.path.join(
         "results", os.path.splitext(os.path.basename(args.config))[0] + ".jsonl")
-    workers = args.workers or options.get("workers", None if cluster["executor"] == "ray" else 1)
+    # on Ray, --workers alone sizes the chunks (default: the cluster's CPUs); [sweep] workers is for local runs
+    workers = args.workers or (None if cluster["executor"] == "ray" else options.get("workers", 1))
     distinct = len({point_key(p) for p in canon})
     if args.dry_run:
         print(f"{len(points)} points ({distinct} distinct), all valid; results would go to {out}")
