@@ -140,3 +140,31 @@ def test_cluster_option_names_an_address():
     assert cluster_option("ray") == {"executor": "ray", "address": None}
     assert cluster_option("ray=auto") == {"executor": "ray", "address": "auto"}
     assert cluster_option("ray=ray://head:10001") == {"executor": "ray", "address": "ray://head:10001"}
+
+
+def test_cli_sweep_and_train_drift_on_ray(address, tmp_path, capsys):
+    from fadev.__main__ import main
+    config = tmp_path / "tiny.toml"
+    config.write_text('[base]\nN = 24\nD = 8\nheads = 2\n[grid]\nseed = [0, 1, 2]\n')
+    assert main(["sweep", str(config), "--out", str(tmp_path / "local.jsonl"), "--no-progress"]) == 0
+    assert main(["sweep", str(config), "--out", str(tmp_path / "ray.jsonl"), "--no-progress",
+                 "--cluster", f"ray={address}"]) == 0
+    assert "3 rows in" in capsys.readouterr().out
+    pd.testing.assert_frame_equal(_values(sweep.load(tmp_path / "ray.jsonl")),
+                                  _values(sweep.load(tmp_path / "local.jsonl")))
+
+
+@pytest.mark.slow  # each Ray worker imports torch and scikit-learn first (~12 s on 2 busy cores)
+def test_train_drift_runs_as_ray_tasks(address):
+    """Each run a Ray task, compared at the logged steps: the lockstep rows (timings aside)."""
+    pytest.importorskip("torch")
+    from fadev import training
+    runs = [training.RunSpec("base"), training.RunSpec("flash", "flash", "paper:bf16", tiling=(("block_q", 8),))]
+    pairs = [training.Pair("flash", "flash", "base", "flash")]
+    config = training.TrainConfig(width=16, heads=2, layers=1, batch=8, steps=3, log_every=2, eval_images=16)
+    lockstep = training.track(config, runs, pairs)
+    tasks = training.track_tasks(config, runs, pairs, executor="ray")
+    for a, b in zip(tasks, lockstep):
+        assert len(a) == len(b) > 0
+        pd.testing.assert_frame_equal(a.drop(columns="seconds", errors="ignore"),
+                                      b.drop(columns="seconds", errors="ignore"))
