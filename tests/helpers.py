@@ -186,3 +186,21 @@ def evaluate_failing_seed_1(point):
     if point["seed"] == 1:
         raise ValueError("seed 1 fails (on purpose)")
     return fadev.sweep.evaluate(point)
+
+
+def kill_when(child, path, lines, timeout=120):
+    """SIGKILL the child process once ``path`` holds at least ``lines`` complete lines; fails if the child
+    ends first. Returns the number of complete lines then (the child's last write may be cut)."""
+    import os
+    import signal
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and child.poll() is None:
+            if os.path.exists(path) and open(path, "rb").read().count(b"\n") >= lines:
+                break
+            time.sleep(0.001)
+        assert child.poll() is None, "the child finished (or failed) before it could be killed"
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+    assert child.returncode == -signal.SIGKILL

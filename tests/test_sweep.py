@@ -3,11 +3,9 @@ files (a sweep really killed with SIGKILL, a truncated last line), parallel == s
 round trips, aggregate, and the ``python -m fadev sweep`` command line."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pandas as pd
@@ -16,6 +14,7 @@ import pytest
 import fadev
 from fadev import sweep
 from fadev.sweep import cli as sweep_cli
+from helpers import kill_when
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"N": 24, "D": 8, "heads": 2}
@@ -226,17 +225,7 @@ def test_resume_after_sigkill(tmp_path):
         s.run(pts, {str(out)!r}, progress=False)
     """))
     child = subprocess.Popen([sys.executable, str(script)], env=_env(), cwd=str(tmp_path))
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and child.poll() is None:
-            if out.exists() and len(_read_lines(out)) > 10:
-                break
-            time.sleep(0.001)
-        assert child.poll() is None, "the child finished before it could be killed"
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.wait()
-    assert child.returncode == -signal.SIGKILL
+    kill_when(child, out, 10, timeout=60)
     lines = _read_lines(out)
     written = len([line for line in lines[:-1] if line])
     assert 10 <= written < 25

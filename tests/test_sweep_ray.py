@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pandas as pd
 import pytest
@@ -115,17 +113,7 @@ def test_driver_killed_mid_sweep_then_rerun(address, tmp_path):
                     executor="ray", address={address!r}, workers=2, progress=False)
     """))
     child = subprocess.Popen([sys.executable, str(script)], env=_env(), cwd=str(tmp_path))
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and child.poll() is None:
-            if out.exists() and out.read_bytes().count(b"\n") >= 4:
-                break
-            time.sleep(0.005)
-        assert child.poll() is None, "the driver finished (or failed) before it could be killed"
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.wait()
-    assert child.returncode == -signal.SIGKILL
+    helpers.kill_when(child, out, 4)
     written = out.read_bytes().count(b"\n")
     assert 4 <= written < n
     df = sweep.run(pts, out, executor="ray", progress=False)

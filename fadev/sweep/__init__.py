@@ -33,8 +33,8 @@ JSON Lines or CSV file as it finishes (flushed and fsynced; only the calling pro
 points already in the file, and spreads points over an executor: local worker processes, Ray tasks on a
 cluster (``executor="ray"``, ``address=``) or any ``concurrent.futures.Executor``; a point that raises
 becomes a row with its ``error`` (retried by the next run) instead of stopping the sweep. :func:`load`,
-:func:`aggregate` (mean/std/count over seeds) and :func:`export` (CSV, Parquet) read results back. ``python -m fadev sweep CONFIG.toml`` runs a TOML
-config (:func:`fadev.sweep.cli.load_config`).
+:func:`aggregate` (mean/std/count over seeds) and :func:`export` (CSV, Parquet) read results back.
+``python -m fadev sweep CONFIG.toml`` runs a TOML config (:func:`fadev.sweep.cli.load_config`).
 
 The package: :mod:`~fadev.sweep.schema` (parameters, validation, canonical form, keys, grids, the kernel
 table), :mod:`~fadev.sweep.evaluation` (one point -> one row), :mod:`~fadev.sweep.running` (many points,

@@ -158,9 +158,10 @@ def _on_ray(points, fn, key, group, workers, address, gpus_per_point):
         options = {"num_cpus": 1, "max_retries": MAX_RETRIES,
                    "num_gpus": gpus if part[0].get("device") == "cuda" else 0}
         refs[task.options(**options).remote(fn, key, part)] = part
+    pending = list(refs)
     try:
-        while refs:
-            ready, _ = ray.wait(list(refs), num_returns=1)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
             for ref in ready:
                 part = refs.pop(ref)
                 try:

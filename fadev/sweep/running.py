@@ -70,7 +70,8 @@ def drive(points, fn, key, out, *, group=None, progress=True, desc="sweep", **op
         bar = tqdm(total=len(points), initial=len(points) - len(todo), disable=not progress, desc=desc,
                    unit="pt", dynamic_ncols=True)
         try:
-            for rows in execute([points[k] for k in todo], fn, key, group or _no_group, **options):
+            work = execute([points[k] for k in todo], fn, key, group or _no_group, **options) if todo else ()
+            for rows in work:  # nothing to do starts no executor (no Ray instance)
                 for row in rows:
                     if file is not None:
                         file.append(row)

@@ -17,7 +17,8 @@ import torch
 from .. import sweep
 from ..sweep.results import ResultsFile
 from . import digits
-from .tracker import TrainConfig, _Run, _validate, config_key, deterministic, drift_row, frames, loss_row
+from .tracker import (TrainConfig, _Run, _validate, config_key, deterministic, drift_row, frames, loss_row,
+                      rows_of)
 
 
 class _Arm:
@@ -66,11 +67,7 @@ def track_tasks(config, runs, pairs, out=None, device="cpu", log=None, progress=
     key = config_key(config, runs, pairs)
     file = ResultsFile(out) if out is not None else None
     try:
-        rows = file.typed_rows() if file is not None else []
-        other = sorted({r.get("config") for r in rows} - {key}, key=str)
-        if other:
-            raise ValueError(f"results file {file.path!r} holds rows of another configuration (config {other[0]}; "
-                             f"this one is {key}): write to another file or folder, or delete it to start over")
+        rows = rows_of(file, key)
         done = {r["key"] for r in rows}
         steps = sorted({0, config.steps, *range(config.log_every, config.steps, config.log_every)})
         wanted = [f"{key}/{s}/{kind}" for s in steps for kind in

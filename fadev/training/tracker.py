@@ -262,12 +262,18 @@ def track(config, runs, pairs, out=None, checkpoint=True, device="cpu", callback
             file.close()
 
 
-def _track(config, runs, pairs, key, file, ckpt, device, callback, log):
+def rows_of(file, key):
+    """The rows in ``file`` (None: none), all of configuration ``key``; ValueError if any is another's."""
     old = file.typed_rows() if file is not None else []
     other = sorted({r.get("config") for r in old} - {key}, key=str)
     if other:
         raise ValueError(f"results file {file.path!r} holds rows of another configuration (config {other[0]}; this "
                          f"one is {key}): write to another file or folder, or delete it to start over")
+    return old
+
+
+def _track(config, runs, pairs, key, file, ckpt, device, callback, log):
+    old = rows_of(file, key)
     done = {r["key"] for r in old}
     rows = list(old)
     train_x, train_y, eval_x, eval_y = digits.load()
