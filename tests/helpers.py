@@ -15,6 +15,7 @@ grouped-query and the bottom-right causal mask; a row that sees no key gives out
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -165,3 +166,41 @@ def torch_grads(q, k, v, dout, causal=False, scale=None):
     out = (torch.softmax(s, dim=-1) * ~empty) @ vv
     out.backward(torch.tensor(dout, dtype=torch.float64))
     return tuple(t.grad.numpy() for t in (tq, tk, tv))
+
+
+# ---------------------------------------------------------------- sweep executors (module-level: Ray and Dask
+# workers import them by name from this file)
+
+SLOW_S = 0.25
+
+
+def slow_evaluate(point):
+    """fadev.sweep.evaluate after a sleep of SLOW_S (its numbers untouched): a sweep still running when the
+    test kills its driver or a node."""
+    time.sleep(SLOW_S)
+    return fadev.sweep.evaluate(point)
+
+
+def evaluate_failing_seed_1(point):
+    """fadev.sweep.evaluate, except that a point of seed 1 raises, on whichever worker runs it."""
+    if point["seed"] == 1:
+        raise ValueError("seed 1 fails (on purpose)")
+    return fadev.sweep.evaluate(point)
+
+
+def kill_when(child, path, lines, timeout=120):
+    """SIGKILL the child process once ``path`` holds at least ``lines`` complete lines; fails if the child
+    ends first. Returns the number of complete lines then (the child's last write may be cut)."""
+    import os
+    import signal
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and child.poll() is None:
+            if os.path.exists(path) and open(path, "rb").read().count(b"\n") >= lines:
+                break
+            time.sleep(0.001)
+        assert child.poll() is None, "the child finished (or failed) before it could be killed"
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+    assert child.returncode == -signal.SIGKILL

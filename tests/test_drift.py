@@ -155,6 +155,25 @@ def test_resume_after_sigkill_loses_and_duplicates_nothing(tmp_path):
     assert _values(a).equals(_values(b))
 
 
+def test_runs_as_independent_tasks_give_the_lockstep_rows(tmp_path):
+    import concurrent.futures
+    from fadev.training import track_tasks
+    runs = [BASE, FLASH, RunSpec("seed1", init_seed=1)]
+    pairs = [Pair("flash", "flash", "base", "flash"), Pair("init", "seed1", "base", "init")]
+    config = TrainConfig(**{**TINY.__dict__, "steps": 5})  # the last logged step (5) is off the log_every grid
+    drift, loss = track(config, runs, pairs)
+    out = tmp_path / "tasks.jsonl"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        t_drift, t_loss = track_tasks(config, runs, pairs, out=str(out), executor=pool)
+    assert list(drift["step"]) == [0, 0, 2, 2, 4, 4, 5, 5] and (drift["max_abs"][2:] > 0).all()
+    assert _values(t_drift).equals(_values(drift)) and _values(t_loss).equals(_values(loss))
+    before = out.read_bytes()
+    again, _ = track_tasks(config, runs, pairs, out=str(out), executor="local", workers=2)  # all there: no training
+    assert out.read_bytes() == before and _values(again).equals(_values(drift))
+    with pytest.raises(ValueError, match="holds rows of another configuration"):
+        track_tasks(TINY, runs[:2], pairs[:1], out=str(out))
+
+
 def test_extending_steps_resumes_from_the_checkpoint(tmp_path):
     out = str(tmp_path / "r.jsonl")
     runs, pairs = [BASE, FLASH], [Pair("flash", "flash", "base", "flash")]

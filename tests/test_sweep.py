@@ -3,11 +3,9 @@ files (a sweep really killed with SIGKILL, a truncated last line), parallel == s
 round trips, aggregate, and the ``python -m fadev sweep`` command line."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pandas as pd
@@ -16,6 +14,7 @@ import pytest
 import fadev
 from fadev import sweep
 from fadev.sweep import cli as sweep_cli
+from helpers import kill_when
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {"N": 24, "D": 8, "heads": 2}
@@ -226,17 +225,7 @@ def test_resume_after_sigkill(tmp_path):
         s.run(pts, {str(out)!r}, progress=False)
     """))
     child = subprocess.Popen([sys.executable, str(script)], env=_env(), cwd=str(tmp_path))
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and child.poll() is None:
-            if out.exists() and len(_read_lines(out)) > 10:
-                break
-            time.sleep(0.001)
-        assert child.poll() is None, "the child finished before it could be killed"
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.wait()
-    assert child.returncode == -signal.SIGKILL
+    kill_when(child, out, 10, timeout=60)
     lines = _read_lines(out)
     written = len([line for line in lines[:-1] if line])
     assert 10 <= written < 25
@@ -297,7 +286,7 @@ def test_truncated_csv_row_is_recomputed(tmp_path):
         sweep.run(pts, out, progress=False)
 
 
-def test_failed_point_keeps_finished_rows(tmp_path, monkeypatch):
+def test_failed_point_becomes_a_row_and_is_retried(tmp_path, monkeypatch):
     pts = sweep.expand({"seed": [0, 1, 2]}, base=TINY)
     real = sweep.KERNELS[("flash", "cpu")]
 
@@ -309,11 +298,38 @@ def test_failed_point_keeps_finished_rows(tmp_path, monkeypatch):
     flaky.calls = 0
     monkeypatch.setitem(sweep.KERNELS, ("flash", "cpu"), flaky)
     out = tmp_path / "r.jsonl"
-    with pytest.raises(RuntimeError, match=r"sweep point failed: MemoryError: out of memory.*'seed': 2"):
-        sweep.run(pts, out, progress=False)
-    assert len(sweep.load(out)) == 2
+    df = sweep.run(pts, out, progress=False)  # the failure does not stop the sweep
+    assert list(df["error"].isna()) == [True, True, False]
+    assert df["error"][2] == "MemoryError: out of memory (simulated)" and df["seed"][2] == 2
+    assert np.isnan(df["vs_golden.rel_l2"][2]) and (df["vs_golden.rel_l2"][:2] > 0).all()
+    assert len(sweep.load(out)) == 3
     monkeypatch.setitem(sweep.KERNELS, ("flash", "cpu"), real)
-    assert len(sweep.run(pts, out, progress=False)) == 3 and len(sweep.load(out)) == 3
+    again = sweep.run(pts, out, progress=False)  # the failed point runs again; its failed row is gone
+    assert "error" not in again.columns and len(again) == 3
+    on_disk = sweep.load(out)
+    assert sorted(on_disk["key"]) == sorted(again["key"]) and "error" not in on_disk.columns
+    pd.testing.assert_frame_equal(_values(again), _values(sweep.run(pts, progress=False)))
+
+
+def test_executor_options_checked(monkeypatch):
+    pts = sweep.expand(base=TINY)
+    assert sweep_cli.cluster_option("local") == {"executor": "local"}
+    for bad in ("dask", "ray=", "local=x"):
+        with pytest.raises(Exception, match="expected local, ray or ray=ADDRESS"):
+            sweep_cli.cluster_option(bad)
+    with pytest.raises(ValueError, match="gpus_per_point must be a number > 0"):
+        sweep.run(pts, executor="ray", gpus_per_point=0)
+    with pytest.raises(ValueError, match="gpus_per_point applies to executor='ray' only"):
+        sweep.run(pts, gpus_per_point=0.5)
+    with pytest.raises(ValueError, match="address applies to executor='ray' only"):
+        sweep.run(pts, address="auto")
+    with pytest.raises(ValueError, match="executor must be 'local', 'ray' or a concurrent.futures.Executor"):
+        sweep.run(pts, executor="dask")
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(ImportError, match=r"needs Ray, which is not installed: pip install 'fadev\[ray\]'"):
+        sweep.run(pts, executor="ray", progress=False)
+    with pytest.raises(Exception, match=r"pip install 'fadev\[ray\]'"):
+        sweep_cli.cluster_option("ray=auto")
 
 
 def test_parallel_equals_serial(tmp_path):

@@ -11,7 +11,8 @@ One experiment = one module of this package, registered in :data:`EXPERIMENTS`. 
 ``FIGURES``                                     the stems of its figure files
 ``REPRODUCE``                                   whether ``reproduce`` runs it by default
 ``run(size, out, *, device, workers,            one aggregated row per configuration; raw rows in
-progress, **overrides) -> DataFrame``           out/NAME.jsonl (resumable: finished points are skipped)
+progress, cluster, **overrides) -> DataFrame``  out/NAME.jsonl (resumable: finished points are skipped);
+                                                ``cluster``: fadev.sweep.run's executor options or None
 ``findings(df, *, device) -> [Finding]``        each claim with our number, the paper's, a verdict
 ``table(df) -> str``                            the report's Markdown table
 ``figures(df, out_dir) -> [paths]``             the figures, PNG and SVG
@@ -55,9 +56,11 @@ def _experiment(name):
     return EXPERIMENTS[name]
 
 
-def run(name, size="quick", out=None, device="cpu", workers=1, progress=False, **overrides):
-    """Run one experiment by name; returns its DataFrame (see the module's ``run``)."""
-    return _experiment(name).run(size, out, device=device, workers=workers, progress=progress, **overrides)
+def run(name, size="quick", out=None, device="cpu", workers=1, progress=False, cluster=None, **overrides):
+    """Run one experiment by name; returns its DataFrame (see the module's ``run``). ``cluster``: the
+    executor options of :func:`fadev.sweep.run` (e.g. {"executor": "ray", "address": "auto"}), None: local."""
+    return _experiment(name).run(size, out, device=device, workers=workers, progress=progress, cluster=cluster,
+                                 **overrides)
 
 
 def findings(name, df, device="cpu"):
@@ -65,7 +68,8 @@ def findings(name, df, device="cpu"):
     return _experiment(name).findings(df, device=device)
 
 
-def run_one(name, size="quick", out="results", device="cpu", workers=1, progress=False, **overrides) -> dict:
+def run_one(name, size="quick", out="results", device="cpu", workers=1, progress=False, cluster=None,
+            **overrides) -> dict:
     """Run one experiment and write out/NAME.csv and its figures; returns {"experiment", "sizes", "df",
     "figures", "findings", "seconds", "ran_on"} (a result for :func:`document`; sizes: the parameters used;
     ran_on: where it actually ran, the module's ``ran_on(device)`` where it has one, else
@@ -73,7 +77,7 @@ def run_one(name, size="quick", out="results", device="cpu", workers=1, progress
     exp = _experiment(name)
     start = time.perf_counter()
     os.makedirs(out, exist_ok=True)
-    df = exp.run(size, out, device=device, workers=workers, progress=progress, **overrides)
+    df = exp.run(size, out, device=device, workers=workers, progress=progress, cluster=cluster, **overrides)
     df.to_csv(os.path.join(out, f"{name}.csv"), index=False)
     figures = exp.figures(df, out)
     sizes = {**exp.SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
@@ -100,11 +104,12 @@ def document(path, results, size="quick", device="cpu", command=None, title=None
                         preamble=[METHOD] if sampled else [])
 
 
-def reproduce(size="quick", out="results", device="cpu", only=None, workers=1, progress=False, log=None):
+def reproduce(size="quick", out="results", device="cpu", only=None, workers=1, progress=False, log=None,
+              cluster=None):
     """Run the experiments (those with ``REPRODUCE``, or the names in ``only``), write out/NAME.jsonl (raw
     rows), out/NAME.csv (the aggregated table), the figures (PNG and SVG) and out/report.md. Returns {name:
     {"experiment", "sizes", "df", "figures", "findings", "seconds"}}. ``log``: a callable taking a line of progress
-    text (e.g. print)."""
+    text (e.g. print); ``cluster``: as :func:`run`."""
     names = [n for n, m in EXPERIMENTS.items() if m.REPRODUCE] if not only else list(only)
     unknown = [n for n in names if n not in EXPERIMENTS]
     if unknown:
@@ -114,7 +119,7 @@ def reproduce(size="quick", out="results", device="cpu", only=None, workers=1, p
     for name in names:
         if log:
             log(f"[{name}] {EXPERIMENTS[name].TITLE} ({size}) ...")
-        results[name] = run_one(name, size, out, device, workers, progress)
+        results[name] = run_one(name, size, out, device, workers, progress, cluster)
         if log:
             r = results[name]
             log(f"[{name}] done in {r['seconds']:.1f} s: {len(r['df'])} rows, {len(r['figures'])} figure files")

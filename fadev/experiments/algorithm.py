@@ -112,7 +112,8 @@ def variants(fmt="bf16", D=64):
     return out
 
 
-def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None,
+        **overrides) -> pd.DataFrame:
     """One row per (group, variant): its settings, mean/std over seeds of flash_vs_golden.*,
     flash_vs_baseline.* (baseline under naive(F)), and ``same_as``: the variant of the same group (or of
     the same policy within a group) whose output is identical in every recorded statistic for every seed
@@ -125,7 +126,7 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **ov
             points.append({"kernel": "flash", **fields, "ref_kernel": "baseline", "ref_policy": f"naive:{fmt}",
                            "N": s["n_query"], "N_kv": s["N"], "D": s["D"], "seed": seed, "device": device,
                            "tag.group": group, "tag.variant": label})
-    rows = common.run_points(points, out, NAME, workers, progress)
+    rows = common.run_points(points, out, NAME, workers, progress, cluster)
     for col in ("sram_bytes", "stage.state"):
         if col not in rows.columns:
             rows[col] = None

@@ -65,7 +65,8 @@ def stages_to_change(start, fmt, target):
     return [s for s in STAGES if s not in ("input", "state") and getattr(pol, s).name != target]
 
 
-def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None,
+        **overrides) -> pd.DataFrame:
     """One row per (format, direction, stage) (stage 'none' = the start policy): mean/std over seeds of
     flash_vs_golden.rmse and .max_abs, ``ratio`` = rmse / rmse of the start, ``share`` (module docstring).
     Results in out/attribution.jsonl."""
@@ -79,7 +80,7 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **ov
                     points.append({"kernel": "flash", "policy": f"{start}:{fmt}", **change, "N": s["n_query"],
                                    "N_kv": s["N"], "D": s["D"], "block_q": s["block_q"], "block_kv": s["block_kv"],
                                    "seed": seed, "device": device, "tag.direction": direction, "tag.stage": stage})
-    rows = common.run_points(points, out, NAME, workers, progress)
+    rows = common.run_points(points, out, NAME, workers, progress, cluster)
     rows["format"] = rows["policy"].str.split(":").str[1]
     df = common.mean_std(rows, ["format", "tag.direction", "tag.stage", "policy"],
                          ["vs_golden.rmse", "vs_golden.max_abs"])

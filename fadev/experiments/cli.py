@@ -15,7 +15,7 @@ import sys
 import time
 
 from .. import report
-from ..sweep.cli import positive_int
+from ..sweep.cli import add_cluster_options, positive_int, run_options
 from . import EXPERIMENTS, document, reproduce, run_one
 
 
@@ -51,7 +51,7 @@ SIZE_HELP = {"quick": "small sizes: minutes on a laptop CPU (the default)",
 
 def _common(sp, sizes=("quick", "full")):
     """The options every experiment command shares: --SIZE for each size, --device, --out, --workers,
-    --no-progress (``sizes``: {size: parameters} or names)."""
+    --cluster, --gpus-per-point, --no-progress (``sizes``: {size: parameters} or names)."""
     group = sp.add_mutually_exclusive_group()
     for size in sizes:
         if isinstance(sizes, dict):
@@ -68,9 +68,10 @@ def _common(sp, sizes=("quick", "full")):
     sp.add_argument("--out", default="results", metavar="DIR",
                     help="output folder for results (NAME.jsonl raw rows, resumable; NAME.csv tables), figures "
                          "(PNG + SVG) and the report (default: results)")
-    sp.add_argument("--workers", type=positive_int, default=1,
+    sp.add_argument("--workers", type=positive_int, default=None,
                     help="worker processes for the sweep engine (default 1: one process, the C kernels use every "
-                         "core)")
+                         "core; with --cluster: Ray's CPUs)")
+    add_cluster_options(sp)
     sp.add_argument("--no-progress", dest="progress", action="store_false", help="no progress output on stderr")
 
 
@@ -97,7 +98,8 @@ def cmd_reproduce(args) -> int:
     start = time.perf_counter()
     try:
         results = reproduce(args.size, args.out, args.device, only=args.only, workers=args.workers,
-                            progress=args.progress, log=lambda line: print(line, flush=True))
+                            progress=args.progress, log=lambda line: print(line, flush=True),
+                            cluster=run_options(args))
     except (OSError, ValueError, RuntimeError, ImportError) as e:
         print(f"fadev reproduce: {e}", file=sys.stderr)
         return 1
@@ -112,7 +114,8 @@ def _cmd_experiment(name, command):
         exp = EXPERIMENTS[name]
         overrides = {k: getattr(args, k) for k in exp.SIZES[args.size] if getattr(args, k, None) is not None}
         try:
-            result = run_one(name, args.size, args.out, args.device, args.workers, args.progress, **overrides)
+            result = run_one(name, args.size, args.out, args.device, args.workers, args.progress,
+                             run_options(args), **overrides)
         except (OSError, ValueError, RuntimeError, ImportError) as e:
             print(f"fadev {command}: {e}", file=sys.stderr)
             return 1

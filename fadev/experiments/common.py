@@ -13,7 +13,6 @@ import functools
 import hashlib
 import json
 import os
-import sys
 import time
 
 import numpy as np
@@ -90,11 +89,15 @@ def results_path(out, name):
     return os.path.join(out, f"{name}.jsonl")
 
 
-def run_points(points, out, name, workers=1, progress=False):
+def run_points(points, out, name, workers=1, progress=False, cluster=None):
     """Run sweep points through :func:`fadev.sweep.run` (rows appended to out/NAME.jsonl, resumable).
-    A point's device 'cuda' becomes 'cpu' where fadev has no CUDA attention kernels (:func:`sweep_device`)."""
+    A point's device 'cuda' becomes 'cpu' where fadev has no CUDA attention kernels (:func:`sweep_device`).
+    ``cluster``: sweep.run's executor options ({"executor": "ray", "address": ...}; None: local processes).
+    RuntimeError when points failed (after every other point ran; a rerun retries them)."""
     points = [{**p, "device": sweep_device(p.get("device", "cpu"))} for p in points]
-    return sweep.run(points, results_path(out, name), workers=workers, progress=progress)
+    df = sweep.run(points, results_path(out, name), workers=workers, progress=progress, **(cluster or {}))
+    _raise_failed(df.to_dict("records"), name, out)
+    return df
 
 
 def point_key(point) -> str:
@@ -103,42 +106,41 @@ def point_key(point) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def run_custom(points, evaluate, out, name, progress=False):
+class _CustomRow:
+    """point -> {"key", **point, **evaluate(point), "wall_s"}; a plain class, so it pickles for executors in
+    other processes whenever ``evaluate`` (a module-level function) does."""
+
+    def __init__(self, evaluate):
+        self.evaluate = evaluate
+
+    def __call__(self, point):
+        start = time.perf_counter()
+        row = {"key": point_key(point), **point, **self.evaluate(point)}
+        row["wall_s"] = time.perf_counter() - start
+        return row
+
+
+def run_custom(points, evaluate, out, name, progress=False, cluster=None, workers=None):
     """Run points that the sweep engine cannot express (fp8 scaling, PyTorch's kernels) with the same file
-    contract: one JSON line per point appended (flushed, fsynced) to out/NAME.jsonl as it finishes, points
-    whose key is already there skipped. ``evaluate(point) -> dict`` of metric columns. Returns a DataFrame
-    in the order of ``points``."""
+    contract, through :func:`fadev.sweep.drive`: one JSON line per point appended (flushed, fsynced) to
+    out/NAME.jsonl as it finishes, points whose key is already there skipped. ``evaluate(point) -> dict``
+    of metric columns, a module-level function; ``cluster``, ``workers``: as :func:`run_points`. Returns a
+    DataFrame in the order of ``points``; RuntimeError when points failed."""
     import pandas as pd
-    path = results_path(out, name)
-    done = {}
-    if path is not None and os.path.exists(path):
-        old = sweep.load(path)
-        if len(old):
-            done = {r["key"]: r for r in old.to_dict("records")}
-    rows = []
-    fh = open(path, "ab") if path is not None else None
-    try:
-        for i, point in enumerate(points):
-            key = point_key(point)
-            if key in done:
-                rows.append(done[key])
-                continue
-            start = time.perf_counter()
-            row = {"key": key, **point, **evaluate(point)}
-            row["wall_s"] = time.perf_counter() - start
-            if fh is not None:
-                fh.write((json.dumps(row, separators=(",", ":")) + "\n").encode())
-                fh.flush()
-                os.fsync(fh.fileno())
-            rows.append(row)
-            if progress:
-                print(f"\r{name}: {i + 1}/{len(points)}", end="", file=sys.stderr, flush=True)
-        if progress and points:
-            print(file=sys.stderr)
-    finally:
-        if fh is not None:
-            fh.close()
+    unique = {point_key(p): p for p in points}
+    done = sweep.drive(unique, _CustomRow(evaluate), point_key, results_path(out, name), progress=progress,
+                       desc=name, workers=workers, **(cluster or {}))
+    rows = [done[point_key(p)] for p in points]
+    _raise_failed(rows, name, out)
     return pd.DataFrame(rows)
+
+
+def _raise_failed(rows, name, out):
+    failed = [r for r in rows if isinstance(r.get("error"), str)]
+    if failed:
+        where = f"their rows are in {results_path(out, name)}; " if out is not None else ""
+        raise RuntimeError(f"{name}: {len(failed)} of {len(rows)} points failed ({where}a rerun retries them); the "
+                           f"first: {failed[0]['error']}")
 
 
 def mean_std(df, by, metrics):

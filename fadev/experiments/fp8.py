@@ -132,7 +132,8 @@ def _evaluate(point):
     return common.metrics("vs_golden", out, ref)
 
 
-def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None,
+        **overrides) -> pd.DataFrame:
     """One row per variant (VARIANTS order): format, kernel, scaling, hadamard, mean/std over seeds of
     vs_golden.{rmse, max_abs, rel_l2}, and ``fa3_reported`` (FA3 Table 3's RMSE, NaN where it has none).
     Results in out/fp8.jsonl. Always on the CPU (fp8 scaling is not a sweep-engine feature)."""
@@ -141,7 +142,7 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **ov
         raise ValueError(f"D must be a power of two for the Hadamard rotation, got {s['D']}")
     points = [{"variant": label, "N": s["N"], "n_query": s["n_query"], "D": s["D"], "seed": seed}
               for label, *_ in VARIANTS for seed in range(s["seeds"])]
-    rows = common.run_custom(points, _evaluate, out, NAME, progress)
+    rows = common.run_custom(points, _evaluate, out, NAME, progress, cluster, workers)
     df = common.mean_std(rows, ["variant", "N", "n_query", "D"], ["vs_golden.rmse", "vs_golden.max_abs",
                                                                   "vs_golden.rel_l2"])
     info = {r[0]: r[1:] for r in VARIANTS}

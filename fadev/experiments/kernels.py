@@ -69,7 +69,8 @@ MODELS = {"torch flash": "fa2", "torch efficient": "fa2", "torch cudnn": "fa2", 
 """Which emulation models which PyTorch backend."""
 
 
-def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None,
+        **overrides) -> pd.DataFrame:
     """One row per (impl, format, N): mean/std over seeds of vs_golden.{rmse, max_abs, rel_l2}; ``impl`` is
     'emulated fa2', ..., or 'torch flash', ... (PyTorch rows only when device='cuda' and torch sees a GPU).
     Results in out/kernels.jsonl, out/kernels_prescaled.jsonl and out/kernels_torch.jsonl."""
@@ -77,7 +78,7 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **ov
     points = [{"kernel": kernel, "policy": f"{preset}:{fmt}", "N": min(s["n_query"], N), "N_kv": N, "D": s["D"],
                "seed": seed, "device": device}
               for preset, kernel in EMULATED for fmt in s["formats"] for N in s["Ns"] for seed in range(s["seeds"])]
-    rows = common.run_points(points, out, NAME, workers, progress)
+    rows = common.run_points(points, out, NAME, workers, progress, cluster)
     rows["impl"] = "emulated " + rows["policy"].str.split(":").str[0]
     rows["format"] = rows["policy"].str.split(":").str[1]
     rows["N_kv"] = rows["N_kv"].fillna(rows["N"]).astype(int)
@@ -89,7 +90,7 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **ov
     if device == "cuda" and common.torch_cuda():
         tpoints = [{"backend": b, "format": fmt, "N": N, "n_query": min(s["n_query"], N), "D": s["D"], "seed": seed}
                    for b in TORCH_BACKENDS for fmt in s["formats"] for N in s["Ns"] for seed in range(s["seeds"])]
-        trows = common.run_custom(tpoints, _torch_evaluate, out, NAME + "_torch", progress)
+        trows = common.run_custom(tpoints, _torch_evaluate, out, NAME + "_torch", progress, cluster, workers)
         trows["impl"] = [b if b.startswith("fadev") else "torch " + b for b in trows["backend"]]
         trows = trows.rename(columns={"N": "N_kv", "n_query": "N"})
         frames.append(trows)

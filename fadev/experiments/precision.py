@@ -82,14 +82,15 @@ def _rename(col):
     return f"{PAIRS[head]}.{rest}" if head in PAIRS else col
 
 
-def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None,
+        **overrides) -> pd.DataFrame:
     """One row per format (fewest significand bits first): mean/std over seeds of every metric of
     flash_vs_golden, baseline_vs_golden, flash_vs_baseline, and ratio.rmse / ratio.max_abs (flash's
     deviation from golden over baseline's). Results in out/precision.jsonl (resumable)."""
     s = common.sizes(SIZES, size, overrides)
     points = [paper_point(f, s["N"], s["n_query"], s["D"], s["block_q"], s["block_kv"], seed, device)
               for f in s["formats"] for seed in range(s["seeds"])]
-    rows = common.run_points(points, out, NAME, workers, progress)
+    rows = common.run_points(points, out, NAME, workers, progress, cluster)
     rows["format"] = rows["policy"].str.split(":").str[1]
     df = tidy(rows, ["format", "N", "N_kv", "D", "block_q", "block_kv"])
     df = df.rename(columns={"N": "n_query", "N_kv": "N"})

@@ -115,17 +115,18 @@ def growth_per_doubling(Ws, errs):
     return float(2.0 ** np.polyfit(x, y, 1)[0])
 
 
-def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides):
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None,
+        **overrides):
     """One row per (input, causal, layout, merge, W) with W dividing N (2W for zigzag): the relative L2 errors
     of out, lse, dq, dk, dv. Results in out/ring.jsonl (resumable). The candidate causes (:func:`candidates`)
-    are in ``df.attrs["candidates"]`` (a list of dicts). Always on the CPU (``device`` and ``workers`` are
-    accepted for the common interface)."""
+    are in ``df.attrs["candidates"]`` (a list of dicts). Always on the CPU (``device`` is accepted for the common
+    interface); ``workers`` and ``cluster`` spread the points as in :func:`fadev.experiments.common.run_custom`."""
     s = common.sizes(SIZES, size, overrides)
     points = [{"input": inp, "causal": causal, "layout": layout, "merge": merge, "W": W, "N": s["N"], "H": s["H"],
                "D": s["D"]}
               for inp in ("normal", "outlier") for causal in (False, True) for layout in LAYOUTS for merge in MERGES
               for W in s["Ws"] if s["N"] % (2 * W if layout == "zigzag" else W) == 0]
-    df = common.run_custom(points, _evaluate, out, NAME, progress)
+    df = common.run_custom(points, _evaluate, out, NAME, progress, cluster, workers)
     cands = candidates(s, [{**r, "causal": bool(r["causal"])} for r in df.to_dict("records")])
     df.attrs["candidates"] = [dict(zip(("candidate", "detail", "before", "after", "factor"), c)) for c in cands]
     return df

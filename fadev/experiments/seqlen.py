@@ -53,13 +53,14 @@ SIZES = {
 SIZE_DOCS = common.SIZE_DOCS
 
 
-def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides) -> pd.DataFrame:
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None,
+        **overrides) -> pd.DataFrame:
     """One row per (format, N): mean/std over seeds of flash_vs_baseline.{max_abs, mean_diff, std_diff,
     rel_l2, ...}, flash_vs_golden.*, baseline_vs_golden.*, ratio.*. Results in out/seqlen.jsonl."""
     s = common.sizes(SIZES, size, overrides)
     points = [paper_point(f, N, min(s["n_query"], N), s["D"], s["block_q"], s["block_kv"], seed, device)
               for f in s["formats"] for N in s["Ns"] for seed in range(s["seeds"])]
-    rows = common.run_points(points, out, NAME, workers, progress)
+    rows = common.run_points(points, out, NAME, workers, progress, cluster)
     rows["format"] = rows["policy"].str.split(":").str[1]
     df = tidy(rows, ["format", "N_kv", "N", "D", "block_q", "block_kv"])
     return df.rename(columns={"N": "n_query", "N_kv": "N"}).reset_index(drop=True)

@@ -130,11 +130,15 @@ def check_device(device):
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # torch's deterministic cuBLAS needs it
 
 
-def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides):
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None,
+        **overrides):
     """Train the runs in lockstep; returns the drift rows (one per pair and logged step) with the loss rows in
     ``df.attrs["loss"]`` and the settings in ``df.attrs["settings"]``. Results in out/train_drift.jsonl
     (resumable) and the loss table in out/train_drift_loss.csv. ``progress``: print a line per logged step;
-    ``workers`` is accepted for the common interface (the runs advance in lockstep in one process)."""
+    Without ``cluster`` (or with a local one) the runs advance in lockstep in one process (``workers`` is
+    accepted for the common interface); with ``cluster`` = {"executor": "ray", ...} each run trains as its
+    own task (one GPU each on device cuda) and the pairs are compared at the logged checkpoints
+    (:func:`fadev.training.track_tasks`: the same rows)."""
     check_device(device)
     s = settings(size, **overrides)
     config = training.TrainConfig(**{f.name: s[f.name] for f in dataclasses.fields(training.TrainConfig)
@@ -145,7 +149,11 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **ov
         os.makedirs(out, exist_ok=True)
         path = os.path.join(out, f"{NAME}.jsonl")
     log = (lambda line: print(line, flush=True)) if progress else None
-    drift, loss = training.track(config, runs, pairs, out=path, device=device, log=log)
+    if cluster is not None and cluster.get("executor", "local") != "local":
+        drift, loss = training.track_tasks(config, runs, pairs, out=path, device=device, log=log, progress=progress,
+                                           workers=workers, **cluster)
+    else:
+        drift, loss = training.track(config, runs, pairs, out=path, device=device, log=log)
     if out is not None:
         loss.to_csv(os.path.join(out, f"{NAME}_loss.csv"), index=False)
     drift.attrs["loss"], drift.attrs["settings"] = loss, s

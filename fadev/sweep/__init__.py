@@ -29,22 +29,26 @@ A row (flat dict / DataFrame row) holds:
 
 :func:`point_from_row` gives the point back; :func:`evaluate` on it reproduces the metrics bit for bit.
 :func:`run` validates every point first (one ValueError listing every problem), appends each row to a
-JSON Lines or CSV file as it finishes (flushed and fsynced), skips points already in the file, and
-spreads points over worker processes. :func:`load`, :func:`aggregate` (mean/std/count over seeds) and
-:func:`export` (CSV, Parquet) read results back. ``python -m fadev sweep CONFIG.toml`` runs a TOML
-config (:func:`fadev.sweep.cli.load_config`).
+JSON Lines or CSV file as it finishes (flushed and fsynced; only the calling process writes it), skips
+points already in the file, and spreads points over an executor: local worker processes, Ray tasks on a
+cluster (``executor="ray"``, ``address=``) or any ``concurrent.futures.Executor``; a point that raises
+becomes a row with its ``error`` (retried by the next run) instead of stopping the sweep. :func:`load`,
+:func:`aggregate` (mean/std/count over seeds) and :func:`export` (CSV, Parquet) read results back.
+``python -m fadev sweep CONFIG.toml`` runs a TOML config (:func:`fadev.sweep.cli.load_config`).
 
 The package: :mod:`~fadev.sweep.schema` (parameters, validation, canonical form, keys, grids, the kernel
 table), :mod:`~fadev.sweep.evaluation` (one point -> one row), :mod:`~fadev.sweep.running` (many points,
-workers, resuming; aggregation), :mod:`~fadev.sweep.results` (the results file), :mod:`~fadev.sweep.cli`
-(``python -m fadev sweep``).
+resuming; aggregation), :mod:`~fadev.sweep.executors` (local processes, Ray, any Executor),
+:mod:`~fadev.sweep.results` (the results file), :mod:`~fadev.sweep.cli` (``python -m fadev sweep``).
 """
 from __future__ import annotations
 
 from .evaluation import evaluate, point_from_row
+from .executors import MAX_RETRIES
 from .results import ResultsFile, export, frame, load
-from .running import aggregate, run
+from .running import aggregate, drive, run
 from .schema import KERNELS, MAX_SEQ, METRICS, PARAMS, PRESETS, canonical, expand, point_key, validate
 
 __all__ = ["PARAMS", "METRICS", "PRESETS", "KERNELS", "MAX_SEQ", "expand", "canonical", "validate", "point_key",
-           "evaluate", "point_from_row", "run", "load", "export", "aggregate", "ResultsFile", "frame"]
+           "evaluate", "point_from_row", "run", "drive", "MAX_RETRIES", "load", "export", "aggregate", "ResultsFile",
+           "frame"]

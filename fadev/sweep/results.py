@@ -116,17 +116,31 @@ class ResultsFile:
         os.fsync(self.fh.fileno())
 
     def _widen(self, new_columns):
-        """CSV only: rewrite the file with more header columns (atomically: temp file, fsync, rename)."""
-        import csv
-        import fcntl
+        """CSV only: rewrite the file with more header columns."""
         rows, header = self._read()
         self.header = (header or []) + new_columns
+        self._rewrite(rows)
+
+    def drop(self, keys):
+        """Rewrite the file without the rows whose key is in ``keys`` (a rerun retrying failed points)."""
+        rows, self.header = self._read()
+        self.rows = [r for r in rows if r["key"] not in keys]
+        self._rewrite(self.rows)
+
+    def _rewrite(self, rows):
+        """Replace the file by ``rows`` (as read: CSV rows of strings under self.header) atomically: temp
+        file, fsync, rename, then lock the new file."""
+        import csv
+        import fcntl
         tmp = self.path + ".tmp"
         with open(tmp, "w", newline="") as out:
-            writer = csv.writer(out, lineterminator="\n")
-            writer.writerow(self.header)
-            for row in rows:
-                writer.writerow([row.get(c, "") for c in self.header])
+            if self.kind == "jsonl":
+                out.writelines(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)
+            else:
+                writer = csv.writer(out, lineterminator="\n")
+                writer.writerow(self.header)
+                for row in rows:
+                    writer.writerow([row.get(c, "") for c in self.header])
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, self.path)
@@ -135,7 +149,7 @@ class ResultsFile:
         old.close()
 
     def typed_rows(self):
-        """The rows that were in the file when it was opened, as dicts of Python values."""
+        """The rows that were in the file when it was opened (less dropped ones), as dicts of Python values."""
         return _typed_rows(self.rows, self.header, self.kind)
 
     def close(self):

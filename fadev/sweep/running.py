@@ -1,110 +1,92 @@
 """Running a sweep: every point validated first, rows appended to a results file as points finish,
-finished points skipped on a rerun, points spread over worker processes (:func:`run`); and
+finished points skipped on a rerun, points spread over an executor (:func:`run`, :func:`drive`); and
 :func:`aggregate` (mean/std/count over seeds) of the rows."""
 from __future__ import annotations
 
-import concurrent.futures
-import multiprocessing
-
-from .. import set_num_threads
 from .evaluation import _input_fmt, evaluate
+from .executors import check, execute
 from .results import ResultsFile, frame
 from .schema import _PREFIXES, METRICS, PARAMS, point_key, validate
 
 # ------------------------------------------------------------------ running
-
-def _worker_init():
-    set_num_threads(1)
-
-
-def _evaluate_chunk(points):
-    return [evaluate(p) for p in points]
-
 
 def _golden_group(p):
     return (p["batch"], p["heads"], repr(p["heads_kv"]), p["N"], repr(p["N_kv"]), p["D"], p["dist"], p["seed"],
             _input_fmt(p), p["causal"], repr(p["scale"]))
 
 
-def run(points, out=None, *, workers=1, progress=True):
+def run(points, out=None, *, executor="local", workers=None, address=None, gpus_per_point=None, progress=True):
     """Run a sweep; returns its rows as a DataFrame in the order of ``points`` (one per distinct point).
 
     ``points``: a list of point dicts (see :func:`expand`), all validated before any work starts (one
-    ValueError listing every problem). ``out``: a .jsonl or .csv file; each row is appended, flushed and
-    fsynced as its point finishes, and points whose key is already in the file are skipped (their rows
-    are read back), so an interrupted sweep loses nothing and a rerun resumes it. ``workers`` > 1 runs
-    points in that many spawned processes (one kernel thread each); the results equal a serial run's.
-    Spawned workers import the calling script: guard its top level with ``if __name__ == "__main__":``
-    (as multiprocessing requires; notebooks and ``python -m fadev sweep`` need nothing).
-    ``progress`` shows a tqdm bar with ETA on stderr.
+    ValueError listing every problem). ``out``: a .jsonl or .csv file; only this (the driver) process
+    writes it: each row is appended, flushed and fsynced as its point finishes, and points whose key is
+    already in the file are skipped (their rows are read back), so an interrupted sweep loses nothing and
+    a rerun resumes it.
+
+    ``executor`` (:mod:`fadev.sweep.executors`): "local" runs the points here (``workers`` 1, the
+    default) or in ``workers`` spawned processes (one kernel thread each); "ray" runs one Ray task per
+    chunk of points on the Ray instance at ``address`` (None: a local one with ``workers`` CPUs; "auto" or
+    "ray://host:port": a cluster), points on device "cuda" asking for ``gpus_per_point`` GPUs (default 1;
+    fractions share a GPU); or any ``concurrent.futures.Executor`` (e.g. Dask's
+    ``client.get_executor()``). Whichever runs them, the rows' metrics are the same bits. Spawned local
+    workers import the calling script: guard its top level with ``if __name__ == "__main__":``.
+
+    A point that raises gives a *failed row* (its parameters and ``error``) and the sweep goes on; a rerun
+    retries failed points (their old rows are removed from the file first). A chunk whose worker died is
+    retried a few times (:data:`~fadev.sweep.executors.MAX_RETRIES`). ``progress``: a tqdm bar with ETA
+    on stderr, advancing as rows arrive.
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive integer, got {workers!r}")
     canon = validate(points)
     keys = [point_key(p) for p in canon]
-    order = list(dict.fromkeys(keys))
     unique = dict(zip(keys, canon))
+    rows = drive(unique, evaluate, point_key, out, group=_golden_group, progress=progress, executor=executor,
+                 workers=workers, address=address, gpus_per_point=gpus_per_point)
+    return frame([rows[k] for k in unique])
+
+
+def drive(points, fn, key, out, *, group=None, progress=True, desc="sweep", **options):
+    """Run ``points`` ({key: point}) through ``fn`` (point -> row dict holding "key") on an executor
+    (``options``: executor, workers, address, gpus_per_point; :func:`fadev.sweep.executors.execute`),
+    appending each row to ``out`` (None: no file) as it arrives and skipping the keys finished there;
+    rows of failed points in ``out`` are removed and those points run again. Returns {key: row}.
+    ``fn``, ``key`` and ``group`` (point -> a sortable key; points of one group run together) must be
+    module-level functions (picklable) for executors in other processes."""
+    check(options.get("executor", "local"), options.get("workers"), options.get("address"),
+          options.get("gpus_per_point"))
     file = ResultsFile(out) if out is not None else None
     try:
         done = {}
         if file is not None:
-            done = {r["key"]: r for r in file.typed_rows() if r.get("key") in unique}
-        todo = [k for k in order if k not in done]
-        todo.sort(key=lambda k: _golden_group(unique[k]))  # stable: shared inputs run together (golden cache)
-        new = {}
+            old = {r["key"]: r for r in file.typed_rows()}
+            failed = {k for k, r in old.items() if r.get("error") is not None}
+            if failed:
+                file.drop(failed)
+            done = {k: r for k, r in old.items() if k in points and k not in failed}
+        todo = [k for k in points if k not in done]
+        if group is not None:
+            todo.sort(key=lambda k: group(points[k]))  # stable: shared inputs run together (golden cache)
         from tqdm import tqdm
-        bar = tqdm(total=len(order), initial=len(order) - len(todo), disable=not progress, desc="sweep",
+        bar = tqdm(total=len(points), initial=len(points) - len(todo), disable=not progress, desc=desc,
                    unit="pt", dynamic_ncols=True)
         try:
-            for row in _execute([unique[k] for k in todo], workers):
-                if file is not None:
-                    file.append(row)
-                new[row["key"]] = row
-                bar.update(1)
+            work = execute([points[k] for k in todo], fn, key, group or _no_group, **options) if todo else ()
+            for rows in work:  # nothing to do starts no executor (no Ray instance)
+                for row in rows:
+                    if file is not None:
+                        file.append(row)
+                    done[row["key"]] = row
+                bar.update(len(rows))
         finally:
             bar.close()
     finally:
         if file is not None:
             file.close()
-    return frame([new.get(k) or done[k] for k in order])
+    return done
 
 
-def _execute(points, workers):
-    """Yield rows as points finish: in order when serial; chunks of points sharing inputs when parallel."""
-    if workers == 1 or len(points) <= 1:
-        for p in points:
-            try:
-                row = evaluate(p)
-            except Exception as e:
-                raise RuntimeError(f"sweep point failed: {type(e).__name__}: {e}; point: {p!r}") from e
-            yield row
-        return
-    size = max(1, min(8, len(points) // (4 * workers)))
-    chunks, current = [], []
-    for p in points:
-        if current and (len(current) == size or _golden_group(p) != _golden_group(current[0])):
-            chunks.append(current)
-            current = []
-        current.append(p)
-    chunks.append(current)
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
-        futures = {pool.submit(_evaluate_chunk, c): c for c in chunks}
-        try:
-            for fut in concurrent.futures.as_completed(futures):
-                try:
-                    rows = fut.result()
-                except concurrent.futures.process.BrokenProcessPool as e:
-                    raise RuntimeError("a sweep worker process died (killed, out of memory, or the calling script "
-                                       "lacks the `if __name__ == '__main__':` guard that spawned workers need "
-                                       "to import it safely)") from e
-                except Exception as e:
-                    raise RuntimeError(f"sweep point failed: {type(e).__name__}: {e}; one of the points: "
-                                       f"{futures[fut]!r}") from e
-                yield from rows
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
+def _no_group(p):
+    return 0
 
 
 def aggregate(df, by=None, metrics=None):

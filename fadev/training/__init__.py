@@ -7,19 +7,23 @@ bf16/fp16) training.
 * :mod:`fadev.training.digits`: the workload, a label-conditioned autoregressive transformer over
   scikit-learn's 8 x 8 digits (shipped with the package, no download);
 * :mod:`fadev.training.tracker`: runs in lockstep, distances between pairs of runs every k steps into a
-  resumable results file (:func:`track`).
+  resumable results file (:func:`track`);
+* :mod:`fadev.training.arms`: the same rows with each run trained as an independent task on an executor
+  (Ray, local processes; :func:`track_tasks`).
 
 Needs PyTorch and scikit-learn; ``import fadev`` imports neither, and neither does importing this package:
 its names and submodules load on first use.
 """
 import importlib
 
-__all__ = ["Pair", "RunSpec", "TrainConfig", "track", "config_key", "deterministic"]
+__all__ = ["Pair", "RunSpec", "TrainConfig", "track", "track_tasks", "config_key", "deterministic"]
 
 
 def __getattr__(name):  # torch is imported on first use, so that `python -m fadev --help` works without it
-    if name in ("digits", "tracker"):
+    if name in ("digits", "tracker", "arms"):
         return importlib.import_module(f"{__name__}.{name}")
+    if name == "track_tasks":
+        return importlib.import_module(f"{__name__}.arms").track_tasks
     if name in __all__:
         return getattr(importlib.import_module(f"{__name__}.tracker"), name)
     raise AttributeError(f"module 'fadev.training' has no attribute {name!r}")

@@ -262,12 +262,18 @@ def track(config, runs, pairs, out=None, checkpoint=True, device="cpu", callback
             file.close()
 
 
-def _track(config, runs, pairs, key, file, ckpt, device, callback, log):
+def rows_of(file, key):
+    """The rows in ``file`` (None: none), all of configuration ``key``; ValueError if any is another's."""
     old = file.typed_rows() if file is not None else []
     other = sorted({r.get("config") for r in old} - {key}, key=str)
     if other:
         raise ValueError(f"results file {file.path!r} holds rows of another configuration (config {other[0]}; this "
                          f"one is {key}): write to another file or folder, or delete it to start over")
+    return old
+
+
+def _track(config, runs, pairs, key, file, ckpt, device, callback, log):
+    old = rows_of(file, key)
     done = {r["key"] for r in old}
     rows = list(old)
     train_x, train_y, eval_x, eval_y = digits.load()
@@ -302,16 +308,12 @@ def _track(config, runs, pairs, key, file, ckpt, device, callback, log):
             for p in pairs:
                 k = f"{key}/{step}/pair/{p.name}"
                 if k not in done:
-                    d = weights.model_distance(models[p.a], models[p.b])
-                    emit({"key": k, "config": key, "kind": "drift", "step": step, "pair": p.name, "role": p.role,
-                          "a": p.a, "b": p.b, "max_abs": d["max_abs"], "wasserstein": d["wasserstein"],
-                          "rmse": d["rmse"], "rel_l2": d["rel_l2"], "max_abs_tensor": d["max_abs_tensor"]})
+                    emit(drift_row(key, step, p, models[p.a], models[p.b]))
             for name, r in state.items():
                 k = f"{key}/{step}/run/{name}"
                 if k not in done:
-                    emit({"key": k, "config": key, "kind": "loss", "step": step, "run": name,
-                          "train_loss": r.loss_sum / r.loss_n if r.loss_n else None,
-                          "eval_loss": r.eval_loss(eval_x, eval_y), "seconds": r.seconds})
+                    emit(loss_row(key, step, name, r.loss_sum / r.loss_n if r.loss_n else None,
+                                  r.eval_loss(eval_x, eval_y), r.seconds))
                 r.reset()
             if ckpt is not None and step > start:
                 _save_checkpoint(ckpt, key, step, state)
@@ -330,7 +332,25 @@ def _track(config, runs, pairs, key, file, ckpt, device, callback, log):
                 log_step(done_steps)
                 log(f"step {done_steps}/{config.steps}: " + ", ".join(
                     f"{p.name} {rows_for(rows, key, done_steps, p.name):.3g}" for p in pairs))
-    mine = [r for r in rows if r.get("config") == key and r["step"] <= config.steps]
+    return frames(rows, key, config.steps)
+
+
+def drift_row(key, step, pair, a, b):
+    """The drift row of ``pair`` at ``step``: distances of weights ``a`` from ``b`` (modules or state dicts)."""
+    d = weights.model_distance(a, b)
+    return {"key": f"{key}/{step}/pair/{pair.name}", "config": key, "kind": "drift", "step": step, "pair": pair.name,
+            "role": pair.role, "a": pair.a, "b": pair.b, "max_abs": d["max_abs"], "wasserstein": d["wasserstein"],
+            "rmse": d["rmse"], "rel_l2": d["rel_l2"], "max_abs_tensor": d["max_abs_tensor"]}
+
+
+def loss_row(key, step, name, train_loss, eval_loss, seconds):
+    return {"key": f"{key}/{step}/run/{name}", "config": key, "kind": "loss", "step": step, "run": name,
+            "train_loss": train_loss, "eval_loss": eval_loss, "seconds": seconds}
+
+
+def frames(rows, key, steps):
+    """(drift, loss) DataFrames of the rows of configuration ``key`` up to ``steps``, sorted by step."""
+    mine = [r for r in rows if r.get("config") == key and r["step"] <= steps]
     drift = frame(sorted((r for r in mine if r["kind"] == "drift"), key=lambda r: r["step"]))
     loss = frame(sorted((r for r in mine if r["kind"] == "loss"), key=lambda r: r["step"]))
     return drift, loss
