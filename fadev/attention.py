@@ -16,7 +16,7 @@ from . import _args
 from . import _core
 from . import cuda as _cuda
 from ._args import MAX_DIM, sram_tiles
-from .formats import as_format, round as _round
+from .formats import as_format, check_bytes, round as _round
 from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE
 
 
@@ -84,11 +84,8 @@ def random_qkv(shape, dist="normal", seed=0, fmt=None, heads_kv=None, seq_kv=Non
     ``fmt`` the values are rounded (nearest even) to that format.
     """
     _args.choice("dist", dist, DISTRIBUTIONS)
-    try:
-        shape = tuple(int(s) for s in shape)
-    except TypeError:
-        raise TypeError(f"shape must be a tuple of ints, got {shape!r}") from None
-    if len(shape) not in (2, 3, 4) or min(shape) < 1:
+    shape = _args.shape_of(shape, "shape")
+    if len(shape) not in (2, 3, 4):
         raise ValueError(f"shape must be (N, D), (H, N, D) or (B, H, N, D) with sizes >= 1, got {shape}")
     kv_shape = list(shape)
     if heads_kv is not None:
@@ -103,6 +100,8 @@ def random_qkv(shape, dist="normal", seed=0, fmt=None, heads_kv=None, seq_kv=Non
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     fmt = as_format(fmt) if fmt is not None else None
+    sizes = (np.prod(shape, dtype=object), 2 * np.prod(kv_shape, dtype=object))
+    check_bytes("shape", 8 * (sum(sizes) + max(sizes)), f"q {shape} and k, v {tuple(kv_shape)} as float64")
     rng = np.random.Generator(np.random.PCG64(int(seed)))
 
     def draw(sh):

@@ -32,8 +32,9 @@ import sys
 import ml_dtypes
 import numpy as np
 
+from . import _args
 from . import _core
-from .formats import _numeric
+from .formats import as_float
 
 _BUILD_HINT = ("fadev's GPU kernels need a build with nvcc -- FADEV_CUDA=1 pip install -e . (or FADEV_CUDA=1 "
                "python setup.py build_ext --inplace) -- and a visible CUDA device")
@@ -65,15 +66,7 @@ def device_count() -> int:
 # ---------------------------------------------------------------- device arrays
 
 def _shape_of(shape) -> tuple:
-    if isinstance(shape, numbers.Integral):
-        shape = (shape,)
-    try:
-        shape = tuple(int(s) for s in shape)
-    except TypeError:
-        raise TypeError(f"shape must be an int or a tuple of ints, got {shape!r}") from None
-    if any(s < 0 for s in shape):
-        raise ValueError(f"shape must have sizes >= 0, got {shape}")
-    return shape
+    return _args.shape_of(shape, "shape", minimum=0)
 
 
 class DeviceArray:
@@ -338,7 +331,7 @@ class _Gpu:
                                 f"installed; pass an array with __cuda_array_interface__") from None
             arr = self._from_torch(torch.from_dlpack(x), name, dtype)
         else:
-            host = np.ascontiguousarray(_numeric(x, name).astype(dtype, copy=False))
+            host = as_float(x, name, dtype, contiguous=True)
             return DeviceArray.from_numpy(host)
         if arr.size:
             owner = _core.cuda_pointer_device(arr.ptr)
