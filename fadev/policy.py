@@ -274,5 +274,8 @@ def as_policy(policy, name: str = "policy") -> Policy:
             raise ValueError(f"{name}: malformed policy {policy!r}; expected a preset name ('golden') or "
                              f"'preset:format' / 'preset(format)', e.g. 'fa2:bf16'")
         preset, colon, paren = match.groups()
-        return Policy.preset(preset, colon or paren)
+        try:
+            return Policy.preset(preset, colon or paren)
+        except ValueError as e:
+            raise ValueError(f"{name} {policy!r}: {e}") from None
     raise TypeError(f"{name}: expected a fadev.Policy or a preset name like 'fa2:bf16', got {type(policy).__name__}")
