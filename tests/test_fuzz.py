@@ -378,3 +378,11 @@ def test_torch_attention(qkv, kernel, causal, data):
     args = {"query": q, "policy": "fa2:bf16", "kernel": kernel, "is_causal": causal, "enable_gqa": gqa}
     args[arg] = data.draw(bad[arg])
     rejects(arg, ft.attention, args.pop("query"), k, v, args.pop("policy"), **args)
+
+
+def test_binding_reports_a_failed_copy_as_memory_error():
+    """The binding copies a non-contiguous input to a contiguous array; when that cannot be allocated
+    (2^46 float64s: beyond any address space) it is a MemoryError naming the argument, not a TypeError."""
+    fmt = fadev.formats["bf16"]._c
+    with pytest.raises(MemoryError, match=r"^x: cannot allocate 562949953421312 bytes"):
+        fadev._core.round(np.broadcast_to(np.float64(1.0), (2**46,)), fmt, 0, 0, 0, 0)
