@@ -118,8 +118,10 @@ def check_policy(pol: Policy, q4, k4) -> None:
                          f"got seq_q={q4.shape[2]}, seq_kv={k4.shape[2]}")
 
 
-def prepare(q, k, v, policy, causal, scale, gpu=None):
-    """A policy kernel's arguments checked: 4-D q, k, v, the Policy, causal, the scale and q's rank."""
+def prepare(q, k, v, policy, causal, scale, gpu=None, return_lse=False):
+    """A policy kernel's arguments checked: 4-D q, k, v, the Policy, causal, the scale and q's rank
+    (``return_lse`` checked too, so that a bad flag is refused before the kernel runs)."""
+    boolean(return_lse, "return_lse")
     pol = as_policy(policy, "policy")
     q4, k4, v4, rank = qkv(q, k, v, gpu)
     check_policy(pol, q4, k4)

@@ -30,7 +30,7 @@ def baseline_attention(q, k, v, policy, *, causal=False, scale=None, return_lse=
     "cpu" or "cuda"; the GPU kernel gives the same bits (inputs and results as :mod:`fadev.cuda` says).
     """
     gpu = _cuda.route(device, q=q, k=k, v=v)
-    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
+    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu, return_lse)
     out, lse = (gpu or _core).baseline_attention(q4, k4, v4, pol._c, scale, causal)
     return _args.unshape_forward(out, lse, rank, return_lse)
 
@@ -44,6 +44,7 @@ def golden_attention(q, k, v, *, causal=False, scale=None, return_lse=False, dev
     if gpu is None:
         return baseline_attention(q, k, v, "golden", causal=causal, scale=scale, return_lse=return_lse)
     q4, k4, v4, rank = _args.qkv(q, k, v, gpu)
+    _args.boolean(return_lse, "return_lse")
     out, lse = gpu.golden_attention(q4, k4, v4, _args.scale_of(scale, q4.shape[3]), _args.causal_of(causal))
     return _args.unshape_forward(out, lse, rank, return_lse)
 
@@ -61,7 +62,7 @@ def flash_attention(q, k, v, policy, *, causal=False, scale=None, block_q=None, 
     ``device`` as there.
     """
     gpu = _cuda.route(device, q=q, k=k, v=v)
-    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
+    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu, return_lse)
     block_q, block_kv = _args.tiles(pol, q4.shape[3], block_q, block_kv, sram_bytes)
     choices = (_args.choice("loop_order", loop_order, LOOP_ORDERS, pol.loop_order),
                _args.choice("normalize", normalize, NORMALIZE, pol.normalize),

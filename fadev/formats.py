@@ -201,13 +201,19 @@ def _numeric(x, name="x"):
     """x as a NumPy array of a real numeric dtype (bool, integer, float; ml_dtypes' 1- and 2-byte floats
     as float32); TypeError naming ``name`` for complex, object, string, datetime and timedelta arrays."""
     arr = np.asarray(x)
-    kind = arr.dtype.kind
-    if kind == "V" and arr.dtype.itemsize in (1, 2) and arr.dtype.type.__module__.startswith("ml_dtypes"):
+    if not real_dtype(arr.dtype):
+        raise TypeError(f"{name}: expected a real numeric array, got dtype {arr.dtype}")
+    if arr.dtype.kind == "V":
         _copy_bytes(name, arr, 4)
         return arr.astype(np.float32)
-    if kind not in "biuf":
-        raise TypeError(f"{name}: expected a real numeric array, got dtype {arr.dtype}")
     return arr
+
+
+def real_dtype(dtype) -> bool:
+    """Whether ``dtype`` holds real numbers: bool, integer, float, or an ml_dtypes 1- or 2-byte float."""
+    if dtype.kind == "V":
+        return dtype.itemsize in (1, 2) and dtype.type.__module__.startswith("ml_dtypes")
+    return dtype.kind in "biuf"
 
 
 def as_float(x, name="x", dtype=np.float64, contiguous=False):

@@ -132,7 +132,7 @@ def ring_attention(q, k, v, policy, *, world_size, layout="contiguous", merge="l
     :func:`fadev.flash_attention`'s: on the GPU every ring step's flash call runs on the GPU's emulated
     flash kernel and the merge on the host (:mod:`fadev.ring_steps`), the same bits as the CPU."""
     gpu = _cuda.route(device, q=q, k=k, v=v)
-    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
+    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu, return_lse)
     world_size, mg = _ring_args(q4, k4, world_size, layout, merge)
     tiles = _args.tiles(pol, q4.shape[3], block_q, block_kv)
     choices = (_args.choice("loop_order", loop_order, LOOP_ORDERS, pol.loop_order),

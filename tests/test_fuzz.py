@@ -210,6 +210,8 @@ def test_forward_and_backward_valid(qkv, policy, kind, causal, data):
     finally:
         fadev.set_num_threads(threads)
     assert one.tobytes() == three.tobytes() == out.tobytes()
+    plain = [np.array(x, dtype=np.float64, order="C") for x in (q, k, v)]  # exact for every drawn dtype
+    assert _forward(kind, *plain, policy, causal=causal).tobytes() == out.tobytes()  # layout and dtype: same bits
 
 
 KERNEL_ARGS = {  # argument -> strategy of invalid values for it
@@ -353,6 +355,7 @@ def test_random_qkv_and_helpers(shape, dist, seed, data):
     finally:
         fadev.set_num_threads(threads)
     rejects("shape", fadev.DeviceArray, data.draw(st.sampled_from([(2.5,), (True,), ("4",), (-1,)])))
+    rejects("dtype", fadev.DeviceArray, (2,), data.draw(st.sampled_from(["m8[s]", "M8[D]", "c16", "U3", "O"])))
 
 
 # ---------------------------------------------------------------- fadev.torch
