@@ -12,7 +12,7 @@ import numbers
 
 import numpy as np
 
-from .formats import ROUNDING_MODES, _numeric, as_float, boolean, check_bytes, integer
+from .formats import ROUNDING_MODES, _numeric, as_float, boolean, check_bytes
 from .policy import Policy, as_policy
 
 MAX_DIM = 256

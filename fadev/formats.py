@@ -57,7 +57,7 @@ class Format:
     largest: float = 0.0
 
     def __post_init__(self):
-        if self.overflow not in OVERFLOW_RULES:
+        if not isinstance(self.overflow, str) or self.overflow not in OVERFLOW_RULES:
             raise ValueError(f"overflow must be one of {sorted(OVERFLOW_RULES)}, got {self.overflow!r}")
         if not isinstance(self.name, str):
             raise TypeError(f"name must be a str, got {self.name!r}")
@@ -165,7 +165,7 @@ def custom_format(precision, emin, emax, subnormals=True, has_inf=True, overflow
     """A format from its parameters, e.g. ``custom_format(5, -30, 31)``."""
     if overflow is None:
         overflow = "inf" if boolean(has_inf, "has_inf") else "nan"
-    name = f"p{precision}_e{emin}_{emax}" if name is None else name
+    name = name or f"p{precision}_e{emin}_{emax}"
     return Format(name, precision, emin, emax, subnormals, has_inf, overflow, 0.0 if largest is None else largest)
 
 
