@@ -153,13 +153,27 @@ int parse_native_params(PyObject *obj, void *out) {
 
 /* ------------------------------------------------------------ arrays */
 
+/* obj as an aligned C-contiguous array of type. A copy that cannot be allocated is a MemoryError naming the
+ * argument and the bytes it needed (never a TypeError); anything else that fails is a TypeError. */
 PyObject *as_array(PyObject *obj, int type, const char *name) {
     PyObject *arr = PyArray_FROMANY(obj, type, 0, 0, NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
-    if (!arr) {
+    if (arr) return arr;
+    if (PyErr_ExceptionMatches(PyExc_MemoryError)) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "%s: expected a real numeric array, got %.100s", name, Py_TYPE(obj)->tp_name);
+        if (PyArray_Check(obj)) {
+            PyArrayObject *a = (PyArrayObject *)obj;
+            int itemsize = type == NPY_UINT8 ? 1 : type == NPY_UINT16 ? 2 : type == NPY_FLOAT32 || type == NPY_UINT32 ? 4 : 8;
+            unsigned long long bytes = (unsigned long long)PyArray_MultiplyList(PyArray_DIMS(a), PyArray_NDIM(a));
+            PyErr_Format(PyExc_MemoryError, "%s: cannot allocate %llu bytes for a contiguous copy", name,
+                         bytes * (unsigned long long)itemsize);
+        } else {
+            PyErr_Format(PyExc_MemoryError, "%s: cannot allocate a contiguous copy", name);
+        }
+        return NULL;
     }
-    return arr;
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "%s: expected a real numeric array, got %.100s", name, Py_TYPE(obj)->tp_name);
+    return NULL;
 }
 
 PyObject *new_like(PyObject *shape_of, int ndim, int type) {

@@ -13,6 +13,7 @@ import importlib.util
 from . import _core
 from .formats import (Format, as_format, custom_format, formats, from_bits, from_ml_dtypes, round, to_bits,
                       to_ml_dtypes, ulp)
+from .formats import integer as _integer
 from .metrics import (Comparison, UlpHistogram, compare, max_abs, max_rel, mean_abs, mean_diff, rel_l2, rmse,
                       std_diff, ulp_error, ulp_histogram, wasserstein)
 from .policy import STAGES, Policy, as_policy
@@ -39,8 +40,9 @@ def get_num_threads() -> int:
 
 def set_num_threads(n: int) -> None:
     """Set the number of worker threads (1..256); FADEV_NUM_THREADS sets the default."""
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"n must be an int, got {n!r}")
+    n = _integer(n, "n")
+    if not 1 <= n <= 256:
+        raise ValueError(f"n must be between 1 and 256, got {n}")
     _core.set_num_threads(n)
 
 

@@ -12,7 +12,7 @@ import numbers
 
 import numpy as np
 
-from .formats import ROUNDING_MODES, _numeric
+from .formats import ROUNDING_MODES, _numeric, as_float, boolean, check_bytes
 from .policy import Policy, as_policy
 
 MAX_DIM = 256
@@ -28,6 +28,21 @@ def choice(name, value, allowed, default=None) -> int:
     return allowed.index(value)
 
 
+def shape_of(shape, name="shape", minimum=1) -> tuple:
+    """``shape`` (an integer or a sequence of integers, NumPy integers included) as a tuple of ints, each
+    >= ``minimum``; TypeError naming ``name`` for any entry that is not an integer (2.5, True, "4"),
+    ValueError for one below ``minimum``."""
+    if isinstance(shape, (str, bytes)) or not (isinstance(shape, numbers.Integral) or hasattr(shape, "__iter__")):
+        raise TypeError(f"{name} must be an int or a tuple of ints, got {shape!r}")
+    entries = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
+    for s in entries:
+        if isinstance(s, (bool, np.bool_)) or not isinstance(s, numbers.Integral):
+            raise TypeError(f"{name} must be a tuple of ints, got {shape!r} (entry {s!r})")
+        if s < minimum:
+            raise ValueError(f"{name} must have sizes >= {minimum}, got {shape!r}")
+    return tuple(int(s) for s in entries)
+
+
 def positive_int(value, name, limit=INT32_MAX) -> int:
     """``value`` as an int in 1..limit (bools refused); ValueError otherwise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= int(value) <= limit:
@@ -36,22 +51,28 @@ def positive_int(value, name, limit=INT32_MAX) -> int:
     return int(value)
 
 
-def operand(x, name, gpu=None, dtype=np.float64):
-    """x as a float64 NumPy array, or with ``gpu`` (a fadev.cuda._Gpu) a contiguous ``dtype`` device
-    array; 2-, 3- or 4-D with no empty axis."""
+def _unconverted(x, name, gpu, dtype):
     arr = gpu.operand(x, name, dtype) if gpu else _numeric(x, name)
     if arr.ndim not in (2, 3, 4):
         raise ValueError(f"{name}: expected a 2-D (N, D), 3-D (H, N, D) or 4-D (B, H, N, D) array, "
                          f"got shape {arr.shape}")
     if 0 in arr.shape:
         raise ValueError(f"{name}: every dimension must be >= 1, got shape {arr.shape}")
-    return arr if gpu else arr.astype(np.float64, copy=False)
+    return arr
+
+
+def operand(x, name, gpu=None, dtype=np.float64):
+    """x as a C-contiguous float64 NumPy array, or with ``gpu`` (a fadev.cuda._Gpu) a contiguous ``dtype``
+    device array; 2-, 3- or 4-D with no empty axis; its size checked before any copy."""
+    arr = _unconverted(x, name, gpu, dtype)
+    return arr if gpu else as_float(arr, name, contiguous=True)
 
 
 def qkv(q, k, v, gpu=None, dtype=np.float64):
     """Validated 4-D q, k, v (float64 NumPy, or device arrays of ``dtype`` with ``gpu``) and q's
-    original rank. K/V may have fewer heads (grouped-query) and another length."""
-    q, k, v = operand(q, "q", gpu, dtype), operand(k, "k", gpu, dtype), operand(v, "v", gpu, dtype)
+    original rank. K/V may have fewer heads (grouped-query) and another length. On the host the memory
+    the call needs (the kernel's copies of q, k, v, out and lse) is checked before anything is copied."""
+    q, k, v = (_unconverted(x, n, gpu, dtype) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     if not q.ndim == k.ndim == v.ndim:
         raise ValueError(f"q, k, v must have the same rank, got q {q.ndim}-D, k {k.ndim}-D, v {v.ndim}-D")
     if k.shape != v.shape:
@@ -68,6 +89,10 @@ def qkv(q, k, v, gpu=None, dtype=np.float64):
     if H % k4.shape[1] != 0:
         raise ValueError(f"q has {H} heads, not a multiple of k/v's {k4.shape[1]} heads (grouped-query needs "
                          f"heads % heads_kv == 0)")
+    if gpu is None:
+        check_bytes("q, k, v", 8 * (3 * (q.size + k.size + v.size) + q.size + q.size // D),
+                    f"q {q.shape}, k {k.shape}, v {v.shape} as float64 with the kernel's copies and results")
+        q4, k4, v4 = (as_float(t, n, contiguous=True) for t, n in ((q4, "q"), (k4, "k"), (v4, "v")))
     return q4, k4, v4, rank
 
 
@@ -83,9 +108,7 @@ def scale_of(scale, dim) -> float:
 
 
 def causal_of(causal) -> bool:
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
-    return bool(causal)
+    return boolean(causal, "causal")
 
 
 def check_policy(pol: Policy, q4, k4) -> None:
@@ -95,8 +118,10 @@ def check_policy(pol: Policy, q4, k4) -> None:
                          f"got seq_q={q4.shape[2]}, seq_kv={k4.shape[2]}")
 
 
-def prepare(q, k, v, policy, causal, scale, gpu=None):
-    """A policy kernel's arguments checked: 4-D q, k, v, the Policy, causal, the scale and q's rank."""
+def prepare(q, k, v, policy, causal, scale, gpu=None, return_lse=False):
+    """A policy kernel's arguments checked: 4-D q, k, v, the Policy, causal, the scale and q's rank
+    (``return_lse`` checked too, so that a bad flag is refused before the kernel runs)."""
+    boolean(return_lse, "return_lse")
     pol = as_policy(policy, "policy")
     q4, k4, v4, rank = qkv(q, k, v, gpu)
     check_policy(pol, q4, k4)
@@ -107,7 +132,7 @@ def saved(q4, out, lse, dout, rank, gpu=None, dtype=np.float64, lse_dtype=np.flo
     """A backward's out, dout (4-D) and lse (3-D) (device arrays of ``dtype`` / ``lse_dtype`` with
     ``gpu``), their shapes checked against q's original rank."""
     out, dout = operand(out, "out", gpu, dtype), operand(dout, "dout", gpu, dtype)
-    lse = gpu.operand(lse, "lse", lse_dtype) if gpu else _numeric(lse, "lse").astype(np.float64, copy=False)
+    lse = gpu.operand(lse, "lse", lse_dtype) if gpu else as_float(lse, "lse", contiguous=True)
     shape = q4.shape[4 - rank:]
     for name, arr, want in (("out", out, shape), ("dout", dout, shape), ("lse", lse, shape[:-1])):
         if arr.shape != want:
@@ -120,6 +145,7 @@ def sram_tiles(sram_bytes, dim):
     """FlashAttention-1's tile rule for on-chip memory of M bytes: Bc = ceil(M / (4 d)), Br = min(Bc, d).
     Returns (block_q, block_kv) = (Br, Bc)."""
     m = positive_int(sram_bytes, "sram_bytes")
+    dim = positive_int(dim, "dim")
     bc = -(-m // (4 * dim))
     return min(bc, dim), bc
 
@@ -138,7 +164,7 @@ def tiles(pol: Policy, dim, block_q=None, block_kv=None, sram_bytes=None):
 def unshape_forward(out, lse, rank, return_lse):
     """A forward's (out, lse) from 4-D / 3-D back to the caller's rank: ``out`` or ``(out, lse)``."""
     out = out.reshape(out.shape[4 - rank:])
-    if not return_lse:
+    if not boolean(return_lse, "return_lse"):
         return out
     return out, lse.reshape(lse.shape[4 - rank:])
 

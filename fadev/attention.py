@@ -16,7 +16,7 @@ from . import _args
 from . import _core
 from . import cuda as _cuda
 from ._args import MAX_DIM, sram_tiles
-from .formats import as_format, round as _round
+from .formats import as_format, check_bytes, round as _round
 from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE
 
 
@@ -30,7 +30,7 @@ def baseline_attention(q, k, v, policy, *, causal=False, scale=None, return_lse=
     "cpu" or "cuda"; the GPU kernel gives the same bits (inputs and results as :mod:`fadev.cuda` says).
     """
     gpu = _cuda.route(device, q=q, k=k, v=v)
-    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
+    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu, return_lse)
     out, lse = (gpu or _core).baseline_attention(q4, k4, v4, pol._c, scale, causal)
     return _args.unshape_forward(out, lse, rank, return_lse)
 
@@ -44,6 +44,7 @@ def golden_attention(q, k, v, *, causal=False, scale=None, return_lse=False, dev
     if gpu is None:
         return baseline_attention(q, k, v, "golden", causal=causal, scale=scale, return_lse=return_lse)
     q4, k4, v4, rank = _args.qkv(q, k, v, gpu)
+    _args.boolean(return_lse, "return_lse")
     out, lse = gpu.golden_attention(q4, k4, v4, _args.scale_of(scale, q4.shape[3]), _args.causal_of(causal))
     return _args.unshape_forward(out, lse, rank, return_lse)
 
@@ -61,7 +62,7 @@ def flash_attention(q, k, v, policy, *, causal=False, scale=None, block_q=None, 
     ``device`` as there.
     """
     gpu = _cuda.route(device, q=q, k=k, v=v)
-    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
+    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu, return_lse)
     block_q, block_kv = _args.tiles(pol, q4.shape[3], block_q, block_kv, sram_bytes)
     choices = (_args.choice("loop_order", loop_order, LOOP_ORDERS, pol.loop_order),
                _args.choice("normalize", normalize, NORMALIZE, pol.normalize),
@@ -84,11 +85,8 @@ def random_qkv(shape, dist="normal", seed=0, fmt=None, heads_kv=None, seq_kv=Non
     ``fmt`` the values are rounded (nearest even) to that format.
     """
     _args.choice("dist", dist, DISTRIBUTIONS)
-    try:
-        shape = tuple(int(s) for s in shape)
-    except TypeError:
-        raise TypeError(f"shape must be a tuple of ints, got {shape!r}") from None
-    if len(shape) not in (2, 3, 4) or min(shape) < 1:
+    shape = _args.shape_of(shape, "shape")
+    if len(shape) not in (2, 3, 4):
         raise ValueError(f"shape must be (N, D), (H, N, D) or (B, H, N, D) with sizes >= 1, got {shape}")
     kv_shape = list(shape)
     if heads_kv is not None:
@@ -103,6 +101,8 @@ def random_qkv(shape, dist="normal", seed=0, fmt=None, heads_kv=None, seq_kv=Non
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     fmt = as_format(fmt) if fmt is not None else None
+    sizes = (np.prod(shape, dtype=object), 2 * np.prod(kv_shape, dtype=object))
+    check_bytes("shape", 8 * (sum(sizes) + max(sizes)), f"q {shape} and k, v {tuple(kv_shape)} as float64")
     rng = np.random.Generator(np.random.PCG64(int(seed)))
 
     def draw(sh):

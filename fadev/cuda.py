@@ -32,8 +32,9 @@ import sys
 import ml_dtypes
 import numpy as np
 
+from . import _args
 from . import _core
-from .formats import _numeric
+from .formats import as_float, check_bytes, real_dtype
 
 _BUILD_HINT = ("fadev's GPU kernels need a build with nvcc -- FADEV_CUDA=1 pip install -e . (or FADEV_CUDA=1 "
                "python setup.py build_ext --inplace) -- and a visible CUDA device")
@@ -65,15 +66,7 @@ def device_count() -> int:
 # ---------------------------------------------------------------- device arrays
 
 def _shape_of(shape) -> tuple:
-    if isinstance(shape, numbers.Integral):
-        shape = (shape,)
-    try:
-        shape = tuple(int(s) for s in shape)
-    except TypeError:
-        raise TypeError(f"shape must be an int or a tuple of ints, got {shape!r}") from None
-    if any(s < 0 for s in shape):
-        raise ValueError(f"shape must have sizes >= 0, got {shape}")
-    return shape
+    return _args.shape_of(shape, "shape", minimum=0)
 
 
 class DeviceArray:
@@ -87,8 +80,8 @@ class DeviceArray:
     def __init__(self, shape, dtype=np.float64):
         self._ptr, self._base = 0, None  # so __del__ is harmless if the allocation fails
         shape, dtype = _shape_of(shape), np.dtype(dtype)
-        if dtype.hasobject:
-            raise TypeError(f"dtype must be a numeric dtype, got {dtype}")
+        if not real_dtype(dtype):
+            raise TypeError(f"dtype must be a real numeric dtype, got {dtype}")
         if not device_count():
             raise no_gpu("DeviceArray")
         self._shape, self._dtype = shape, dtype
@@ -104,7 +97,9 @@ class DeviceArray:
     @classmethod
     def from_numpy(cls, arr) -> "DeviceArray":
         """A device copy of a host array (anything NumPy turns into a numeric array; its dtype is kept)."""
-        arr = np.require(np.asarray(arr), requirements="C")  # keeps 0-d arrays 0-d (ascontiguousarray would not)
+        arr = np.asarray(arr)
+        check_bytes("arr", arr.nbytes, f"a contiguous copy of shape {arr.shape}")
+        arr = np.require(arr, requirements="C")  # keeps 0-d arrays 0-d (ascontiguousarray would not)
         dev = cls(arr.shape, arr.dtype)
         if arr.size:
             _core.cuda_upload(dev.ptr, arr.reshape(-1).view(np.uint8))
@@ -338,7 +333,7 @@ class _Gpu:
                                 f"installed; pass an array with __cuda_array_interface__") from None
             arr = self._from_torch(torch.from_dlpack(x), name, dtype)
         else:
-            host = np.ascontiguousarray(_numeric(x, name).astype(dtype, copy=False))
+            host = as_float(x, name, dtype, contiguous=True)
             return DeviceArray.from_numpy(host)
         if arr.size:
             owner = _core.cuda_pointer_device(arr.ptr)

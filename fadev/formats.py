@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import os
 
 import numpy as np
 
@@ -16,6 +18,22 @@ from . import _core
 
 OVERFLOW_RULES = {"inf": 0, "nan": 1, "saturate": 2}
 ROUNDING_MODES = {"rne": 0, "nearest": 0, "rtz": 1, "toward_zero": 1, "stochastic": 2, "sr": 2}
+
+
+def integer(value, name) -> int:
+    """``value`` (any numbers.Integral, NumPy integers included, bools refused) as an int; TypeError
+    naming ``name`` otherwise. The one integer checker of fadev's arguments."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def boolean(value, name) -> bool:
+    """``value`` (a bool or NumPy bool) as a bool; TypeError naming ``name`` for anything else, so that
+    ``"no"`` or ``0`` is never read by its truthiness. The one flag checker of fadev's arguments."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +57,16 @@ class Format:
     largest: float = 0.0
 
     def __post_init__(self):
-        if self.overflow not in OVERFLOW_RULES:
+        if not isinstance(self.overflow, str) or self.overflow not in OVERFLOW_RULES:
             raise ValueError(f"overflow must be one of {sorted(OVERFLOW_RULES)}, got {self.overflow!r}")
+        if not isinstance(self.name, str):
+            raise TypeError(f"name must be a str, got {self.name!r}")
         for field in ("precision", "emin", "emax"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{field} must be an integer, got {value!r}")
+            object.__setattr__(self, field, integer(getattr(self, field), field))
+        for field in ("subnormals", "has_inf"):
+            object.__setattr__(self, field, boolean(getattr(self, field), field))
+        if isinstance(self.largest, (bool, np.bool_)) or not isinstance(self.largest, numbers.Real):
+            raise TypeError(f"largest must be a real number, got {self.largest!r}")
         if not 1 <= self.precision <= 53:
             raise ValueError(f"precision must be in 1..53, got {self.precision}")
         if not -1022 <= self.emin <= self.emax <= 1023:
@@ -142,25 +164,70 @@ def as_format(fmt, name: str = "fmt") -> Format:
 def custom_format(precision, emin, emax, subnormals=True, has_inf=True, overflow=None, largest=None, name=None):
     """A format from its parameters, e.g. ``custom_format(5, -30, 31)``."""
     if overflow is None:
-        overflow = "inf" if has_inf else "nan"
+        overflow = "inf" if boolean(has_inf, "has_inf") else "nan"
     name = name or f"p{precision}_e{emin}_{emax}"
-    return Format(name, precision, emin, emax, bool(subnormals), bool(has_inf), overflow, largest or 0.0)
+    return Format(name, precision, emin, emax, subnormals, has_inf, overflow, 0.0 if largest is None else largest)
 
 
 def _mode(mode) -> int:
-    if mode in ROUNDING_MODES:
+    if isinstance(mode, str) and mode in ROUNDING_MODES:
         return ROUNDING_MODES[mode]
     raise ValueError(f"mode must be one of 'rne', 'rtz', 'stochastic', got {mode!r}")
 
 
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not POSIX: only numpy's own allocation check remains
+        return 2**62
+
+
+def check_bytes(name, nbytes, what="the call") -> int:
+    """``nbytes``, or MemoryError naming ``name`` and the bytes when they exceed this machine's memory:
+    checked before anything is allocated, so that an absurd size (a broadcast view, a typo'd shape) is
+    refused cleanly instead of failing halfway or swapping."""
+    have = _memory_bytes()
+    if nbytes > have:
+        raise MemoryError(f"{name}: {what} would need {nbytes} bytes ({nbytes / 2**30:.4g} GiB), more than this "
+                          f"machine's {have} bytes of memory")
+    return nbytes
+
+
+def _copy_bytes(name, arr, itemsize) -> int:
+    return check_bytes(name, arr.size * itemsize, f"a {itemsize}-byte-per-element copy of shape {arr.shape}")
+
+
 def _numeric(x, name="x"):
+    """x as a NumPy array of a real numeric dtype (bool, integer, float; ml_dtypes' 1- and 2-byte floats
+    as float32); TypeError naming ``name`` for complex, object, string, datetime and timedelta arrays."""
     arr = np.asarray(x)
-    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_) \
-            or np.issubdtype(arr.dtype, np.complexfloating):
-        if arr.dtype.kind == "V" and arr.dtype.itemsize in (1, 2):  # ml_dtypes arrays
-            return arr.astype(np.float32)
+    if not real_dtype(arr.dtype):
         raise TypeError(f"{name}: expected a real numeric array, got dtype {arr.dtype}")
+    if arr.dtype.kind == "V":
+        _copy_bytes(name, arr, 4)
+        return arr.astype(np.float32)
     return arr
+
+
+def real_dtype(dtype) -> bool:
+    """Whether ``dtype`` holds real numbers: bool, integer, float, or an ml_dtypes 1- or 2-byte float."""
+    if dtype.kind == "V":
+        return dtype.itemsize in (1, 2) and dtype.type.__module__.startswith("ml_dtypes")
+    return dtype.kind in "biuf"
+
+
+def as_float(x, name="x", dtype=np.float64, contiguous=False):
+    """x as a real numeric array of ``dtype`` (C-contiguous with ``contiguous``), its size checked
+    against memory first (:func:`check_bytes`); MemoryError naming ``name`` and the bytes when the copy
+    cannot be allocated."""
+    arr = _numeric(x, name)
+    itemsize = np.dtype(dtype).itemsize
+    _copy_bytes(name, arr, itemsize)
+    try:
+        return np.asarray(arr, dtype=dtype, order="C" if contiguous else None)
+    except MemoryError:
+        raise MemoryError(f"{name}: cannot allocate {arr.size * itemsize} bytes for a {np.dtype(dtype)} copy of "
+                          f"shape {arr.shape}") from None
 
 
 def round(x, fmt, mode: str = "rne", seed: int = 0, stream: int = 0):  # noqa: A001 (numeric rounding)
@@ -174,8 +241,7 @@ def round(x, fmt, mode: str = "rne", seed: int = 0, stream: int = 0):  # noqa: A
     fmt = as_format(fmt)
     m = _mode(mode)
     arr = _numeric(x)
-    if arr.dtype != np.float32:
-        arr = arr.astype(np.float64, copy=False)
+    arr = as_float(arr, "x", np.float32 if arr.dtype == np.float32 else np.float64, contiguous=True)
     return _core.round(arr, fmt._c, m, _u64(seed, "seed"), _u64(stream, "stream"), 0)
 
 
@@ -197,7 +263,7 @@ def to_bits(x, fmt):
     """Bit patterns of ``x`` (rounded to nearest even first) in ``fmt``'s IEEE-style encoding, as the
     narrowest unsigned integer array that holds them (uint8 for fp8, uint16 for fp16/bf16, ...)."""
     fmt = as_format(fmt)
-    arr = _numeric(x).astype(np.float64, copy=False)
+    arr = as_float(x, "x", contiguous=True)
     if not fmt.has_nan_code and np.isnan(arr).any():
         raise ValueError(f"x: contains NaN, which format {fmt} has no bit pattern for")
     return _core.to_bits(arr, fmt._c, _width(fmt))
@@ -209,7 +275,7 @@ def ulp(x, fmt):
     when the format has no subnormals; above the range, the spacing the binade of x would have). NaN for
     NaN and inf. Returns a float64 array."""
     fmt = as_format(fmt)
-    a = np.abs(_numeric(x).astype(np.float64))
+    a = np.abs(as_float(x, "x"))
     _, e = np.frexp(a)  # a = m * 2^e with 0.5 <= m < 1, so the binade exponent is e - 1
     e = np.where(a == 0, fmt.emin, np.maximum(e.astype(np.int64) - 1, fmt.emin))
     q = e - fmt.precision + 1
@@ -227,6 +293,7 @@ def from_bits(bits, fmt):
         raise TypeError(f"bits: expected an unsigned integer array, got dtype {bits.dtype}")
     if bits.dtype.itemsize * 8 < fmt.bits and fmt.bits <= 64:
         raise ValueError(f"bits: {bits.dtype} is too narrow for {fmt} ({fmt.bits} bits)")
+    check_bytes("bits", bits.size * (bits.dtype.itemsize + 8), f"shape {bits.shape} and its float64 values")
     return _core.from_bits(bits, fmt._c)
 
 

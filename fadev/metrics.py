@@ -29,7 +29,7 @@ import numpy as np
 from . import _args
 from . import _core
 from . import cuda as _cuda
-from .formats import as_format
+from .formats import _numeric, as_float, as_format
 
 _W1_METHODS = {"auto": 0, "sort": 1, "count": 2}
 _W1_METHOD_NAMES = {1: "sort", 2: "count"}
@@ -44,15 +44,10 @@ def _as_float64(x, name: str, gpu=None) -> np.ndarray:
         if arr.size == 0:
             raise ValueError(f"{name}: empty array (shape {arr.shape})")
         return arr
-    arr = np.asarray(x)
-    kind = arr.dtype.kind
-    if kind == "V" and arr.dtype.itemsize in (1, 2):  # ml_dtypes (bfloat16, float8_*) arrays
-        arr = arr.astype(np.float32)
-    elif kind not in "biuf":
-        raise TypeError(f"{name}: expected a real numeric array, got dtype {arr.dtype}")
+    arr = _numeric(x, name)
     if arr.size == 0:
         raise ValueError(f"{name}: empty array (shape {arr.shape})")
-    return np.ascontiguousarray(arr, dtype=np.float64)
+    return as_float(arr, name, contiguous=True)
 
 
 def _pair(test, ref, gpu=None):

@@ -74,6 +74,7 @@ def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k
     "fp16"; inferred from a float16 / bfloat16 array), copied to the GPU, and come back as float64
     NumPy arrays holding the fp16 / bf16 (lse: fp32) values. Not differentiable: see
     :func:`native_attention_backward`."""
+    _args.boolean(return_lse, "return_lse")
     code = _dtype_code(dtype, q)
     gpu = route("cuda", q=q, k=k, v=v)
     q, k, v = (_host(x, n, code) for x, n in ((q, "q"), (k, "k"), (v, "v")))

@@ -7,6 +7,7 @@ computations; ``pol.replace(p="fp32")`` changes one stage.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
@@ -253,13 +254,19 @@ class Policy:
         """A preset by name: ``Policy.preset("fa2", "bf16")``, or ``Policy.preset("golden")``."""
         makers = {"golden": cls.golden, "paper": cls.paper, "naive": cls.naive, "fa2": cls.fa2, "fa1": cls.fa1,
                   "torch_math": cls.torch_math}
-        if name not in makers:
+        if not isinstance(name, str) or name not in makers:
             raise ValueError(f"preset: unknown preset {name!r}; known: {', '.join(makers)}")
         if name == "golden":
+            if fmt is not None:
+                raise ValueError(f"fmt: preset 'golden' is all fp64 and takes no format, got {fmt!r}")
             return cls.golden()
         if fmt is None:
             raise ValueError(f"preset {name!r} needs a format, e.g. Policy.preset({name!r}, 'bf16')")
         return makers[name](fmt)
+
+
+_POLICY_TEXT = re.compile(r"\s*(\w+)\s*(?::\s*(\w+)|\(\s*(\w+)\s*\))?\s*")
+"""A policy string: a preset name, then optionally ":format" or "(format)", nothing else."""
 
 
 def as_policy(policy, name: str = "policy") -> Policy:
@@ -267,10 +274,13 @@ def as_policy(policy, name: str = "policy") -> Policy:
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, str):
-        text = policy.strip()
-        for sep in (":", "("):
-            if sep in text:
-                preset, fmt = text.split(sep, 1)
-                return Policy.preset(preset.strip(), fmt.rstrip(")").strip())
-        return Policy.preset(text)
+        match = _POLICY_TEXT.fullmatch(policy)
+        if match is None:
+            raise ValueError(f"{name}: malformed policy {policy!r}; expected a preset name ('golden') or "
+                             f"'preset:format' / 'preset(format)', e.g. 'fa2:bf16'")
+        preset, colon, paren = match.groups()
+        try:
+            return Policy.preset(preset, colon or paren)
+        except ValueError as e:
+            raise ValueError(f"{name} {policy!r}: {e}") from None
     raise TypeError(f"{name}: expected a fadev.Policy or a preset name like 'fa2:bf16', got {type(policy).__name__}")

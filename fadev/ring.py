@@ -35,7 +35,7 @@ from . import _args
 from . import _core
 from . import cuda as _cuda
 from . import ring_steps as _steps
-from .formats import as_format, formats
+from .formats import as_format, boolean, formats
 from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, Policy
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -69,8 +69,7 @@ class RingMerge:
             value = getattr(self, f)
             if not (isinstance(value, str) and value in _TOKENS):
                 object.__setattr__(self, f, as_format(value, name=f))
-        if not isinstance(self.allgather, (bool, np.bool_)):
-            raise TypeError(f"allgather must be a bool, got {self.allgather!r}")
+        object.__setattr__(self, "allgather", boolean(self.allgather, "allgather"))
 
     @classmethod
     def preset(cls, name: str) -> "RingMerge":
@@ -133,7 +132,7 @@ def ring_attention(q, k, v, policy, *, world_size, layout="contiguous", merge="l
     :func:`fadev.flash_attention`'s: on the GPU every ring step's flash call runs on the GPU's emulated
     flash kernel and the merge on the host (:mod:`fadev.ring_steps`), the same bits as the CPU."""
     gpu = _cuda.route(device, q=q, k=k, v=v)
-    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
+    q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu, return_lse)
     world_size, mg = _ring_args(q4, k4, world_size, layout, merge)
     tiles = _args.tiles(pol, q4.shape[3], block_q, block_kv)
     choices = (_args.choice("loop_order", loop_order, LOOP_ORDERS, pol.loop_order),
@@ -175,7 +174,8 @@ def ring_coverage(seq, *, world_size, layout="contiguous", causal=False, allgath
     the same piece list the kernels use (the full causal mask, tril, or all ones, when correct)."""
     seq = _args.positive_int(seq, "seq", limit=8192)
     q4 = np.zeros((1, 1, int(seq), 1))
-    world_size, mg = _ring_args(q4, q4, world_size, layout, "allgather" if allgather else "lowp_partials")
+    merge = "allgather" if boolean(allgather, "allgather") else "lowp_partials"
+    world_size, mg = _ring_args(q4, q4, world_size, layout, merge)
     return _core.ring_coverage(seq, _args.causal_of(causal), mg._c(Policy.golden(), world_size, layout))
 
 

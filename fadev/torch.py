@@ -45,7 +45,7 @@ from ._args import MAX_DIM
 from .attention import baseline_attention, flash_attention
 from .backward import baseline_attention_backward, flash_attention_backward
 from .cuda import device_count as _cuda_devices
-from .formats import to_bits as _to_bits
+from .formats import boolean, to_bits as _to_bits
 from .metrics import compare
 from .policy import Policy, as_policy
 
@@ -263,6 +263,7 @@ def _validate(q, k, v, is_causal, enable_gqa):
     if q.shape[:-3] != k.shape[:-3]:
         raise ValueError(f"query's batch dims {tuple(q.shape[:-3])} differ from key's {tuple(k.shape[:-3])} "
                          f"(fadev does not broadcast them)")
+    enable_gqa = boolean(enable_gqa, "enable_gqa")
     if q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
         hq, hk = q.shape[-3], k.shape[-3]
         if not enable_gqa:
@@ -271,9 +272,7 @@ def _validate(q, k, v, is_causal, enable_gqa):
         if hq % hk:
             raise ValueError(f"grouped-query attention needs query heads ({hq}) to be a multiple of key/value "
                              f"heads ({hk})")
-    if not isinstance(is_causal, (bool, np.bool_)):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-    if is_causal and q.shape[-2] != k.shape[-2]:
+    if boolean(is_causal, "is_causal") and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"is_causal with {q.shape[-2]} queries and {k.shape[-2]} keys: SDPA's causal mask is "
                          f"aligned top-left, fadev's bottom-right; they agree only for equal lengths")
 
@@ -369,9 +368,7 @@ class _SdpaRoute:
     MultiheadAttention / TransformerEncoderLayer inference fast path, which bypasses SDPA)."""
 
     def __init__(self, fallback):
-        if not isinstance(fallback, (bool, np.bool_)):
-            raise TypeError(f"fallback must be a bool, got {fallback!r}")
-        self.fallback = bool(fallback)
+        self.fallback = boolean(fallback, "fallback")
         self.calls = 0
         """SDPA calls computed by fadev."""
         self.fallbacks = 0
@@ -517,8 +514,7 @@ class shadow(_SdpaRoute):  # noqa: N801 (a context manager)
         super().__init__(False)
         if use not in ("reference", "candidate"):
             raise ValueError(f"use must be 'reference' or 'candidate', got {use!r}")
-        if not isinstance(golden, (bool, np.bool_)):
-            raise TypeError(f"golden must be a bool, got {golden!r}")
+        boolean(golden, "golden")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         kernels = (kernel, kernel) if isinstance(kernel, str) else tuple(kernel) if isinstance(kernel, tuple) else ()

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from .formats import _numeric
 from .metrics import compare as _compare
 
 COLUMNS = ("name", "numel", "max_abs", "wasserstein", "rmse", "rel_l2")
@@ -69,11 +70,7 @@ def _array(t, which, name) -> np.ndarray:
         arr = np.asarray(t)
     except Exception:
         raise TypeError(f"{which}[{name!r}]: expected a tensor or array, got {type(t).__name__}") from None
-    if arr.dtype.kind == "V" and arr.dtype.itemsize in (1, 2):  # ml_dtypes bfloat16 / float8
-        return arr.astype(np.float64)
-    if arr.dtype.kind not in "biuf":
-        raise TypeError(f"{which}[{name!r}]: expected a real numeric tensor or array, got dtype {arr.dtype}")
-    return arr
+    return _numeric(arr, f"{which}[{name!r}]")  # ml_dtypes floats as float32; TypeError for other dtypes
 
 
 def _check_keys(sa, sb):
