@@ -52,3 +52,18 @@ def test_findings_follow_the_data():
     assert "x1.50 below lowp_partials" in grows[4]
     table = ring_dist.table(_df(3.0))
     assert table.count("\n") == 1 + 16 and "| emulated | allgather | 4 | 4 |" in table
+
+
+def test_cli_spawns_ranks_end_to_end(tmp_path, capsys):
+    """`python -m fadev ring-dist --spawn 2` through the experiment CLI (the path torchrun also takes): the
+    report is written and the simulation-vs-ranks check holds; --cluster ray is refused with its reason."""
+    from fadev.__main__ import main
+    out = tmp_path / "rd"
+    args = ["ring-dist", "--spawn", "2", "--Ws", "1,2", "--Ls", "1", "--N", "16", "--dim", "16", "--heads", "2",
+            "--heads-kv", "1", "--kernels", "emulated", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    report = (out / "ring_dist.md").read_text()
+    assert "fadev's checks of its emulation (against real kernels, and its own invariances): 1 of 1 hold" in report
+    capsys.readouterr()
+    assert main(args + ["--cluster", "ray"]) == 1
+    assert "ring-dist runs its own ranks" in capsys.readouterr().err

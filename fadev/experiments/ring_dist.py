@@ -121,9 +121,13 @@ def _study(rank, world, cfg, path):
                     dist.barrier()
 
 
-def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, **overrides):
-    """Run the study (spawning ``spawn`` local ranks, or on torchrun's world) and return its rows."""
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None, **overrides):
+    """Run the study (spawning ``spawn`` local ranks, or on torchrun's world) and return its rows. Its ranks
+    are its own processes, so it takes no sweep executor: ``cluster`` must be None or the local one."""
     import pandas as pd
+
+    if cluster and cluster.get("executor", "local") != "local":
+        raise ValueError("cluster: ring-dist runs its own ranks (--spawn or torchrun), not a sweep on a cluster")
 
     from .. import distributed as fd
     cfg = common.sizes(SIZES, size, overrides)
