@@ -1,6 +1,8 @@
 """The ring-dist study's parts in one process: the Llama-style model with a simulated ring under the fp64
 policy reproduces the exact fp64 model (and under fa2:bf16 does not); the findings' verdicts follow the data.
 The study end to end (processes, gloo) is the recorded run in docs/results/ring-dist-quick-cpu-2026-11-23."""
+import importlib.util
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -64,6 +66,7 @@ def test_cli_spawns_ranks_end_to_end(tmp_path, capsys):
     assert main(args) == 0
     report = (out / "ring_dist.md").read_text()
     assert "fadev's checks of its emulation (against real kernels, and its own invariances): 1 of 1 hold" in report
-    capsys.readouterr()
-    assert main(args + ["--cluster", "ray"]) == 1
-    assert "ring-dist runs its own ranks" in capsys.readouterr().err
+    if importlib.util.find_spec("ray"):  # without Ray, argparse itself refuses --cluster ray (test_sweep)
+        capsys.readouterr()
+        assert main(args + ["--cluster", "ray"]) == 1
+        assert "ring-dist runs its own ranks" in capsys.readouterr().err
