@@ -204,3 +204,31 @@ def kill_when(child, path, lines, timeout=120):
     finally:
         child.wait()
     assert child.returncode == -signal.SIGKILL
+
+
+def find_cycle(graph):
+    """One cycle of a directed graph {node: [nodes it points to]} as a list (first == last), or None:
+    depth-first search with colours; a node that points to itself is a cycle. test_build.py walks the
+    C/CUDA #include graph with it, test_imports.py the package's import graph."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None

@@ -12,6 +12,7 @@ import pytest
 
 import fadev
 from fadev.__main__ import main
+from helpers import find_cycle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FADEV_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(fadev.__file__)))
@@ -112,32 +113,6 @@ def include_graph(sources):
             quoted = [line.split('"')[1] for line in f if line.lstrip().startswith("#include \"")]
         graph[rel] = [os.path.normpath(os.path.join(folder, name)) for name in quoted]
     return graph
-
-
-def find_cycle(graph):
-    """One include cycle as a list of files (first == last), or None: depth-first search with colours."""
-    state, stack = {}, []
-
-    def visit(node):
-        state[node] = "open"
-        stack.append(node)
-        for nxt in graph.get(node, []):
-            if state.get(nxt) == "open":
-                return stack[stack.index(nxt):] + [nxt]
-            if nxt not in state:
-                found = visit(nxt)
-                if found:
-                    return found
-        stack.pop()
-        state[node] = "done"
-        return None
-
-    for node in sorted(graph):
-        if node not in state:
-            found = visit(node)
-            if found:
-                return found
-    return None
 
 
 def test_find_cycle_finds_cycles():
