@@ -258,7 +258,7 @@ def test_ring_gpu_glue_with_the_cpu_kernels(monkeypatch, rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not fadev.cuda_available(), reason="no CUDA device (fadev.cuda_available() is False)")
+@helpers.needs_gpu
 @pytest.mark.parametrize("merge", MERGES)
 def test_ring_on_the_gpu_gives_the_cpu_bits(merge, rng):
     q, k, v = fadev.random_qkv((2, 32, 16), dist="outlier", seed=9)

@@ -52,6 +52,14 @@ def test_findings_follow_the_data():
     assert flat[0].startswith("does not grow with W") and "(x1.00)" in flat[0]
     assert "fp32_partials" in grows[4] or "lowp_running" in grows[4] or "allgather" in grows[4]
     assert "x1.50 below lowp_partials" in grows[4]
+    # the simulation-vs-ranks check: holds when the measured error is the predicted one, fails when it is not
+    check = [f for f in ring_dist.findings(_df(1.0)) if f.holds is not None]
+    assert len(check) == 1 and check[0].holds and "fp64 rounding level" in check[0].ours
+    off = _df(1.0)
+    off.loc[off["W"] == 4, "grad"] *= 1.05
+    off["max_dev_from_prediction"] = 2e-3
+    check = [f for f in ring_dist.findings(off) if f.holds is not None]
+    assert len(check) == 1 and check[0].holds is False and "fp64 rounding level" not in check[0].ours
     table = ring_dist.table(_df(3.0))
     assert table.count("\n") == 1 + 16 and "| emulated | allgather | 4 | 4 |" in table
 
