@@ -143,6 +143,14 @@ def build(config: LMConfig, init_seed: int, precision: str, device="cpu"):
     return model.to(device)
 
 
+def native_unavailable(device) -> str | None:
+    """Why native arms cannot run on ``device`` (None: they can)."""
+    if device != "cuda":
+        return "the native kernel runs on CUDA only (--device cuda)"
+    return ("fadev.hf (the Hugging Face attention interface that runs the native kernel inside a model) is not in "
+            "this tree")
+
+
 def attention(arm: Arm):
     """The context manager every forward and backward of ``arm``'s model runs in: its attention kernel."""
     if arm.kernel == "native":
@@ -306,5 +314,5 @@ def load_snapshot(root, name, step, key):
     return saved["weights"]
 
 
-__all__ = ["Arm", "LMConfig", "ArmTask", "build", "attention", "loss_of", "parameters", "study_key",
+__all__ = ["Arm", "LMConfig", "ArmTask", "build", "attention", "native_unavailable", "loss_of", "parameters", "study_key",
            "read_progress", "load_snapshot", "snapshot_path", "PRECISIONS"]
