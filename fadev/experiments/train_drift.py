@@ -85,7 +85,7 @@ SIZE_DOCS = {"width": "model width", "heads": "attention heads", "layers": "tran
 
 LLAMA_SIZES = {
     "quick": {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 4, "ffn": 344, "seq": 64, "batch": 8, "lr": 1e-3,
-              "steps": 120, "log_every": 10, "checkpoint_every": 40, "eval_windows": 16, "flash_block": 16,
+              "steps": 100, "log_every": 10, "checkpoint_every": 50, "eval_windows": 16, "flash_block": 16,
               "native_tiles": ("128x64", "64x64"), "data": "stdlib", "budget_s": math.inf},
     "full": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 8, "ffn": 1376, "seq": 1024, "batch": 16, "lr": 3e-4,
              "steps": 5000, "log_every": 250, "checkpoint_every": 250, "eval_windows": 32, "flash_block": 64,
