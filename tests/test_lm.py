@@ -161,20 +161,20 @@ def test_stop_at_the_deadline_and_resume_give_the_uninterrupted_bits(tmp_path, m
 
 def test_cli_report_and_a_budget_that_stops_the_run(tmp_path, capsys):
     out = str(tmp_path / "res")
-    args = ["train-drift", "--model", "llama", "--quick", "--out", out, "--log-every", "2", "--checkpoint-every",
+    args = ["train-drift", "--model", "llama", "--quick", "--out", out, "--log-every", "1", "--checkpoint-every",
             "2"] + TINY_CLI
-    assert main(args + ["--steps", "4"]) == 0
+    assert main(args + ["--steps", "2"]) == 0
     report = open(os.path.join(out, "train_drift.md")).read()
     assert "**Complete**" in report and "`native_128x64` (the native kernel runs on CUDA only" in report
     assert "exactly 0 at every logged step" in report and "train-drift --model llama --quick" in report
     rows = [json.loads(line) for line in open(os.path.join(out, "train_drift.jsonl"))]
-    assert len(rows) == 3 * (5 + 6)  # steps 0, 2, 4 x (5 pairs + 6 arms)
+    assert len(rows) == 3 * (5 + 6)  # steps 0, 1, 2 x (5 pairs + 6 arms)
     for name in ("train_drift.csv", "train_drift_loss.csv", "train_drift_linear.png", "train_drift_loss.svg"):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
     # more steps, but no time: nothing trains, the report is written from what is there and says so
-    assert main(args + ["--steps", "8", "--budget-s", "1e-9"]) == 0
+    assert main(args + ["--steps", "4", "--budget-s", "1e-9"]) == 0
     report = open(os.path.join(out, "train_drift.md")).read()
-    assert "**Partial run**" in report and "`flash_fa2` 4/8" in report
+    assert "**Partial run**" in report and "`flash_fa2` 2/4" in report
     assert len(open(os.path.join(out, "train_drift.jsonl")).readlines()) == len(rows)
     capsys.readouterr()
     assert main(args + ["--out", str(tmp_path / "empty"), "--budget-s", "1e-9"]) == 1
