@@ -23,7 +23,7 @@ batch row at a time, when every query sees a prefix of that row's visible keys a
 causal chain (left or right padding of a causal LM) followed by queries seeing every visible key; a
 query that sees no key gets 0, as SDPA gives. Any other mask (sliding windows, additive biases, masks
 differing between heads) raises ValueError naming ``attention_mask``; attention dropout > 0 raises
-ValueError naming ``dropout``.
+ValueError naming ``dropout``, as do ``position_bias``, ``softcap`` and ``s_aux`` (sinks).
 
 :func:`register_sdpa_flash` (done on import where PyTorch has
 ``torch.nn.attention.register_flash_attention_impl``) registers the native kernel as an SDPA flash
@@ -213,8 +213,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if dropout:
         raise ValueError(f"dropout={dropout}: fadev attention has no dropout; set the config's attention_dropout "
                          f"to 0 or call model.eval()")
-    if kwargs.get("position_bias") is not None:
-        raise ValueError("position_bias: fadev computes no additive attention bias")
+    for name in ("position_bias", "softcap", "s_aux"):  # T5's bias, Gemma 2's soft cap, gpt-oss's sinks
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}: fadev computes plain softmax attention (no bias, soft cap or sinks)")
     gqa = query.shape[1] != key.shape[1]
     nq = query.shape[2]
     # as transformers' sdpa integration: is_causal only for a prefill without a mask, keys cut to the queries
@@ -304,8 +305,9 @@ def register_sdpa_flash(name=NAME, *, block_q=None, block_kv=None) -> None:
     (``torch.nn.attention.activate_flash_attention_impl(name)``, or :func:`sdpa_flash`) overrides the
     CUDA kernels of ``aten._scaled_dot_product_flash_attention`` and its backward: SDPA calls that PyTorch
     routes to its flash backend then run fadev's native forward and backward (float16 / bfloat16, head
-    dim 64 or 128, no dropout); other flash calls raise RuntimeError saying why. Activation needs a GPU
-    fadev can use. RuntimeError where PyTorch has no register_flash_attention_impl (before 2.10)."""
+    dim 64 or 128, no dropout); other flash calls raise RuntimeError saying why (there is no fallback to
+    PyTorch's own flash kernel, which the override replaces; torch's FA4 registration refuses the same
+    way). Activation needs a GPU fadev can use. RuntimeError where PyTorch has no register_flash_attention_impl (before 2.10)."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")
     tile = tuple(None if t is None else integer(t, n) for t, n in ((block_q, "block_q"), (block_kv, "block_kv")))

@@ -241,11 +241,13 @@ def test_all_visible_and_causal_masks_are_computed():
     assert not torch.equal(full, causal_bool)
 
 
-def test_dropout_and_position_bias_refused():
+def test_dropout_bias_softcap_and_sinks_refused():
     with pytest.raises(ValueError, match="dropout"):
         _call(dropout=0.1)
-    with pytest.raises(ValueError, match="position_bias"):
-        _call(position_bias=torch.zeros(1, 4, 6, 6))
+    for name in ("position_bias", "softcap", "s_aux"):
+        with pytest.raises(ValueError, match=name):
+            _call(**{name: torch.zeros(1, 4, 6, 6) if name == "position_bias" else 30.0})
+    _call(softcap=None)  # what a model without the feature passes
     (model,) = _models("fadev", attention_dropout=0.1)
     with hf.use("golden"):
         with pytest.raises(ValueError, match="dropout"):
