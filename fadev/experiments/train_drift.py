@@ -193,7 +193,7 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
     return drift
 
 
-def llama_runs_and_pairs(device="cpu", native_tiles=("128x64", "64x64"), flash_block=None, control=True):
+def llama_runs_and_pairs(device="cpu", native_tiles=("128x64", "64x64"), flash_block=None, control=True, head_dim=64):
     """The Llama study's arms and pairs, and {skipped arm: why}: those of :func:`runs_and_pairs` (as
     fadev.training.lm.Arm; emulated flash tiles flash_block x flash_block, None: the presets'), plus one
     native-kernel arm per tiling "BQxBKV" (skipped where it cannot run) paired with the baseline, and the
@@ -207,12 +207,12 @@ def llama_runs_and_pairs(device="cpu", native_tiles=("128x64", "64x64"), flash_b
             Arm("fp32", "baseline", "golden", "fp32")]
     _, pairs = runs_and_pairs(control=False)
     skipped, native = {}, []
-    why = training.lm.native_unavailable(device)
     for t in native_tiles:
         bq, _, bkv = str(t).partition("x")
         if not (bq.isdigit() and bkv.isdigit() and int(bq) > 0 and int(bkv) > 0):
             raise ValueError(f"native_tiles: expected tilings like '128x64', got {t!r}")
         name = f"native_{int(bq)}x{int(bkv)}"
+        why = training.lm.native_unavailable(device, head_dim, int(bq), int(bkv))
         if why:
             skipped[name] = why
             continue
@@ -243,10 +243,11 @@ def _llama_intro(s, config, corpus):
         f"(fadev.training.lm), checkpointed every {config.checkpoint_every} updates; arms are compared at the logged "
         f"steps. One torch thread, deterministic algorithms: identical settings give identical bits (the control "
         f"pair).\n\n"
-        "**Attention.** Emulated arms (`baseline` naive(bf16), `flash_paper`, `flash_fa2`, `fp32` golden) run every "
-        "attention layer's forward and backward through fadev's kernels (`fadev.torch.patch_sdpa`) under their "
-        "policy; `native_*` arms run fadev's tensor-core FlashAttention-2 kernel (real bf16 hardware arithmetic, "
-        "CUDA only) at two tilings.\n\n"
+        "**Attention.** The model runs its attention through fadev's Hugging Face attention interface "
+        "(`fadev.hf`). Emulated arms (`baseline` naive(bf16), `flash_paper`, `flash_fa2`, `fp32` golden) compute "
+        "every attention layer's forward and backward with fadev's kernels under their policy "
+        "(`fadev.hf.use(policy, kernel=...)`); `native_*` arms run fadev's tensor-core FlashAttention-2 kernel "
+        "(real bf16 hardware arithmetic, CUDA only) at two tilings (`fadev.hf.use(kernel=\"native\", ...)`).\n\n"
         "**Mixed precision** (`bf16`): autocast-style, emulated in fp32 tensors on every device -- each `nn.Linear` "
         "rounds its input, weight, bias and output (and their gradients) to bf16 with fp32 accumulation; master "
         "weights, embeddings, RMSNorm, rotary embedding, residual stream, loss and Adam in fp32. `bf16 mixed vs "
@@ -263,9 +264,13 @@ def run_llama(size="quick", out=None, *, device="cpu", workers=1, progress=False
     arm got."""
     check_device(device)
     s = settings(size, "llama", **overrides)
-    lm = training.lm
+    try:
+        lm = training.lm
+    except ImportError as e:
+        raise ImportError(f"--model llama needs transformers: pip install 'fadev[hf]' ({e})") from None
     config = lm.LMConfig(**{f.name: s[f.name] for f in dataclasses.fields(lm.LMConfig) if f.name in s})
-    runs, pairs, skipped = llama_runs_and_pairs(device, s["native_tiles"], s["flash_block"])
+    runs, pairs, skipped = llama_runs_and_pairs(device, s["native_tiles"], s["flash_block"],
+                                                head_dim=config.hidden // config.heads)
     corpus = training.text.load(config.data)
     options = dict(cluster or {})
     options.setdefault("workers", workers)

@@ -23,9 +23,12 @@ fp32 -- which is what ``torch.autocast(dtype=torch.bfloat16)`` does to this mode
 sums (the attention's own rounding of q, k, v is its policy's ``input`` stage). Measured on a CPU without
 bf16 units: real CPU autocast is about 8x slower per step than this emulation.
 
-Attention. :func:`attention` turns an arm into the one context manager its forward and backward run in:
-fadev's emulated kernels through :func:`fadev.torch.patch_sdpa` on a model built with
-``attn_implementation="sdpa"``; ``kernel="native"`` (fadev's tensor-core kernel, CUDA) needs fadev.hf.
+Attention. The model is built with ``attn_implementation="fadev_mixed"``: fadev's Hugging Face attention
+(:mod:`fadev.hf`), whose kernel :func:`attention` chooses per arm -- the one context manager every forward and
+backward of the arm runs in: ``fadev.hf.use(policy, kernel=...)``, fadev's emulated kernels under the arm's
+policy, or ``kernel="native"``, fadev's tensor-core kernel (CUDA). The native kernel reads bf16 tensors, so
+"fadev_mixed" hands it q, k, v cast to bf16 (nearest-even, what the emulated policies' ``input`` stage does and
+what autocast does before SDPA) and casts its output back to the model's float32.
 """
 from __future__ import annotations
 
@@ -40,11 +43,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .. import torch as fatorch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .. import hf as fahf
+from ..native import native_tiles
 from . import digits, text
 from .tracker import RunSpec, config_key, deterministic, save_atomic
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+ATTENTION = "fadev_mixed"
+"""The attention implementation the model is built with (module docstring)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +131,7 @@ def study_key(config, arms, pairs, fingerprint) -> str:
 def build(config: LMConfig, init_seed: int, precision: str, device="cpu"):
     """``LlamaForCausalLM`` with random init (torch.manual_seed(init_seed), built on the CPU, then moved), in
     ``precision`` (module docstring), attention through SDPA."""
-    try:
-        from transformers import AutoModelForCausalLM, LlamaConfig
-    except ImportError:
-        raise ImportError("the llama workload needs transformers: pip install 'fadev[hf]'") from None
+    from transformers import AutoModelForCausalLM, LlamaConfig
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     cfg = LlamaConfig(vocab_size=text.VOCAB, hidden_size=config.hidden, intermediate_size=config.ffn,
@@ -134,7 +140,7 @@ def build(config: LMConfig, init_seed: int, precision: str, device="cpu"):
                       bos_token_id=text.BOS, eos_token_id=text.EOS, pad_token_id=text.PAD, tie_word_embeddings=False,
                       attention_dropout=0.0, use_cache=False)
     torch.manual_seed(init_seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTENTION)
     low = PRECISIONS[precision]
     for m in model.modules():
         if type(m) is nn.Linear and low is not None:
@@ -143,20 +149,34 @@ def build(config: LMConfig, init_seed: int, precision: str, device="cpu"):
     return model.to(device)
 
 
-def native_unavailable(device) -> str | None:
-    """Why native arms cannot run on ``device`` (None: they can)."""
+def native_unavailable(device, head_dim, block_q, block_kv) -> str | None:
+    """Why a native arm with this tile cannot run on ``device`` (None: it can)."""
     if device != "cuda":
         return "the native kernel runs on CUDA only (--device cuda)"
-    return ("fadev.hf (the Hugging Face attention interface that runs the native kernel inside a model) is not in "
-            "this tree")
+    tiles = native_tiles(head_dim)
+    if (block_q, block_kv) not in tiles:
+        return f"{block_q}x{block_kv} is not a native tile for head dim {head_dim} (its tiles: {tiles or 'none'})"
+    return None
 
 
 def attention(arm: Arm):
     """The context manager every forward and backward of ``arm``'s model runs in: its attention kernel."""
     if arm.kernel == "native":
-        raise NotImplementedError(f"arm {arm.name!r}: the native kernel needs fadev.hf (the Hugging Face "
-                                  f"attention interface), which this tree does not have")
-    return fatorch.patch_sdpa(arm.policy, kernel=arm.kernel, **dict(arm.tiling))
+        return fahf.use(kernel="native", **dict(arm.tiling))
+    return fahf.use(arm.policy, kernel=arm.kernel, **dict(arm.tiling))
+
+
+def _attention_forward(module, query, key, value, *args, **kwargs):
+    """fadev.hf's attention; float32 q, k, v cast to bf16 for the native kernel, its output cast back."""
+    if fahf.current().kernel != "native" or query.dtype in (torch.float16, torch.bfloat16):
+        return fahf.attention_forward(module, query, key, value, *args, **kwargs)
+    out, weights = fahf.attention_forward(module, *(t.to(torch.bfloat16) for t in (query, key, value)), *args,
+                                          **kwargs)
+    return out.to(query.dtype), weights
+
+
+AttentionInterface.register(ATTENTION, _attention_forward)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 def loss_of(model, inputs, targets):
