@@ -136,7 +136,7 @@ def section(number, name, result, size, out_dir) -> list:
     """The lines of one experiment's section: title, prose, sizes, figures, findings, table."""
     exp = result["experiment"]
     sizes = result.get("sizes", exp.SIZES[size])
-    lines = [f"## {number}. {exp.TITLE}", "", exp.INTRO, "",
+    lines = [f"## {number}. {exp.TITLE}", "", result.get("intro") or exp.INTRO, "",
              f"Sizes (`{size}`): " + ", ".join(f"{k}={_short(v)}" for k, v in sizes.items()) +
              f". Raw rows: `{name}.jsonl`; this table: `{name}.csv`; {result['seconds']:.1f} s" +
              (f"; ran on: {result['ran_on']}." if result.get("ran_on") else "."), ""]

@@ -404,9 +404,21 @@ class _SdpaRoute:
             extra = {"enable_gqa": True} if enable_gqa else {}  # torch < 2.5 has no enable_gqa
             return self._original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                   scale=scale, **extra)
+        query, key, value = _autocast(query, key, value)
         _validate(query, key, value, causal, enable_gqa)
         self.calls += 1
         return self._attend(query, key, value, causal, scale)
+
+
+def _autocast(q, k, v):
+    """q, k, v as PyTorch's own SDPA sees them under ``torch.autocast``: cast to the autocast dtype (SDPA is
+    one of autocast's lower-precision ops on CPU and CUDA), which the replaced function would otherwise skip --
+    under autocast a Hugging Face model hands SDPA fp32 q, k (after the rotary embedding) with a bf16 v."""
+    kind = q.device.type if isinstance(q, torch.Tensor) else "cpu"
+    if kind not in ("cpu", "cuda") or not torch.is_autocast_enabled(kind):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(kind)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
 
 
 class patch_sdpa(_SdpaRoute):  # noqa: N801 (used as a context manager, like torch's own)

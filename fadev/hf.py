@@ -1,0 +1,347 @@
+"""Hugging Face transformers models on fadev's attention kernels. Needs ``pip install 'fadev[hf]'``.
+
+``import fadev.hf`` registers fadev with transformers (:func:`register`): the attention function under
+the name "fadev" in ``AttentionInterface``, and transformers' SDPA mask builder under the same name in
+``AttentionMaskInterface``, so a model built with ``attn_implementation="fadev"`` hands fadev exactly
+the arguments its "sdpa" implementation would get (None where causal is enough, else a boolean
+(B, 1, N_q, N_kv) mask). What "fadev" computes is chosen by :class:`use`, a context manager:
+
+* ``use(policy, kernel="flash", **tiling)`` / ``kernel="baseline"``: fadev's emulated kernels under a
+  precision policy (:func:`fadev.torch.attention`; CPU or CUDA tensors, forward and backward);
+* ``use(kernel="native", block_q=..., block_kv=...)``: the native tensor-core kernel
+  (:func:`fadev.torch_native.native_attention`; CUDA float16 / bfloat16, head dim 64 or 128);
+* ``use(kernel="sdpa")``: transformers' own sdpa attention, i.e. plain
+  ``torch.nn.functional.scaled_dot_product_attention`` (so SDPA-level monitors and patches see the calls).
+
+Outside any ``use`` block the kernel is "sdpa" (the model then computes what ``attn_implementation="sdpa"``
+computes). ``use`` blocks nest; the choice lives in a ``contextvars.ContextVar``, so each thread (and
+asyncio task) has its own.
+
+Masks (kernels other than "sdpa"): None with ``is_causal`` (as transformers' sdpa integration decides
+it), an all-visible mask, or the causal mask run as one call; a padding mask is computed exactly, one
+batch row at a time, when every query sees a prefix of that row's visible keys and those queries form a
+causal chain (left or right padding of a causal LM) followed by queries seeing every visible key; a
+query that sees no key gets 0, as SDPA gives. Any other mask (sliding windows, additive biases, masks
+differing between heads) raises ValueError naming ``attention_mask``; attention dropout > 0 raises
+ValueError naming ``dropout``, as do ``position_bias``, ``softcap`` and ``s_aux`` (sinks).
+
+:func:`register_sdpa_flash` (done on import where PyTorch has
+``torch.nn.attention.register_flash_attention_impl``) registers the native kernel as an SDPA flash
+implementation: after ``torch.nn.attention.activate_flash_attention_impl("fadev")`` (or inside
+``with fadev.hf.sdpa_flash():``) every SDPA call that PyTorch sends to its flash backend on CUDA runs
+fadev's native forward and backward instead.
+"""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import threading
+
+import torch
+import torch.nn.attention
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from . import _args
+from .cuda import device_count, no_gpu
+from .formats import integer
+from .native import native_attention as _native_forward, native_attention_backward as _native_backward
+from .policy import Policy
+from .torch import _Kernel, attention as _emulated
+from .torch_native import check as _native_check, native_attention
+
+KERNELS = ("sdpa", "flash", "baseline", "native")
+NATIVE_TILING = ("block_q", "block_kv")
+NAME = "fadev"
+
+
+# ---------------------------------------------------------------- what "fadev" computes
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """The kernel "fadev" runs: ``kernel`` (one of KERNELS), ``policy`` (a Policy for "flash" and
+    "baseline", else None) and ``tiling`` (sorted (name, value) pairs)."""
+
+    kernel: str
+    policy: Policy | None = None
+    tiling: tuple = ()
+
+
+def _setting(policy, kernel, tiling) -> Setting:
+    _args.choice("kernel", kernel, KERNELS)
+    if kernel in ("flash", "baseline"):
+        if policy is None:
+            raise ValueError(f"kernel={kernel!r} needs a policy (e.g. 'fa2:bf16' or Policy.golden()), got None")
+        return Setting(kernel, _Kernel.make(policy, kernel, tiling).policy, tuple(sorted(tiling.items())))
+    if policy is not None:
+        raise ValueError(f"kernel={kernel!r} takes no policy (its arithmetic is fixed), got policy={policy!r}")
+    allowed = NATIVE_TILING if kernel == "native" else ()
+    unknown = sorted(set(tiling) - set(allowed))
+    if unknown:
+        raise TypeError(f"kernel={kernel!r} takes no tiling argument(s) {', '.join(unknown)}"
+                        + (f" (it takes {', '.join(allowed)})" if allowed else ""))
+    for name, value in tiling.items():
+        if value is not None:
+            integer(value, name)
+    return Setting(kernel, None, tuple(sorted(tiling.items())))
+
+
+DEFAULT = Setting("sdpa")
+"""The setting outside any :class:`use` block: plain SDPA."""
+
+_CURRENT = contextvars.ContextVar("fadev.hf.setting", default=DEFAULT)
+
+
+def current() -> Setting:
+    """The active :class:`Setting` of this thread / task (:data:`DEFAULT` outside any ``use`` block)."""
+    return _CURRENT.get()
+
+
+class use:  # noqa: N801 (a context manager)
+    """``with fadev.hf.use(policy=None, *, kernel="flash", **tiling) as setting:``
+
+    Inside the block, attention of models built with ``attn_implementation="fadev"`` is computed by
+    ``kernel``: "flash" or "baseline" under ``policy`` (a Policy or a string such as "fa2:bf16";
+    ``**tiling`` as :func:`fadev.torch.attention`), "native" (``block_q``, ``block_kv``: a tile of
+    :func:`fadev.native_tiles`), or "sdpa" (plain PyTorch SDPA). Arguments are checked here, so a bad
+    one raises at the ``with``. Blocks nest (the innermost wins) and are per thread / asyncio task;
+    one ``use`` object may be entered again, also from several threads."""
+
+    def __init__(self, policy=None, *, kernel="flash", **tiling):
+        self.setting = _setting(policy, kernel, tiling)
+        self._tokens = threading.local()
+
+    def __enter__(self) -> Setting:
+        stack = self._tokens.__dict__.setdefault("stack", [])
+        stack.append(_CURRENT.set(self.setting))
+        return self.setting
+
+    def __exit__(self, *exc):
+        _CURRENT.reset(self._tokens.stack.pop())
+        return False
+
+
+# ---------------------------------------------------------------- masks
+
+def _allowed(mask, q, k) -> torch.Tensor:
+    """``mask`` as a boolean (B, N_q, N_kv) tensor, True where a query sees a key; ValueError naming
+    attention_mask for one fadev cannot read exactly."""
+    b, h, nq, _ = q.shape
+    nk = k.shape[2]
+    if not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 3, 4):
+        raise ValueError(f"attention_mask: expected a boolean or float tensor of rank 2 to 4, got "
+                         f"{type(mask).__name__}{'' if not isinstance(mask, torch.Tensor) else tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point():
+        blocked = (mask == -float("inf")) | (mask == torch.finfo(mask.dtype).min)
+        if not bool(((mask == 0) | blocked).all()):
+            raise ValueError("attention_mask: a float mask with values other than 0 and -inf (or the dtype's "
+                             "minimum) is an additive bias, which fadev does not compute")
+        allowed = mask == 0
+    else:
+        raise ValueError(f"attention_mask: expected a bool or floating-point mask, got dtype {mask.dtype}")
+    try:
+        allowed = allowed.expand(b, h, nq, nk)
+    except RuntimeError:
+        raise ValueError(f"attention_mask: shape {tuple(mask.shape)} does not broadcast to (batch, heads, "
+                         f"queries, keys) = {(b, h, nq, nk)}") from None
+    if not bool((allowed == allowed[:, :1]).all()):
+        raise ValueError("attention_mask differs between heads; fadev computes masks shared by all heads")
+    return allowed[:, 0]
+
+
+def _row_plan(allowed, row):
+    """The exact calls for one batch row's (N_q, N_kv) mask: [(query indices, key indices, is_causal)].
+    Every query must see a prefix of the visible keys K; the queries that see any key must be a causal
+    chain (the t-th sees the first t keys) followed by queries that see all of K."""
+    keys = allowed.any(0).nonzero().flatten()
+    n = keys.numel()
+    sub = allowed[:, keys]
+    counts = sub.sum(1)
+    prefix = torch.arange(n, device=allowed.device)[None, :] < counts[:, None]
+    seeing = counts.nonzero().flatten()
+    c = counts[seeing]
+    chain = int((c == torch.arange(1, c.numel() + 1, device=c.device)).cumprod(0).sum())
+    if not bool((sub == prefix).all()) or not bool((c[chain:] == n).all()):
+        raise ValueError(f"attention_mask: batch row {row} is neither causal nor causal with padding (each query "
+                         f"must see a prefix of the unpadded keys, in a causal chain); fadev computes None, "
+                         f"causal and padding masks (sliding windows, chunks and custom masks are refused)")
+    plan = [(seeing[:chain], keys[:chain], True)] if chain else []
+    if chain < c.numel():
+        plan.append((seeing[chain:], keys, False))
+    return plan
+
+
+# ---------------------------------------------------------------- the attention function
+
+def _compute(setting, q, k, v, causal, scale, gqa):
+    tiling = dict(setting.tiling)
+    if setting.kernel == "native":
+        return native_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa, **tiling)
+    return _emulated(q, k, v, setting.policy, setting.kernel, is_causal=causal, scale=scale, enable_gqa=gqa, **tiling)
+
+
+def _masked(setting, q, k, v, mask, scale, gqa):
+    allowed = _allowed(mask, q, k)
+    nq, nk = q.shape[2], k.shape[2]
+    if bool(allowed.all()):
+        return _compute(setting, q, k, v, False, scale, gqa)
+    if nq == nk and bool((allowed == torch.ones(nq, nk, dtype=torch.bool, device=allowed.device).tril()).all()):
+        return _compute(setting, q, k, v, True, scale, gqa)
+    rows = []
+    for b in range(q.shape[0]):
+        out = q.new_zeros(q.shape[1:3] + v.shape[3:])  # a query that sees no key: 0, as SDPA gives
+        for queries, keys, causal in _row_plan(allowed[b], b):
+            piece = _compute(setting, q[b:b + 1, :, queries], k[b:b + 1, :, keys], v[b:b + 1, :, keys], causal,
+                             scale, gqa)
+            out = out.index_copy(1, queries, piece[0])
+        rows.append(out)
+    return torch.stack(rows)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                      **kwargs):
+    """The "fadev" entry of transformers' AttentionInterface: query (B, H, N_q, D), key and value
+    (B, H_kv, N_kv, D) as a model's attention layer passes them; returns (attn_output (B, N_q, H, D),
+    None). Computed as :func:`current` says (module docstring)."""
+    setting = _CURRENT.get()
+    if setting.kernel == "sdpa":
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if dropout:
+        raise ValueError(f"dropout={dropout}: fadev attention has no dropout; set the config's attention_dropout "
+                         f"to 0 or call model.eval()")
+    for name in ("position_bias", "softcap", "s_aux"):  # T5's bias, Gemma 2's soft cap, gpt-oss's sinks
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}: fadev computes plain softmax attention (no bias, soft cap or sinks)")
+    gqa = query.shape[1] != key.shape[1]
+    nq = query.shape[2]
+    # as transformers' sdpa integration: is_causal only for a prefill without a mask, keys cut to the queries
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(nq > 1 and attention_mask is None and causal)
+    if causal and key.shape[2] > nq:
+        key, value = key[:, :, :nq], value[:, :, :nq]
+    if attention_mask is None:
+        out = _compute(setting, query, key, value, causal, scaling, gqa)
+    else:
+        out = _masked(setting, query, key, value, attention_mask, scaling, gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(name=NAME) -> None:
+    """Register :func:`attention_forward` (AttentionInterface) and transformers' SDPA mask builder
+    (AttentionMaskInterface) under ``name``; idempotent. Done for "fadev" on import."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty string, got {name!r}")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+# ---------------------------------------------------------------- an SDPA flash implementation
+
+def _flash_check(query, key, value, dropout_p, return_debug_mask, is_causal, scale, tile):
+    """The tile the native kernel uses for this flash call; RuntimeError saying why it cannot."""
+    why = ("dropout_p must be 0" if dropout_p else "return_debug_mask must be False" if return_debug_mask
+           else None)
+    if why is None:
+        try:
+            gqa = query.dim() == 4 == key.dim() and query.shape[1] != key.shape[1]
+            return _native_check(query, key, value, is_causal, scale, gqa, *tile)
+        except (TypeError, ValueError) as e:
+            why = str(e)
+    raise RuntimeError(f"fadev's SDPA flash implementation cannot compute this call: {why}. Call "
+                       f"torch.nn.attention.restore_flash_attention_impl() for PyTorch's own kernel, or choose another "
+                       f"backend with torch.nn.attention.sdpa_kernel")
+
+
+def _flash_ops(tile):
+    """aten._scaled_dot_product_flash_attention and its backward, on the native kernel with ``tile``."""
+
+    def forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        bq, bkv = _flash_check(query, key, value, dropout_p, return_debug_mask, is_causal, scale, tile)
+        out, lse = _native_forward(query, key, value, causal=is_causal, scale=scale, block_q=bq, block_kv=bkv,
+                                   return_lse=True)
+        dev = query.device
+        return (out, lse, None, None, query.shape[2], key.shape[2], torch.zeros(2, dtype=torch.uint64, device=dev),
+                torch.zeros((), dtype=torch.uint64, device=dev), torch.empty(0, dtype=query.dtype, device=dev))
+
+    def backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                 is_causal, philox_seed, philox_offset, *, scale=None):
+        bq, bkv = _flash_check(query, key, value, dropout_p, False, is_causal, scale, tile)
+        return _native_backward(query, key, value, out, logsumexp, grad_out, causal=is_causal, scale=scale,
+                                block_q=bq, block_kv=bkv)
+
+    return forward, backward
+
+
+@dataclasses.dataclass
+class _FlashHandle:
+    """What activation registered with the dispatcher; ``remove`` deregisters it."""
+
+    library: object
+
+    def remove(self) -> None:
+        if self.library is not None:
+            self.library._destroy()
+            self.library = None
+
+
+def _activate_flash(tile):
+    if not device_count():
+        raise no_gpu("fadev's SDPA flash implementation")
+    forward, backward = _flash_ops(tile)
+    lib = torch.library.Library("aten", "IMPL", "CUDA")  # noqa: TOR901 (an override of aten's CUDA kernels)
+    lib.impl("_scaled_dot_product_flash_attention", forward, "CUDA")
+    lib.impl("_scaled_dot_product_flash_attention_backward", backward, "CUDA")
+    return _FlashHandle(lib)
+
+
+def register_sdpa_flash(name=NAME, *, block_q=None, block_kv=None) -> None:
+    """Register the native kernel (tile ``block_q`` x ``block_kv``, default the first of
+    :func:`fadev.native_tiles`) with ``torch.nn.attention.register_flash_attention_impl`` under ``name``;
+    idempotent (the last registration of a name wins). Activating it
+    (``torch.nn.attention.activate_flash_attention_impl(name)``, or :func:`sdpa_flash`) overrides the
+    CUDA kernels of ``aten._scaled_dot_product_flash_attention`` and its backward: SDPA calls that PyTorch
+    routes to its flash backend then run fadev's native forward and backward (float16 / bfloat16, head
+    dim 64 or 128, no dropout); other flash calls raise RuntimeError saying why (there is no fallback to
+    PyTorch's own flash kernel, which the override replaces; torch's FA4 registration refuses the same
+    way). Activation needs a GPU fadev can use. RuntimeError where PyTorch has no register_flash_attention_impl (before 2.10)."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty string, got {name!r}")
+    tile = tuple(None if t is None else integer(t, n) for t, n in ((block_q, "block_q"), (block_kv, "block_kv")))
+    registry = getattr(torch.nn.attention, "register_flash_attention_impl", None)
+    if registry is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.register_flash_attention_impl: "
+                           f"use fadev.hf.use(kernel='native') or fadev.torch_native.native_attention instead")
+    registry(name, register_fn=lambda: _activate_flash(tile))
+
+
+class sdpa_flash:  # noqa: N801 (a context manager)
+    """``with fadev.hf.sdpa_flash(name="fadev"):`` activates the SDPA flash implementation ``name``
+    (registered by :func:`register_sdpa_flash`) and restores PyTorch's default flash kernel on exit."""
+
+    def __init__(self, name=NAME):
+        self.name = name
+
+    def __enter__(self):
+        torch.nn.attention.activate_flash_attention_impl(self.name)
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.attention.restore_flash_attention_impl()
+        return False
+
+
+def has_sdpa_flash_registry() -> bool:
+    """True where PyTorch offers ``torch.nn.attention.register_flash_attention_impl``."""
+    return hasattr(torch.nn.attention, "register_flash_attention_impl")
+
+
+register()
+if has_sdpa_flash_registry():
+    register_sdpa_flash()
+
+__all__ = ["use", "current", "Setting", "DEFAULT", "KERNELS", "NATIVE_TILING", "attention_forward", "register",
+           "register_sdpa_flash", "sdpa_flash", "has_sdpa_flash_registry"]

@@ -1,0 +1,107 @@
+"""fadev's native tensor-core kernel as a differentiable PyTorch op.
+
+:func:`native_attention` computes ``torch.nn.functional.scaled_dot_product_attention``'s result for CUDA
+float16 / bfloat16 tensors (B, H, N, D) by :func:`fadev.native_attention` (cuda/native_forward.cu:
+FlashAttention-2's order, fp32 accumulation, P rounded to the input dtype) and its gradients by
+:func:`fadev.native_attention_backward` (cuda/native_backward.cu), as a ``torch.autograd.Function``. The
+output and the gradients are the very tensors those two functions return, so they have their bits.
+
+Head dims: those :func:`fadev.native_tiles` lists tiles for (64 and 128). ``import fadev`` never imports
+this module (it needs PyTorch); ``fadev.torch_native`` imports it on first use.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .cuda import device_count, no_gpu
+from .formats import boolean
+from .native import native_attention as _forward, native_attention_backward as _backward, native_tiles
+
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+class _NativeFunction(torch.autograd.Function):
+    """The native forward, saving (q, k, v, out, lse); the native backward from them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, block_q, block_kv):
+        out, lse = _forward(q, k, v, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
+                            return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = {"causal": causal, "scale": scale, "block_q": block_q, "block_kv": block_kv}
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, out, lse, dout, **ctx.options)
+        return dq, dk, dv, None, None, None, None
+
+
+def check(q, k, v, is_causal, scale, enable_gqa, block_q, block_kv):
+    """Every check :func:`native_attention` makes before calling the kernel; the tile (block_q, block_kv)
+    it will use. Errors name the argument."""
+    named = (("query", q), ("key", k), ("value", v))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, t in named:
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name}: the native kernel reads float16 or bfloat16, got {t.dtype}")
+        if t.device.type != "cuda":
+            raise ValueError(f"{name}: the native kernel runs on CUDA tensors, got a tensor on {t.device} (use "
+                             f"fadev.torch.attention with a policy for CPU tensors)")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D (batch, heads, seq, head_dim) tensor, got shape "
+                             f"{tuple(t.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"query, key and value must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"key and value must have query's batch and head dim and one shape, got query "
+                         f"{tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}")
+    if q.shape[1] != k.shape[1]:
+        if not boolean(enable_gqa, "enable_gqa"):
+            raise ValueError(f"query has {q.shape[1]} heads but key/value have {k.shape[1]}; pass enable_gqa=True "
+                             f"for grouped-query attention")
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(f"enable_gqa: query heads ({q.shape[1]}) must be a multiple of key/value heads "
+                             f"({k.shape[1]})")
+    if boolean(is_causal, "is_causal") and q.shape[2] != k.shape[2]:
+        raise ValueError(f"is_causal with {q.shape[2]} queries and {k.shape[2]} keys: SDPA's causal mask is aligned "
+                         f"top-left, the native kernel's bottom-right; they agree only for equal lengths")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    if not device_count():
+        raise no_gpu("fadev.torch_native.native_attention")
+    tiles = native_tiles(int(q.shape[3]))
+    if not tiles:
+        raise ValueError(f"query: the native kernel has no tiles for head dim {q.shape[3]} (supported: those "
+                         f"fadev.native_tiles lists, 64 and 128)")
+    fits = [t for t in tiles if block_q in (None, t[0]) and block_kv in (None, t[1])]
+    if not fits:
+        raise ValueError(f"(block_q, block_kv) = ({block_q!r}, {block_kv!r}) is not a native tile for head dim "
+                         f"{q.shape[3]}; supported: {tiles}")
+    return fits[0]
+
+
+def native_attention(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, block_q=None, block_kv=None):
+    """softmax(scale q k^T) v by fadev's native FlashAttention-2-style kernel, differentiable.
+
+    ``torch.nn.functional.scaled_dot_product_attention``'s conventions: q (B, H, N, D), k and v
+    (B, H_kv, N_kv, D) CUDA tensors of one dtype, float16 or bfloat16; ``scale`` defaults to 1/sqrt(D);
+    ``is_causal`` masks key j > query i (needs N == N_kv); ``enable_gqa`` lets H be a multiple of H_kv
+    (query head h reads K/V head h // (H / H_kv)). D is 64 or 128; (``block_q``, ``block_kv``) one of
+    :func:`fadev.native_tiles` (D), default its first. The output has q's dtype; the backward is
+    :func:`fadev.native_attention_backward` with the same tile. No dropout, no attn_mask.
+    """
+    block_q, block_kv = check(q, k, v, is_causal, scale, enable_gqa, block_q, block_kv)
+    return _NativeFunction.apply(q, k, v, bool(is_causal), None if scale is None else float(scale), block_q,
+                                 block_kv)
+
+
+__all__ = ["native_attention", "DTYPES"]

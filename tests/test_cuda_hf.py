@@ -1,0 +1,202 @@
+"""The native kernel as an autograd op (fadev.torch_native), as transformers' "fadev" attention
+(fadev.hf.use(kernel="native")) and as PyTorch's SDPA flash implementation (fadev.hf.sdpa_flash).
+
+The autograd op's output and gradients have the bits of fadev.native_attention / native_attention_backward,
+and their errors against the fp64 golden are within 2x (forward) and 3x (gradients) of PyTorch's own flash
+kernel's (SDPA, flash backend). With the SDPA flash implementation active, SDPA's flash backend returns the
+native kernel's bits forward and backward, and PyTorch's own bits again after it is restored; a tiny Llama
+gives the same logits and gradients through use(kernel="native") and through transformers' sdpa attention
+on the activated implementation. GPU-only: skipped where fadev or torch has no CUDA device.
+"""
+import math
+
+import pytest
+
+import fadev
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import fadev.hf as hf  # noqa: E402
+import fadev.torch_native as tn  # noqa: E402
+from test_cuda_native import _assert_within, _errors, _golden, _inputs  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+F = torch.nn.functional
+needs_gpu = pytest.mark.skipif(not (fadev.cuda_available() and torch.cuda.is_available()),
+                               reason="no CUDA device (fadev.cuda_available() or torch.cuda.is_available() is False)")
+pytestmark = [pytest.mark.gpu, needs_gpu]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+SHAPES = [(2, 4, 4, 256, 256), (1, 4, 2, 300, 300), (1, 4, 1, 200, 333)]  # (batch, heads, heads_kv, seq_q, seq_kv)
+
+
+def _leaves(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def _torch_flash(q, k, v, dout, causal):
+    """PyTorch's flash kernel (K/V heads repeated, so every torch version takes it): out and (dq, dk, dv)."""
+    if torch.nn.attention.current_flash_attention_impl() is not None:
+        torch.nn.attention.restore_flash_attention_impl()
+    ql, kl, vl = _leaves(q, k, v)
+    group = q.shape[1] // k.shape[1]
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(ql, kl.repeat_interleave(group, 1), vl.repeat_interleave(group, 1),
+                                                 is_causal=causal)
+    except RuntimeError as e:  # no flash kernel for this device / build
+        pytest.skip(f"SDPA flash backend unavailable: {e}")
+    out.backward(dout)
+    return out.detach(), (ql.grad, kl.grad, vl.grad)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_native_op_bits_and_flash_rule(dim, dtype_name, causal, shape):
+    b, h, hkv, nq, nk = shape
+    if causal and nq != nk:
+        pytest.skip("SDPA's is_causal is top-left aligned; the native kernel's bottom-right")
+    info = f"D={dim} dtype={dtype_name} causal={causal} shape={shape}"
+    q, k, v, dout = _inputs(shape, dim, DTYPES[dtype_name], "hf", causal)
+    ql, kl, vl = _leaves(q, k, v)
+    out = tn.native_attention(ql, kl, vl, is_causal=causal, enable_gqa=h != hkv)
+    out.backward(dout)
+    grads = (ql.grad, kl.grad, vl.grad)
+
+    want, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)
+    want_grads = fadev.native_attention_backward(q, k, v, want, lse, dout, causal=causal)
+    assert torch.equal(out, want), f"out differs from fadev.native_attention [{info}]"
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
+        assert torch.equal(g, w), f"{name} differs from fadev.native_attention_backward [{info}]"
+
+    flash_out, flash_grads = _torch_flash(q, k, v, dout, causal)
+    gold_out, _, gold_grads = _golden(q, k, v, dout, causal, 1.0 / math.sqrt(dim))
+    _assert_within(f"out [{info}]", _errors(out, gold_out), _errors(flash_out, gold_out), 2, "torch flash")
+    for name, g, f, ref in zip(("dq", "dk", "dv"), grads, flash_grads, gold_grads):
+        _assert_within(f"{name} [{info}]", _errors(g, ref), _errors(f, ref), 3, "torch flash")
+
+
+def test_native_op_tiles_and_errors():
+    q, k, v, dout = _inputs((1, 2, 2, 200, 200), 64, torch.bfloat16, "tiles")
+    for bq, bkv in fadev.native_tiles(64):
+        out = tn.native_attention(q, k, v, is_causal=True, block_q=bq, block_kv=bkv)
+        assert torch.equal(out, fadev.native_attention(q, k, v, causal=True, block_q=bq, block_kv=bkv))
+    with pytest.raises(ValueError, match="block_q"):
+        tn.native_attention(q, k, v, block_q=32, block_kv=32)
+    with pytest.raises(TypeError, match="query.*float16 or bfloat16"):
+        tn.native_attention(q.float(), k.float(), v.float())
+    q96 = torch.zeros(1, 2, 8, 96, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="query.*head dim 96"):
+        tn.native_attention(q96, q96, q96)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        tn.native_attention(q, k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match="is_causal"):
+        tn.native_attention(q, k[:, :, :100], v[:, :, :100], is_causal=True)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads_kv", [4, 2], ids=["mha", "gqa"])
+def test_sdpa_flash_impl_is_native(dim, heads_kv):
+    shape = (2, 4, heads_kv, 256, 256)
+    q, k, v, dout = _inputs(shape, dim, torch.bfloat16, "sdpa-flash")
+    gqa = {"enable_gqa": True} if heads_kv != 4 else {}
+
+    def sdpa():
+        ql, kl, vl = _leaves(q, k, v)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, **gqa)
+        out.backward(dout)
+        return out.detach(), (ql.grad, kl.grad, vl.grad)
+
+    try:
+        before = sdpa()
+    except RuntimeError as e:
+        pytest.skip(f"PyTorch's flash backend does not take this call (enable_gqa?): {e}")
+    with hf.sdpa_flash():
+        assert torch.nn.attention.current_flash_attention_impl() == "fadev"
+        out, grads = sdpa()
+    assert torch.nn.attention.current_flash_attention_impl() is None
+    want, lse = fadev.native_attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out, want)
+    for g, w in zip(grads, fadev.native_attention_backward(q, k, v, want, lse, dout, causal=True)):
+        assert torch.equal(g, w)
+    after = sdpa()
+    # PyTorch's own kernel again after restoring, and a different computation from the native one
+    assert torch.equal(after[0], before[0]) and all(torch.equal(a, b) for a, b in zip(after[1], before[1]))
+    assert not torch.equal(before[0], out)
+
+
+def test_sdpa_flash_impl_refuses_what_native_cannot():
+    q = torch.randn(1, 2, 64, 96, device="cuda", dtype=torch.float16)
+    with hf.sdpa_flash(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with pytest.raises(RuntimeError, match="head dim 96"):
+            F.scaled_dot_product_attention(q, q, q)
+        q64 = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16)
+        with pytest.raises(RuntimeError, match="dropout_p"):
+            F.scaled_dot_product_attention(q64, q64, q64, dropout_p=0.5)
+    assert torch.nn.attention.current_flash_attention_impl() is None
+
+
+def _llama(heads_kv):
+    cfg = LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=heads_kv, max_position_embeddings=512)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="fadev", dtype=torch.bfloat16).cuda()
+
+
+def _step(model, ids):
+    model.zero_grad()
+    logits = model(ids).logits
+    logits.float().square().mean().backward()
+    return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_llama_native_equals_sdpa_on_the_flash_impl():
+    """use(kernel="native") and transformers' sdpa attention on the activated SDPA flash implementation: the
+    same logits and gradients, bit for bit (head dim 64, causal prefill)."""
+    model = _llama(4)
+    ids = torch.randint(0, 300, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    with hf.use(kernel="native"):
+        la, ga = _step(model, ids)
+    with hf.use(kernel="sdpa"), hf.sdpa_flash(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        lb, gb = _step(model, ids)
+    assert torch.equal(la, lb) and all(torch.equal(a, b) for a, b in zip(ga, gb))
+    lc, _ = _step(model, ids)  # PyTorch's own kernels: a different computation
+    assert not torch.equal(la, lc)
+
+
+def test_native_padding_mask_flash_rule():
+    """A padding mask (row 0 left-padded, row 1 right-padded, grouped-query heads) through
+    use(kernel="native"): queries that see no key give 0; the others are within 2x of the error of PyTorch's
+    SDPA on the same mask in bfloat16, both against float64."""
+    b, h, hkv, n, d = 2, 4, 2, 192, 64
+    q, k, v, _ = _inputs((b, h, hkv, n, n), d, torch.bfloat16, "padding")
+    valid = torch.ones(b, n, dtype=torch.bool, device="cuda")
+    valid[0, :40] = False
+    valid[1, 150:] = False
+    mask = (torch.ones(n, n, dtype=torch.bool, device="cuda").tril()[None] & valid[:, None, :])[:, None]
+
+    class Module:
+        is_causal = True
+
+    with hf.use(kernel="native"):
+        out, _ = hf.attention_forward(Module(), q, k, v, mask, scaling=d ** -0.5)
+    out = out.transpose(1, 2)
+    kr, vr = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
+    scores = (q.double() @ kr.double().transpose(-1, -2) * d ** -0.5).masked_fill(~mask, -math.inf)
+    none = ~mask.any(-1, keepdim=True)
+    gold = torch.softmax(scores.masked_fill(none, 0.0), -1).masked_fill(none, 0.0) @ vr.double()
+    ref = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+    seeing = mask.any(-1).expand(b, h, n)
+    assert not out[~seeing].any()
+    _assert_within("padded out", _errors(out[seeing], gold[seeing]), _errors(ref[seeing], gold[seeing]), 2,
+                   "torch sdpa")
+    model = _llama(2)  # and a whole model: grouped-query heads, a padded batch, finite logits
+    ids = torch.randint(0, 300, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    pad = torch.ones_like(ids)
+    pad[0, :16] = 0
+    with hf.use(kernel="native"):
+        assert torch.isfinite(model(ids, attention_mask=pad).logits[pad.bool()]).all()
