@@ -4,8 +4,8 @@ never imports a higher one; the library layers import fadev modules at module le
 import dodging a cycle); ``import fadev`` does not import torch, and ``fadev.torch`` is a lazy submodule.
 
 Layers, lowest first: _core -> formats -> policy -> _args -> cuda -> {attention, backward, ring, ring_steps,
-native, metrics} -> fadev (the package namespace, __init__) -> {torch, weights, sweep, experiments, training,
-report, plots, ...} -> __main__. A top-level module not named here belongs to the applications layer.
+native, metrics} -> fadev (the package namespace, __init__) -> {torch, monitor, weights, sweep, experiments,
+training, report, plots, ...} -> __main__. A top-level module not named here belongs to the applications layer.
 """
 import ast
 import importlib.util
@@ -21,7 +21,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fadev"
 LAYERS = [("_core",), ("formats",), ("policy",), ("_args",), ("cuda",),
           ("attention", "backward", "ring", "ring_steps", "native", "metrics"), ("",)]
 APPLICATIONS, MAIN = len(LAYERS), len(LAYERS) + 1
-LIBRARY = {name for layer in LAYERS for name in layer if name} | {"torch", "weights"}  # module-level imports only
+LIBRARY = {name for layer in LAYERS for name in layer if name} | {"torch", "monitor", "weights"}  # module-level imports only
 
 
 def module_name(path: pathlib.Path) -> str:
