@@ -342,18 +342,21 @@ fadev_status fadev_cuda_ulp_error(const double *test, const double *ref, size_t 
 /* Native FlashAttention-2-style kernel on the tensor cores (native_forward.cu, native_backward.cu): fp16 or bf16
  * inputs and outputs, fp32 accumulation (mma.sync), online softmax in fp32 with exp2. q, out, dout, dq:
  * (B, H, Nq, D); k, v, dk, dv: (B, Hkv, Nk, D); contiguous, element type `dtype`; lse (B, H, Nq) float32
- * (natural log). Supported: dim 64 or 128, the (block_q, block_kv) pairs fadev_cuda_native_tiles lists.
- * FADEV_ERR_INVALID_ARGUMENT for anything else. The backward recomputes P from lse and needs a float32
- * workspace of fadev_cuda_native_workspace() bytes (dq accumulated in fp32). */
+ * (natural log). Supported: dim 64 or 128, the (block_q, block_kv) pairs fadev_cuda_native_tiles lists for the
+ * direction (forward and backward have their own lists). FADEV_ERR_INVALID_ARGUMENT for anything else. The
+ * backward recomputes P from lse and needs a float32 workspace of fadev_cuda_native_workspace() bytes (dq
+ * accumulated in fp32 by atomic adds, or with `deterministic` by a separate pass over the K/V tiles without
+ * atomics: the same bits on every run). */
 typedef enum fadev_native_dtype { FADEV_NATIVE_FP16 = 0, FADEV_NATIVE_BF16 = 1 } fadev_native_dtype;
 typedef struct fadev_native_params {
     fadev_attention_params attn; /* shapes, scale, causal (bottom-right aligned), block_q (Br), block_kv (Bc);
                                     loop_order, normalize and exp_form are not read */
     int32_t dtype;               /* fadev_native_dtype */
+    int32_t deterministic;       /* backward only: 1 = dq without atomics (bit-reproducible), 0 = atomics */
 } fadev_native_params;
-/* Writes up to max_pairs (block_q, block_kv) pairs supported for head dim `dim` into tiles[2 * i], tiles[2 * i + 1];
- * *count receives how many there are. */
-fadev_status fadev_cuda_native_tiles(int dim, int32_t *tiles, int max_pairs, int *count);
+/* Writes up to max_pairs (block_q, block_kv) pairs supported for head dim `dim` in one direction (backward 0: the
+ * forward's, 1: the backward's) into tiles[2 * i], tiles[2 * i + 1]; *count receives how many there are. */
+fadev_status fadev_cuda_native_tiles(int dim, int backward, int32_t *tiles, int max_pairs, int *count);
 fadev_status fadev_cuda_native_forward(const void *q, const void *k, const void *v, void *out, float *lse,
                                        const fadev_native_params *params);
 size_t fadev_cuda_native_workspace(const fadev_native_params *params);

@@ -136,18 +136,20 @@ int parse_params(PyObject *obj, void *out) {
     return 1;
 }
 
-/* fadev_native_params from (batch, heads, heads_kv, seq_q, seq_kv, dim, scale, causal, block_q, block_kv, dtype). */
+/* fadev_native_params from (batch, heads, heads_kv, seq_q, seq_kv, dim, scale, causal, block_q, block_kv, dtype,
+ * deterministic). */
 int parse_native_params(PyObject *obj, void *out) {
     fadev_native_params *np = (fadev_native_params *)out;
     long long s[6];
-    int causal, block_q, block_kv, dtype;
+    int causal, block_q, block_kv, dtype, deterministic;
     memset(np, 0, sizeof *np);
-    if (!PyArg_ParseTuple(obj, "LLLLLLdpiii;native params must be (batch, heads, heads_kv, seq_q, seq_kv, dim, "
-                               "scale, causal, block_q, block_kv, dtype)", &s[0], &s[1], &s[2], &s[3], &s[4], &s[5],
-                          &np->attn.scale, &causal, &block_q, &block_kv, &dtype))
+    if (!PyArg_ParseTuple(obj, "LLLLLLdpiiip;native params must be (batch, heads, heads_kv, seq_q, seq_kv, dim, "
+                               "scale, causal, block_q, block_kv, dtype, deterministic)", &s[0], &s[1], &s[2], &s[3],
+                          &s[4], &s[5], &np->attn.scale, &causal, &block_q, &block_kv, &dtype, &deterministic))
         return 0;
     set_shapes(&np->attn, s);
     np->attn.causal = causal, np->attn.block_q = block_q, np->attn.block_kv = block_kv, np->dtype = dtype;
+    np->deterministic = deterministic;
     return 1;
 }
 
