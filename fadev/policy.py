@@ -265,6 +265,17 @@ class Policy:
                           normalize="deferred", exp="exp", bwd_scale="ds", name=f"efficient({F})")
 
     @classmethod
+    def cudnn(cls, fmt) -> "Policy":
+        """cuDNN's fused flash attention (PyTorch's cuDNN SDPA backend; closed source, modelled from measurement):
+        fa2's arithmetic on 64x64 tiles (its sm90 backward kernel is named ..._flash_bprop_wgmma_f16_..._64x64x64),
+        except that the backward multiplies dS by the softmax scale in fp32 before rounding it to F (bwd_scale
+        "ds"), as cudnn-frontend's open SM100 kernels do. At fp16 and long N that product underflows into fp16's
+        subnormals; fa2's placement (the scale on the fp32 sums) does not (docs/numerics.md)."""
+        F = as_format(fmt)
+        return cls._split(F, _fa_acc(F), _FA_IN_F, block_q=64, block_kv=64, loop_order="q_outer",
+                          normalize="deferred", exp="exp2", bwd_scale="ds", name=f"cudnn({F})")
+
+    @classmethod
     def torch_math(cls, fmt) -> "Policy":
         """PyTorch SDPA's math backend on fp16/bf16: inputs upcast to fp32, everything in fp32, the
         output rounded to F."""
@@ -275,7 +286,7 @@ class Policy:
     def preset(cls, name: str, fmt=None) -> "Policy":
         """A preset by name: ``Policy.preset("fa2", "bf16")``, or ``Policy.preset("golden")``."""
         makers = {"golden": cls.golden, "paper": cls.paper, "naive": cls.naive, "fa2": cls.fa2, "fa1": cls.fa1,
-                  "efficient": cls.efficient, "torch_math": cls.torch_math}
+                  "efficient": cls.efficient, "cudnn": cls.cudnn, "torch_math": cls.torch_math}
         if not isinstance(name, str) or name not in makers:
             raise ValueError(f"preset: unknown preset {name!r}; known: {', '.join(makers)}")
         if name == "golden":

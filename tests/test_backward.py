@@ -108,7 +108,7 @@ def parity_policies():
     rounding in one stage at a time (every backward stage and every forward stage the backward
     recomputes, so each counter is checked, and the scale on dS: event 22); rtz and stochastic on whole presets."""
     pols = [(Policy.golden(), {})]
-    pols += [(Policy.preset(p, f), {}) for p in ("paper", "naive", "fa2", "fa1", "efficient", "torch_math")
+    pols += [(Policy.preset(p, f), {}) for p in ("paper", "naive", "fa2", "fa1", "efficient", "cudnn", "torch_math")
              for f in ("bf16", "fp16", "fp32")]
     pols += [(Policy.golden().replace(dsoft="bf16", bwd_scale="ds", rounding="stochastic", seed=2**62 + 5), {}),
              (Policy.fa2("fp16").replace(bwd_scale="ds"), {})]

@@ -25,7 +25,7 @@ def gpu(test):
     return needs_gpu(pytest.mark.gpu(test))
 
 
-PRESETS = ("paper", "naive", "fa2", "fa1", "efficient", "torch_math")
+PRESETS = ("paper", "naive", "fa2", "fa1", "efficient", "cudnn", "torch_math")
 FORMATS = ("bf16", "fp16", "fp8_e4m3")
 GRADS = ("dq", "dk", "dv")
 

@@ -110,6 +110,7 @@ def test_presets_backward_stages():
         assert (eff.bwd_p.name, eff.dsoft_p.name, eff.dsoft.name, eff.ds.name, eff.bwd_scale) == \
             (fmt, fmt, "fp32", fmt, "ds")
         assert all(Policy.preset(p, fmt).bwd_scale == "sums" for p in ("paper", "naive", "fa2", "fa1", "torch_math"))
+        assert Policy.cudnn(fmt).replace(bwd_scale="sums", block_q=128, name="x") == Policy.fa2(fmt)
 
 
 def synthetic(dq_ratio, causal=(False, True), Ns=(512, 2048)):
@@ -194,6 +195,7 @@ def test_backward_presets_match_the_real_kernels_on_the_gpu():
     found = {f.claim: f for f in kb.findings(df)}
     for fmt in ("fp16", "bf16"):
         for model, real in (("fa2", "torch flash"), ("fa2", "fadev native"), ("efficient", "torch efficient"),
+                            ("cudnn", "torch cudnn"),
                             ("torch_math", "torch math"),
                             ("naive, split scale", "torch math, reduced")):
             f = found[f"backward {fmt}: emulated {model} vs {real}"]

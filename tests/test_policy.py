@@ -18,6 +18,7 @@ TABLE = {
     "fa2": "F W W W W W W F W W F",
     "fa1": "F W W W W W W F W W F",
     "efficient": "F W W W W W W F W W F",
+    "cudnn": "F W W W W W W F W W F",
     "torch_math": "F W W W W W W W W W F",
 }
 TILING = {  # preset: (block_q, block_kv, loop_order, normalize, exp, state)
@@ -26,6 +27,7 @@ TILING = {  # preset: (block_q, block_kv, loop_order, normalize, exp, state)
     "fa2": (128, 64, "q_outer", "deferred", "exp2", None),
     "fa1": (128, 128, "kv_outer", "eager", "exp", "F"),
     "efficient": (64, 64, "q_outer", "deferred", "exp", None),
+    "cudnn": (64, 64, "q_outer", "deferred", "exp2", None),
     "torch_math": (64, 64, "q_outer", "deferred", "exp", None),
 }
 PRESET_FORMATS = ("bf16", "fp16", "fp32", "fp64", "tf32", "fp8_e4m3", "fp8_e5m2")

@@ -5,8 +5,8 @@ seed: q, k, v and dO drawn in F; the reference gradients are fp64 autograd (PyTo
 float64 where PyTorch is importable, else fadev's golden backward); every implementation's dq, dk, dv are
 compared with them (RMSE and mean |err|).
 
-Emulated (always, on ``device``): fadev's forward then backward under ``fa2(F)``, ``fa1(F)``, ``efficient(F)``
-(flash) and ``naive(F)``, ``torch_math(F)`` (baseline), each backward from its own forward's out and lse.
+Emulated (always, on ``device``): fadev's forward then backward under ``fa2(F)``, ``fa1(F)``, ``efficient(F)``,
+``cudnn(F)`` (flash) and ``naive(F)``, ``torch_math(F)`` (baseline), each backward from its own forward's out and lse.
 
 Real: on a CUDA GPU, PyTorch's SDPA backward through autograd (``torch.nn.attention.sdpa_kernel``) for the
 flash, memory-efficient, cuDNN and math backends (math both ways of
@@ -39,17 +39,17 @@ SIZES = {
     "full": {"formats": ("fp16", "bf16"), "Ns": (512, 2048, 8192, 16384), "D": 64, "seeds": 2,
              "causal": (False, True)},
 }
-EMULATED = (("fa2", "flash"), ("fa1", "flash"), ("efficient", "flash"), ("naive", "baseline"),
+EMULATED = (("fa2", "flash"), ("fa1", "flash"), ("efficient", "flash"), ("cudnn", "flash"), ("naive", "baseline"),
             ("torch_math", "baseline"), ("naive, split scale", "baseline"))
 """Presets and kernels; "naive, split scale" is naive(F) on the math backend's pre-scaled q, k (:func:`_split_scale`)."""
 GPU_BACKENDS = ("flash", "efficient", "cudnn", "math", "math, reduced", "fadev native")
 CPU_BACKENDS = ("math", "math, reduced", "flash")
-MODELS = {"torch flash": "fa2", "torch efficient": "efficient", "torch cudnn": "fa2", "fadev native": "fa2",
+MODELS = {"torch flash": "fa2", "torch efficient": "efficient", "torch cudnn": "cudnn", "fadev native": "fa2",
           "torch math": "torch_math", "torch math, reduced": "naive, split scale", "torch math (cpu)": "torch_math",
           "torch math, reduced (cpu)": "naive, split scale"}
 """Which emulation models which real backward: the forward's pairs (the reduced math backend by naive on the
 pre-scaled q, k), the memory-efficient (xformers/CUTLASS) backward by ``efficient(F)`` (dS from the P it stored
-in F, the scale on dS), and PyTorch's CPU math backend both ways (the same composite as on the GPU). PyTorch's
+in F, the scale on dS), cuDNN's by ``cudnn(F)`` (fa2 with the scale on dS), and PyTorch's CPU math backend both ways (the same composite as on the GPU). PyTorch's
 CPU flash backward is another algorithm: shown, not paired."""
 GRADS = ("dq", "dk", "dv")
 METRICS = ("rmse", "mean_abs")
