@@ -184,6 +184,13 @@ def test_run_on_cpu():
     assert f.holds is False, f.ours
 
 
+def test_run_a_subset_of_implementations():
+    df = kb.run(Ns=(64,), seeds=1, formats=("fp16",), causal=(False,), impls=["emulated efficient", "emulated fa2"])
+    assert sorted(df["impl"]) == ["emulated efficient", "emulated fa2"]
+    with pytest.raises(ValueError, match="impls: unknown or unavailable here.*'torch nonsense'"):
+        kb.run(Ns=(64,), seeds=1, impls=["torch nonsense"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not common.torch_cuda(), reason="PyTorch sees no CUDA device")
 def test_backward_presets_match_the_real_kernels_on_the_gpu():

@@ -183,13 +183,20 @@ def real_impls(device) -> list:
     return [f"torch {b} (cpu)" for b in CPU_BACKENDS] if _torch() is not None else []
 
 
-def run(size="quick", out=None, *, device="cpu", progress=False, budget_s=None, **overrides) -> pd.DataFrame:
+def run(size="quick", out=None, *, device="cpu", progress=False, budget_s=None, impls=None,
+        **overrides) -> pd.DataFrame:
     """One row per (impl, format, N, causal): mean over seeds of {dq,dk,dv}.{rmse,mean_abs}. Raw rows in
     out/kernels_backward.jsonl (resumable: a second run with the same ``out`` skips finished points).
     ``budget_s``: start no new (N, format, causal) after this many seconds (Ns ascending); those left out are
-    in ``df.attrs["skipped"]``."""
+    in ``df.attrs["skipped"]``. ``impls``: measure only these implementations (names as in the "impl" column:
+    "emulated fa2", "torch efficient", ...; default: every emulation and the device's real kernels)."""
     s = common.sizes(SIZES, size, overrides)
-    impls = [f"emulated {p}" for p, _ in EMULATED] + real_impls(device)
+    known = [f"emulated {p}" for p, _ in EMULATED] + real_impls(device)
+    if impls is not None:
+        unknown = [i for i in impls if i not in known]
+        if unknown or not impls:
+            raise ValueError(f"impls: unknown or unavailable here {unknown or impls!r}; known: {', '.join(known)}")
+    impls = known if impls is None else [i for i in known if i in impls]
     device = common.sweep_device(device)  # where the emulation runs: the GPU only with fadev's CUDA kernels
     start, frames, skipped = time.perf_counter(), [], []
     for N, fmt, causal in itertools.product(sorted(s["Ns"]), s["formats"], s["causal"]):
