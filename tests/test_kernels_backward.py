@@ -39,21 +39,26 @@ def fa2_model(q, k, v, out, lse, dout, scale, causal, p_in_ds="fp32", efficient=
     return bf((dS @ K) * np.float32(scale)), bf((dS.T @ Q) * np.float32(scale)), bf(bf(P).T @ dO)
 
 
+def preset_vs_golden(pol, D, seeds, causal, N=256):
+    """(inputs, out, lse, the preset's mean |err| of dq, dk, dv vs golden, err): bf16 inputs from seeds."""
+    q, k, v = common.inputs(N, N, D, seeds[0], "bf16")
+    dout = fadev.round(np.random.default_rng(seeds[1]).standard_normal((1, 1, N, D)), "bf16")
+    g = Policy.golden()
+    o64, l64 = fadev.flash_attention(q, k, v, g, causal=causal, return_lse=True)
+    ref = fadev.flash_attention_backward(q, k, v, o64, l64, dout, g, causal=causal)
+    out, lse = fadev.flash_attention(q, k, v, pol, causal=causal, return_lse=True)
+    emulated = fadev.flash_attention_backward(q, k, v, out, lse, dout, pol, causal=causal)
+    err = lambda grads: np.array([np.abs(t - r[0, 0]).mean() for t, r in zip(grads, ref)])  # noqa: E731
+    return (q, k, v, dout), out, lse, emulated, err
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_fa2_backward_matches_a_model_of_flash_attention_2(causal):
     """fa2(bf16)'s dq, dk, dv errors vs golden are those of the NumPy model of FA2's backward (within 3%);
     the model that forms dS from the bf16 P (the preset's arithmetic before the fix) is >= 15% worse on dq
     and dk, so the test tells the two apart."""
-    N, D = 256, 64
-    q, k, v = common.inputs(N, N, D, 3, "bf16")
-    dout = fadev.round(np.random.default_rng(5).standard_normal((1, 1, N, D)), "bf16")
-    g = Policy.golden()
-    o64, l64 = fadev.flash_attention(q, k, v, g, causal=causal, return_lse=True)
-    ref = fadev.flash_attention_backward(q, k, v, o64, l64, dout, g, causal=causal)
-    pol = Policy.fa2("bf16")
-    out, lse = fadev.flash_attention(q, k, v, pol, causal=causal, return_lse=True)
-    emulated = fadev.flash_attention_backward(q, k, v, out, lse, dout, pol, causal=causal)
-    err = lambda grads: np.array([np.abs(t - r[0, 0]).mean() for t, r in zip(grads, ref)])  # noqa: E731
+    D = 64
+    (q, k, v, dout), out, lse, emulated, err = preset_vs_golden(Policy.fa2("bf16"), D, (3, 5), causal)
     preset = err([x[0, 0] for x in emulated])
     model = err(fa2_model(q, k, v, out, lse, dout, D ** -0.5, causal))
     lossy = err(fa2_model(q, k, v, out, lse, dout, D ** -0.5, causal, p_in_ds="bf16"))
@@ -67,18 +72,10 @@ def test_efficient_backward_matches_a_model_of_the_memory_efficient_kernel(causa
     """efficient(bf16)'s dq, dk, dv errors vs golden are those of the NumPy model of xformers' backward (within
     3%), and its dq, dk errors are >= 15% above fa2's model: the preset tells the two kernels apart. D = 48:
     scale = 48^-1/2 is no power of two, so the scale's place (on dS, not the sums) changes bits too."""
-    N, D = 256, 48
-    q, k, v = common.inputs(N, N, D, 4, "bf16")
-    dout = fadev.round(np.random.default_rng(6).standard_normal((1, 1, N, D)), "bf16")
-    g = Policy.golden()
-    o64, l64 = fadev.flash_attention(q, k, v, g, causal=causal, return_lse=True)
-    ref = fadev.flash_attention_backward(q, k, v, o64, l64, dout, g, causal=causal)
-    pol = Policy.efficient("bf16")
-    out, lse = fadev.flash_attention(q, k, v, pol, causal=causal, return_lse=True)
-    emulated = fadev.flash_attention_backward(q, k, v, out, lse, dout, pol, causal=causal)
+    D, pol = 48, Policy.efficient("bf16")
+    (q, k, v, dout), out, lse, emulated, err = preset_vs_golden(pol, D, (4, 6), causal)
     on_sums = fadev.flash_attention_backward(q, k, v, out, lse, dout, pol.replace(bwd_scale="sums"), causal=causal)
     assert not np.array_equal(emulated[0], on_sums[0]) and np.array_equal(emulated[2], on_sums[2])
-    err = lambda grads: np.array([np.abs(t - r[0, 0]).mean() for t, r in zip(grads, ref)])  # noqa: E731
     preset = err([x[0, 0] for x in emulated])
     model = err(fa2_model(q, k, v, out, lse, dout, D ** -0.5, causal, efficient=True))
     flash = err(fa2_model(q, k, v, out, lse, dout, D ** -0.5, causal))
