@@ -105,15 +105,17 @@ typedef struct fadev_policy {
  * the recomputation of S and P and whose rounding mode and seed apply here too. */
 typedef struct fadev_policy_backward {
     fadev_format bwd_p;     /* stored: recomputed P as fed to the dV product */
+    fadev_format dsoft_p;   /* stored: recomputed P as the softmax backward dS = P (dP - D) reads it */
     fadev_format dp_acc;    /* accumulator: each dP = dO.V dot product */
     fadev_format dp;        /* stored: dP after its product */
     fadev_format delta_acc; /* accumulator: D = rowsum(dO * O) (flash) / sum_j P dP (baseline) */
-    fadev_format dsoft;     /* stored: P as the softmax backward reads it, D, dP - D, P * (dP - D) */
+    fadev_format dsoft;     /* stored: D, dP - D, P * (dP - D) (and scale * P * (dP - D) when ds_scaled) */
     fadev_format ds;        /* stored: dS as fed to the dQ and dK products */
     fadev_format grad_acc;  /* accumulator: each dV, dK, dQ dot product within one block */
     fadev_format dq_acc;    /* stored: dQ accumulated across K/V blocks */
     fadev_format dkv_acc;   /* stored: dK, dV accumulated across query blocks and the heads of a group */
     fadev_format grad;      /* stored: the returned dq, dk, dv */
+    int32_t ds_scaled;      /* 1: the scale multiplies each dS before R_ds (xformers); 0: the dQ, dK sums (FA2) */
 } fadev_policy_backward;
 
 typedef enum fadev_loop_order { FADEV_Q_OUTER = 0, FADEV_KV_OUTER = 1 } fadev_loop_order;

@@ -72,19 +72,24 @@ int parse_policy(PyObject *obj, void *out) {
     return 1;
 }
 
-/* A backward policy arrives as Policy._c_backward: 10 format tuples in fadev_policy_backward field order. */
+/* A backward policy arrives as Policy._c_backward: 11 format tuples in fadev_policy_backward field order, then the
+ * ds_scaled flag. */
 int parse_policy_backward(PyObject *obj, void *out) {
     fadev_policy_backward *pb = (fadev_policy_backward *)out;
-    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 10) {
-        PyErr_Format(PyExc_TypeError, "policy_backward must be a tuple of 10 format tuples (Policy._c_backward), "
-                                      "got %.100s", Py_TYPE(obj)->tp_name);
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 12) {
+        PyErr_Format(PyExc_TypeError, "policy_backward must be a tuple of 11 format tuples and a flag "
+                                      "(Policy._c_backward), got %.100s", Py_TYPE(obj)->tp_name);
         return 0;
     }
-    return PyArg_ParseTuple(obj, "O&O&O&O&O&O&O&O&O&O&;policy_backward must be Policy._c_backward", parse_format,
-                            &pb->bwd_p, parse_format, &pb->dp_acc, parse_format, &pb->dp, parse_format,
-                            &pb->delta_acc, parse_format, &pb->dsoft, parse_format, &pb->ds, parse_format,
-                            &pb->grad_acc, parse_format, &pb->dq_acc, parse_format, &pb->dkv_acc, parse_format,
-                            &pb->grad);
+    int ds_scaled;
+    if (!PyArg_ParseTuple(obj, "O&O&O&O&O&O&O&O&O&O&O&p;policy_backward must be Policy._c_backward", parse_format,
+                          &pb->bwd_p, parse_format, &pb->dsoft_p, parse_format, &pb->dp_acc, parse_format, &pb->dp,
+                          parse_format, &pb->delta_acc, parse_format, &pb->dsoft, parse_format, &pb->ds, parse_format,
+                          &pb->grad_acc, parse_format, &pb->dq_acc, parse_format, &pb->dkv_acc, parse_format,
+                          &pb->grad, &ds_scaled))
+        return 0;
+    pb->ds_scaled = ds_scaled;
+    return 1;
 }
 
 /* Ring params arrive as RingMerge._c: (world_size, layout, allgather, 9 format tuples in field order). */

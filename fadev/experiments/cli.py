@@ -17,6 +17,7 @@ import time
 from .. import report
 from ..sweep.cli import add_cluster_options, positive_int, run_options
 from . import EXPERIMENTS, document, reproduce, run_one
+from .rerender import rerender
 
 
 def _int_list(text):
@@ -156,8 +157,19 @@ def _cmd_experiment(name, command):
     return cmd
 
 
+def cmd_report(args) -> int:
+    try:
+        path, results = rerender(args.dir, out=args.out, size=args.size)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"fadev report: {e}", file=sys.stderr)
+        return 1
+    found = [f for r in results.values() for f in r["findings"]]
+    print(f"{report.count_line(found)}; report: {path}")
+    return 0
+
+
 def add_subcommands(sub):
-    """Register ``reproduce`` and the experiment subcommands on an argparse subparsers object."""
+    """Register ``reproduce``, ``report`` and the experiment subcommands on an argparse subparsers object."""
     default = [n for n, m in EXPERIMENTS.items() if m.REPRODUCE]
     sp = sub.add_parser(
         "reproduce", help="reproduce Golden et al. (arXiv 2405.02803) and more: experiments, figures, report.md",
@@ -169,6 +181,18 @@ def add_subcommands(sub):
     sp.add_argument("--only", type=_names, default=None, metavar="NAME,...",
                     help="run only these experiments (comma-separated): " + ", ".join(EXPERIMENTS))
     sp.set_defaults(func=cmd_reproduce)
+    rp = sub.add_parser("report", help="render a recorded results folder's report again from its CSVs",
+                        description="Read DIR/NAME.csv of every experiment in DIR, compute the findings and tables "
+                                    "with the current code and write the report in the current format (the recorded "
+                                    "numbers; the recorded header, sizes lines and figures kept). Replaces DIR's "
+                                    "report (report.md or NAME.md) unless --out is given.")
+    rp.add_argument("dir", metavar="DIR", help="a results folder, e.g. docs/results/kernels-quick-h100-2026-11-22")
+    rp.add_argument("--out", default=None, metavar="FILE", help="write the report here instead")
+    group = rp.add_mutually_exclusive_group()
+    for size in ("quick", "full"):
+        group.add_argument(f"--{size}", dest="size", action="store_const", const=size,
+                           help=f"the run used {size} sizes (default: as its report says)")
+    rp.set_defaults(func=cmd_report, size=None)
     for name, exp in EXPERIMENTS.items():
         command = name.replace("_", "-")
         doc = (exp.__doc__ or "").strip().split("\n\n")
