@@ -98,7 +98,8 @@ def test_scale_on_ds_matches_cpu_bits(scale):
     the sums; with a narrow dsoft every one of those roundings counts, stochastic included."""
     q, k, v, dout = make_inputs(6, 1, 2, 1, 70, 90, 24, spread=2.0)
     for pol in (Policy.efficient("fp16"), Policy.fa2("fp32").replace(dsoft="bf16", bwd_scale="ds"),
-                Policy.golden().replace(dsoft="bf16", bwd_scale="ds", rounding="stochastic", seed=11)):
+                # not golden: fp64 stages take CUDA's exp/log, whose last bits differ from the CPU's (numerics.md)
+                Policy.fa2("fp32").replace(dsoft="bf16", bwd_scale="ds", rounding="stochastic", seed=11)):
         for kind, tiles in (("flash", {"block_q": 32, "block_kv": 48}), ("baseline", {})):
             cpu, gpu = run_both(kind, q, k, v, dout, pol, causal=True, scale=scale, **tiles)
             for name, g, c in zip(GRADS, gpu, cpu):
