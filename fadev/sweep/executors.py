@@ -153,17 +153,25 @@ def _on_ray(points, fn, key, group, workers, address, gpus_per_point):
     if task is None:
         task = _remote[ray] = ray.remote(_ray_chunk)
     gpus = 1 if gpus_per_point is None else gpus_per_point
-    refs = {}
-    for part in chunks(points, workers, group):
-        options = {"num_cpus": 1, "max_retries": MAX_RETRIES,
-                   "num_gpus": gpus if part[0].get("device") == "cuda" else 0}
-        refs[task.options(**options).remote(fn, key, part)] = part
-    pending = list(refs)
+    # At most `workers` tasks in flight: the sweep uses the share of the cluster it was given (Ray alone would
+    # run every submitted task at once on a larger cluster); the next chunk goes out as one finishes.
+    todo, refs = iter(chunks(points, workers, group)), {}
+
+    def submit():
+        part = next(todo, None)
+        if part is not None:
+            options = {"num_cpus": 1, "max_retries": MAX_RETRIES,
+                       "num_gpus": gpus if part[0].get("device") == "cuda" else 0}
+            refs[task.options(**options).remote(fn, key, part)] = part
+
+    for _ in range(workers):
+        submit()
     try:
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+        while refs:
+            ready, _ = ray.wait(list(refs), num_returns=1)
             for ref in ready:
                 part = refs.pop(ref)
+                submit()
                 try:
                     rows = ray.get(ref)
                 except ray.exceptions.RayError as e:  # retries used up, or the task could not run at all
