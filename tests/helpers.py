@@ -237,5 +237,5 @@ def find_cycle(graph):
 def timed_point(point):
     """A point's row holding when it ran (the wall clock: perf counters are per process)."""
     start = time.time()
-    time.sleep(0.05)
+    time.sleep(0.4)  # long enough for Ray to start a second worker process if it may use one
     return {"key": fadev.sweep.point_key(point), "start": start, "end": time.time()}

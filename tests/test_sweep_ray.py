@@ -101,10 +101,10 @@ def test_failed_point_on_ray_is_a_row_then_retried(address, tmp_path):
 def test_workers_bounds_the_tasks_in_flight(address):
     """workers=1 on a 2-CPU Ray instance: one task at a time, so the points' time windows never overlap
     (with workers=2 they may); the share of the cluster a sweep was given, not all of it."""
-    pts = {sweep.point_key(p): p for p in sweep.validate(sweep.expand({"seed": list(range(6))}, base=BASE))}
+    pts = {sweep.point_key(p): p for p in sweep.validate(sweep.expand({"seed": list(range(8))}, base=BASE))}
     rows = sweep.drive(pts, helpers.timed_point, sweep.point_key, None, executor="ray", workers=1, progress=False)
     spans = sorted((r["start"], r["end"]) for r in rows.values())
-    assert len(spans) == 6 and all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert len(spans) == 8 and all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
 
 
 def test_driver_killed_mid_sweep_then_rerun(address, tmp_path):
