@@ -284,7 +284,9 @@ class _FlashHandle:
 
     def remove(self) -> None:
         if self.library is not None:
-            self.library._destroy()
+            destroy = getattr(self.library, "_destroy", None)  # else the Library deregisters when collected
+            if destroy is not None:
+                destroy()
             self.library = None
 
 
