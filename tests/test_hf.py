@@ -321,3 +321,25 @@ def test_sdpa_flash_registration_without_gpu():
     with pytest.raises(RuntimeError, match="no usable GPU"):
         torch.nn.attention.activate_flash_attention_impl("fadev")
     assert torch.nn.attention.current_flash_attention_impl() is None
+
+
+def test_cache_shaped_masks():
+    """With a KV cache: one new query over padded keys (decoding) is computed, and equals the fp64 reference;
+    a chunk of new queries after cached ones (a bottom-right causal chain) is refused by name."""
+    class Module:
+        is_causal = True
+
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64), torch.randn(2, 2, 9, 8, generator=g,
+                                                                                 dtype=torch.float64)
+    padding = torch.ones(2, 9, dtype=torch.bool)
+    padding[0, :2] = False
+    decode = sdpa_mask(batch_size=2, q_length=1, kv_length=9, q_offset=8, attention_mask=padding,
+                       allow_is_causal_skip=False)
+    with hf.use("golden"):
+        got, _ = hf.attention_forward(Module(), q[:, :, -1:], k, k, decode, scaling=0.3)
+    want, _ = _reference_attention(None, q[:, :, -1:], k, k, (~decode).double(), scaling=0.3)
+    assert _rel(got, want) <= TOL
+    chunk = sdpa_mask(batch_size=2, q_length=6, kv_length=9, q_offset=3, allow_is_causal_skip=False)
+    with hf.use("golden"), pytest.raises(ValueError, match="attention_mask: batch row 0"):
+        hf.attention_forward(Module(), q, k, k, chunk, scaling=0.3)
