@@ -3,6 +3,7 @@
     python benchmarks/bench_cluster.py                       # reproduce --full CPU experiments, 16 workers
     python benchmarks/bench_cluster.py --size quick --workers 2 --only seqlen
     python benchmarks/bench_cluster.py --gpu                 # also GPU points, fractional GPUs per point
+    python benchmarks/bench_cluster.py --size quick --ray-serial   # also Ray on 1 worker: its own cost per point
 
 Needs Ray (pip install 'fadev[ray]'). Validation: a small sweep through the local process (1 thread), the
 local pool and Ray gives the same rows bit for bit (timings aside). Then each experiment of --only (the
@@ -62,9 +63,13 @@ def timed(name, size, workers, cluster, out):
     return seconds, sweep.load(os.path.join(out, f"{name}.jsonl"))
 
 
-def bench_cpu(names, size, workers, address):
-    configs = (("local, 1 worker", 1, None), (f"local pool, {workers}", workers, None),
-               (f"Ray, {workers}", workers, {"executor": "ray", "address": address}))
+def bench_cpu(names, size, workers, address, ray_serial=False):
+    """ray_serial: also Ray with 1 worker, whose extra time over the local 1-worker run, per point, is Ray's
+    own cost per point (task submission, scheduling, result transfer, the driver's write), free of the load
+    imbalance that the W-worker overhead column also counts."""
+    ray = {"executor": "ray", "address": address}
+    configs = (("local, 1 worker", 1, None),) + ((("Ray, 1 worker", 1, ray),) if ray_serial else ()) + \
+        ((f"local pool, {workers}", workers, None), (f"Ray, {workers}", workers, ray))
     print(f"\n{'experiment':<12} {'executor':<16} {'points':>6} {'wall s':>9} {'speed-up':>8} {'efficiency':>10} "
           f"{'overhead/pt ms':>14} {'% of mean pt':>12}")
     totals = {label: [0.0, 0.0, 0] for label, _, _ in configs}
@@ -83,6 +88,11 @@ def bench_cpu(names, size, workers, address):
                 totals[label][0] += seconds
                 totals[label][1] += float(rows["wall_s"].sum())
                 totals[label][2] += len(rows)
+            if ray_serial:
+                extra = (results["Ray, 1 worker"][0] - base_s) / len(base_rows)
+                mean_pt = float(base_rows["wall_s"].mean())
+                print(f"{name:<12} Ray's own cost per point (Ray 1 worker - local 1 worker): {1e3 * extra:.2f} ms, "
+                      f"{100 * extra / mean_pt:.1f}% of the mean point ({1e3 * mean_pt:.1f} ms)")
         base_s = totals[configs[0][0]][0]
         for label, w, _ in configs:
             seconds, busy, n = totals[label]
@@ -126,6 +136,8 @@ def main():
     ap.add_argument("--address", default=None, help="a running Ray cluster (default: a local instance)")
     ap.add_argument("--gpu", action="store_true", help="also GPU points with fractional GPUs per point")
     ap.add_argument("--gpu-points", type=int, default=32)
+    ap.add_argument("--ray-serial", action="store_true",
+                    help="also Ray with 1 worker: Ray's own cost per point, free of load imbalance")
     args = ap.parse_args()
     import ray
     start = time.perf_counter()
@@ -133,7 +145,8 @@ def main():
              log_to_driver=False)
     print(f"Ray {ray.__version__} up in {time.perf_counter() - start:.1f} s: {ray.cluster_resources()}")
     validate(args.workers)
-    bench_cpu([n.strip() for n in args.only.split(",") if n.strip()], args.size, args.workers, args.address)
+    bench_cpu([n.strip() for n in args.only.split(",") if n.strip()], args.size, args.workers, args.address,
+              args.ray_serial)
     if args.gpu:
         bench_gpu(args.address, args.gpu_points)
 

@@ -4,12 +4,13 @@
  *   flash:    P = R_softmax(E(R_softmax(s_ij - L_i))), L_i = R_stats(lse_i), times R_stats(log2 e) in exp2 form;
  *   baseline: P = R_p(R_softmax(exp(R_softmax(s_ij - m_i))) / l_i) with m_i, l_i exactly as its forward;
  *   P' = R_bwd_p(P);  dP = R_dp(dO_i . V_j)                                    the dot product in dp_acc
- *   D_i = R_dsoft(dO_i . O_i) (flash) or R_dsoft(sum_j R_dsoft(P_ij) dP_ij) (baseline)  the sum in delta_acc
- *   dS = R_ds(R_dsoft(R_dsoft(P) R_dsoft(dP - D_i)))       (P' feeds only the dV product)
+ *   D_i = R_dsoft(dO_i . O_i) (flash) or R_dsoft(sum_j R_dsoft_p(P_ij) dP_ij) (baseline) the sum in delta_acc
+ *   dS = R_ds(R_dsoft(R_dsoft_p(P) R_dsoft(dP - D_i)))    (P' feeds only the dV product)
+ *        ds_scaled (xformers): dS = R_ds(R_dsoft(c R_dsoft(R_dsoft_p(P) R_dsoft(dP - D_i)))), and c' = 1 below
  *   dQ_i: for each K/V block jb ascending, dQ_i = R_dq_acc(dQ_i + sum_{j in jb} dS_ij K_j)      sums in grad_acc
  *   dV_j: for each query head of the group, each query block qb ascending,
  *         dV_j = R_dkv_acc(dV_j + sum_{i in qb} P'_ij dO_i); dK_j likewise with dS_ij Q_i
- *   dq = R_grad(c dQ), dk = R_grad(c dK), dv = R_grad(dV), c = R_score(scale); no visible pair: exactly 0.
+ *   dq = R_grad(c' dQ), dk = R_grad(c' dK), dv = R_grad(dV), c' = c = R_score(scale); no visible pair: exactly 0.
  * The baseline is the same with one query block of Nq rows and one K/V block of Nk keys.
  * q, out, dout, dq: (B, H, Nq, D); k, v, dk, dv: (B, Hkv, Nk, D); lse: (B, H, Nq); contiguous float64.
  *
@@ -150,7 +151,7 @@ static fadev_status prep_task(void *ctxp, size_t task) {
 enum { STATS_ROWS = 16, STATS_GROUP = 4 };
 
 /* Baseline rows (b, h, STATS_ROWS rows): m, l and P by the baseline forward's att_softmax_row, and
- * D_i = R_dsoft(sum_j R_dsoft(P_ij) dP_ij) (step 5), all keys of a row at once. */
+ * D_i = R_dsoft(sum_j R_dsoft_p(P_ij) dP_ij) (step 5), all keys of a row at once. */
 static fadev_status baseline_stats_task(void *ctxp, size_t task) {
     const bwd_job *job = (const bwd_job *)ctxp;
     bwd_ctx *bx = job->bx;
@@ -178,7 +179,7 @@ static fadev_status baseline_stats_task(void *ctxp, size_t task) {
             att_softmax_row(cx, bh, i, p, nvis[r], p, &m, &l); /* P in place of the scores */
             for (int64_t j = 0; j < nvis[r]; j++) {
                 uint64_t idx = ATT_INDEX(i, j, 0);
-                double ps = att_round(&bx->dsoft, p[j], b21, idx);
+                double ps = att_round(&bx->dsoft_p, p[j], b21, idx);
                 acc = att_round(&bx->delta_acc, acc + ps * att_round(&bx->dp, dp[r * lds + j], b8, idx), b4, idx);
             }
             bx->row_m[row] = m, bx->row_l[row] = l;
@@ -259,9 +260,9 @@ static fadev_status finish_task(void *ctxp, size_t task) {
 
 /* The backward formats as classified att_stages (same rounding mode and seed as the forward's). */
 static fadev_status backward_stages(bwd_ctx *bx, const fadev_policy *pol, const fadev_policy_backward *pb) {
-    const fadev_format *fmts[] = {&pb->bwd_p, &pb->dp_acc, &pb->dp, &pb->delta_acc, &pb->dsoft,
+    const fadev_format *fmts[] = {&pb->bwd_p, &pb->dsoft_p, &pb->dp_acc, &pb->dp, &pb->delta_acc, &pb->dsoft,
                                   &pb->ds, &pb->grad_acc, &pb->dq_acc, &pb->dkv_acc, &pb->grad};
-    att_stage *stages[] = {&bx->bwd_p, &bx->dp_acc, &bx->dp, &bx->delta_acc, &bx->dsoft,
+    att_stage *stages[] = {&bx->bwd_p, &bx->dsoft_p, &bx->dp_acc, &bx->dp, &bx->delta_acc, &bx->dsoft,
                            &bx->ds, &bx->grad_acc, &bx->dq_acc, &bx->dkv_acc, &bx->grad};
     for (size_t x = 0; x < sizeof fmts / sizeof fmts[0]; x++) {
         if (!att_valid_format(fmts[x])) return FADEV_ERR_INVALID_FORMAT;
@@ -305,7 +306,8 @@ static fadev_status ctx_init(bwd_ctx *bx, const double *q, const double *k, cons
     bx->block_kv = baseline ? Nk : min64(pr->block_kv, Nk);
     bx->tile_q = min64(bx->block_q, TILE_Q), bx->tile_kv = min64(bx->block_kv, TILE_KV);
     bx->ld = ld, bx->vt_cols = bx->cx.kt_cols;
-    bx->c_grad = fadev_round_one(pr->scale, &pol->score, FADEV_ROUND_NEAREST_EVEN, 0);
+    const double c = fadev_round_one(pr->scale, &pol->score, FADEV_ROUND_NEAREST_EVEN, 0);
+    bx->ds_scaled = pb->ds_scaled != 0, bx->c_grad = bx->ds_scaled ? 1.0 : c, bx->c_ds = c;
     bx->c3 = fadev_round_one(0x1.71547652b82fep+0, &pol->stats, FADEV_ROUND_NEAREST_EVEN, 0);
     const fadev_format *in = &pol->input;
     const int in32 = att_inside_fp32(in), grad32 = bx->grad_acc.kind == ATT_F32;

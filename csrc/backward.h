@@ -14,15 +14,17 @@ enum bwd_event {
     EV_DOUT = 0, EV_OUT = 1, EV_LSE = 2, EV_LSE_LOG2 = 3, EV_DELTA_ACC = 4, EV_DELTA = 5, EV_BWD_P = 6,
     EV_DP_ACC = 7, EV_DP = 8, EV_DSOFT_SUB = 9, EV_DSOFT_MUL = 10, EV_DS = 11, EV_ACC_DV = 12, EV_ACC_DK = 13,
     EV_ACC_DQ = 14, EV_DKV_DV = 15, EV_DKV_DK = 16, EV_DQ_ACC = 17, EV_GRAD_DQ = 18, EV_GRAD_DK = 19,
-    EV_GRAD_DV = 20, EV_DSOFT_P = 21
+    EV_GRAD_DV = 20, EV_DSOFT_P = 21, EV_DSOFT_SCALE = 22
 };
 #define BWD_STREAM(id, bh) ((1ull << 48) + (uint64_t)(id) + 32u * (uint64_t)(bh))
 
 typedef struct bwd_ctx {
     att_ctx cx; /* rounded Q (cx.q) and K^T (cx.kt) for the scores, the forward stages and constants */
-    att_stage bwd_p, dp_acc, dp, delta_acc, dsoft, ds, grad_acc, dq_acc, dkv_acc, grad;
+    att_stage bwd_p, dsoft_p, dp_acc, dp, delta_acc, dsoft, ds, grad_acc, dq_acc, dkv_acc, grad;
     int baseline;
-    double c_grad, c3;                 /* R_score(scale), R_stats(log2 e) */
+    double c_grad, c3;                 /* the scale of the dQ, dK sums (R_score(scale), or 1 when ds_scaled); R_stats(log2 e) */
+    int ds_scaled;                     /* the scale multiplies each dS before R_ds (c_ds = R_score(scale)) */
+    double c_ds;
     int64_t block_q, block_kv;         /* logical blocks, clamped to Nq, Nk (baseline: Nq, Nk) */
     int64_t tile_q, tile_kv;           /* tiles: at most TILE_Q x TILE_KV, inside one logical block */
     int64_t ld, vt_cols;               /* row stride of the row-major copies (D padded to 16); of V^T */

@@ -2,7 +2,8 @@
  * keys j of one tile (inside one query block and one K/V block),
  *   s_ij (att_scores, the forward's events), P (flash: from L_i; baseline: from m_i, l_i), P' = R_bwd_p(P)
  *   dP_ij = R_dp(sum_d dO[i,d] V[j,d])                              dp_acc, d ascending
- *   dS_ij = R_ds(R_dsoft(R_dsoft(P) R_dsoft(dP - D_i)))   (P' feeds only the dV product, as in FA2)
+ *   dS_ij = R_ds(R_dsoft(R_dsoft_p(P) R_dsoft(dP - D_i)))  (P' feeds only the dV product, as in FA2;
+ *           ds_scaled: R_dsoft(c .) around the product, before R_ds, as xformers' kernel)
  *   dQ[i,d] += sum_j dS_ij K[j,d]     (keys ascending)               grad_acc, running on across tiles
  *   dV[j,d] += sum_i P'_ij dO[i,d], dK[j,d] += sum_i dS_ij Q[i,d]  (rows ascending)
  * Masked pairs take no part: row i's keys are a prefix of the tile, key j's rows a suffix.
@@ -73,7 +74,7 @@ int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr,
     const uint64_t s6 = ATT_STREAM(ATT_SOFTMAX_SUB, bh), s7 = ATT_STREAM(ATT_SOFTMAX_EXP, bh);
     const uint64_t s16 = ATT_STREAM(ATT_P, bh), b6 = BWD_STREAM(EV_BWD_P, bh), b8 = BWD_STREAM(EV_DP, bh);
     const uint64_t b9 = BWD_STREAM(EV_DSOFT_SUB, bh), b10 = BWD_STREAM(EV_DSOFT_MUL, bh), b11 = BWD_STREAM(EV_DS, bh);
-    const uint64_t b21 = BWD_STREAM(EV_DSOFT_P, bh);
+    const uint64_t b21 = BWD_STREAM(EV_DSOFT_P, bh), b22 = BWD_STREAM(EV_DSOFT_SCALE, bh);
     mag pm = MAG_EMPTY, sm = MAG_EMPTY;
     for (int64_t r = 0; r < nr; r++) {
         const int64_t i = i0 + r, row = bh * Nq + i, nv = w->nvis[r];
@@ -86,9 +87,11 @@ int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr,
             if (bx->baseline) p = att_round(&cx->plan.p, att_round(&cx->plan.softmax, exp(x), s7, idx) / l, s16, idx);
             else p = att_round(&cx->plan.softmax, att_exp(cx, x), s7, idx);
             double pr = att_round(&bx->bwd_p, p, b6, idx), dpv = att_round(&bx->dp, dpa[c], b8, idx);
-            double t = att_round(&bx->dsoft, dpv - Di, b9, idx), ps = att_round(&bx->dsoft, p, b21, idx);
+            double t = att_round(&bx->dsoft, dpv - Di, b9, idx), ps = att_round(&bx->dsoft_p, p, b21, idx);
+            double u = att_round(&bx->dsoft, ps * t, b10, idx);
+            if (bx->ds_scaled) u = att_round(&bx->dsoft, bx->c_ds * u, b22, idx);
             pp[c] = pr;
-            ds[c] = att_round(&bx->ds, att_round(&bx->dsoft, ps * t, b10, idx), b11, idx);
+            ds[c] = att_round(&bx->ds, u, b11, idx);
         }
         if (bx->dv_float)
             for (int64_t c = 0; c < nv; c++) mag_add(&pm, pp[c]);

@@ -105,15 +105,17 @@ typedef struct fadev_policy {
  * the recomputation of S and P and whose rounding mode and seed apply here too. */
 typedef struct fadev_policy_backward {
     fadev_format bwd_p;     /* stored: recomputed P as fed to the dV product */
+    fadev_format dsoft_p;   /* stored: recomputed P as the softmax backward dS = P (dP - D) reads it */
     fadev_format dp_acc;    /* accumulator: each dP = dO.V dot product */
     fadev_format dp;        /* stored: dP after its product */
     fadev_format delta_acc; /* accumulator: D = rowsum(dO * O) (flash) / sum_j P dP (baseline) */
-    fadev_format dsoft;     /* stored: P as the softmax backward reads it, D, dP - D, P * (dP - D) */
+    fadev_format dsoft;     /* stored: D, dP - D, P * (dP - D) (and scale * P * (dP - D) when ds_scaled) */
     fadev_format ds;        /* stored: dS as fed to the dQ and dK products */
     fadev_format grad_acc;  /* accumulator: each dV, dK, dQ dot product within one block */
     fadev_format dq_acc;    /* stored: dQ accumulated across K/V blocks */
     fadev_format dkv_acc;   /* stored: dK, dV accumulated across query blocks and the heads of a group */
     fadev_format grad;      /* stored: the returned dq, dk, dv */
+    int32_t ds_scaled;      /* 1: the scale multiplies each dS before R_ds (xformers); 0: the dQ, dK sums (FA2) */
 } fadev_policy_backward;
 
 typedef enum fadev_loop_order { FADEV_Q_OUTER = 0, FADEV_KV_OUTER = 1 } fadev_loop_order;
@@ -342,18 +344,21 @@ fadev_status fadev_cuda_ulp_error(const double *test, const double *ref, size_t 
 /* Native FlashAttention-2-style kernel on the tensor cores (native_forward.cu, native_backward.cu): fp16 or bf16
  * inputs and outputs, fp32 accumulation (mma.sync), online softmax in fp32 with exp2. q, out, dout, dq:
  * (B, H, Nq, D); k, v, dk, dv: (B, Hkv, Nk, D); contiguous, element type `dtype`; lse (B, H, Nq) float32
- * (natural log). Supported: dim 64 or 128, the (block_q, block_kv) pairs fadev_cuda_native_tiles lists.
- * FADEV_ERR_INVALID_ARGUMENT for anything else. The backward recomputes P from lse and needs a float32
- * workspace of fadev_cuda_native_workspace() bytes (dq accumulated in fp32). */
+ * (natural log). Supported: dim 64 or 128, the (block_q, block_kv) pairs fadev_cuda_native_tiles lists for the
+ * direction (forward and backward have their own lists). FADEV_ERR_INVALID_ARGUMENT for anything else. The
+ * backward recomputes P from lse and needs a float32 workspace of fadev_cuda_native_workspace() bytes (dq
+ * accumulated in fp32 by atomic adds, or with `deterministic` by a separate pass over the K/V tiles without
+ * atomics: the same bits on every run). */
 typedef enum fadev_native_dtype { FADEV_NATIVE_FP16 = 0, FADEV_NATIVE_BF16 = 1 } fadev_native_dtype;
 typedef struct fadev_native_params {
     fadev_attention_params attn; /* shapes, scale, causal (bottom-right aligned), block_q (Br), block_kv (Bc);
                                     loop_order, normalize and exp_form are not read */
     int32_t dtype;               /* fadev_native_dtype */
+    int32_t deterministic;       /* backward only: 1 = dq without atomics (bit-reproducible), 0 = atomics */
 } fadev_native_params;
-/* Writes up to max_pairs (block_q, block_kv) pairs supported for head dim `dim` into tiles[2 * i], tiles[2 * i + 1];
- * *count receives how many there are. */
-fadev_status fadev_cuda_native_tiles(int dim, int32_t *tiles, int max_pairs, int *count);
+/* Writes up to max_pairs (block_q, block_kv) pairs supported for head dim `dim` in one direction (backward 0: the
+ * forward's, 1: the backward's) into tiles[2 * i], tiles[2 * i + 1]; *count receives how many there are. */
+fadev_status fadev_cuda_native_tiles(int dim, int backward, int32_t *tiles, int max_pairs, int *count);
 fadev_status fadev_cuda_native_forward(const void *q, const void *k, const void *v, void *out, float *lse,
                                        const fadev_native_params *params);
 size_t fadev_cuda_native_workspace(const fadev_native_params *params);

@@ -72,19 +72,24 @@ int parse_policy(PyObject *obj, void *out) {
     return 1;
 }
 
-/* A backward policy arrives as Policy._c_backward: 10 format tuples in fadev_policy_backward field order. */
+/* A backward policy arrives as Policy._c_backward: 11 format tuples in fadev_policy_backward field order, then the
+ * ds_scaled flag. */
 int parse_policy_backward(PyObject *obj, void *out) {
     fadev_policy_backward *pb = (fadev_policy_backward *)out;
-    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 10) {
-        PyErr_Format(PyExc_TypeError, "policy_backward must be a tuple of 10 format tuples (Policy._c_backward), "
-                                      "got %.100s", Py_TYPE(obj)->tp_name);
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 12) {
+        PyErr_Format(PyExc_TypeError, "policy_backward must be a tuple of 11 format tuples and a flag "
+                                      "(Policy._c_backward), got %.100s", Py_TYPE(obj)->tp_name);
         return 0;
     }
-    return PyArg_ParseTuple(obj, "O&O&O&O&O&O&O&O&O&O&;policy_backward must be Policy._c_backward", parse_format,
-                            &pb->bwd_p, parse_format, &pb->dp_acc, parse_format, &pb->dp, parse_format,
-                            &pb->delta_acc, parse_format, &pb->dsoft, parse_format, &pb->ds, parse_format,
-                            &pb->grad_acc, parse_format, &pb->dq_acc, parse_format, &pb->dkv_acc, parse_format,
-                            &pb->grad);
+    int ds_scaled;
+    if (!PyArg_ParseTuple(obj, "O&O&O&O&O&O&O&O&O&O&O&p;policy_backward must be Policy._c_backward", parse_format,
+                          &pb->bwd_p, parse_format, &pb->dsoft_p, parse_format, &pb->dp_acc, parse_format, &pb->dp,
+                          parse_format, &pb->delta_acc, parse_format, &pb->dsoft, parse_format, &pb->ds, parse_format,
+                          &pb->grad_acc, parse_format, &pb->dq_acc, parse_format, &pb->dkv_acc, parse_format,
+                          &pb->grad, &ds_scaled))
+        return 0;
+    pb->ds_scaled = ds_scaled;
+    return 1;
 }
 
 /* Ring params arrive as RingMerge._c: (world_size, layout, allgather, 9 format tuples in field order). */
@@ -136,18 +141,20 @@ int parse_params(PyObject *obj, void *out) {
     return 1;
 }
 
-/* fadev_native_params from (batch, heads, heads_kv, seq_q, seq_kv, dim, scale, causal, block_q, block_kv, dtype). */
+/* fadev_native_params from (batch, heads, heads_kv, seq_q, seq_kv, dim, scale, causal, block_q, block_kv, dtype,
+ * deterministic). */
 int parse_native_params(PyObject *obj, void *out) {
     fadev_native_params *np = (fadev_native_params *)out;
     long long s[6];
-    int causal, block_q, block_kv, dtype;
+    int causal, block_q, block_kv, dtype, deterministic;
     memset(np, 0, sizeof *np);
-    if (!PyArg_ParseTuple(obj, "LLLLLLdpiii;native params must be (batch, heads, heads_kv, seq_q, seq_kv, dim, "
-                               "scale, causal, block_q, block_kv, dtype)", &s[0], &s[1], &s[2], &s[3], &s[4], &s[5],
-                          &np->attn.scale, &causal, &block_q, &block_kv, &dtype))
+    if (!PyArg_ParseTuple(obj, "LLLLLLdpiiip;native params must be (batch, heads, heads_kv, seq_q, seq_kv, dim, "
+                               "scale, causal, block_q, block_kv, dtype, deterministic)", &s[0], &s[1], &s[2], &s[3],
+                          &s[4], &s[5], &np->attn.scale, &causal, &block_q, &block_kv, &dtype, &deterministic))
         return 0;
     set_shapes(&np->attn, s);
     np->attn.causal = causal, np->attn.block_q = block_q, np->attn.block_kv = block_kv, np->dtype = dtype;
+    np->deterministic = deterministic;
     return 1;
 }
 

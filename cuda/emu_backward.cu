@@ -5,12 +5,13 @@
  *   s_ij = R_score(c R_score(sum_t Q[i,t] K[j,t]))     chain in score_acc        (pair kernel)
  *   dP_ij = R_dp(sum_d dO[i,d] V[j,d])                  chain in dp_acc           (pair kernel)
  *   flash:    P = R_softmax(E(R_softmax(s - L_i))), L_i, D_i = R_dsoft(sum_d dO O) (flash_rows kernel)
- *   baseline: m_i, l_i and P = R_p(e / l_i) as its forward, D_i = R_dsoft(sum_j R_dsoft(P) dP)  (baseline_rows)
- *   P' = R_bwd_p(P) (the dV product's);  dS = R_ds(R_dsoft(R_dsoft(P) R_dsoft(dP - D_i)))
+ *   baseline: m_i, l_i and P = R_p(e / l_i) as its forward, D_i = R_dsoft(sum_j R_dsoft_p(P) dP)  (baseline_rows)
+ *   P' = R_bwd_p(P) (the dV product's);  dS = R_ds(R_dsoft(R_dsoft_p(P) R_dsoft(dP - D_i)))
+ *   ds_scaled (xformers): dS = R_ds(R_dsoft(c R_dsoft(R_dsoft_p(P) R_dsoft(dP - D_i)))), c' = 1 below
  *   dQ[i,d] = chain over K/V blocks jb of R_dq_acc(dQ + sum_{j in jb} dS K[j,d])       (dq kernel, a thread each)
  *   dV[j,d], dK[j,d] = chain over (h of the group, query block qb) of R_dkv_acc(acc + sum_{i in qb} P' dO[i,d])
  *                      (resp. dS Q[i,d])                                               (dkv kernel, a thread each)
- *   dq = R_grad(c' dQ), dk = R_grad(c' dK), dv = R_grad(dV), c' = R_score(scale); rows seeing no key: dq = 0.
+ *   dq = R_grad(c' dQ), dk = R_grad(c' dK), dv = R_grad(dV), c' = c = R_score(scale); rows seeing no key: dq = 0.
  * Baseline: one query block of Nq rows and one K/V block of Nk keys.
  * Schedule: the "virtual rows" of a K/V head (b, g) are its group's query rows, head-major (h ascending, then i):
  * the order of the dK/dV chains. They are processed in chunks of consecutive virtual rows (for a range of K/V
@@ -34,7 +35,7 @@ enum bwd_event {
     EV_DOUT = 0, EV_OUT = 1, EV_LSE = 2, EV_LSE_LOG2 = 3, EV_DELTA_ACC = 4, EV_DELTA = 5, EV_BWD_P = 6,
     EV_DP_ACC = 7, EV_DP = 8, EV_DSOFT_SUB = 9, EV_DSOFT_MUL = 10, EV_DS = 11, EV_ACC_DV = 12, EV_ACC_DK = 13,
     EV_ACC_DQ = 14, EV_DKV_DV = 15, EV_DKV_DK = 16, EV_DQ_ACC = 17, EV_GRAD_DQ = 18, EV_GRAD_DK = 19,
-    EV_GRAD_DV = 20, EV_DSOFT_P = 21
+    EV_GRAD_DV = 20, EV_DSOFT_P = 21, EV_DSOFT_SCALE = 22
 };
 
 __host__ __device__ __forceinline__ uint64_t bwd_stream(int id, int64_t bh) {
@@ -48,10 +49,11 @@ constexpr unsigned FULL = 0xFFFFFFFFu;
 
 struct bwd_args {
     emu_ctx cx; /* forward stages and constants, rounded q, k, v, K/V magnitudes */
-    att_stage bwd_p, dp_acc, dp, delta_acc, dsoft, ds, grad_acc, dq_acc, dkv_acc, grad;
+    att_stage bwd_p, dsoft_p, dp_acc, dp, delta_acc, dsoft, ds, grad_acc, dq_acc, dkv_acc, grad;
     int baseline;
+    int ds_scaled;             /* the scale multiplies each dS (c_ds) before R_ds; c_grad is then 1 */
     int dp_float;              /* the float tier is possible for dP (policy); the data decide per (b, g) */
-    double c_grad, c3;         /* R_score(scale), R_stats(log2 e) */
+    double c_grad, c_ds, c3;   /* the dQ, dK sums' scale (R_score(scale) or 1), R_score(scale), R_stats(log2 e) */
     int64_t block_q, block_kv; /* logical blocks (baseline: Nq, Nk) */
     int64_t chunk_rows;        /* row capacity of the scratch per K/V head */
     int64_t g0, r0, rn;        /* this chunk: K/V heads g0.., virtual rows [r0, r0 + rn) */
@@ -84,15 +86,16 @@ __device__ __forceinline__ int products_exact(const emu_mag &x, const emu_mag &y
     return x.finite && y.finite && emu_products_fit_f32(emu_mag_min(x), emu_mag_max(x), emu_mag_min(y), emu_mag_max(y));
 }
 
-/* R_dsoft(P), the softmax backward's P (steps 5 and 6). */
+/* R_dsoft_p(P), the softmax backward's P (steps 5 and 6). */
 __device__ __forceinline__ double ps_of(const bwd_args &a, double p, int64_t bh, uint64_t idx) {
-    return emu_round(a.dsoft, p, bwd_stream(EV_DSOFT_P, bh), idx);
+    return emu_round(a.dsoft_p, p, bwd_stream(EV_DSOFT_P, bh), idx);
 }
 
-/* dS = R_ds(R_dsoft(R_dsoft(P) R_dsoft(dP - D_i))) (step 6). */
+/* dS = R_ds(R_dsoft(R_dsoft_p(P) R_dsoft(dP - D_i))), ds_scaled: R_dsoft(c .) before R_ds (step 6). */
 __device__ __forceinline__ double ds_of(const bwd_args &a, double p, double dpv, double di, int64_t bh, uint64_t idx) {
     const double t = emu_round(a.dsoft, dpv - di, bwd_stream(EV_DSOFT_SUB, bh), idx);
-    const double u = emu_round(a.dsoft, ps_of(a, p, bh, idx) * t, bwd_stream(EV_DSOFT_MUL, bh), idx);
+    double u = emu_round(a.dsoft, ps_of(a, p, bh, idx) * t, bwd_stream(EV_DSOFT_MUL, bh), idx);
+    if (a.ds_scaled) u = emu_round(a.dsoft, a.c_ds * u, bwd_stream(EV_DSOFT_SCALE, bh), idx);
     return emu_round(a.ds, u, bwd_stream(EV_DS, bh), idx);
 }
 
@@ -245,7 +248,7 @@ __global__ void __launch_bounds__(PAIR_KEYS * PAIR_ROWS) pair_kernel(const __gri
 }
 
 /* Baseline, a warp per virtual row: m = max_j s_j, e_j (in place of s_j) and l = R_stats(sum e_j) exactly as
- * att_softmax_row; P_j = R_p(e_j / l) (in place of e_j), D_i = R_dsoft(sum_j R_dsoft(P_j) dP); then dS in place of
+ * att_softmax_row; P_j = R_p(e_j / l) (in place of e_j), D_i = R_dsoft(sum_j R_dsoft_p(P_j) dP); then dS in place of
  * dP and P' = R_bwd_p(P_j) in place of P_j.
  * Lane L handles keys j = L mod 32; the sums are chains over j ascending, run by every lane on shuffled terms. */
 __global__ void __launch_bounds__(THREADS) baseline_rows_kernel(const __grid_constant__ bwd_args a) {
@@ -392,9 +395,9 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
     bwd_args args;
     memset(&args, 0, sizeof args);
     {
-        const fadev_format *fmts[] = {&pb->bwd_p, &pb->dp_acc, &pb->dp, &pb->delta_acc, &pb->dsoft,
+        const fadev_format *fmts[] = {&pb->bwd_p, &pb->dsoft_p, &pb->dp_acc, &pb->dp, &pb->delta_acc, &pb->dsoft,
                                       &pb->ds, &pb->grad_acc, &pb->dq_acc, &pb->dkv_acc, &pb->grad};
-        att_stage *stages[] = {&args.bwd_p, &args.dp_acc, &args.dp, &args.delta_acc, &args.dsoft,
+        att_stage *stages[] = {&args.bwd_p, &args.dsoft_p, &args.dp_acc, &args.dp, &args.delta_acc, &args.dsoft,
                                &args.ds, &args.grad_acc, &args.dq_acc, &args.dkv_acc, &args.grad};
         for (size_t x = 0; x < sizeof fmts / sizeof fmts[0]; x++) {
             if (!att_valid_format(fmts[x])) return FADEV_ERR_INVALID_FORMAT;
@@ -412,7 +415,9 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
     FADEV_TRY(emu_prepare(&args.cx, &store, q, k, v, pr, pol, !baseline && pr->exp_form == FADEV_EXP2));
     const emu_ctx &cx = args.cx;
     args.baseline = baseline;
-    args.c_grad = fadev_round_one(pr->scale, &pol->score, FADEV_ROUND_NEAREST_EVEN, 0);
+    args.c_ds = fadev_round_one(pr->scale, &pol->score, FADEV_ROUND_NEAREST_EVEN, 0);
+    args.ds_scaled = pb->ds_scaled != 0;
+    args.c_grad = args.ds_scaled ? 1.0 : args.c_ds;
     args.c3 = fadev_round_one(0x1.71547652b82fep+0, &pol->stats, FADEV_ROUND_NEAREST_EVEN, 0);
     const fadev_format *in = &pol->input;
     args.dp_float = args.dp_acc.kind == ATT_F32 && att_inside_fp32(in) && 2 * in->precision <= 24;

@@ -124,8 +124,8 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 /* Element offset of (row, chunk) in a swizzled tile of CHUNKS 16-byte chunks per row. */
 template <int CHUNKS> __device__ __forceinline__ int swz(int row, int chunk) {
-    static_assert(CHUNKS == 4 || CHUNKS % 8 == 0, "rows of 4 or a multiple of 8 chunks");
-    const int x = CHUNKS >= 8 ? (row & 7) : ((row >> 1) & 3);
+    static_assert(CHUNKS == 2 || CHUNKS == 4 || CHUNKS % 8 == 0, "rows of 2, 4 or a multiple of 8 chunks");
+    const int x = CHUNKS >= 8 ? (row & 7) : CHUNKS == 4 ? ((row >> 1) & 3) : ((row >> 2) & 1);
     return row * (CHUNKS * 8) + ((chunk ^ x) << 3);
 }
 
@@ -145,19 +145,65 @@ __device__ __forceinline__ void load_rows(T *tile, const T *slab, int row0, int 
     }
 }
 
+/* ---------------------------------------------------------------- the backward's kernels (native_backward*.cu) */
+
+struct native_bwd_args {
+    const void *q, *k, *v, *dout;
+    const float *lse, *dvec;
+    float *dq_acc; /* the atomic dQ sums; NULL in the deterministic mode (dQ by native_dq_pass) */
+    void *dq, *dk, *dv;
+    int heads, group, seq_q, seq_kv, n_kt, n_qt, causal; /* group = heads / heads_kv; key / query tiles per head */
+    float scale_log2, scale;                             /* scale * log2(e), scale */
+};
+
+/* The deterministic backward's dQ pass (native_backward_dq.cu): dQ = scale * sum over K/V tiles of round(dS) K, in
+ * key order, with dS recomputed from Q, K, V, dO, lse and Dvec (a.dvec); writes a.dq. */
+fadev_status native_dq_pass(const fadev_native_params *p, native_bwd_args a);
+
 /* ---------------------------------------------------------------- host: tiles and validation */
 
 #define NATIVE_MAX_SEQ (1 << 30) /* keeps every row index sum (i + Nk - Nq, tile ends) inside int */
 #define NATIVE_LOG2E 1.4426950408889634
 #define NATIVE_LN2 0.69314718055994531f
+#define NATIVE_DQ_BLOCK_Q 64 /* query rows per CTA of the deterministic backward's dQ pass */
 
-/* (block_q, block_kv) pairs compiled for each head dim. */
-static const int32_t native_tiles_64[][2] = {{64, 64}, {128, 64}, {128, 128}};
-static const int32_t native_tiles_128[][2] = {{64, 64}, {128, 64}};
+/* The compiled tiles, one X(dim, block_q, block_kv) per template instance: the dispatchers and the tables that
+ * fadev_cuda_native_tiles reports are expanded from these lists, so they cannot disagree. The first tile of a head
+ * dim is its default. Forward: block_q / 16 warps, each holding 16 query rows (Q, O fragments) and a 16 x block_kv
+ * score tile in registers; ptxas spills at D 128 with block_kv 128 or 16 x 64, and at D 64 with 16 x 128, so those
+ * are not compiled (D 128, 16 x 32 spills 8 bytes). Backward: block_kv / 16 warps, each holding 16 keys' dK, dV (D
+ * floats a lane) and a block_q-column S^T and dP^T (block_q floats), so block_q + D stays <= 160 (no spills but 4
+ * bytes at D 64, 32 x 16; D 128, 32 x 16 spills 44 bytes and is not compiled). */
+#define NATIVE_FORWARD_TILES(X)                                                                                  \
+    X(64, 64, 64) X(64, 128, 64) X(64, 128, 128) X(64, 16, 16) X(64, 16, 32) X(64, 16, 64) X(64, 32, 16)        \
+    X(64, 32, 32) X(64, 32, 64) X(64, 32, 128) X(64, 64, 16) X(64, 64, 32) X(64, 64, 128) X(64, 128, 16)        \
+    X(64, 128, 32)                                                                                               \
+    X(128, 64, 64) X(128, 128, 64) X(128, 16, 16) X(128, 16, 32) X(128, 32, 16) X(128, 32, 32) X(128, 32, 64)   \
+    X(128, 64, 16) X(128, 64, 32) X(128, 128, 16) X(128, 128, 32)
+#define NATIVE_BACKWARD_TILES(X)                                                                                 \
+    X(64, 64, 64) X(64, 16, 16) X(64, 16, 32) X(64, 16, 64) X(64, 16, 128) X(64, 32, 16) X(64, 32, 32)          \
+    X(64, 32, 64) X(64, 32, 128) X(64, 64, 16) X(64, 64, 32) X(64, 64, 128)                                      \
+    X(128, 32, 64) X(128, 16, 16) X(128, 16, 32) X(128, 16, 64) X(128, 16, 128) X(128, 32, 32)                  \
+    X(128, 32, 128)
 
-static inline int native_tile_count(int dim) { return dim == 64 ? 3 : dim == 128 ? 2 : 0; }
-static inline const int32_t (*native_tile_list(int dim))[2] {
-    return dim == 64 ? native_tiles_64 : native_tiles_128;
+#define NATIVE_TILE_ROW(dim, bq, bkv) {dim, bq, bkv},
+static const int32_t native_forward_tiles[][3] = {NATIVE_FORWARD_TILES(NATIVE_TILE_ROW)};
+static const int32_t native_backward_tiles[][3] = {NATIVE_BACKWARD_TILES(NATIVE_TILE_ROW)};
+#undef NATIVE_TILE_ROW
+
+/* The (block_q, block_kv) pairs of head dim `dim` for one direction, in list order: writes up to max_pairs of
+ * them to tiles (when not NULL) and returns how many there are. */
+static inline int native_tile_pairs(int dim, int backward, int32_t *tiles, int max_pairs) {
+    const int32_t(*list)[3] = backward ? native_backward_tiles : native_forward_tiles;
+    const int n = backward ? (int)(sizeof native_backward_tiles / sizeof *native_backward_tiles)
+                           : (int)(sizeof native_forward_tiles / sizeof *native_forward_tiles);
+    int count = 0;
+    for (int i = 0; i < n; i++) {
+        if (list[i][0] != dim) continue;
+        if (tiles && count < max_pairs) tiles[2 * count] = list[i][1], tiles[2 * count + 1] = list[i][2];
+        count++;
+    }
+    return count;
 }
 
 static inline fadev_status native_bad(fadev_status st, const char *message) {
@@ -165,7 +211,7 @@ static inline fadev_status native_bad(fadev_status st, const char *message) {
 }
 
 /* Shapes, tiles, dtype and sizes (both entry points; the grid bound is checked for the smallest tiles). */
-static inline fadev_status native_validate(const fadev_native_params *p) {
+static inline fadev_status native_validate(const fadev_native_params *p, int backward) {
     if (!p) return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: params is NULL");
     const char *why = "";
     const fadev_status shape = att_check_params(&p->attn, 256, 0, &why); /* the CPU kernels' checks (stage.h) */
@@ -178,17 +224,25 @@ static inline fadev_status native_validate(const fadev_native_params *p) {
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: dim must be 64 or 128");
     if (p->dtype != FADEV_NATIVE_FP16 && p->dtype != FADEV_NATIVE_BF16)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: dtype must be fp16 (0) or bf16 (1)");
+    if (p->deterministic != 0 && p->deterministic != 1)
+        return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: deterministic must be 0 or 1");
+    int32_t pairs[2 * 64];
+    const int n = native_tile_pairs((int)p->attn.dim, backward, pairs, 64);
     int found = 0;
-    const int dim = (int)p->attn.dim;
-    for (int i = 0; i < native_tile_count(dim); i++)
-        found |= native_tile_list(dim)[i][0] == p->attn.block_q && native_tile_list(dim)[i][1] == p->attn.block_kv;
+    for (int i = 0; i < n && i < 64; i++) found |= pairs[2 * i] == p->attn.block_q && pairs[2 * i + 1] == p->attn.block_kv;
     if (!found)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT,
-                          "native attention: (block_q, block_kv) is not a compiled tile (see fadev_cuda_native_tiles)");
+                          backward ? "native attention: (block_q, block_kv) is not a compiled backward tile (see "
+                                     "fadev_cuda_native_tiles)"
+                                   : "native attention: (block_q, block_kv) is not a compiled forward tile (see "
+                                     "fadev_cuda_native_tiles)");
     if (p->attn.seq_q > NATIVE_MAX_SEQ || p->attn.seq_kv > NATIVE_MAX_SEQ)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: seq_q and seq_kv must be <= 2^30");
-    /* grids are 1-D: batch * heads * query tiles (forward), batch * heads_kv * key tiles (backward) */
-    const int64_t grid_max = INT32_MAX, n_qt = (p->attn.seq_q + 31) / 32, n_kt = (p->attn.seq_kv + 63) / 64;
+    /* grids are 1-D: batch * heads * query tiles (forward; the backward's dQ pass, whose tiles have at most
+     * NATIVE_DQ_BLOCK_Q rows), batch * heads_kv * key tiles (backward) */
+    const int64_t bq = p->attn.block_q < NATIVE_DQ_BLOCK_Q ? p->attn.block_q : NATIVE_DQ_BLOCK_Q;
+    const int64_t grid_max = INT32_MAX, n_qt = (p->attn.seq_q + bq - 1) / bq,
+                  n_kt = (p->attn.seq_kv + p->attn.block_kv - 1) / p->attn.block_kv;
     if (p->attn.batch > grid_max || p->attn.heads > grid_max / p->attn.batch || p->attn.batch * p->attn.heads > grid_max / n_qt ||
         p->attn.batch * p->attn.heads_kv > grid_max / n_kt)
         return native_bad(FADEV_ERR_OVERFLOW, "native attention: batch * heads * tiles exceeds the grid limit");

@@ -12,23 +12,16 @@
  *                                                    .trans), fp32 atomicAdd into the workspace
  *      then dK = scale dK and dV are written once (grouped-query heads summed in registers, no atomics);
  *   3. dQ = round(scale * dQ_acc).
+ * Deterministic mode: kernel 2 skips dQ, and kernel 3 is native_backward_dq.cu's pass, one CTA per query tile
+ * looping over the K/V tiles in key order (S, P, dP, dS recomputed: 7 products per pair instead of 5), dQ in
+ * registers: no atomics, so the same bits on every run.
  * Masks and shapes as the forward (native_forward.cu): causal bottom-right aligned, ragged tiles zero-filled;
  * q, out, dout, dq: (B, H, Nq, D); k, v, dk, dv: (B, Hkv, Nk, D); lse (B, H, Nq) natural log as the forward
- * returns it. Tiles: keys by block_kv (block_kv / 16 warps); queries by block_q_bwd = 64 rows for D 64 and
- * 32 for D 128, whatever the forward's block_q (the registers hold dK and dV besides S and dP).
+ * returns it. Tiles: keys by block_kv (block_kv / 16 warps), queries by block_q: NATIVE_BACKWARD_TILES (native.cuh),
+ * a list of its own (the registers hold dK and dV besides S^T and dP^T, so block_q is smaller than the forward's).
  * Workspace (float32): dQ_acc (B H Nq D), then Dvec (B H Nq). */
 #include "native.cuh"
 
-struct native_bwd_args {
-    const void *q, *k, *v, *dout;
-    const float *lse, *dvec;
-    float *dq_acc;
-    void *dk, *dv;
-    int heads, group, seq_q, seq_kv, n_kt, causal; /* group = heads / heads_kv; n_kt = key tiles per head */
-    float scale_log2, scale;                         /* scale * log2(e), scale */
-};
-
-template <int D> constexpr int native_bwd_block_q() { return D == 64 ? 64 : 32; }
 template <int D, int BKV, int BQ> constexpr int native_bwd_smem() {
     return 16 * BQ + (2 * BKV * D + 4 * BQ * D + BKV * BQ) * 2;
 }
@@ -53,9 +46,12 @@ template <typename T> __global__ void native_dq_kernel(const float *acc, T *dq, 
 template <typename T, int D, int BKV, int BQ>
 __global__ void __launch_bounds__(BKV * 2) native_backward_kernel(const native_bwd_args a) {
     constexpr int NT = BKV * 2, C = D / 8, QC = BQ / 8;
-    /* dQ = dS K split over the warps: MT query blocks of 16 rows times NDP column parts of DW */
-    constexpr int MT = BQ / 16, NDP = (BKV / 16) / MT, DW = D / NDP;
-    static_assert((BKV / 16) % MT == 0 && DW % 16 == 0, "dQ split");
+    /* dQ = dS K split over the W warps: MT query blocks of 16 rows; MW warps side by side over them (each takes
+     * MT / MW blocks in turn), times NDP column parts of DW columns (at least 16), each done DS <= 64 columns at a
+     * time (the accumulators' registers); warps >= MW NDP idle */
+    constexpr int W = BKV / 16, MT = BQ / 16, MW = W < MT ? W : MT, NDP = W / MW < D / 16 ? W / MW : D / 16,
+                  DW = D / NDP, DS = DW < 64 ? DW : 64;
+    static_assert(MT % MW == 0 && DW % DS == 0 && DS % 16 == 0 && MW * NDP <= W, "dQ split");
     extern __shared__ __align__(16) unsigned char smem[];
     float *sL = reinterpret_cast<float *>(smem); /* 2 stages of BQ: lse */
     float *sDv = sL + 2 * BQ;                     /* 2 stages of BQ: Dvec */
@@ -90,11 +86,11 @@ __global__ void __launch_bounds__(BKV * 2) native_backward_kernel(const native_b
         const int q0 = first_row(it);
         load_rows<T, BQ, D, NT>(sQ + st * BQ * D, static_cast<const T *>(a.q) + bh * a.seq_q * D, q0, a.seq_q, tid);
         load_rows<T, BQ, D, NT>(sdO + st * BQ * D, static_cast<const T *>(a.dout) + bh * a.seq_q * D, q0, a.seq_q, tid);
-        if (tid < BQ) {
-            const bool ok = q0 + tid < a.seq_q;
-            const int64_t at = bh * a.seq_q + (ok ? q0 + tid : 0);
-            cp_async_4(sL + st * BQ + tid, a.lse + at, ok);
-            cp_async_4(sDv + st * BQ + tid, a.dvec + at, ok);
+        for (int r = tid; r < BQ; r += NT) {
+            const bool ok = q0 + r < a.seq_q;
+            const int64_t at = bh * a.seq_q + (ok ? q0 + r : 0);
+            cp_async_4(sL + st * BQ + r, a.lse + at, ok);
+            cp_async_4(sDv + st * BQ + r, a.dvec + at, ok);
         }
     };
 
@@ -184,6 +180,7 @@ __global__ void __launch_bounds__(BKV * 2) native_backward_kernel(const native_b
             }
         }
 
+        if (!a.dq_acc) continue; /* deterministic: dQ by native_dq_pass */
         /* dS^T (rows: keys, cols: queries) to shared memory for dQ */
 #pragma unroll
         for (int nb = 0; nb < BQ / 8; ++nb) {
@@ -194,29 +191,37 @@ __global__ void __launch_bounds__(BKV * 2) native_backward_kernel(const native_b
 
         /* dQ[q0 + 16 mt .. + 16][DW dpart .. + DW] += dS K over the tile's keys: A[query][key] = dS^T[key][query]
          * (ldmatrix .trans of dS^T), B[k = key][n = d] = K[key][d] (.trans) */
-        const int mt = warp % MT, dpart = warp / MT;
-        float dq[DW / 8][4];
-#pragma unroll
-        for (int i = 0; i < DW / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < BKV / 16; ++kk) {
-            uint32_t da[4];
-            ldmatrix_x4_trans(da, sdS + swz<QC>(kk * 16 + (lane & 7) + ((lane >> 4) << 3), mt * 2 + ((lane >> 3) & 1)));
-#pragma unroll
-            for (int dd = 0; dd < DW / 16; ++dd) {
-                uint32_t bk[4];
-                ldmatrix_x4_trans(bk, sK + swz<C>(kk * 16 + (lane & 7) + (lane & 8), dpart * (DW / 8) + dd * 2 + (lane >> 4)));
-                mma_16816<T>(dq[2 * dd], da, bk[0], bk[1]);
-                mma_16816<T>(dq[2 * dd + 1], da, bk[2], bk[3]);
-            }
-        }
+        if (warp >= MW * NDP) continue;
+        const int dpart = warp / MW;
         float *dQ = a.dq_acc + bh * a.seq_q * D;
 #pragma unroll
-        for (int nb = 0; nb < DW / 8; ++nb) {
+        for (int mi = 0; mi < MT / MW; ++mi) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = q0 + mt * 16 + g + 8 * (e >> 1), col = dpart * DW + nb * 8 + 2 * t4 + (e & 1);
-                if (row < a.seq_q) atomicAdd(dQ + (int64_t)row * D + col, dq[nb][e]);
+            for (int sub = 0; sub < DW / DS; ++sub) {
+                const int mt = warp % MW + MW * mi, col0 = dpart * DW + sub * DS;
+                float dq[DS / 8][4];
+#pragma unroll
+                for (int i = 0; i < DS / 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < BKV / 16; ++kk) {
+                    uint32_t da[4];
+                    ldmatrix_x4_trans(da, sdS + swz<QC>(kk * 16 + (lane & 7) + ((lane >> 4) << 3), mt * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+                    for (int dd = 0; dd < DS / 16; ++dd) {
+                        uint32_t bk[4];
+                        ldmatrix_x4_trans(bk, sK + swz<C>(kk * 16 + (lane & 7) + (lane & 8), col0 / 8 + dd * 2 + (lane >> 4)));
+                        mma_16816<T>(dq[2 * dd], da, bk[0], bk[1]);
+                        mma_16816<T>(dq[2 * dd + 1], da, bk[2], bk[3]);
+                    }
+                }
+#pragma unroll
+                for (int nb = 0; nb < DS / 8; ++nb) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int row = q0 + mt * 16 + g + 8 * (e >> 1), col = col0 + nb * 8 + 2 * t4 + (e & 1);
+                        if (row < a.seq_q) atomicAdd(dQ + (int64_t)row * D + col, dq[nb][e]);
+                    }
+                }
             }
         }
     }
@@ -245,34 +250,36 @@ static unsigned native_blocks(int64_t work, int per_block) {
     return (unsigned)(b < 1 ? 1 : b > (1 << 20) ? (1 << 20) : b);
 }
 
-template <typename T, int D, int BKV>
-static fadev_status native_backward_launch(const fadev_native_params *p, const native_bwd_args &a, const void *out,
-                                           void *dq) {
-    constexpr int BQ = native_bwd_block_q<D>(), smem = native_bwd_smem<D, BKV, BQ>();
+template <typename T, int D, int BQ, int BKV>
+static fadev_status native_backward_launch(const fadev_native_params *p, const native_bwd_args &a, const void *out) {
+    constexpr int smem = native_bwd_smem<D, BKV, BQ>();
     const int64_t rows = p->attn.batch * p->attn.heads * p->attn.seq_q, n = rows * D;
-    CUDA_TRY(cudaMemsetAsync(a.dq_acc, 0, (size_t)n * sizeof(float), 0));
+    if (a.dq_acc) CUDA_TRY(cudaMemsetAsync(a.dq_acc, 0, (size_t)n * sizeof(float), 0));
     native_dot_kernel<T, D><<<native_blocks(rows, 8), 256>>>(static_cast<const T *>(out), static_cast<const T *>(a.dout),
                                                               const_cast<float *>(a.dvec), rows);
     CUDA_TRY(cudaGetLastError());
     CUDA_TRY(cudaFuncSetAttribute(native_backward_kernel<T, D, BKV, BQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     native_backward_kernel<T, D, BKV, BQ><<<(unsigned)(p->attn.batch * p->attn.heads_kv * a.n_kt), BKV * 2, smem>>>(a);
     CUDA_TRY(cudaGetLastError());
-    native_dq_kernel<T><<<native_blocks(n, 256), 256>>>(a.dq_acc, static_cast<T *>(dq), n, a.scale);
+    if (!a.dq_acc) return native_dq_pass(p, a);
+    native_dq_kernel<T><<<native_blocks(n, 256), 256>>>(a.dq_acc, static_cast<T *>(a.dq), n, a.scale);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }
 
 template <typename T>
-static fadev_status native_backward_dispatch(const fadev_native_params *p, native_bwd_args a, const void *out, void *dq) {
-    a.n_kt = (int)((p->attn.seq_kv + p->attn.block_kv - 1) / p->attn.block_kv);
-    if (p->attn.dim == 64 && p->attn.block_kv == 64) return native_backward_launch<T, 64, 64>(p, a, out, dq);
-    if (p->attn.dim == 64 && p->attn.block_kv == 128) return native_backward_launch<T, 64, 128>(p, a, out, dq);
-    if (p->attn.dim == 128 && p->attn.block_kv == 64) return native_backward_launch<T, 128, 64>(p, a, out, dq);
+static fadev_status native_backward_dispatch(const fadev_native_params *p, native_bwd_args a, const void *out) {
+    const int bq = p->attn.block_q, bkv = p->attn.block_kv;
+    a.n_kt = (int)((p->attn.seq_kv + bkv - 1) / bkv);
+#define NATIVE_BACKWARD_CASE(d, q, kv) \
+    if (p->attn.dim == d && bq == q && bkv == kv) return native_backward_launch<T, d, q, kv>(p, a, out);
+    NATIVE_BACKWARD_TILES(NATIVE_BACKWARD_CASE)
+#undef NATIVE_BACKWARD_CASE
     return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: tile not compiled");
 }
 
 extern "C" size_t fadev_cuda_native_workspace(const fadev_native_params *params) {
-    if (native_validate(params) != FADEV_OK) return 0;
+    if (native_validate(params, 1) != FADEV_OK) return 0;
     const size_t rows = (size_t)params->attn.batch * (size_t)params->attn.heads * (size_t)params->attn.seq_q;
     return (rows * (size_t)params->attn.dim + rows) * sizeof(float);
 }
@@ -281,7 +288,7 @@ extern "C" fadev_status fadev_cuda_native_backward(const void *q, const void *k,
                                                    const float *lse, const void *dout, void *dq, void *dk, void *dv,
                                                    float *workspace, const fadev_native_params *params) {
     FADEV_TRY(fadev_cuda_require_device());
-    FADEV_TRY(native_validate(params));
+    FADEV_TRY(native_validate(params, 1));
     if (!q || !k || !v || !out || !lse || !dout || !dq || !dk || !dv || !workspace)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT,
                           "fadev_cuda_native_backward: a NULL q, k, v, out, lse, dout, dq, dk, dv or workspace");
@@ -293,14 +300,14 @@ extern "C" fadev_status fadev_cuda_native_backward(const void *q, const void *k,
     const size_t rows = (size_t)params->attn.batch * (size_t)params->attn.heads * (size_t)params->attn.seq_q;
     native_bwd_args a;
     a.q = q, a.k = k, a.v = v, a.dout = dout, a.lse = lse;
-    a.dq_acc = workspace, a.dvec = workspace + rows * (size_t)params->attn.dim;
-    a.dk = dk, a.dv = dv;
+    a.dq_acc = params->deterministic ? NULL : workspace, a.dvec = workspace + rows * (size_t)params->attn.dim;
+    a.dq = dq, a.dk = dk, a.dv = dv;
     a.heads = (int)params->attn.heads, a.group = (int)(params->attn.heads / params->attn.heads_kv);
     a.seq_q = (int)params->attn.seq_q, a.seq_kv = (int)params->attn.seq_kv, a.causal = params->attn.causal;
-    a.n_kt = 0;
+    a.n_kt = a.n_qt = 0;
     a.scale_log2 = (float)(params->attn.scale * NATIVE_LOG2E);
     a.scale = (float)params->attn.scale;
-    FADEV_TRY(params->dtype == FADEV_NATIVE_FP16 ? native_backward_dispatch<__half>(params, a, out, dq)
-                                                 : native_backward_dispatch<__nv_bfloat16>(params, a, out, dq));
+    FADEV_TRY(params->dtype == FADEV_NATIVE_FP16 ? native_backward_dispatch<__half>(params, a, out)
+                                                 : native_backward_dispatch<__nv_bfloat16>(params, a, out));
     return fadev_cuda_finish("fadev_cuda_native_backward");
 }

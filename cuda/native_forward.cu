@@ -12,8 +12,8 @@
  * A row that sees no key gets out 0 and lse -inf (m stays -inf; exp2 is then taken against 0, so no NaN).
  * Causal K/V tiles past a query tile's last visible key are skipped; query tiles run longest first.
  * q, out: (B, H, Nq, D); k, v: (B, Hkv, Nk, D); lse (B, H, Nq); H % Hkv == 0, query head h reads K/V head
- * h / (H / Hkv). Compiled tiles: D 64 with (block_q, block_kv) (64, 64), (128, 64), (128, 128); D 128 with
- * (64, 64), (128, 64); block_q / 16 warps. Shared memory: the Q tile and two stages of K and V (swizzled, see
+ * h / (H / Hkv). Compiled tiles: NATIVE_FORWARD_TILES (native.cuh), block_q and block_kv in {16, 32, 64, 128};
+ * block_q / 16 warps. Shared memory: the Q tile and two stages of K and V (swizzled, see
  * native.cuh); the Q tile is reused to stage the output for 16-byte stores. */
 #include "native.cuh"
 
@@ -194,30 +194,25 @@ template <typename T> static fadev_status native_forward_dispatch(const fadev_na
     const int bq = p->attn.block_q, bkv = p->attn.block_kv;
     a.n_qt = (int)((p->attn.seq_q + bq - 1) / bq);
     const int64_t ctas = p->attn.batch * p->attn.heads * a.n_qt;
-    if (p->attn.dim == 64 && bq == 64 && bkv == 64) return native_forward_launch<T, 64, 64, 64>(a, ctas);
-    if (p->attn.dim == 64 && bq == 128 && bkv == 64) return native_forward_launch<T, 64, 128, 64>(a, ctas);
-    if (p->attn.dim == 64 && bq == 128 && bkv == 128) return native_forward_launch<T, 64, 128, 128>(a, ctas);
-    if (p->attn.dim == 128 && bq == 64 && bkv == 64) return native_forward_launch<T, 128, 64, 64>(a, ctas);
-    if (p->attn.dim == 128 && bq == 128 && bkv == 64) return native_forward_launch<T, 128, 128, 64>(a, ctas);
+#define NATIVE_FORWARD_CASE(d, q, kv) \
+    if (p->attn.dim == d && bq == q && bkv == kv) return native_forward_launch<T, d, q, kv>(a, ctas);
+    NATIVE_FORWARD_TILES(NATIVE_FORWARD_CASE)
+#undef NATIVE_FORWARD_CASE
     return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: tile not compiled");
 }
 
-extern "C" fadev_status fadev_cuda_native_tiles(int dim, int32_t *tiles, int max_pairs, int *count) {
+extern "C" fadev_status fadev_cuda_native_tiles(int dim, int backward, int32_t *tiles, int max_pairs, int *count) {
     if (!count || max_pairs < 0 || (max_pairs > 0 && !tiles))
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "fadev_cuda_native_tiles: NULL count or tiles, or max_pairs < 0");
-    *count = native_tile_count(dim);
+    *count = native_tile_pairs(dim, backward != 0, tiles, max_pairs);
     if (*count == 0) return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: dim must be 64 or 128");
-    for (int i = 0; i < *count && i < max_pairs; i++) {
-        tiles[2 * i] = native_tile_list(dim)[i][0];
-        tiles[2 * i + 1] = native_tile_list(dim)[i][1];
-    }
     return FADEV_OK;
 }
 
 extern "C" fadev_status fadev_cuda_native_forward(const void *q, const void *k, const void *v, void *out, float *lse,
                                                   const fadev_native_params *params) {
     FADEV_TRY(fadev_cuda_require_device());
-    FADEV_TRY(native_validate(params));
+    FADEV_TRY(native_validate(params, 0));
     if (!q || !k || !v || !out || !lse)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "fadev_cuda_native_forward: a NULL q, k, v, out or lse");
     if (!native_aligned(q, 16) || !native_aligned(k, 16) || !native_aligned(v, 16) || !native_aligned(out, 16) ||

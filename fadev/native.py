@@ -19,15 +19,18 @@ DTYPES = ("fp16", "bf16")
 _NP_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))  # by DTYPES index (the kernels' dtype code)
 
 
-def native_tiles(dim) -> list:
-    """The (block_q, block_kv) tiles the native kernels support for head dim ``dim`` (the first is the
-    default); an empty list for a head dim they do not support."""
+def native_tiles(dim, *, backward=False) -> list:
+    """The (block_q, block_kv) tiles the native forward (``backward=False``) or backward kernel supports for
+    head dim ``dim`` (the first is the default); an empty list for a head dim they do not support. The two
+    lists differ: the backward holds dK and dV in registers besides the score tile, so its query tiles are
+    smaller."""
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
         raise ValueError(f"dim must be a positive integer, got {dim!r}")
+    _args.boolean(backward, "backward")
     if not _core.cuda_info()["compiled"]:
         raise no_gpu("native_tiles")
     try:
-        return [tuple(t) for t in _core.cuda_native_tiles(int(dim))]
+        return [tuple(t) for t in _core.cuda_native_tiles(int(dim), backward)]
     except ValueError:  # FADEV_ERR_INVALID_ARGUMENT: a head dim without tiles
         return []
 
@@ -51,17 +54,19 @@ def _host(x, name, code):
     return _round(_numeric(x, name), DTYPES[code]).astype(_NP_DTYPES[code])
 
 
-def _params(q4, k4, causal, scale, block_q, block_kv, code):
+def _params(q4, k4, causal, scale, block_q, block_kv, code, backward=False, deterministic=False):
     dim = q4.shape[3]
-    tiles = native_tiles(dim)
+    tiles = native_tiles(dim, backward=backward)
     if not tiles:
         raise ValueError(f"q: the native kernels do not support head dim {dim}")
     fits = [t for t in tiles if block_q in (None, t[0]) and block_kv in (None, t[1])]
     if not fits:
-        raise ValueError(f"(block_q, block_kv) = ({block_q!r}, {block_kv!r}) is not a native tile for head dim {dim}; "
-                         f"supported: {tiles}")
+        direction = "backward" if backward else "forward"
+        raise ValueError(f"block_q, block_kv: ({block_q!r}, {block_kv!r}) is not a native {direction} tile for head "
+                         f"dim {dim}; supported: {tiles}")
     (b, h, nq, d), (_, hkv, nk, _) = q4.shape, k4.shape
-    return (b, h, hkv, nq, nk, d, _args.scale_of(scale, d), _args.causal_of(causal), fits[0][0], fits[0][1], code)
+    return (b, h, hkv, nq, nk, d, _args.scale_of(scale, d), _args.causal_of(causal), fits[0][0], fits[0][1], code,
+            deterministic)
 
 
 def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_kv=None, return_lse=False,
@@ -84,17 +89,21 @@ def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k
 
 
 def native_attention_backward(q, k, v, out, lse, dout, *, causal=False, scale=None, block_q=None, block_kv=None,
-                              dtype=None):
+                              deterministic=False, dtype=None):
     """Gradients (dq, dk, dv) by the native FlashAttention-2-style backward (cuda/native_backward.cu): P
-    recomputed from the forward's ``lse`` (float32), dq accumulated in an fp32 workspace. ``out`` and
+    recomputed from the forward's ``lse`` (float32), dq accumulated in fp32: by atomic adds from the key
+    tiles, or with ``deterministic=True`` by a separate pass over the K/V tiles in key order
+    (cuda/native_backward_dq.cu; no atomics, the same bits on every run). (``block_q``, ``block_kv``) is
+    one of ``native_tiles(D, backward=True)`` (default: its first), the backward's own list. ``out`` and
     ``lse`` as :func:`native_attention` returned them; arguments and result kinds as that function's."""
+    _args.boolean(deterministic, "deterministic")
     code = _dtype_code(dtype, q)
     gpu = route("cuda", q=q, k=k, v=v, out=out, lse=lse, dout=dout)
     q, k, v, out, dout = (_host(x, n, code) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"),
                                                          (dout, "dout")))
     q4, k4, v4, rank = _args.qkv(q, k, v, gpu, _NP_DTYPES[code])
     out4, lse3, dout4 = _args.saved(q4, out, lse, dout, rank, gpu, _NP_DTYPES[code], np.float32)
-    params = _params(q4, k4, causal, scale, block_q, block_kv, code)
+    params = _params(q4, k4, causal, scale, block_q, block_kv, code, backward=True, deterministic=deterministic)
     return _args.unshape_grads(gpu.native_backward(q4, k4, v4, out4, lse3, dout4, params), rank)
 
 

@@ -32,17 +32,19 @@ STAGE_DOCS = {
     "out": "stored: the output (flash deferred: O / l; baseline: the P.V result)",
 }
 
-BACKWARD_STAGES = ("bwd_p", "dp_acc", "dp", "delta_acc", "dsoft", "ds", "grad_acc", "dq_acc", "dkv_acc", "grad")
+BACKWARD_STAGES = ("bwd_p", "dsoft_p", "dp_acc", "dp", "delta_acc", "dsoft", "ds", "grad_acc", "dq_acc", "dkv_acc",
+                   "grad")
 """Backward stage names (docs/numerics.md, "Backward"). None in the constructor derives them from the
 forward stages: bwd_p = p, dp_acc = pv_acc, dp = score, delta_acc = sum_acc, dsoft = softmax, ds = p,
-grad_acc = pv_acc, dq_acc = dkv_acc = out_acc, grad = out."""
+grad_acc = pv_acc, dq_acc = dkv_acc = out_acc, grad = out; and dsoft_p = dsoft (the backward stage)."""
 
 BACKWARD_STAGE_DOCS = {
     "bwd_p": "stored: recomputed P as fed to the dV product",
+    "dsoft_p": "stored: recomputed P as the softmax backward dS = P (dP - D) reads it",
     "dp_acc": "accumulator: each dP = dO.V dot product",
     "dp": "stored: dP as stored after its product",
     "delta_acc": "accumulator: D = rowsum(dO * O) (flash) / sum_j P*dP (baseline, as autograd)",
-    "dsoft": "stored: the softmax-backward arithmetic: P as it reads it, D, dP - D, P*(dP - D)",
+    "dsoft": "stored: the softmax-backward arithmetic: D, dP - D, P*(dP - D) (and scale*P*(dP - D): bwd_scale 'ds')",
     "ds": "stored: dS as fed to the dQ and dK products",
     "grad_acc": "accumulator: each dV, dK, dQ dot product within one block",
     "dq_acc": "stored: dQ accumulated across K/V blocks",
@@ -50,12 +52,15 @@ BACKWARD_STAGE_DOCS = {
     "grad": "stored: the returned gradients dq, dk, dv",
 }
 
-_BACKWARD_DEFAULTS = {"bwd_p": "p", "dp_acc": "pv_acc", "dp": "score", "delta_acc": "sum_acc", "dsoft": "softmax",
+_BACKWARD_DEFAULTS = {"bwd_p": "p", "dsoft_p": "dsoft", "dp_acc": "pv_acc", "dp": "score", "delta_acc": "sum_acc", "dsoft": "softmax",
                       "ds": "p", "grad_acc": "pv_acc", "dq_acc": "out_acc", "dkv_acc": "out_acc", "grad": "out"}
 
 LOOP_ORDERS = ("q_outer", "kv_outer")
 NORMALIZE = ("deferred", "eager")
 EXP_FORMS = ("exp", "exp2")
+BWD_SCALES = ("sums", "ds")
+"""Where the backward multiplies by the softmax scale: the dQ, dK sums (FlashAttention-2) or each dS before its
+rounding to ``ds`` (xformers' memory-efficient kernel)."""
 
 
 def _is_int(v) -> bool:
@@ -104,6 +109,7 @@ class Policy:
     state: Format | None
     out: Format
     bwd_p: Format | None = None
+    dsoft_p: Format | None = None
     dp_acc: Format | None = None
     dp: Format | None = None
     delta_acc: Format | None = None
@@ -120,6 +126,7 @@ class Policy:
     loop_order: str = "q_outer"
     normalize: str = "deferred"
     exp: str = "exp"
+    bwd_scale: str = "sums"
     name: str = dataclasses.field(default="custom", compare=False)
 
     def __post_init__(self):
@@ -128,7 +135,7 @@ class Policy:
             if stage == "state" and value is None:
                 continue
             object.__setattr__(self, stage, as_format(value, name=stage))
-        for stage in BACKWARD_STAGES:
+        for stage in sorted(BACKWARD_STAGES, key=lambda s: s == "dsoft_p"):  # dsoft_p derives from dsoft
             value = getattr(self, stage)
             value = getattr(self, _BACKWARD_DEFAULTS[stage]) if value is None else as_format(value, name=stage)
             object.__setattr__(self, stage, value)
@@ -142,7 +149,8 @@ class Policy:
             if not _is_int(v) or v < 1:
                 raise ValueError(f"{field} must be a positive integer, got {v!r}")
             object.__setattr__(self, field, int(v))
-        for field, allowed in (("loop_order", LOOP_ORDERS), ("normalize", NORMALIZE), ("exp", EXP_FORMS)):
+        for field, allowed in (("loop_order", LOOP_ORDERS), ("normalize", NORMALIZE), ("exp", EXP_FORMS),
+                               ("bwd_scale", BWD_SCALES)):
             if getattr(self, field) not in allowed:
                 raise ValueError(f"{field} must be one of {allowed}, got {getattr(self, field)!r}")
 
@@ -151,7 +159,7 @@ class Policy:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ValueError(f"unknown policy field(s): {', '.join(sorted(unknown))}; stages are {', '.join(STAGES)}")
-        if "name" not in changes and any(k in STAGES or k in BACKWARD_STAGES or k == "rounding" for k in changes):
+        if "name" not in changes and any(k in STAGES or k in BACKWARD_STAGES or k in ("rounding", "bwd_scale") for k in changes):
             changes["name"] = f"{self.name}+" + ",".join(f"{k}={changes[k]}" for k in sorted(changes))
         return dataclasses.replace(self, **changes)
 
@@ -182,8 +190,9 @@ class Policy:
 
     @property
     def _c_backward(self):
-        """The tuple the C binding turns into a fadev_policy_backward (BACKWARD_STAGES order)."""
-        return tuple(getattr(self, s)._c for s in BACKWARD_STAGES)
+        """The tuple the C binding turns into a fadev_policy_backward: the formats in BACKWARD_STAGES order, then
+        1 when the scale multiplies dS (bwd_scale "ds"), else 0."""
+        return tuple(getattr(self, s)._c for s in BACKWARD_STAGES) + (int(self.bwd_scale == "ds"),)
 
     # ------------------------------------------------------------ presets
 
@@ -207,7 +216,7 @@ class Policy:
         the tensor library does, and rounds its result to F."""
         F = as_format(fmt)
         return cls._split(F, _acc(F), ("input", "score", "softmax", "stats", "rescale", "p", "out_acc", "out",
-                                       "bwd_p", "dp", "dsoft", "ds", "dq_acc", "dkv_acc", "grad"),
+                                       "bwd_p", "dsoft_p", "dp", "dsoft", "ds", "dq_acc", "dkv_acc", "grad"),
                           name=f"paper({F})")
 
     @classmethod
@@ -239,8 +248,32 @@ class Policy:
         Backward (fmha_dgrad_kernel_1xN_loop.h): the softmax backward in F (P and dP - D packed to F,
         multiplied with hmul), so dsoft = F; this also rounds D to F, which FA1 keeps in fp32."""
         F = as_format(fmt)
-        return cls._split(F, _fa_acc(F), _FA_IN_F + ("dsoft",), state=F, block_q=128, block_kv=128, loop_order="kv_outer",
+        return cls._split(F, _fa_acc(F), _FA_IN_F + ("dsoft_p", "dsoft"), state=F, block_q=128, block_kv=128, loop_order="kv_outer",
                           normalize="eager", exp="exp", name=f"fa1({F})")
+
+    @classmethod
+    def efficient(cls, fmt) -> "Policy":
+        """PyTorch's memory-efficient SDPA kernel (xformers' CUTLASS kernels, mem_eff_attention/kernel_backward.h):
+        the forward as fa2 (fp32 registers, P in F for P.V, O in fp32, written in F) on 64x64 tiles. Backward:
+        S = scale * K Q^T in fp32, P = exp(S - LSE) in fp32 (exp, not exp2), stored to shared memory in F and
+        that F copy used both as the dV = P^T dO operand (bwd_p = F) and in dS = P (dP - D) (dsoft_p = F);
+        dP, D and the softmax-backward arithmetic in fp32; the scale multiplies dS in fp32 before it is stored
+        in F (bwd_scale "ds"), so dQ = dS K and dK = dS^T Q need no scale; dQ, dK, dV accumulated in fp32,
+        written in F."""
+        F = as_format(fmt)
+        return cls._split(F, _fa_acc(F), _FA_IN_F + ("dsoft_p",), block_q=64, block_kv=64, loop_order="q_outer",
+                          normalize="deferred", exp="exp", bwd_scale="ds", name=f"efficient({F})")
+
+    @classmethod
+    def cudnn(cls, fmt) -> "Policy":
+        """cuDNN's fused flash attention (PyTorch's cuDNN SDPA backend; closed source, modelled from measurement):
+        fa2's arithmetic on 64x64 tiles (its sm90 backward kernel is named ..._flash_bprop_wgmma_f16_..._64x64x64),
+        except that the backward multiplies dS by the softmax scale in fp32 before rounding it to F (bwd_scale
+        "ds"), as cudnn-frontend's open SM100 kernels do. At fp16 and long N that product underflows into fp16's
+        subnormals; fa2's placement (the scale on the fp32 sums) does not (docs/numerics.md)."""
+        F = as_format(fmt)
+        return cls._split(F, _fa_acc(F), _FA_IN_F, block_q=64, block_kv=64, loop_order="q_outer",
+                          normalize="deferred", exp="exp2", bwd_scale="ds", name=f"cudnn({F})")
 
     @classmethod
     def torch_math(cls, fmt) -> "Policy":
@@ -253,7 +286,7 @@ class Policy:
     def preset(cls, name: str, fmt=None) -> "Policy":
         """A preset by name: ``Policy.preset("fa2", "bf16")``, or ``Policy.preset("golden")``."""
         makers = {"golden": cls.golden, "paper": cls.paper, "naive": cls.naive, "fa2": cls.fa2, "fa1": cls.fa1,
-                  "torch_math": cls.torch_math}
+                  "efficient": cls.efficient, "cudnn": cls.cudnn, "torch_math": cls.torch_math}
         if not isinstance(name, str) or name not in makers:
             raise ValueError(f"preset: unknown preset {name!r}; known: {', '.join(makers)}")
         if name == "golden":

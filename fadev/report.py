@@ -106,22 +106,28 @@ def escape(text) -> str:
     return str(text).replace("|", "\\|")
 
 
-def write(path, results, *, title, command, size="quick", device="cpu", device_note="", preamble=()):
+def write(path, results, *, title, command, size="quick", device="cpu", device_note="", preamble=(), header=None):
     """Write a Markdown report to ``path``; returns the path.
 
     ``results``: {name: {"experiment": module, "df", "figures", "findings", "seconds"}} in section order, with
-    optionally "sizes" (the parameters used; default: the experiment's SIZES[size]).
+    optionally "sizes" (the parameters used; default: the experiment's SIZES[size]), "sizes_text" (the sizes
+    as text, instead) and "notes" (paragraphs printed after the sizes).
     ``title``: the document's heading; ``command``: the command that regenerates it (with DIR for the
     output folder); ``device``: where the run happened, as text (e.g. "CPU (asked for cuda: no GPU)");
-    ``device_note``: text after it; ``preamble``: paragraphs before the summary. A result's optional
-    "ran_on" (text) is printed in its section."""
+    ``device_note``: text after it; ``preamble``: paragraphs before the summary; ``header``: paragraphs in
+    place of the line on this run (version, sizes, machine, date, seconds), for a report re-rendered from a
+    recorded run. A result's optional "ran_on" (text) is printed in its section."""
     out_dir = os.path.dirname(os.path.abspath(path))
     total = sum(r["seconds"] for r in results.values())
-    lines = [f"# {title}", "",
-             f"fadev {__version__}, `{size}` sizes, ran on: {device}{device_note}; {platform.machine()} "
-             f"{platform.system()}, Python {platform.python_version()}, {os.cpu_count()} CPUs; "
-             f"{datetime.date.today().isoformat()}; {total:.0f} s in this invocation (finished points are read back, "
-             f"not recomputed). Regenerate with `{command}`.", ""]
+    lines = [f"# {title}", ""]
+    if header is None:
+        lines += [f"fadev {__version__}, `{size}` sizes, ran on: {device}{device_note}; {platform.machine()} "
+                  f"{platform.system()}, Python {platform.python_version()}, {os.cpu_count()} CPUs; "
+                  f"{datetime.date.today().isoformat()}; {total:.0f} s in this invocation (finished points are read "
+                  f"back, not recomputed). Regenerate with `{command}`.", ""]
+    else:
+        for paragraph in header:
+            lines += [paragraph, ""]
     for paragraph in preamble:
         lines += [paragraph, ""]
     lines += summary(results)
@@ -135,11 +141,14 @@ def write(path, results, *, title, command, size="quick", device="cpu", device_n
 def section(number, name, result, size, out_dir) -> list:
     """The lines of one experiment's section: title, prose, sizes, figures, findings, table."""
     exp = result["experiment"]
-    sizes = result.get("sizes", exp.SIZES[size])
-    lines = [f"## {number}. {exp.TITLE}", "", exp.INTRO, "",
-             f"Sizes (`{size}`): " + ", ".join(f"{k}={_short(v)}" for k, v in sizes.items()) +
-             f". Raw rows: `{name}.jsonl`; this table: `{name}.csv`; {result['seconds']:.1f} s" +
+    sizes = result.get("sizes_text") or ", ".join(f"{k}={_short(v)}" for k, v in result.get("sizes", exp.SIZES[size]).items())
+    seconds = result["seconds"]
+    lines = [f"## {number}. {exp.TITLE}", "", result.get("intro") or exp.INTRO, "",
+             f"Sizes (`{size}`): {sizes}. Raw rows: `{name}.jsonl`; this table: `{name}.csv`" +
+             (f"; {seconds:.1f} s" if np.isfinite(seconds) else "") +
              (f"; ran on: {result['ran_on']}." if result.get("ran_on") else "."), ""]
+    for note in result.get("notes", ()):
+        lines += [note, ""]
     for fig in result["figures"]:
         if fig.endswith(".png"):
             lines += [f"![{os.path.basename(fig)}]({os.path.relpath(fig, out_dir)})", ""]

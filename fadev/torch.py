@@ -7,7 +7,7 @@
 * :func:`patch_sdpa` -- a context manager that routes every ``F.scaled_dot_product_attention`` call
   (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``, Hugging Face-style attention) through fadev.
 * :func:`shadow` -- at every SDPA call compute a reference and a candidate policy on the same inputs,
-  continue the model with one of them and log the deviation of the other (Golden et al.'s method).
+  continue the model with one and log the other's deviation; or, with ``sample_every``, monitor (fadev.monitor).
 
 What is copied. The kernels read C-contiguous float64 memory. A contiguous float64 CPU tensor is handed
 to them as ``tensor.numpy()`` (no copy), and their float64 results become tensors through
@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import threading
 
 import ml_dtypes
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.modules import module as _torch_module
 
 from . import _args
 from ._args import MAX_DIM
@@ -47,6 +47,7 @@ from .backward import baseline_attention_backward, flash_attention_backward
 from .cuda import device_count as _cuda_devices
 from .formats import boolean, to_bits as _to_bits
 from .metrics import compare
+from .monitor import LayerNames, Monitor
 from .policy import Policy, as_policy
 
 KERNELS = ("flash", "baseline")
@@ -404,9 +405,21 @@ class _SdpaRoute:
             extra = {"enable_gqa": True} if enable_gqa else {}  # torch < 2.5 has no enable_gqa
             return self._original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                   scale=scale, **extra)
+        query, key, value = _autocast(query, key, value)
         _validate(query, key, value, causal, enable_gqa)
         self.calls += 1
         return self._attend(query, key, value, causal, scale)
+
+
+def _autocast(q, k, v):
+    """q, k, v as PyTorch's own SDPA sees them under ``torch.autocast``: cast to the autocast dtype (SDPA is
+    one of autocast's lower-precision ops on CPU and CUDA), which the replaced function would otherwise skip --
+    under autocast a Hugging Face model hands SDPA fp32 q, k (after the rotary embedding) with a bf16 v."""
+    kind = q.device.type if isinstance(q, torch.Tensor) else "cpu"
+    if kind not in ("cpu", "cuda") or not torch.is_autocast_enabled(kind):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(kind)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
 
 
 class patch_sdpa(_SdpaRoute):  # noqa: N801 (used as a context manager, like torch's own)
@@ -440,53 +453,6 @@ class patch_sdpa(_SdpaRoute):  # noqa: N801 (used as a context manager, like tor
 
 # ---------------------------------------------------------------- shadow runs
 
-class _ModuleTracker:
-    """The innermost module whose forward is running, via global module hooks, and its qualified name
-    (``layers.0.self_attn``: attribute names from the outermost running module, or from ``model``)."""
-
-    def __init__(self, model=None):
-        self.stack = []
-        self.names = {}
-        if model is not None:
-            for name, mod in model.named_modules():
-                self.names.setdefault(mod, name)
-        self._handles = []
-
-    def __enter__(self):
-        self._handles = [_torch_module.register_module_forward_pre_hook(self._pre),
-                         _torch_module.register_module_forward_hook(self._post, always_call=True)]
-        return self
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self.stack = []
-
-    def _pre(self, mod, args):
-        if mod not in self.names:
-            name = ""
-            if self.stack:
-                parent = self.stack[-1]
-                # a descendant, not always a child: TransformerEncoder calls its ModuleList's layers itself
-                attr = next((n for n, m in parent.named_modules() if m is mod and n), type(mod).__name__)
-                name = f"{self.names[parent]}.{attr}" if self.names[parent] else attr
-            self.names[mod] = name
-        self.stack.append(mod)
-
-    def _post(self, mod, args, output):
-        while self.stack:
-            if self.stack.pop() is mod:
-                break
-
-    def current(self):
-        """(qualified name, class name) of the innermost running module, or (None, None)."""
-        if not self.stack:
-            return None, None
-        mod = self.stack[-1]
-        return self.names[mod] or type(mod).__name__, type(mod).__name__
-
-
 METRICS = ("n", "n_nan", "n_inf", "max_abs", "mean_diff", "std_diff", "mean_abs", "rmse", "rel_l2", "max_rel",
            "wasserstein")
 
@@ -506,17 +472,36 @@ class shadow(_SdpaRoute):  # noqa: N801 (a context manager)
     (computed with the reference's kernel). ``kernel`` is "flash", "baseline" or a pair
     (reference kernel, candidate kernel); ``**tiling`` applies to the flash ones.
     ``log.to_dataframe()`` gives the records as a pandas DataFrame.
+
+    ``shadow(sample_every=k, rows=16, log_dir=None, csv=None, model=None, candidate=None, kernel="flash",
+    **tiling)`` returns a :class:`fadev.monitor.Monitor` instead: the model runs its own attention (SDPA, or
+    ``candidate`` as :class:`patch_sdpa` runs it) and every k-th call of each layer is checked against float64
+    attention at ``rows`` query rows (max_abs, mean_abs, rel_rms per layer; TensorBoard ``log_dir``, ``csv``).
     """
 
     _what = "shadow"
 
-    def __init__(self, reference, candidate, use="reference", kernel="flash", golden=False, model=None, **tiling):
+    def __new__(cls, reference=None, candidate=None, use="reference", kernel="flash", golden=False, model=None,
+                sample_every=None, rows=None, log_dir=None, csv=None, **tiling):
+        if sample_every is None and (rows, log_dir, csv) != (None, None, None):
+            raise ValueError("rows, log_dir and csv are monitoring options: pass sample_every= too")
+        if sample_every is None:
+            return super().__new__(cls)
+        if reference is not None or use != "reference" or golden is not False:
+            raise ValueError(f"monitoring (sample_every) checks against float64 attention and takes a candidate only, "
+                             f"got reference={reference!r}, use={use!r}, golden={golden!r}")
+        if candidate is None and (kernel != "flash" or tiling):
+            raise ValueError("kernel and tiling choose how the candidate runs: pass candidate= (a policy) too")
+        inner = None if candidate is None else patch_sdpa(candidate, kernel, **tiling)
+        return Monitor(sample_every, 16 if rows is None else rows, log_dir, csv, model, inner,
+                       "sdpa" if inner is None else f"{inner.policy.name} {inner.kernel}")
+
+    def __init__(self, reference, candidate, use="reference", kernel="flash", golden=False, model=None,
+                 sample_every=None, rows=None, log_dir=None, csv=None, **tiling):
         super().__init__(False)
         if use not in ("reference", "candidate"):
             raise ValueError(f"use must be 'reference' or 'candidate', got {use!r}")
         boolean(golden, "golden")
-        if model is not None and not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         kernels = (kernel, kernel) if isinstance(kernel, str) else tuple(kernel) if isinstance(kernel, tuple) else ()
         if len(kernels) != 2:
             raise ValueError(f"kernel must be 'flash', 'baseline' or a (reference, candidate) pair, got {kernel!r}")
@@ -530,23 +515,7 @@ class shadow(_SdpaRoute):  # noqa: N801 (a context manager)
                        if golden else None)
         self.use = use
         self.records = []
-        self._tracker = _ModuleTracker(model)
-
-    def __enter__(self):
-        super().__enter__()
-        try:
-            self._tracker.__enter__()
-        except BaseException:
-            super().__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            self._tracker.__exit__(*exc)
-        finally:
-            super().__exit__(*exc)
-        return False
+        self._layer_names = LayerNames(model)
 
     def _attend(self, q, k, v, causal, scale):
         used, other = ((self._reference, self._candidate) if self.use == "reference"
@@ -556,12 +525,11 @@ class shadow(_SdpaRoute):  # noqa: N801 (a context manager)
         q64, k64, v64 = (_kernel_input(t, slot, _shape4(t.shape)) for t, slot in zip((q, k, v), "qkv"))
         outs = {self.use: sink[0], ("candidate" if self.use == "reference" else "reference"):
                 other.forward(q64, k64, v64, causal, scale)[0].reshape(q.shape)}
-        module, module_type = self._tracker.current()
+        module, module_type = self._layer_names(sys._getframe())
         rec = {"call": len(self.records), "module": module, "module_type": module_type, "q_shape": tuple(q.shape),
                "k_shape": tuple(k.shape), "v_shape": tuple(v.shape), "dtype": str(q.dtype).replace("torch.", ""),
                "is_causal": causal, "reference": self._reference.policy.name,
-               "candidate": self._candidate.policy.name,
-               "use": self.use}
+               "candidate": self._candidate.policy.name, "use": self.use}
         rec.update(compare(outs["candidate"], outs["reference"]).as_dict())
         if self._golden is not None:
             gold = self._golden.forward(q64, k64, v64, causal, scale)[0].reshape(q.shape)

@@ -11,7 +11,7 @@ grouped-query when Hkv < H); both return (dq, dk, dv) shaped like (q, k, v):
 
 What the two share is steps 1 and 3 to 8; they differ in how P is recomputed (step 2: flash from the
 saved LSE, baseline exactly as its forward) and how D_i is formed (step 5: flash from dO and O,
-baseline from R_dsoft(P) and dP as autograd's softmax backward), and baseline uses one block of all queries
+baseline from R_dsoft_p(P) and dP as autograd's softmax backward), and baseline uses one block of all queries
 and one block of all keys. `out` and `lse` are rounded on entry but only flash uses them.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ DSOFT_SUB, DSOFT_MUL, DS = 9, 10, 11
 GRAD_ACC_DV, GRAD_ACC_DK, GRAD_ACC_DQ = 12, 13, 14
 DKV_ACC_DV, DKV_ACC_DK, DQ_ACC = 15, 16, 17
 GRAD_DQ, GRAD_DK, GRAD_DV = 18, 19, 20
-DSOFT_P = 21
+DSOFT_P, DSOFT_SCALE = 21, 22
 
 
 def _check_saved(q, out, lse, dout):
@@ -65,6 +65,7 @@ def _backward(q, k, v, out, lse, dout, policy, block_q, block_kv, exp, causal, s
     E = ref._exp2 if exp == "exp2" else ref._exp
     c_fwd = ref.round_constant(scale * ref.LOG2E if exp == "exp2" else scale, pol.score)
     c3 = ref.round_constant(ref.LOG2E, pol.stats)
+    c = ref.round_constant(scale, pol.score)  # the softmax scale of the gradients (steps 6 and 8)
     group = H // Hkv
     visible = [[ref._visible(i, j, Nq, Nk, causal) for j in range(Nk)] for i in range(Nq)]
 
@@ -87,9 +88,9 @@ def _backward(q, k, v, out, lse, dout, policy, block_q, block_kv, exp, causal, s
                     LSE = rnd.r(pol.stats, float(lse[b, h, i]), BWD + LSE_IN, bh, i, 0, 0)
                     L = LSE if exp == "exp" else rnd.r(pol.stats, LSE * c3, BWD + LSE_LOG2, bh, i, 0, 0)
                     P = _flash_row_p(Qi, Kh, keys, c_fwd, L, E, pol, rnd, bh, i)
-                # 3. P' = R_bwd_p(P) for the dV product, Ps = R_dsoft(P) for the softmax backward
+                # 3. P' = R_bwd_p(P) for the dV product, Ps = R_dsoft_p(P) for the softmax backward
                 Pr = {j: rnd.r(pol.bwd_p, P[j], BWD + BWD_P, bh, i, j, 0) for j in keys}
-                Ps = {j: rnd.r(pol.dsoft, P[j], BWD + DSOFT_P, bh, i, j, 0) for j in keys}
+                Ps = {j: rnd.r(pol.dsoft_p, P[j], BWD + DSOFT_P, bh, i, j, 0) for j in keys}
                 # 4. dP_ij = dO_i . V_j in dp_acc, stored in dp
                 dP = {}
                 for j in keys:
@@ -106,14 +107,16 @@ def _backward(q, k, v, out, lse, dout, policy, block_q, block_kv, exp, causal, s
                     for d in range(D):
                         acc = rnd.r(pol.delta_acc, acc + dOi[d] * Oi[d], BWD + DELTA_ACC, bh, i, d, 0)
                 Di = rnd.r(pol.dsoft, acc, BWD + DELTA, bh, i, 0, 0)
-                # 6. dS = R_ds(R_dsoft(Ps * R_dsoft(dP - D)))
+                # 6. dS = R_ds(R_dsoft(Ps * R_dsoft(dP - D))); bwd_scale "ds": R_dsoft(c * that) before R_ds
                 for j in keys:
                     t = rnd.r(pol.dsoft, dP[j] - Di, BWD + DSOFT_SUB, bh, i, j, 0)
                     u = rnd.r(pol.dsoft, Ps[j] * t, BWD + DSOFT_MUL, bh, i, j, 0)
+                    if pol.bwd_scale == "ds":
+                        u = rnd.r(pol.dsoft, c * u, BWD + DSOFT_SCALE, bh, i, j, 0)
                     dS[b][h][i][j] = rnd.r(pol.ds, u, BWD + DS, bh, i, j, 0)
                 Pp[b][h][i] = Pr
 
-    c = ref.round_constant(scale, pol.score)
+    c_sums = 1.0 if pol.bwd_scale == "ds" else c  # 8. the scale of the dQ, dK sums (none when dS carries it)
     n_qb, n_kb = -(-Nq // block_q), -(-Nk // block_kv)
     q_blocks = [range(qb * block_q, min((qb + 1) * block_q, Nq)) for qb in range(n_qb)]
     kv_blocks = [range(jb * block_kv, min((jb + 1) * block_kv, Nk)) for jb in range(n_kb)]
@@ -139,7 +142,7 @@ def _backward(q, k, v, out, lse, dout, policy, block_q, block_kv, exp, causal, s
                         for j in keys:
                             part = rnd.r(pol.grad_acc, part + row[j] * Kh[j][d], BWD + GRAD_ACC_DQ, bh, i, j, d)
                         dQacc = rnd.r(pol.dq_acc, dQacc + part, BWD + DQ_ACC, bh, i, jb, d)
-                    dq[b, h, i, d] = rnd.r(pol.grad, c * dQacc, BWD + GRAD_DQ, bh, i, d, 0)
+                    dq[b, h, i, d] = rnd.r(pol.grad, c_sums * dQacc, BWD + GRAD_DQ, bh, i, d, 0)
 
     # 7-8. dV[j, d], dK[j, d] of K/V head g: the group's query heads ascending, query blocks ascending,
     # each block's sum in grad_acc, added into dVacc / dKacc (dkv_acc).
@@ -165,7 +168,7 @@ def _backward(q, k, v, out, lse, dout, policy, block_q, block_kv, exp, causal, s
                                                BWD + GRAD_ACC_DK, bh, i, j, d)
                             dVacc = rnd.r(pol.dkv_acc, dVacc + part_v, BWD + DKV_ACC_DV, bh, qb, j, d)
                             dKacc = rnd.r(pol.dkv_acc, dKacc + part_k, BWD + DKV_ACC_DK, bh, qb, j, d)
-                    dk[b, g, j, d] = rnd.r(pol.grad, c * dKacc, BWD + GRAD_DK, bg, j, d, 0)
+                    dk[b, g, j, d] = rnd.r(pol.grad, c_sums * dKacc, BWD + GRAD_DK, bg, j, d, 0)
                     dv[b, g, j, d] = rnd.r(pol.grad, dVacc, BWD + GRAD_DV, bg, j, d, 0)
     return dq, dk, dv
 

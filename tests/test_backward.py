@@ -106,10 +106,12 @@ def parity_policies():
     """(policy, fixed case fields): every preset at bf16, fp16, fp32; one backward stage lowered to bf16
     from golden and from fa2(fp16); one raised to fp64 from naive(bf16) and paper(bf16); stochastic
     rounding in one stage at a time (every backward stage and every forward stage the backward
-    recomputes, so each counter is checked); rtz and stochastic on whole presets."""
+    recomputes, so each counter is checked, and the scale on dS: event 22); rtz and stochastic on whole presets."""
     pols = [(Policy.golden(), {})]
-    pols += [(Policy.preset(p, f), {}) for p in ("paper", "naive", "fa2", "fa1", "torch_math")
+    pols += [(Policy.preset(p, f), {}) for p in ("paper", "naive", "fa2", "fa1", "efficient", "cudnn", "torch_math")
              for f in ("bf16", "fp16", "fp32")]
+    pols += [(Policy.golden().replace(dsoft="bf16", bwd_scale="ds", rounding="stochastic", seed=2**62 + 5), {}),
+             (Policy.fa2("fp16").replace(bwd_scale="ds"), {})]
     pols += [(base.replace(**{s: "bf16"}), {}) for base in (Policy.golden(), Policy.fa2("fp16"))
              for s in BACKWARD_STAGES]
     pols += [(base.replace(**{s: "fp64"}), {}) for base in (Policy.naive("bf16"), Policy.paper("bf16"))
@@ -121,6 +123,7 @@ def parity_policies():
         if s == "stats":
             pols.append((pol, {"forward": "golden", "exp": "exp2"}))  # event 3: R_stats(LSE * c3)
     for i, base in enumerate((Policy.fa2("bf16"), Policy.paper("fp16"), Policy.naive("bf16"), Policy.fa1("fp16"),
+                              Policy.efficient("bf16"),
                               Policy.golden().replace(dp_acc="bf16", grad_acc="fp16", dq_acc="bf16"))):
         pols.append((base.replace(rounding="rtz"), {}))
         pols.append((base.replace(rounding="stochastic", seed=1000003 * (i + 1) + 2**40), {}))
@@ -146,7 +149,8 @@ def medium_cases():
     for pol, n, magnitude in ((Policy.golden(), 40, 1.0), (Policy.fa2("bf16"), 36, 1.0),
                               (Policy.naive("fp16"), 34, 1.0), (Policy.paper("bf16"), 33, 1.0), (Policy.fa1("fp16"), 35, 1.0),
                               (Policy.fa2("bf16").replace(rounding="stochastic", seed=3), 19, 1.0),
-                              (Policy.fa2("bf16"), 33, 1e-20), (Policy.fa2("fp32"), 33, 1e-20)):
+                              (Policy.fa2("bf16"), 33, 1e-20), (Policy.fa2("fp32"), 33, 1e-20),
+                              (Policy.efficient("fp16"), 34, 1.0)):
         Nq, Nk = n + int(rng.integers(0, 5)), n + int(rng.integers(0, 5))
         cases.append(Case(pol, B=1, H=2, Hkv=1, Nq=Nq, Nk=Nk, D=int(rng.integers(17, 21)),
                           block_q=int(rng.integers(5, Nq + 1)), block_kv=int(rng.integers(5, Nk + 1)), exp=pol.exp,
@@ -299,7 +303,7 @@ def test_baseline_backward_parity(case):
         assert_same_bits(got, want, f"baseline {what}", case)
 
 
-SWEEP_POLICIES = [Policy.fa2("bf16").replace(dq_acc="bf16", dkv_acc="fp16"),
+SWEEP_POLICIES = [Policy.fa2("bf16").replace(dq_acc="bf16", dkv_acc="fp16"), Policy.efficient("fp16"),
                   Policy.paper("fp16").replace(rounding="stochastic", seed=99)]
 
 

@@ -90,8 +90,8 @@ def test_binding_errors(case):
     fc, bc = pol._c, pol._c_backward
     core = fadev._core
     args = (q, k, v, out, lse, dout)
-    with pytest.raises(TypeError, match="policy_backward must be a tuple of 10 format tuples"):
-        core.baseline_attention_backward(*args, fc, bc[:9], 0.25, False)
+    with pytest.raises(TypeError, match="policy_backward must be a tuple of 11 format tuples and a flag"):
+        core.baseline_attention_backward(*args, fc, bc[:11], 0.25, False)
     with pytest.raises(ValueError, match="fmt: invalid format parameters"):
         core.baseline_attention_backward(*args, fc, ((0, -1, 1, 1, 1, 0, 0.0),) + bc[1:], 0.25, False)
     with pytest.raises(TypeError, match="policy must be a tuple of 13 format tuples"):
@@ -124,7 +124,7 @@ class CPolicy(ctypes.Structure):
 
 
 class CPolicyBackward(ctypes.Structure):
-    _fields_ = [(f"f{i}", Format) for i in range(10)]
+    _fields_ = [(f"f{i}", Format) for i in range(11)] + [("ds_scaled", ctypes.c_int32)]
 
 
 class Params(ctypes.Structure):
@@ -141,11 +141,11 @@ def c_status(fn_name, policy=None, backward_precision=None, **changes):
     fn.restype = ctypes.c_int
     policy = policy or Policy.golden()
     pol = CPolicy(*[Format(*f) for f in policy._c[:13]], *policy._c[13:])
-    pb = CPolicyBackward(*[Format(*f) for f in policy._c_backward])
+    pb = CPolicyBackward(*[Format(*f) for f in policy._c_backward[:11]], policy._c_backward[11])
     if "rounding" in changes:
         pol.rounding = changes.pop("rounding")
     if backward_precision is not None:
-        pb.f4.precision = backward_precision
+        pb.f5.precision = backward_precision
     pr = Params(1, 2, 1, 4, 5, 8, 0.5, 0, 2, 2, 0, 0, 0)
     names = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv")
     buffers = {n: np.zeros(64) for n in names}

@@ -25,7 +25,7 @@ def gpu(test):
     return needs_gpu(pytest.mark.gpu(test))
 
 
-PRESETS = ("paper", "naive", "fa2", "fa1", "torch_math")
+PRESETS = ("paper", "naive", "fa2", "fa1", "efficient", "cudnn", "torch_math")
 FORMATS = ("bf16", "fp16", "fp8_e4m3")
 GRADS = ("dq", "dk", "dv")
 
@@ -35,17 +35,17 @@ def differing(a, b):
     return helpers.count_differing(a, b, nan="any")
 
 
-def run_both(kind, q, k, v, dout, policy, causal=False, **tiles):
+def run_both(kind, q, k, v, dout, policy, causal=False, scale=None, **tiles):
     """(cpu, gpu) gradient triples of one backward call; out and lse from the CPU forward of the same policy."""
     pol = fadev.policy.as_policy(policy)
     if kind == "flash":
-        out, lse = fadev.flash_attention(q, k, v, pol, causal=causal, return_lse=True, **tiles)
+        out, lse = fadev.flash_attention(q, k, v, pol, causal=causal, scale=scale, return_lse=True, **tiles)
         fn = fadev.flash_attention_backward
     else:
-        out, lse = fadev.baseline_attention(q, k, v, pol, causal=causal, return_lse=True)
+        out, lse = fadev.baseline_attention(q, k, v, pol, causal=causal, scale=scale, return_lse=True)
         fn = fadev.baseline_attention_backward
-    cpu = fn(q, k, v, out, lse, dout, pol, causal=causal, **tiles)
-    gpu = fn(q, k, v, out, lse, dout, pol, causal=causal, device="cuda", **tiles)
+    cpu = fn(q, k, v, out, lse, dout, pol, causal=causal, scale=scale, **tiles)
+    gpu = fn(q, k, v, out, lse, dout, pol, causal=causal, scale=scale, device="cuda", **tiles)
     return cpu, gpu
 
 
@@ -92,8 +92,22 @@ def test_one_backward_stage_lowered_matches_cpu_bits(stage, fmt):
 
 
 @gpu
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_scale_on_ds_matches_cpu_bits(scale):
+    """bwd_scale "ds" (the efficient preset's): the scale multiplies each dS (event 22, rounded to dsoft) and not
+    the sums; with a narrow dsoft every one of those roundings counts, stochastic included."""
+    q, k, v, dout = make_inputs(6, 1, 2, 1, 70, 90, 24, spread=2.0)
+    for pol in (Policy.efficient("fp16"), Policy.fa2("fp32").replace(dsoft="bf16", bwd_scale="ds"),
+                Policy.golden().replace(dsoft="bf16", bwd_scale="ds", rounding="stochastic", seed=11)):
+        for kind, tiles in (("flash", {"block_q": 32, "block_kv": 48}), ("baseline", {})):
+            cpu, gpu = run_both(kind, q, k, v, dout, pol, causal=True, scale=scale, **tiles)
+            for name, g, c in zip(GRADS, gpu, cpu):
+                helpers.assert_same_bits(g, c, name, f"{kind} {pol} scale={scale}", nan="any", names=("GPU", "CPU"))
+
+
+@gpu
 @pytest.mark.parametrize("rounding", ["rtz", "stochastic"])
-@pytest.mark.parametrize("preset", ["paper", "fa2", "naive"])
+@pytest.mark.parametrize("preset", ["paper", "fa2", "naive", "efficient"])
 def test_rounding_modes_match_cpu_bits(rounding, preset):
     pol = Policy.preset(preset, "bf16").replace(rounding=rounding, seed=2**63 + 17)
     q, k, v, dout = make_inputs(4, 1, 4, 2, 90, 120, 40, spread=2.0)  # D = 40: two slices of the pair kernel

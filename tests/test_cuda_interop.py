@@ -472,7 +472,7 @@ def test_native_numpy_and_torch_agree():
     assert out.dtype == np.float64 and lse.dtype == np.float64 and same_bits(out, fadev.round(out, "bf16"))
     grads = fadev.native_attention_backward(q, k, v, out, lse, dout, causal=True, dtype="bf16")
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
-    with pytest.raises(ValueError, match=r"is not a native tile for head dim 64; supported"):
+    with pytest.raises(ValueError, match=r"block_q, block_kv: \(3, None\) is not a native forward tile for head dim 64; supported"):
         fadev.native_attention(q, k, v, block_q=3, dtype="bf16")
     with pytest.raises(ValueError, match="the native kernels do not support head dim 48"):
         fadev.native_attention(q[..., :48], k[..., :48], v[..., :48], dtype="bf16")

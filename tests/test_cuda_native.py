@@ -4,11 +4,15 @@ is at most 2x the error of the same-precision naive baseline (softmax(q k^T * sc
 the softmax in fp16/bf16), gradients at most 3x; and at most 2x the error of PyTorch's own flash kernel
 (SDPA, flash backend) where that kernel applies. lse is checked against the golden logsumexp.
 
-Every compiled tile, both dtypes, D 64 and 128, causal (bottom-right aligned) or not, Nq != Nk, ragged
-lengths, grouped-query and multi-query heads, and rows that see no key (causal with Nq > Nk: out 0, lse -inf,
-zero gradient). GPU-only: skipped where fadev has no CUDA device.
+Every compiled tile of each direction (cuda/native.cuh's X-lists, read here so a tile added there is
+tested; the binding must report the same lists), both dtypes, D 64 and 128, causal (bottom-right aligned) or
+not, Nq != Nk, ragged lengths, grouped-query and multi-query heads, and rows that see no key (causal with
+Nq > Nk: out 0, lse -inf, zero gradient); the backward with atomic dq sums and deterministic (no atomics:
+the same bits run to run, and dk, dv the atomic mode's bits). GPU-only: skipped where fadev has no CUDA device.
 """
 import math
+import os
+import re
 import zlib
 
 import pytest
@@ -21,11 +25,27 @@ needs_gpu = pytest.mark.skipif(not (fadev.cuda_available() and torch.cuda.is_ava
                                reason="no CUDA device (fadev.cuda_available() or torch.cuda.is_available() is False)")
 pytestmark = [pytest.mark.gpu, needs_gpu]
 
-TILES = {64: [(64, 64), (128, 64), (128, 128)], 128: [(64, 64), (128, 64)]}  # cuda/native.cuh
+
+
+def compiled_tiles(direction):
+    """{D: [(block_q, block_kv), ...]} of NATIVE_FORWARD_TILES or NATIVE_BACKWARD_TILES in cuda/native.cuh."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "cuda", "native.cuh")) as f:
+        text = f.read()
+    body = re.search(rf"#define NATIVE_{direction.upper()}_TILES\(X\)((?:.*\\\n)*.*)", text).group(1)
+    tiles = {}
+    for d, bq, bkv in re.findall(r"X\((\d+), (\d+), (\d+)\)", body):
+        tiles.setdefault(int(d), []).append((int(bq), int(bkv)))
+    assert tiles, f"no NATIVE_{direction.upper()}_TILES list in cuda/native.cuh"
+    return tiles
+
+
+TILES = compiled_tiles("forward")
+BACKWARD_TILES = compiled_tiles("backward")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # (batch, heads, heads_kv, seq_q, seq_kv)
 SHAPES = [(2, 4, 4, 128, 128), (1, 4, 2, 1000, 257), (1, 4, 1, 257, 1000), (1, 2, 2, 1, 77), (2, 2, 1, 333, 333)]
 CASES = [(d, bq, bkv) for d in TILES for bq, bkv in TILES[d]]
+BACKWARD_CASES = [(d, bq, bkv) for d in BACKWARD_TILES for bq, bkv in BACKWARD_TILES[d]]
 TINY = 1e-6  # absolute floor, used only where the baseline's error is exactly 0
 
 
@@ -137,17 +157,19 @@ def test_native_forward_flash_rule(case, shape, dtype_name, causal):
         assert err <= bound, f"lse |error| {err:.3e} > {bound:.3e} (fp32 baseline {base:.3e}) [{info}]"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"D{c[0]}-{c[1]}x{c[2]}")
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=lambda c: f"D{c[0]}-{c[1]}x{c[2]}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_native_backward_flash_rule(case, shape, dtype_name, causal):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_native_backward_flash_rule(case, shape, dtype_name, causal, deterministic):
     d, bq, bkv = case
     dtype, scale = DTYPES[dtype_name], 1.0 / math.sqrt(d)
     q, k, v, dout = _inputs(shape, d, dtype, case, causal, "bwd")
-    info = _params(case, shape, dtype_name, causal)
-    out, lse = fadev.native_attention(q, k, v, causal=causal, block_q=bq, block_kv=bkv, return_lse=True)
-    grads = fadev.native_attention_backward(q, k, v, out, lse, dout, causal=causal, block_q=bq, block_kv=bkv)
+    info = _params(case, shape, dtype_name, causal) + f" deterministic={deterministic}"
+    out, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)  # the forward's default tile
+    grads = fadev.native_attention_backward(q, k, v, out, lse, dout, causal=causal, block_q=bq, block_kv=bkv,
+                                            deterministic=deterministic)
     _, gold_lse, gold = _golden(q, k, v, dout, causal, scale)
     _, naive = _naive(q, k, v, dout, causal, scale)
     for name, g, ref, base, t in zip(("dq", "dk", "dv"), grads, gold, naive, (q, k, v)):
@@ -155,6 +177,32 @@ def test_native_backward_flash_rule(case, shape, dtype_name, causal):
         _assert_within(f"{name} [{info}]", _errors(g, ref), _errors(base, ref), 3, "naive")
     empty = torch.isinf(gold_lse)
     assert not grads[0][empty].any(), f"dq of rows that see no key is not 0 [{info}]"
+
+
+def _bits(t):
+    return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=lambda c: f"D{c[0]}-{c[1]}x{c[2]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_native_backward_deterministic_bits(case, causal):
+    """deterministic=True: two runs give the same bits (many key tiles add into each dq row, which the atomic
+    mode sums in arrival order); dk and dv are the atomic mode's bits (the same dK/dV kernel, only dq differs);
+    dq agrees with the atomic mode's to a few bf16 ulps (the fp32 sums in another order)."""
+    d, bq, bkv = case
+    shape = (2, 8, 2, 1100, 1500)
+    q, k, v, dout = _inputs(shape, d, torch.bfloat16, case, causal, "det")
+    out, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)
+    kw = dict(causal=causal, block_q=bq, block_kv=bkv)
+    first = fadev.native_attention_backward(q, k, v, out, lse, dout, deterministic=True, **kw)
+    second = fadev.native_attention_backward(q, k, v, out, lse, dout, deterministic=True, **kw)
+    atomic = fadev.native_attention_backward(q, k, v, out, lse, dout, **kw)
+    for name, a, b in zip(("dq", "dk", "dv"), first, second):
+        assert torch.equal(_bits(a), _bits(b)), f"{name}: deterministic runs differ [{case} causal={causal}]"
+    for name, a, b in zip(("dk", "dv"), first[1:], atomic[1:]):
+        assert torch.equal(_bits(a), _bits(b)), f"{name}: deterministic differs from atomic [{case} causal={causal}]"
+    rel = ((first[0].double() - atomic[0].double()).abs().max() / atomic[0].double().abs().max()).item()
+    assert rel <= 2.0**-6, f"dq: deterministic vs atomic max relative difference {rel:.2e} [{case} causal={causal}]"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"D{c[0]}-{c[1]}x{c[2]}")
@@ -189,11 +237,18 @@ def test_native_forward_vs_torch_flash(case, dtype_name, causal, shape):
 
 
 def test_native_tiles_reported():
-    """The binding reports the compiled tiles (the table this file parametrizes over)."""
-    if not hasattr(fadev, "native_tiles"):
-        pytest.skip("the binding does not expose fadev.native_tiles")
+    """The binding reports the compiled tiles of each direction (the lists this file parametrizes over), and the
+    backward's tiles are its own: a forward-only tile is refused by the backward, naming the arguments."""
     for d, tiles in TILES.items():
         assert [tuple(t) for t in fadev.native_tiles(d)] == tiles
+        assert [tuple(t) for t in fadev.native_tiles(d, backward=True)] == BACKWARD_TILES[d]
+    q, k, v, dout = _inputs((1, 2, 2, 64, 64), 128, torch.bfloat16, "tiles")
+    out, lse = fadev.native_attention(q, k, v, block_q=128, block_kv=64, return_lse=True)
+    assert (128, 64) not in BACKWARD_TILES[128]
+    with pytest.raises(ValueError, match=r"block_q, block_kv: \(128, 64\) is not a native backward tile for head dim 128"):
+        fadev.native_attention_backward(q, k, v, out, lse, dout, block_q=128, block_kv=64)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        fadev.native_attention_backward(q, k, v, out, lse, dout, deterministic=1)
 
 
 def test_native_defaults_and_scale():
@@ -208,7 +263,7 @@ def test_native_defaults_and_scale():
 
 
 @pytest.mark.parametrize("kwargs, shapes", [
-    ({"block_q": 32, "block_kv": 32}, ((1, 2, 64, 64), (1, 2, 64, 64))),     # not a compiled tile
+    ({"block_q": 256, "block_kv": 64}, ((1, 2, 64, 64), (1, 2, 64, 64))),    # not a compiled tile
     ({"block_q": 64, "block_kv": 128}, ((1, 2, 64, 128), (1, 2, 64, 128))),  # not compiled for D 128
     ({}, ((1, 2, 64, 96), (1, 2, 64, 96))),                                  # head dim 96
     ({}, ((1, 3, 64, 64), (1, 2, 64, 64))),                                  # heads % heads_kv != 0

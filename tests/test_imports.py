@@ -4,7 +4,7 @@ never imports a higher one; the library layers import fadev modules at module le
 import dodging a cycle); ``import fadev`` does not import torch, and ``fadev.torch`` is a lazy submodule.
 
 Layers, lowest first: _core -> formats -> policy -> _args -> cuda -> {attention, backward, ring, ring_steps,
-native, metrics} -> fadev (the package namespace, __init__) -> {torch, torch_native, hf, weights, sweep,
+native, metrics} -> fadev (the package namespace, __init__) -> {torch, torch_native, monitor, hf, weights, sweep,
 experiments, training, report, plots, ...} -> __main__. A top-level module not named here belongs to the
 applications layer.
 """
@@ -23,7 +23,7 @@ LAYERS = [("_core",), ("formats",), ("policy",), ("_args",), ("cuda",),
           ("attention", "backward", "ring", "ring_steps", "native", "metrics"), ("",)]
 APPLICATIONS, MAIN = len(LAYERS), len(LAYERS) + 1
 LIBRARY = ({name for layer in LAYERS for name in layer if name}
-           | {"torch", "torch_native", "hf", "weights"})  # module-level imports only
+           | {"torch", "torch_native", "monitor", "hf", "weights"})  # module-level imports only
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -12,21 +12,44 @@ from fadev.experiments import kernels_backward as kb
 LOG2E = np.float32(np.log2(np.e))
 
 
-def fa2_model(q, k, v, out, lse, dout, scale, causal, p_in_ds="fp32"):
+def fa2_model(q, k, v, out, lse, dout, scale, causal, p_in_ds="fp32", efficient=False):
     """FlashAttention-2's backward in NumPy float32 (flash_bwd_kernel.h): P recomputed in fp32 from the
     LSE with exp2, dP and D = rowsum(dO * O) in fp32, dS = P (dP - D) from the fp32 P (``p_in_ds="bf16"``:
     from P rounded to bf16, the old preset's arithmetic), P and dS rounded to bf16 for their products,
-    the scale applied to the fp32 sums, gradients rounded to bf16. One head; sums in float32 matmuls."""
+    the scale applied to the fp32 sums, gradients rounded to bf16. One head; sums in float32 matmuls.
+    ``efficient``: xformers' memory-efficient backward instead (mem_eff_attention/kernel_backward.h): P =
+    exp(scale S - LSE) stored in bf16 and read back for dV and for dS alike, the scale multiplying dS in fp32
+    before its rounding to bf16, no scale on the sums."""
     bf = lambda x: fadev.round(np.asarray(x, np.float64), "bf16").astype(np.float32)  # noqa: E731
     Q, K, V, dO, O = (np.asarray(x[0, 0], np.float32) for x in (q, k, v, dout, out))
     S = Q @ K.T
-    P = np.exp2(S * np.float32(scale * np.log2(np.e)) - np.float32(lse[0, 0])[:, None] * LOG2E)
+    if efficient:
+        P = np.exp(S * np.float32(scale) - np.float32(lse[0, 0])[:, None])
+    else:
+        P = np.exp2(S * np.float32(scale * np.log2(np.e)) - np.float32(lse[0, 0])[:, None] * LOG2E)
     if causal:
         P = np.where(np.tril(np.ones(P.shape, bool)), P, np.float32(0))
     dP = dO @ V.T
-    Pd = bf(P) if p_in_ds == "bf16" else P
-    dS = bf(Pd * (dP - (dO * O).sum(1, dtype=np.float32)[:, None]))
+    Pd = bf(P) if p_in_ds == "bf16" or efficient else P
+    u = Pd * (dP - (dO * O).sum(1, dtype=np.float32)[:, None])
+    if efficient:
+        dS = bf(u * np.float32(scale))
+        return bf(dS @ K), bf(dS.T @ Q), bf(bf(P).T @ dO)
+    dS = bf(u)
     return bf((dS @ K) * np.float32(scale)), bf((dS.T @ Q) * np.float32(scale)), bf(bf(P).T @ dO)
+
+
+def preset_vs_golden(pol, D, seeds, causal, N=256):
+    """(inputs, out, lse, the preset's mean |err| of dq, dk, dv vs golden, err): bf16 inputs from seeds."""
+    q, k, v = common.inputs(N, N, D, seeds[0], "bf16")
+    dout = fadev.round(np.random.default_rng(seeds[1]).standard_normal((1, 1, N, D)), "bf16")
+    g = Policy.golden()
+    o64, l64 = fadev.flash_attention(q, k, v, g, causal=causal, return_lse=True)
+    ref = fadev.flash_attention_backward(q, k, v, o64, l64, dout, g, causal=causal)
+    out, lse = fadev.flash_attention(q, k, v, pol, causal=causal, return_lse=True)
+    emulated = fadev.flash_attention_backward(q, k, v, out, lse, dout, pol, causal=causal)
+    err = lambda grads: np.array([np.abs(t - r[0, 0]).mean() for t, r in zip(grads, ref)])  # noqa: E731
+    return (q, k, v, dout), out, lse, emulated, err
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -34,22 +57,31 @@ def test_fa2_backward_matches_a_model_of_flash_attention_2(causal):
     """fa2(bf16)'s dq, dk, dv errors vs golden are those of the NumPy model of FA2's backward (within 3%);
     the model that forms dS from the bf16 P (the preset's arithmetic before the fix) is >= 15% worse on dq
     and dk, so the test tells the two apart."""
-    N, D = 256, 64
-    q, k, v = common.inputs(N, N, D, 3, "bf16")
-    dout = fadev.round(np.random.default_rng(5).standard_normal((1, 1, N, D)), "bf16")
-    g = Policy.golden()
-    o64, l64 = fadev.flash_attention(q, k, v, g, causal=causal, return_lse=True)
-    ref = fadev.flash_attention_backward(q, k, v, o64, l64, dout, g, causal=causal)
-    pol = Policy.fa2("bf16")
-    out, lse = fadev.flash_attention(q, k, v, pol, causal=causal, return_lse=True)
-    emulated = fadev.flash_attention_backward(q, k, v, out, lse, dout, pol, causal=causal)
-    err = lambda grads: np.array([np.abs(t - r[0, 0]).mean() for t, r in zip(grads, ref)])  # noqa: E731
+    D = 64
+    (q, k, v, dout), out, lse, emulated, err = preset_vs_golden(Policy.fa2("bf16"), D, (3, 5), causal)
     preset = err([x[0, 0] for x in emulated])
     model = err(fa2_model(q, k, v, out, lse, dout, D ** -0.5, causal))
     lossy = err(fa2_model(q, k, v, out, lse, dout, D ** -0.5, causal, p_in_ds="bf16"))
     context = f"causal={causal}: preset {preset}, model {model}, bf16-P model {lossy}"
     assert np.all(np.abs(preset / model - 1) < 0.03), context
     assert np.all(lossy[:2] / model[:2] > 1.15), context
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_efficient_backward_matches_a_model_of_the_memory_efficient_kernel(causal):
+    """efficient(bf16)'s dq, dk, dv errors vs golden are those of the NumPy model of xformers' backward (within
+    3%), and its dq, dk errors are >= 15% above fa2's model: the preset tells the two kernels apart. D = 48:
+    scale = 48^-1/2 is no power of two, so the scale's place (on dS, not the sums) changes bits too."""
+    D, pol = 48, Policy.efficient("bf16")
+    (q, k, v, dout), out, lse, emulated, err = preset_vs_golden(pol, D, (4, 6), causal)
+    on_sums = fadev.flash_attention_backward(q, k, v, out, lse, dout, pol.replace(bwd_scale="sums"), causal=causal)
+    assert not np.array_equal(emulated[0], on_sums[0]) and np.array_equal(emulated[2], on_sums[2])
+    preset = err([x[0, 0] for x in emulated])
+    model = err(fa2_model(q, k, v, out, lse, dout, D ** -0.5, causal, efficient=True))
+    flash = err(fa2_model(q, k, v, out, lse, dout, D ** -0.5, causal))
+    context = f"causal={causal}: preset {preset}, model {model}, fa2 model {flash}"
+    assert np.all(np.abs(preset / model - 1) < 0.03), context
+    assert np.all(model[:2] / flash[:2] > 1.15), context
 
 
 def test_bwd_p_feeds_only_dv_and_dsoft_the_softmax_backward():
@@ -61,6 +93,8 @@ def test_bwd_p_feeds_only_dv_and_dsoft_the_softmax_backward():
     base, wide_p, narrow_soft = grads(pol), grads(pol.replace(bwd_p="fp32")), grads(pol.replace(dsoft="bf16"))
     assert [np.array_equal(a, b) for a, b in zip(base, wide_p)] == [True, True, False]
     assert [np.array_equal(a, b) for a, b in zip(base, narrow_soft)] == [False, False, True]
+    narrow_p = grads(pol.replace(dsoft_p="bf16"))  # dS from the bf16 P: the memory-efficient kernel's
+    assert [np.array_equal(a, b) for a, b in zip(base, narrow_p)] == [False, False, True]
 
 
 def test_presets_backward_stages():
@@ -69,6 +103,11 @@ def test_presets_backward_stages():
         assert Policy.fa1(fmt).dsoft.name == fmt  # FA1's softmax backward: hmul on F
         assert Policy.naive(fmt).dsoft.name == "fp32" and Policy.naive(fmt).ds.name == fmt
         assert Policy.torch_math(fmt).stages(backward=True)["ds"] == "fp32"
+        eff = Policy.efficient(fmt)  # the P in shared memory (F) for dV and dS alike; the scale on dS
+        assert (eff.bwd_p.name, eff.dsoft_p.name, eff.dsoft.name, eff.ds.name, eff.bwd_scale) == \
+            (fmt, fmt, "fp32", fmt, "ds")
+        assert all(Policy.preset(p, fmt).bwd_scale == "sums" for p in ("paper", "naive", "fa2", "fa1", "torch_math"))
+        assert Policy.cudnn(fmt).replace(bwd_scale="sums", block_q=128, name="x") == Policy.fa2(fmt)
 
 
 def synthetic(dq_ratio, causal=(False, True), Ns=(512, 2048)):
@@ -142,16 +181,26 @@ def test_run_on_cpu():
     assert f.holds is False, f.ours
 
 
+def test_run_a_subset_of_implementations():
+    df = kb.run(Ns=(64,), seeds=1, formats=("fp16",), causal=(False,), impls=["emulated efficient", "emulated fa2"])
+    assert sorted(df["impl"]) == ["emulated efficient", "emulated fa2"]
+    with pytest.raises(ValueError, match="impls: unknown or unavailable here.*'torch nonsense'"):
+        kb.run(Ns=(64,), seeds=1, impls=["torch nonsense"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not common.torch_cuda(), reason="PyTorch sees no CUDA device")
 def test_backward_presets_match_the_real_kernels_on_the_gpu():
-    """fa2 vs PyTorch's flash backward and fadev's native one, torch_math vs the math backend, naive on the
+    """fa2 vs PyTorch's flash backward and fadev's native one, efficient vs the memory-efficient backward,
+    torch_math vs the math backend, naive on the
     pre-scaled q, k vs the math backend with reduced precision: every dq, dk, dv mean |err| ratio within
     +-10%."""
     df = kb.run(Ns=(512, 2048), seeds=1, device="cuda")
     found = {f.claim: f for f in kb.findings(df)}
     for fmt in ("fp16", "bf16"):
-        for model, real in (("fa2", "torch flash"), ("fa2", "fadev native"), ("torch_math", "torch math"),
+        for model, real in (("fa2", "torch flash"), ("fa2", "fadev native"), ("efficient", "torch efficient"),
+                            ("cudnn", "torch cudnn"),
+                            ("torch_math", "torch math"),
                             ("naive, split scale", "torch math, reduced")):
             f = found[f"backward {fmt}: emulated {model} vs {real}"]
             assert f.holds, f.markdown()

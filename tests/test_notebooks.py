@@ -34,3 +34,7 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
         assert "256 of 256 patterns decode as ml_dtypes does" in text and "round trip: True" in text
         assert sum("image/png" in o.get("data", {}) for o in outputs) == 2  # both figures rendered
+    if os.path.basename(path) == "05_shadow_monitor.ipynb":  # the monitored training ran and was plotted
+        text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+        assert "SDPA calls seen" in text and "fa2:fp8_e4m3  largest rel_rms" in text
+        assert sum("image/png" in o.get("data", {}) for o in outputs) == 1

@@ -17,6 +17,8 @@ TABLE = {
     "naive": "F A F A A A A F A A F",
     "fa2": "F W W W W W W F W W F",
     "fa1": "F W W W W W W F W W F",
+    "efficient": "F W W W W W W F W W F",
+    "cudnn": "F W W W W W W F W W F",
     "torch_math": "F W W W W W W W W W F",
 }
 TILING = {  # preset: (block_q, block_kv, loop_order, normalize, exp, state)
@@ -24,6 +26,8 @@ TILING = {  # preset: (block_q, block_kv, loop_order, normalize, exp, state)
     "naive": (64, 64, "q_outer", "deferred", "exp", None),
     "fa2": (128, 64, "q_outer", "deferred", "exp2", None),
     "fa1": (128, 128, "kv_outer", "eager", "exp", "F"),
+    "efficient": (64, 64, "q_outer", "deferred", "exp", None),
+    "cudnn": (64, 64, "q_outer", "deferred", "exp2", None),
     "torch_math": (64, 64, "q_outer", "deferred", "exp", None),
 }
 PRESET_FORMATS = ("bf16", "fp16", "fp32", "fp64", "tf32", "fp8_e4m3", "fp8_e5m2")
@@ -50,6 +54,19 @@ def test_preset_stages_match_design_table(preset, fmt):
     assert pol.rounding == "rne" and pol.seed == 0
     assert pol.name == f"{preset}({fmt})"
     assert getattr(Policy, preset)(fmt) == pol
+
+
+def test_backward_defaults_and_bwd_scale():
+    """None backward stages derive from the forward's; dsoft_p from dsoft (so R_dsoft_p(P) then R_dsoft is one
+    rounding); bwd_scale is checked, compared, and named in a replaced policy's name."""
+    pol = Policy(**{s: "bf16" for s in STAGES if s != "state"}, state=None, dsoft="fp16")
+    assert pol.dsoft_p.name == "fp16" and pol.bwd_p.name == "bf16" and pol.bwd_scale == "sums"
+    assert Policy(**{s: "fp32" for s in STAGES if s != "state"}, state=None).dsoft_p.name == "fp32"
+    assert Policy.fa2("bf16").replace(bwd_scale="ds") != Policy.fa2("bf16")
+    assert Policy.fa2("bf16").replace(bwd_scale="ds").name == "fa2(bf16)+bwd_scale=ds"
+    assert Policy.efficient("bf16")._c_backward[-1] == 1 and Policy.fa2("bf16")._c_backward[-1] == 0
+    with pytest.raises(ValueError, match="bwd_scale must be one of"):
+        Policy.fa2("bf16").replace(bwd_scale="dq")
 
 
 def test_golden_is_fp64_everywhere():

@@ -71,7 +71,9 @@ def findings(name, df, device="cpu"):
 def run_one(name, size="quick", out="results", device="cpu", workers=1, progress=False, cluster=None,
             **overrides) -> dict:
     """Run one experiment and write out/NAME.csv and its figures; returns {"experiment", "sizes", "df",
-    "figures", "findings", "seconds", "ran_on"} (a result for :func:`document`; sizes: the parameters used;
+    "figures", "findings", "seconds", "ran_on", "intro"} (a result for :func:`document`; sizes: the parameters
+    used (the run's ``df.attrs["settings"]`` where it sets them); intro: ``df.attrs["intro"]`` or None, the
+    report's prose when the run chose its own;
     ran_on: where it actually ran, the module's ``ran_on(device)`` where it has one, else
     :func:`common.ran_on`)."""
     exp = _experiment(name)
@@ -80,10 +82,10 @@ def run_one(name, size="quick", out="results", device="cpu", workers=1, progress
     df = exp.run(size, out, device=device, workers=workers, progress=progress, cluster=cluster, **overrides)
     df.to_csv(os.path.join(out, f"{name}.csv"), index=False)
     figures = exp.figures(df, out)
-    sizes = {**exp.SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
+    sizes = df.attrs.get("settings") or {**exp.SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
     return {"experiment": exp, "sizes": sizes, "df": df, "figures": figures,
             "findings": exp.findings(df, device=device), "seconds": time.perf_counter() - start,
-            "ran_on": getattr(exp, "ran_on", common.ran_on)(device)}
+            "ran_on": getattr(exp, "ran_on", common.ran_on)(device), "intro": df.attrs.get("intro")}
 
 
 def document(path, results, size="quick", device="cpu", command=None, title=None):

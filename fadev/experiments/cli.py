@@ -17,6 +17,7 @@ import time
 from .. import report
 from ..sweep.cli import add_cluster_options, positive_int, run_options
 from . import EXPERIMENTS, document, reproduce, run_one
+from .rerender import rerender
 
 
 def _int_list(text):
@@ -109,10 +110,35 @@ def cmd_reproduce(args) -> int:
     return 0
 
 
+def _variants(exp):
+    """(option, {value: (sizes, docs)}, help) of an experiment with several workloads, else None."""
+    return getattr(exp, "WORKLOADS", None)
+
+
+def _all_sizes(exp):
+    """{value: sizes} of each workload ({None: SIZES} for an experiment with one)."""
+    variants = _variants(exp)
+    return {v: table[0] for v, table in variants[1].items()} if variants else {None: exp.SIZES}
+
+
 def _cmd_experiment(name, command):
     def cmd(args) -> int:
         exp = EXPERIMENTS[name]
-        overrides = {k: getattr(args, k) for k in exp.SIZES[args.size] if getattr(args, k, None) is not None}
+        variants = _variants(exp)
+        chosen = getattr(args, variants[0]) if variants else None
+        sizes = _all_sizes(exp)[chosen][args.size]
+        overrides = {k: getattr(args, k) for k in sizes if getattr(args, k, None) is not None}
+        foreign = sorted({k for table in _all_sizes(exp).values() for k in table[args.size]} - set(sizes))
+        foreign = [k for k in foreign if getattr(args, k, None) is not None]
+        if foreign:
+            print(f"fadev {command}: --{foreign[0].replace('_', '-')} is not a setting of --{variants[0]} {chosen}",
+                  file=sys.stderr)
+            return 2
+        shown = command
+        if variants:
+            overrides[variants[0]] = chosen
+            if chosen != next(iter(variants[1])):
+                shown = f"{command} --{variants[0]} {chosen}"
         try:
             result = run_one(name, args.size, args.out, args.device, args.workers, args.progress,
                              run_options(args), **overrides)
@@ -120,8 +146,8 @@ def _cmd_experiment(name, command):
             print(f"fadev {command}: {e}", file=sys.stderr)
             return 1
         path = document(os.path.join(args.out, f"{name}.md"), {name: result}, args.size, args.device,
-                        command=f"python -m fadev {command} --{args.size} --out DIR",
-                        title=f"{exp.TITLE} (`python -m fadev {command}`)")
+                        command=f"python -m fadev {shown} --{args.size} --out DIR",
+                        title=f"{exp.TITLE} (`python -m fadev {shown}`)")
         for f in result["findings"]:
             print(f.markdown())
         print(f"\n{len(result['df'])} rows in {os.path.join(args.out, name + '.csv')}; figures: "
@@ -131,8 +157,19 @@ def _cmd_experiment(name, command):
     return cmd
 
 
+def cmd_report(args) -> int:
+    try:
+        path, results = rerender(args.dir, out=args.out, size=args.size)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"fadev report: {e}", file=sys.stderr)
+        return 1
+    found = [f for r in results.values() for f in r["findings"]]
+    print(f"{report.count_line(found)}; report: {path}")
+    return 0
+
+
 def add_subcommands(sub):
-    """Register ``reproduce`` and the experiment subcommands on an argparse subparsers object."""
+    """Register ``reproduce``, ``report`` and the experiment subcommands on an argparse subparsers object."""
     default = [n for n, m in EXPERIMENTS.items() if m.REPRODUCE]
     sp = sub.add_parser(
         "reproduce", help="reproduce Golden et al. (arXiv 2405.02803) and more: experiments, figures, report.md",
@@ -144,6 +181,18 @@ def add_subcommands(sub):
     sp.add_argument("--only", type=_names, default=None, metavar="NAME,...",
                     help="run only these experiments (comma-separated): " + ", ".join(EXPERIMENTS))
     sp.set_defaults(func=cmd_reproduce)
+    rp = sub.add_parser("report", help="render a recorded results folder's report again from its CSVs",
+                        description="Read DIR/NAME.csv of every experiment in DIR, compute the findings and tables "
+                                    "with the current code and write the report in the current format (the recorded "
+                                    "numbers; the recorded header, sizes lines and figures kept). Replaces DIR's "
+                                    "report (report.md or NAME.md) unless --out is given.")
+    rp.add_argument("dir", metavar="DIR", help="a results folder, e.g. docs/results/kernels-quick-h100-2026-11-22")
+    rp.add_argument("--out", default=None, metavar="FILE", help="write the report here instead")
+    group = rp.add_mutually_exclusive_group()
+    for size in ("quick", "full"):
+        group.add_argument(f"--{size}", dest="size", action="store_const", const=size,
+                           help=f"the run used {size} sizes (default: as its report says)")
+    rp.set_defaults(func=cmd_report, size=None)
     for name, exp in EXPERIMENTS.items():
         command = name.replace("_", "-")
         doc = (exp.__doc__ or "").strip().split("\n\n")
@@ -151,6 +200,18 @@ def add_subcommands(sub):
                             description=" ".join(" ".join(doc[:2]).split()) + " Writes DIR/" + name + ".jsonl, "
                             f"DIR/{name}.csv, the figures and DIR/{name}.md.")
         _common(ep, exp.SIZES)
-        for key, quick in exp.SIZES["quick"].items():
-            _size_option(ep, key, quick, exp.SIZES["full"][key], exp.SIZE_DOCS.get(key, key))
+        variants = _variants(exp)
+        if variants:
+            ep.add_argument(f"--{variants[0]}", choices=tuple(variants[1]), default=next(iter(variants[1])),
+                            help=variants[2])
+        tables = variants[1] if variants else {None: (exp.SIZES, exp.SIZE_DOCS)}
+        seen = set()
+        for value, (sizes, docs) in tables.items():
+            for key, quick in sizes["quick"].items():
+                if key in seen:
+                    continue
+                seen.add(key)
+                where = [v for v, (t, _) in tables.items() if key in t["quick"]]
+                doc = docs.get(key, key) + (f" (--{variants[0]} {', '.join(where)})" if variants else "")
+                _size_option(ep, key, quick, sizes["full"][key], doc)
         ep.set_defaults(func=_cmd_experiment(name, command))

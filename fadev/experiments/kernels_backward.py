@@ -5,8 +5,8 @@ seed: q, k, v and dO drawn in F; the reference gradients are fp64 autograd (PyTo
 float64 where PyTorch is importable, else fadev's golden backward); every implementation's dq, dk, dv are
 compared with them (RMSE and mean |err|).
 
-Emulated (always, on ``device``): fadev's forward then backward under ``fa2(F)``, ``fa1(F)`` (flash) and
-``naive(F)``, ``torch_math(F)`` (baseline), each backward from its own forward's out and lse.
+Emulated (always, on ``device``): fadev's forward then backward under ``fa2(F)``, ``fa1(F)``, ``efficient(F)``,
+``cudnn(F)`` (flash) and ``naive(F)``, ``torch_math(F)`` (baseline), each backward from its own forward's out and lse.
 
 Real: on a CUDA GPU, PyTorch's SDPA backward through autograd (``torch.nn.attention.sdpa_kernel``) for the
 flash, memory-efficient, cuDNN and math backends (math both ways of
@@ -39,18 +39,18 @@ SIZES = {
     "full": {"formats": ("fp16", "bf16"), "Ns": (512, 2048, 8192, 16384), "D": 64, "seeds": 2,
              "causal": (False, True)},
 }
-EMULATED = (("fa2", "flash"), ("fa1", "flash"), ("naive", "baseline"), ("torch_math", "baseline"),
-            ("naive, split scale", "baseline"))
+EMULATED = (("fa2", "flash"), ("fa1", "flash"), ("efficient", "flash"), ("cudnn", "flash"), ("naive", "baseline"),
+            ("torch_math", "baseline"), ("naive, split scale", "baseline"))
 """Presets and kernels; "naive, split scale" is naive(F) on the math backend's pre-scaled q, k (:func:`_split_scale`)."""
 GPU_BACKENDS = ("flash", "efficient", "cudnn", "math", "math, reduced", "fadev native")
 CPU_BACKENDS = ("math", "math, reduced", "flash")
-MODELS = {"torch flash": "fa2", "torch cudnn": "fa2", "fadev native": "fa2",
+MODELS = {"torch flash": "fa2", "torch efficient": "efficient", "torch cudnn": "cudnn", "fadev native": "fa2",
           "torch math": "torch_math", "torch math, reduced": "naive, split scale", "torch math (cpu)": "torch_math",
           "torch math, reduced (cpu)": "naive, split scale"}
 """Which emulation models which real backward: the forward's pairs (the reduced math backend by naive on the
-pre-scaled q, k), and PyTorch's CPU math backend both ways (the same composite as on the GPU). PyTorch's CPU
-flash backward is another algorithm: shown, not paired. So is the memory-efficient (CUTLASS) backward: its dq
-and dk errors are about 1.24x fa2's (H100, benchmarks/README.md) and no preset models its backward yet."""
+pre-scaled q, k), the memory-efficient (xformers/CUTLASS) backward by ``efficient(F)`` (dS from the P it stored
+in F, the scale on dS), cuDNN's by ``cudnn(F)`` (fa2 with the scale on dS), and PyTorch's CPU math backend both ways (the same composite as on the GPU). PyTorch's
+CPU flash backward is another algorithm: shown, not paired."""
 GRADS = ("dq", "dk", "dv")
 METRICS = ("rmse", "mean_abs")
 TOLERANCE = 0.10
@@ -146,7 +146,7 @@ def _native(torch, arrays, fmt, causal, D):
     q, k, v, dout = (torch.from_numpy(np.array(a)).to("cuda", dtype) for a in arrays)
     bq, bkv = (128, 64) if (128, 64) in native_tiles(D) else native_tiles(D)[0]
     out, lse = native_attention(q, k, v, causal=causal, block_q=bq, block_kv=bkv, return_lse=True)
-    grads = native_attention_backward(q, k, v, out, lse, dout, causal=causal, block_q=bq, block_kv=bkv)
+    grads = native_attention_backward(q, k, v, out, lse, dout, causal=causal)  # the backward's own default tile
     return tuple(g.to(torch.float64).cpu().numpy() for g in grads)
 
 
@@ -183,13 +183,20 @@ def real_impls(device) -> list:
     return [f"torch {b} (cpu)" for b in CPU_BACKENDS] if _torch() is not None else []
 
 
-def run(size="quick", out=None, *, device="cpu", progress=False, budget_s=None, **overrides) -> pd.DataFrame:
+def run(size="quick", out=None, *, device="cpu", progress=False, budget_s=None, impls=None,
+        **overrides) -> pd.DataFrame:
     """One row per (impl, format, N, causal): mean over seeds of {dq,dk,dv}.{rmse,mean_abs}. Raw rows in
     out/kernels_backward.jsonl (resumable: a second run with the same ``out`` skips finished points).
     ``budget_s``: start no new (N, format, causal) after this many seconds (Ns ascending); those left out are
-    in ``df.attrs["skipped"]``."""
+    in ``df.attrs["skipped"]``. ``impls``: measure only these implementations (names as in the "impl" column:
+    "emulated fa2", "torch efficient", ...; default: every emulation and the device's real kernels)."""
     s = common.sizes(SIZES, size, overrides)
-    impls = [f"emulated {p}" for p, _ in EMULATED] + real_impls(device)
+    known = [f"emulated {p}" for p, _ in EMULATED] + real_impls(device)
+    if impls is not None:
+        unknown = [i for i in impls if i not in known]
+        if unknown or not impls:
+            raise ValueError(f"impls: unknown or unavailable here {unknown or impls!r}; known: {', '.join(known)}")
+    impls = known if impls is None else [i for i in known if i in impls]
     device = common.sweep_device(device)  # where the emulation runs: the GPU only with fadev's CUDA kernels
     start, frames, skipped = time.perf_counter(), [], []
     for N, fmt, causal in itertools.product(sorted(s["Ns"]), s["formats"], s["causal"]):

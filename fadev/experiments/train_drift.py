@@ -26,13 +26,19 @@ whole model, attention included (naive(bf16) against golden), as switching a tra
 Pairs: flash paper vs baseline, flash fa2 vs baseline (role "flash"); seed 1 vs seed 0 ("init"); bf16
 (and fp16) mixed vs fp32 ("precision"); control vs baseline ("control").
 
+``--model llama``: the same study at scale on a Hugging Face ``LlamaForCausalLM`` trained on bytes of real
+text (the interpreter's standard library), arms as independent resumable tasks, the native tensor-core
+kernel at two tilings on a GPU (:data:`LLAMA_SIZES`, :func:`llama_runs_and_pairs`, fadev.training.lm).
+
 The workload and the lockstep tracker live in :mod:`fadev.training` (PyTorch, imported on first use).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import tempfile
 
 import numpy as np
 
@@ -77,6 +83,28 @@ SIZE_DOCS = {"width": "model width", "heads": "attention heads", "layers": "tran
              "log_every": "log distances every so many updates", "eval_images": "held-out images for eval_loss",
              "flash_block": "flash block_q = block_kv", "fp16": "also an fp16 mixed-precision run"}
 
+LLAMA_SIZES = {
+    "quick": {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 4, "ffn": 344, "seq": 64, "batch": 8, "lr": 1e-3,
+              "steps": 100, "log_every": 10, "checkpoint_every": 50, "eval_windows": 16, "flash_block": 16,
+              "native_tiles": ("128x64", "64x64"), "data": "stdlib", "budget_s": math.inf},
+    "full": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 8, "ffn": 1376, "seq": 1024, "batch": 16, "lr": 3e-4,
+             "steps": 5000, "log_every": 250, "checkpoint_every": 250, "eval_windows": 32, "flash_block": 64,
+             "native_tiles": ("128x64", "64x64"), "data": "stdlib", "budget_s": math.inf},
+}
+"""``--model llama``: quick ~0.86M parameters (CPU), full ~25.6M parameters at sequence 1024 (GPU)."""
+LLAMA_DOCS = {"hidden": "model width", "layers": "decoder blocks", "heads": "query heads",
+              "kv_heads": "key/value heads (grouped-query when fewer)", "ffn": "SwiGLU width",
+              "seq": "bytes per training window", "batch": "windows per update", "lr": "Adam learning rate",
+              "steps": "optimizer updates per arm", "log_every": "log weights, losses and distances every so many updates",
+              "checkpoint_every": "save every arm's state every so many updates (one round of the arms)",
+              "eval_windows": "held-out windows for eval_loss", "flash_block": "emulated flash block_q = block_kv",
+              "native_tiles": "native-kernel tilings BQxBKV (GPU)",
+              "data": "'stdlib' (the interpreter's standard library) or a text file or folder",
+              "budget_s": "seconds of training this call may use; arms are saved where they stop, a rerun continues"}
+WORKLOADS = ("model", {"digits": (SIZES, SIZE_DOCS), "llama": (LLAMA_SIZES, LLAMA_DOCS)},
+            "the workload: digits (8x8 images, the default) or llama (a Hugging Face Llama on bytes of real text)")
+"""The ``--model`` option: {value: (sizes, their docs)} (fadev.experiments.cli)."""
+
 
 def runs_and_pairs(flash_block=16, fp16=False, control=True):
     """The experiment's RunSpecs and Pairs (module docstring)."""
@@ -100,14 +128,17 @@ def runs_and_pairs(flash_block=16, fp16=False, control=True):
     return runs, pairs
 
 
-def settings(size="quick", **overrides):
-    """The size's settings with ``overrides`` (None values ignored); ValueError for unknown names."""
-    if size not in SIZES:
+def settings(size="quick", model="digits", **overrides):
+    """The size's settings of ``model`` with ``overrides`` (None values ignored); ValueError for unknown names."""
+    if model not in WORKLOADS[1]:
+        raise ValueError(f"model must be one of {', '.join(WORKLOADS[1])}, got {model!r}")
+    table_ = WORKLOADS[1][model][0]
+    if size not in table_:
         raise ValueError(f"size must be 'quick' or 'full', got {size!r}")
-    unknown = sorted(set(overrides) - set(SIZES[size]))
+    unknown = sorted(set(overrides) - set(table_[size]))
     if unknown:
-        raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(SIZES[size])}")
-    s = dict(SIZES[size])
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)} of --model {model}; known: {', '.join(table_[size])}")
+    s = dict(table_[size])
     s.update({k: v for k, v in overrides.items() if v is not None})
     return s
 
@@ -130,7 +161,7 @@ def check_device(device):
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # torch's deterministic cuBLAS needs it
 
 
-def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None,
+def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None, model="digits",
         **overrides):
     """Train the runs in lockstep; returns the drift rows (one per pair and logged step) with the loss rows in
     ``df.attrs["loss"]`` and the settings in ``df.attrs["settings"]``. Results in out/train_drift.jsonl
@@ -138,9 +169,11 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
     Without ``cluster`` (or with a local one) the runs advance in lockstep in one process (``workers`` is
     accepted for the common interface); with ``cluster`` = {"executor": "ray", ...} each run trains as its
     own task (one GPU each on device cuda) and the pairs are compared at the logged checkpoints
-    (:func:`fadev.training.track_tasks`: the same rows)."""
+    (:func:`fadev.training.track_tasks`: the same rows). ``model="llama"``: :func:`run_llama`."""
+    if model == "llama":
+        return run_llama(size, out, device=device, workers=workers, progress=progress, cluster=cluster, **overrides)
     check_device(device)
-    s = settings(size, **overrides)
+    s = settings(size, model, **overrides)
     config = training.TrainConfig(**{f.name: s[f.name] for f in dataclasses.fields(training.TrainConfig)
                                      if f.name in s})
     runs, pairs = runs_and_pairs(s["flash_block"], s["fp16"])
@@ -160,15 +193,109 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
     return drift
 
 
+def llama_runs_and_pairs(device="cpu", native_tiles=("128x64", "64x64"), flash_block=None, control=True, head_dim=64):
+    """The Llama study's arms and pairs, and {skipped arm: why}: those of :func:`runs_and_pairs` (as
+    fadev.training.lm.Arm; emulated flash tiles flash_block x flash_block, None: the presets'), plus one
+    native-kernel arm per tiling "BQxBKV" (skipped where it cannot run) paired with the baseline, and the
+    two native tilings against each other."""
+    Arm, Pair = training.lm.Arm, training.Pair
+    tiles = (("block_q", flash_block), ("block_kv", flash_block)) if flash_block else ()
+    runs = [Arm("baseline", "baseline", "naive:bf16", "bf16"),
+            Arm("flash_paper", "flash", "paper:bf16", "bf16", tiling=tiles),
+            Arm("flash_fa2", "flash", "fa2:bf16", "bf16", tiling=tiles),
+            Arm("baseline_seed1", "baseline", "naive:bf16", "bf16", init_seed=1),
+            Arm("fp32", "baseline", "golden", "fp32")]
+    _, pairs = runs_and_pairs(control=False)
+    skipped, native = {}, []
+    for t in native_tiles:
+        bq, _, bkv = str(t).partition("x")
+        if not (bq.isdigit() and bkv.isdigit() and int(bq) > 0 and int(bkv) > 0):
+            raise ValueError(f"native_tiles: expected tilings like '128x64', got {t!r}")
+        name = f"native_{int(bq)}x{int(bkv)}"
+        why = training.lm.native_unavailable(device, head_dim, int(bq), int(bkv))
+        if why:
+            skipped[name] = why
+            continue
+        native.append(name)
+        runs.append(Arm(name, "native", "fa2:bf16", "bf16", tiling={"block_q": int(bq), "block_kv": int(bkv)}))
+        pairs.append(Pair(f"flash native {int(bq)}x{int(bkv)} vs baseline", name, "baseline", "flash"))
+    if len(native) >= 2:
+        pairs.append(Pair(f"{native[1]} vs {native[0]}", native[1], native[0], "other"))
+    if control:
+        runs.append(Arm("control", "baseline", "naive:bf16", "bf16"))
+        pairs.append(Pair("control (identical runs)", "control", "baseline", "control"))
+    return runs, pairs, skipped
+
+
+def _llama_intro(s, config, corpus):
+    lm = training.lm
+    return (
+        f"{PAPER}, Section 5 (Figures 7-8) at scale, in the ecosystem people train in.\n\n"
+        f"**Workload.** A byte-level causal language model, Hugging Face transformers' `LlamaForCausalLM` built from "
+        f"a `LlamaConfig` with random init ({lm.parameters(config):,} parameters: {config.layers} blocks, width "
+        f"{config.hidden}, {config.heads} query / {config.kv_heads} key-value heads, SwiGLU {config.ffn}; vocabulary "
+        f"256 bytes + BOS/EOS/pad), trained with Adam (lr {config.lr}) on windows of {config.seq} bytes, "
+        f"{config.batch} per update, drawn from `{corpus.source}` ({len(corpus.train_files)} training files, "
+        f"{len(corpus.train) / 1e6:.1f} M tokens; {len(corpus.held_out_files)} held-out files, "
+        f"{len(corpus.held_out) / 1e6:.2f} M tokens, split by a hash of each file's path; corpus fingerprint "
+        f"{corpus.fingerprint}). Every arm shares the data windows (a function of the update and the seed) and, "
+        f"except `baseline_seed1`, the initial weights. Each arm trains as its own resumable task "
+        f"(fadev.training.lm), checkpointed every {config.checkpoint_every} updates; arms are compared at the logged "
+        f"steps. One torch thread, deterministic algorithms: identical settings give identical bits (the control "
+        f"pair).\n\n"
+        "**Attention.** The model runs its attention through fadev's Hugging Face attention interface "
+        "(`fadev.hf`). Emulated arms (`baseline` naive(bf16), `flash_paper`, `flash_fa2`, `fp32` golden) compute "
+        "every attention layer's forward and backward with fadev's kernels under their policy "
+        "(`fadev.hf.use(policy, kernel=...)`); `native_*` arms run fadev's tensor-core FlashAttention-2 kernel "
+        "(real bf16 hardware arithmetic, CUDA only) at two tilings (`fadev.hf.use(kernel=\"native\", ...)`).\n\n"
+        "**Mixed precision** (`bf16`): autocast-style, emulated in fp32 tensors on every device -- each `nn.Linear` "
+        "rounds its input, weight, bias and output (and their gradients) to bf16 with fp32 accumulation; master "
+        "weights, embeddings, RMSNorm, rotary embedding, residual stream, loss and Adam in fp32. `bf16 mixed vs "
+        "fp32` compares that run (attention naive(bf16)) with an all-fp32 run (attention golden).\n\n"
+        "**Distances** between the weights of two arms (`fadev.weights.compare`): max |Δw| over all tensors, and "
+        "the Wasserstein-1 distance of each tensor's value distribution, averaged over tensors weighted by size.")
+
+
+def run_llama(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None, **overrides):
+    """The study on the Llama workload (:data:`LLAMA_SIZES`): arms as resumable tasks (fadev.training.lm_track)
+    on this process (``workers`` 1), local worker processes or ``cluster``'s executor; results, arm states and
+    checkpoints under ``out`` (None: a temporary folder). ``budget_s`` stops training in time and saves every
+    arm; the rows then cover the steps every arm of a pair reached, ``df.attrs["reached"]`` says how far each
+    arm got."""
+    check_device(device)
+    s = settings(size, "llama", **overrides)
+    try:
+        lm = training.lm
+    except ImportError as e:
+        raise ImportError(f"--model llama needs transformers: pip install 'fadev[hf]' ({e})") from None
+    config = lm.LMConfig(**{f.name: s[f.name] for f in dataclasses.fields(lm.LMConfig) if f.name in s})
+    runs, pairs, skipped = llama_runs_and_pairs(device, s["native_tiles"], s["flash_block"],
+                                                head_dim=config.hidden // config.heads)
+    corpus = training.text.load(config.data)
+    options = dict(cluster or {})
+    options.setdefault("workers", workers)
+    log = (lambda line: print(line, flush=True)) if progress else None
+    budget = None if math.isinf(s["budget_s"]) else s["budget_s"]
+    with tempfile.TemporaryDirectory() if out is None else contextlib.nullcontext(out) as folder:
+        os.makedirs(folder, exist_ok=True)
+        drift, loss, reached = training.lm_track.track_arms(config, runs, pairs, folder, device=device,
+                                                            budget_s=budget, log=log, **options)
+        if out is not None:
+            loss.to_csv(os.path.join(out, f"{NAME}_loss.csv"), index=False)
+    if not len(drift):
+        raise RuntimeError(f"budget_s={s['budget_s']}: no arm got through its first logged step; give it more time")
+    drift.attrs.update(loss=loss, settings=s, runs=runs, pairs=pairs, reached=reached, skipped=skipped,
+                       steps=config.steps, unit="nats per byte", intro=_llama_intro(s, config, corpus))
+    return drift
+
+
 # ------------------------------------------------------------------ summary numbers
 
 def ratios(drift, metric):
     """{flash pair: {reference role: (geometric-mean ratio over the second half of the logged steps,
     ratio at the last step)}} of flash-vs-baseline drift to each reference pair's drift (for the
-    "precision" role, to the first precision pair, bf16 vs fp32)."""
-    steps = sorted(drift["step"].unique())
-    last = steps[-1]
-    late = [s for s in steps if s > 0 and s >= last / 2]
+    "precision" role, to the first precision pair, bf16 vs fp32), over the logged steps both pairs reached."""
+    steps_of = {pair: set(g) for pair, g in drift.groupby("pair", sort=False)["step"]}
     table = {}
     refs = {}
     for role in ("precision", "init"):
@@ -179,6 +306,9 @@ def ratios(drift, metric):
     for pair in dict.fromkeys(drift.loc[drift["role"] == "flash", "pair"]):
         table[pair] = {}
         for role, ref in refs.items():
+            steps = sorted(steps_of[pair] & steps_of[ref])
+            last = steps[-1]
+            late = [s for s in steps if s > 0 and s >= last / 2]
             r = np.array([by[(pair, s)] / by[(ref, s)] for s in late], dtype=float)
             good = r[np.isfinite(r) & (r > 0)]
             gmean = float(np.exp(np.mean(np.log(good)))) if len(good) else math.nan
@@ -218,7 +348,7 @@ def fig_drift(drift, log_y):
     return fig
 
 
-def fig_loss(loss):
+def fig_loss(loss, unit="nats per pixel"):
     """Held-out and training loss of every run vs step."""
     fig, axes = plots.figure(11, 4.4, 1, 2)
     for i, run_name in enumerate(dict.fromkeys(loss["run"])):
@@ -228,11 +358,11 @@ def fig_loss(loss):
         axes[0, 0].plot(g["step"], g["eval_loss"], **style)
         t = g[g["step"] > 0]
         axes[0, 1].plot(t["step"], t["train_loss"], **style)
-    axes[0, 0].set_title("held-out loss (cross-entropy per pixel)")
+    axes[0, 0].set_title(f"held-out loss (cross-entropy per {unit.split()[-1]})")
     axes[0, 1].set_title("training loss (mean since the previous point)")
     for ax in axes[0]:
         ax.set_xlabel("training step")
-        ax.set_ylabel("nats per pixel")
+        ax.set_ylabel(unit)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), fontsize=8.5)
     return fig
@@ -242,7 +372,8 @@ def figures(df, out_dir):
     """Drift (linear and log y) and loss figures, PNG and SVG; returns their paths."""
     return (plots.save(fig_drift(df, False), os.path.join(out_dir, "train_drift_linear")) +
             plots.save(fig_drift(df, True), os.path.join(out_dir, "train_drift_log")) +
-            plots.save(fig_loss(df.attrs["loss"]), os.path.join(out_dir, "train_drift_loss")))
+            plots.save(fig_loss(df.attrs["loss"], df.attrs.get("unit", "nats per pixel")),
+                       os.path.join(out_dir, "train_drift_loss")))
 
 
 # ------------------------------------------------------------------ report
@@ -294,6 +425,8 @@ def findings(df, *, device="cpu") -> list:
                    "1/2..1/5 of low-precision training's drift", bool(holds), "golden")
            for pair, metric, prec, init, holds in verdicts(df)]
     out.append(Finding("conclusion", _conclusion(df)))
+    if "reached" in df.attrs:
+        out.append(Finding("arms", " ".join(_progress(df))))
     control = df[df["role"] == "control"]
     if len(control):
         zero = bool((control["max_abs"] == 0).all() and (control["wasserstein"] == 0).all())
@@ -305,7 +438,8 @@ def findings(df, *, device="cpu") -> list:
 def table(df) -> str:
     """The runs, the drift at selected steps, the ratios to the references, and the losses."""
     loss, s = df.attrs["loss"], df.attrs["settings"]
-    runs, pairs = runs_and_pairs(s["flash_block"], s["fp16"])
+    runs, pairs = (df.attrs["runs"], df.attrs["pairs"]) if "runs" in df.attrs else \
+        runs_and_pairs(s["flash_block"], s["fp16"])
     last = int(df["step"].max())
     lines = ["| run | setting |", "|---|---|"]
     lines += [f"| `{r.name}` | {report.escape(r.label())} |" for r in runs]
@@ -317,7 +451,7 @@ def table(df) -> str:
     by = df.set_index(["pair", "step"])
     for p in pairs:
         cells = [f"{_fmt(by.loc[(p.name, st), 'max_abs'])} / {_fmt(by.loc[(p.name, st), 'wasserstein'])}"
-                 for st in shown]
+                 if (p.name, st) in by.index else "–" for st in shown]
         lines.append(f"| {report.escape(p.name)} | " + " | ".join(cells) + " |")
     lines += ["", f"**Ratios** of flash-vs-baseline drift to the references: geometric mean over the logged steps "
               f"in the second half of training (value at step {last} in brackets). The paper: flash's drift is "
@@ -329,15 +463,37 @@ def table(df) -> str:
         lines.append(f"| {report.escape(pair)} | {metric} | {prec[0]:.3g} ({prec[1]:.3g}) | {init[0]:.3g} "
                      f"({init[1]:.3g}) | {'holds' if holds else '**does not hold**'} |")
     final = loss[loss["step"] == last].set_index("run")
-    lines += ["", f"Held-out loss at step {last} (nats per pixel; step 0: "
+    lines += ["", f"Held-out loss at step {last} ({df.attrs.get('unit', 'nats per pixel')}; step 0: "
               f"{loss[loss['step'] == 0]['eval_loss'].iloc[0]:.3f}): " +
               ", ".join(f"`{r}` {final.loc[r, 'eval_loss']:.4f}" for r in final.index) + ".",
               "Training time per run (s per update, as logged when the steps ran; 1 torch thread): " +
-              ", ".join(f"`{r}` {_per_step(loss, r, s):.3f}" for r in final.index) + ".", "",
-              "Raw rows: `train_drift.jsonl` (resumable; checkpoint `train_drift.jsonl.ckpt`); tables "
-              "`train_drift.csv`, `train_drift_loss.csv`."]
+              ", ".join(f"`{r}` {_per_step(loss, r, s):.3f}" for r in final.index) + ".", ""]
+    if "reached" in df.attrs:
+        lines += _progress(df) + ["", "Raw rows: `train_drift.jsonl`; arm states and checkpoints `train_drift_arms/` "
+                                      "(a rerun with the same settings continues them); tables `train_drift.csv`, "
+                                      "`train_drift_loss.csv`."]
+    else:
+        lines.append("Raw rows: `train_drift.jsonl` (resumable; checkpoint `train_drift.jsonl.ckpt`); tables "
+                     "`train_drift.csv`, `train_drift_loss.csv`.")
     return "\n".join(lines)
 
 
-__all__ = ["run", "findings", "table", "figures", "runs_and_pairs", "settings", "check_device", "ratios", "verdicts",
-           "fig_drift", "fig_loss", "SIZES", "PAPER_RATIO"]
+def _progress(df):
+    """How far each arm got, its latest held-out loss, and the arms skipped with their reason."""
+    steps, loss = df.attrs["steps"], df.attrs["loss"]
+    cells = []
+    for name, reached in df.attrs["reached"].items():
+        g = loss[loss["run"] == name].sort_values("step")
+        latest = f", held-out {g['eval_loss'].iloc[-1]:.4f} at step {int(g['step'].iloc[-1])}" if len(g) else ""
+        cells.append(f"`{name}` {reached}/{steps}{latest}")
+    complete = all(r >= steps for r in df.attrs["reached"].values())
+    lines = [("**Complete**: " if complete else "**Partial run** (continue with the same command): ") +
+             "updates done per arm: " + "; ".join(cells) + "."]
+    if df.attrs.get("skipped"):
+        lines.append("Skipped arms: " + "; ".join(f"`{n}` ({why})" for n, why in df.attrs["skipped"].items()) + ".")
+    return lines
+
+
+__all__ = ["run", "run_llama", "findings", "table", "figures", "runs_and_pairs", "llama_runs_and_pairs", "settings",
+           "check_device", "ratios", "verdicts", "fig_drift", "fig_loss", "SIZES", "LLAMA_SIZES", "WORKLOADS",
+           "PAPER_RATIO"]

@@ -66,7 +66,7 @@ PARAMS = {
 {stage: format}) and ``tag.NAME`` (a free label: str, int, float or bool)."""
 
 _PREFIXES = ("stage.", "ref_stage.", "tag.")
-PRESETS = ("golden", "paper", "naive", "fa2", "fa1", "torch_math")
+PRESETS = ("golden", "paper", "naive", "fa2", "fa1", "efficient", "cudnn", "torch_math")
 METRICS = ("max_abs", "mean_diff", "std_diff", "mean_abs", "rmse", "rel_l2", "max_rel", "wasserstein")
 """The float metrics of each compared pair (rows also hold the counts n, n_nan, n_inf)."""
 

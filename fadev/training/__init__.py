@@ -9,9 +9,11 @@ bf16/fp16) training.
 * :mod:`fadev.training.tracker`: runs in lockstep, distances between pairs of runs every k steps into a
   resumable results file (:func:`track`);
 * :mod:`fadev.training.arms`: the same rows with each run trained as an independent task on an executor
-  (Ray, local processes; :func:`track_tasks`).
+  (Ray, local processes; :func:`track_tasks`);
+* :mod:`fadev.training.text`, :mod:`fadev.training.lm`, :mod:`fadev.training.lm_track`: the study at scale,
+  a Hugging Face Llama trained on bytes of the standard library's source, arms as resumable tasks.
 
-Needs PyTorch and scikit-learn; ``import fadev`` imports neither, and neither does importing this package:
+Needs PyTorch and scikit-learn (the Llama workload: transformers); ``import fadev`` imports neither, and neither does importing this package:
 its names and submodules load on first use.
 """
 import importlib
@@ -20,7 +22,7 @@ __all__ = ["Pair", "RunSpec", "TrainConfig", "track", "track_tasks", "config_key
 
 
 def __getattr__(name):  # torch is imported on first use, so that `python -m fadev --help` works without it
-    if name in ("digits", "tracker", "arms"):
+    if name in ("digits", "tracker", "arms", "text", "lm", "lm_track"):
         return importlib.import_module(f"{__name__}.{name}")
     if name == "track_tasks":
         return importlib.import_module(f"{__name__}.arms").track_tasks

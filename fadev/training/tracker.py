@@ -40,6 +40,7 @@ import json
 import math
 import os
 import time
+import typing
 
 import torch
 
@@ -58,7 +59,13 @@ class RunSpec:
     :func:`fadev.as_policy` ("naive:bf16", "paper:bf16", "fa2:bf16", "golden", ...); ``precision``:
     "fp32", "bf16" or "fp16" mixed precision of the rest of the model (fadev.training.digits);
     ``init_seed``: torch.manual_seed before the model is built; ``tiling``: flash tiling as (name,
-    value) pairs, e.g. (("block_q", 16), ("block_kv", 16))."""
+    value) pairs, e.g. (("block_q", 16), ("block_kv", 16)). A subclass may allow other kernels and
+    precisions (the class attributes below; fadev.training.lm.Arm)."""
+
+    KERNELS: typing.ClassVar[tuple] = ("flash", "baseline")
+    PRECISIONS: typing.ClassVar[tuple] = tuple(digits.PRECISIONS)
+    TILED: typing.ClassVar[tuple] = ("flash",)
+    """Kernels that take a tiling."""
 
     name: str
     kernel: str = "baseline"
@@ -70,20 +77,22 @@ class RunSpec:
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
             raise ValueError(f"run name must be a non-empty string without '/', got {self.name!r}")
-        if self.kernel not in ("flash", "baseline"):
-            raise ValueError(f"run {self.name!r}: kernel must be 'flash' or 'baseline', got {self.kernel!r}")
+        if self.kernel not in self.KERNELS:
+            raise ValueError(f"run {self.name!r}: kernel must be {' or '.join(map(repr, self.KERNELS))}, got "
+                             f"{self.kernel!r}")
         if not isinstance(self.policy, str):
             raise TypeError(f"run {self.name!r}: policy must be a preset string like 'naive:bf16', got "
                             f"{type(self.policy).__name__}")
         as_policy(self.policy, f"run {self.name!r}: policy")
-        if self.precision not in digits.PRECISIONS:
-            raise ValueError(f"run {self.name!r}: precision must be one of {', '.join(digits.PRECISIONS)}, got "
+        if self.precision not in self.PRECISIONS:
+            raise ValueError(f"run {self.name!r}: precision must be one of {', '.join(self.PRECISIONS)}, got "
                              f"{self.precision!r}")
         if isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int) or self.init_seed < 0:
             raise ValueError(f"run {self.name!r}: init_seed must be a non-negative int, got {self.init_seed!r}")
         object.__setattr__(self, "tiling", tuple(sorted(tuple(t) for t in dict(self.tiling).items())))
-        if self.tiling and self.kernel != "flash":
-            raise ValueError(f"run {self.name!r}: tiling needs kernel='flash', got kernel={self.kernel!r}")
+        if self.tiling and self.kernel not in self.TILED:
+            raise ValueError(f"run {self.name!r}: tiling needs kernel={' or '.join(map(repr, self.TILED))}, got "
+                             f"kernel={self.kernel!r}")
 
     def label(self) -> str:
         tiles = "".join(f", {k}={v}" for k, v in self.tiling)
@@ -138,12 +147,16 @@ class TrainConfig:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
 
 
-def config_key(config, runs, pairs) -> str:
-    """Hash of everything that shapes the logged trajectory (all of ``config`` but ``steps``)."""
-    cfg = dataclasses.asdict(config)
-    cfg.pop("steps")
+UNKEYED = ("steps", "checkpoint_every", "budget_s")
+"""Config fields that do not shape the logged trajectory: where it stops, how often it is saved."""
+
+
+def config_key(config, runs, pairs, **extra) -> str:
+    """Hash of everything that shapes the logged trajectory (all of ``config`` but :data:`UNKEYED`; ``extra``:
+    more that does, e.g. the training data's fingerprint)."""
+    cfg = {k: v for k, v in dataclasses.asdict(config).items() if k not in UNKEYED}
     blob = json.dumps({"config": cfg, "runs": [dataclasses.asdict(r) for r in runs],
-                       "pairs": [dataclasses.asdict(p) for p in pairs], "version": 1}, sort_keys=True)
+                       "pairs": [dataclasses.asdict(p) for p in pairs], "version": 1, **extra}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -224,13 +237,18 @@ class _Run:
         self.opt.load_state_dict(state["opt"])
 
 
-def _save_checkpoint(path, key, step, runs):
+def save_atomic(obj, path):
+    """torch.save ``obj`` to ``path`` atomically: a temporary file, fsynced, renamed over ``path``."""
     tmp = path + ".tmp"
     with open(tmp, "wb") as fh:
-        torch.save({"config": key, "step": step, "runs": {name: r.state() for name, r in runs.items()}}, fh)
+        torch.save(obj, fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+
+
+def _save_checkpoint(path, key, step, runs):
+    save_atomic({"config": key, "step": step, "runs": {name: r.state() for name, r in runs.items()}}, path)
 
 
 def track(config, runs, pairs, out=None, checkpoint=True, device="cpu", callback=None, log=None):
@@ -364,4 +382,4 @@ def rows_for(rows, key, step, pair):
     return math.nan
 
 
-__all__ = ["RunSpec", "Pair", "TrainConfig", "track", "config_key", "deterministic", "ROLES"]
+__all__ = ["RunSpec", "Pair", "TrainConfig", "track", "config_key", "deterministic", "save_atomic", "ROLES", "UNKEYED"]

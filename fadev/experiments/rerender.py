@@ -1,0 +1,143 @@
+"""A recorded results folder's report rendered again from its CSVs (``python -m fadev report DIR``).
+
+The report format changes (the summary's three tables, computed finding texts); recorded runs need not be
+rerun for it. :func:`rerender` reads every DIR/NAME.csv of a known experiment, recomputes the findings and
+tables from those rows with the current code and writes the report in the current format: the numbers are
+the recorded ones, only the rendering is new. What the current report needs but the CSVs never held (a
+table an experiment keeps beside its rows, in ``df.attrs``) is named in the report, not invented. The
+recorded report's header line (its date, machine, device, time) and each section's sizes line are kept as
+they were written; the figures are the recorded files.
+"""
+from __future__ import annotations
+
+import datetime
+import glob
+import os
+import re
+
+import pandas as pd
+
+from .. import __version__, report
+from . import EXPERIMENTS, METHOD, PAPER
+
+ATTR_TABLES = {"kernels": {"backward": "kernels_backward.csv"}, "train_drift": {"loss": "train_drift_loss.csv"}}
+"""{experiment: {df.attrs key: the CSV in DIR that holds it}}."""
+
+ATTR_MISSING = {"kernels": {"backward": "the backward study (emulated backward presets vs PyTorch's backward "
+                                        "kernels): the run predates it, or its rows were not written to a CSV"},
+                "ring": {"candidates": "the candidate causes and the factor each multiplies the error by (kept "
+                                       "beside the rows, never written to a CSV)"}}
+"""What the report shows from a df.attrs table that a recorded folder may lack: {experiment: {key: text}}."""
+
+
+def _recorded_text(folder, names):
+    """The recorded report: DIR/report.md, else DIR/NAME.md of the (single) experiment; (path, text)."""
+    for stem in ["report"] + list(names):
+        path = os.path.join(folder, f"{stem}.md")
+        if os.path.exists(path):
+            with open(path) as fh:
+                return path, fh.read()
+    raise ValueError(f"report: no recorded report (report.md or NAME.md) in {folder}")
+
+
+def _header(text):
+    """The recorded report's first paragraph after its heading (the line on its run)."""
+    paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+    first = paragraphs[1] if len(paragraphs) > 1 and paragraphs[0].startswith("#") else paragraphs[0]
+    return first.removeprefix("Recorded run: ")  # a report rendered again keeps the run's own line
+
+
+def _size(text, folder):
+    match = re.search(r"`(quick|full)` sizes", text) or re.search(r"\((quick|full)\)", text.split("\n", 1)[0])
+    if match:
+        return match.group(1)
+    return "full" if "full" in os.path.basename(os.path.normpath(folder)) else "quick"
+
+
+def _sizes_line(text, name):
+    """(sizes text, seconds) of experiment ``name``'s section in the recorded report, or (None, nan)."""
+    match = re.search(r"Sizes \(`\w+`\): (.*?)\. Raw rows: `" + re.escape(name) + r"\.jsonl`; this table: `" +
+                      re.escape(name) + r"\.csv`; ([0-9.]+) s", text)
+    return (match.group(1), float(match.group(2))) if match else (None, float("nan"))
+
+
+def _candidates(text):
+    """ring's candidate causes read back from the recorded report's table (as printed: 4 significant digits,
+    which is all the report shows again), or None."""
+    head = "| rank | candidate | what | before | after | factor |"
+    if head not in text:
+        return None
+    rows = []
+    for line in text[text.index(head):].splitlines()[2:]:
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if len(cells) != 6:
+            break
+        rows.append({"candidate": cells[1].replace("\\|", "|"), "detail": cells[2].replace("\\|", "|"),
+                     "before": float(cells[3]), "after": float(cells[4]), "factor": float(cells[5])})
+    return rows
+
+
+def _result(folder, name, size, device, text):
+    exp = EXPERIMENTS[name]
+    df = pd.read_csv(os.path.join(folder, f"{name}.csv"))
+    for col in df.columns:  # text columns: an empty cell was "" when written, not NaN
+        if pd.api.types.is_string_dtype(df[col]) or df[col].dtype == object:
+            df[col] = df[col].fillna("")
+    notes = []
+    for key, csv in ATTR_TABLES.get(name, {}).items():
+        path = os.path.join(folder, csv)
+        if os.path.exists(path):
+            df.attrs[key] = pd.read_csv(path)
+    if name == "train_drift":
+        df.attrs["settings"] = exp.SIZES[size]
+    if name == "ring" and _candidates(text):
+        df.attrs["candidates"] = _candidates(text)
+        notes.append("The candidate causes are read back from the recorded report's table (they were never written "
+                     "to a CSV): before, after and factor as printed there.")
+    missing = [t for key, t in ATTR_MISSING.get(name, {}).items() if key not in df.attrs]
+    if name == "kernels":  # a real kernel whose model the run did not emulate: shown, no verdict
+        impls = set(df["impl"])
+        missing += [f"rows of `emulated {model}`, the model the current report pairs with `{real}` (so {real} gets "
+                    "no verdict)" for real, model in exp.MODELS.items()
+                    if real in impls and f"emulated {model}" not in impls]
+    if missing:
+        notes.append("Not in the recorded CSVs, so not shown: " + "; ".join(missing) + ".")
+    sizes_text, seconds = _sizes_line(text, name)
+    if sizes_text is None:
+        sizes_text = "as in the recorded run's header above (its report had no sizes line)"
+    figures = [p for stem in exp.FIGURES for p in sorted(glob.glob(os.path.join(folder, f"{stem}.png")))]
+    return {"experiment": exp, "df": df, "figures": figures, "findings": exp.findings(df, device=device),
+            "seconds": seconds, "sizes_text": sizes_text, "notes": notes}
+
+
+def rerender(folder, out=None, size=None):
+    """Render DIR's report again from DIR/NAME.csv of every experiment found there; writes ``out`` (default:
+    the recorded report's path, replaced) and returns (path, results). ``size``: "quick" or "full" (default:
+    as the recorded report says)."""
+    names = [n for n in EXPERIMENTS if os.path.exists(os.path.join(folder, f"{n}.csv"))]
+    if not names:
+        raise ValueError(f"report: no experiment CSV (one of {', '.join(n + '.csv' for n in EXPERIMENTS)}) in {folder}")
+    path, text = _recorded_text(folder, names)
+    size = size or _size(text, folder)
+    if size not in ("quick", "full"):
+        raise ValueError(f"size must be 'quick' or 'full', got {size!r}")
+    header = _header(text)
+    device = "cuda" if re.search(r"cuda|GPU", header) else "cpu"
+    results = {n: _result(folder, n, size, device, text) for n in names}
+    if len(names) == 1:
+        command = names[0].replace("_", "-")
+        title = f"{EXPERIMENTS[names[0]].TITLE} (`python -m fadev {command}`)"
+    else:
+        title = f"Reproducing {PAPER} with fadev"
+    csvs = [f"{n}.csv" for n in names] + [c for n in names for c in ATTR_TABLES.get(n, {}).values()
+                                          if os.path.exists(os.path.join(folder, c))]
+    rendered = (f"Re-rendered from the recorded CSVs ({', '.join(csvs)}) by `python -m fadev "
+                f"report DIR` (fadev {__version__}, {datetime.date.today().isoformat()}): the numbers are the "
+                f"recorded run's, the findings and tables are computed from them by the current code.")
+    sampled = any("n_query" in r["experiment"].SIZES[size] for r in results.values())
+    report.write(out or path, results, title=title, command="python -m fadev report DIR", size=size,
+                 header=[f"Recorded run: {header}", rendered], preamble=[METHOD] if sampled else [])
+    return out or path, results
+
+
+__all__ = ["rerender", "ATTR_TABLES", "ATTR_MISSING"]
