@@ -262,6 +262,7 @@ def test_dropout_bias_softcap_and_sinks_refused():
     (("golden",), {"kernel": "sdpa"}, ValueError, "policy"),
     ((), {"kernel": "native", "block_q": "64"}, TypeError, "block_q"),
     ((), {"kernel": "native", "exp": "exp2"}, TypeError, "exp"),
+    ((), {"kernel": "native", "deterministic": 1}, TypeError, "deterministic"),
     ((), {"kernel": "sdpa", "block_q": 64}, TypeError, "block_q"),
     (("golden",), {"block_size": 4}, TypeError, "block_size"),
     (("golden",), {"kernel": "baseline", "block_q": 4}, ValueError, "block_q"),
@@ -316,6 +317,8 @@ def test_sdpa_flash_registration_without_gpu():
         hf.register_sdpa_flash(block_q=64.0)
     with pytest.raises(TypeError, match="name"):
         hf.register_sdpa_flash(None)
+    with pytest.raises(TypeError, match="deterministic"):
+        hf.register_sdpa_flash(deterministic="no")
     if fadev.cuda_available():
         pytest.skip("a GPU is present: tests/test_cuda_hf.py activates the implementation")
     with pytest.raises(RuntimeError, match="no usable GPU"):
