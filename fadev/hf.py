@@ -108,9 +108,9 @@ class use:  # noqa: N801 (a context manager)
     ``kernel``: "flash" or "baseline" under ``policy`` (a Policy or a string such as "fa2:bf16";
     ``**tiling`` as :func:`fadev.torch.attention`), "native" (``block_q``, ``block_kv``,
     ``backward_block_q``, ``backward_block_kv``, ``deterministic``, as
-    :func:`fadev.torch_native.native_attention`), or "sdpa" (plain PyTorch SDPA). Arguments are checked here, so a bad
-    one raises at the ``with``. Blocks nest (the innermost wins) and are per thread / asyncio task;
-    one ``use`` object may be entered again, also from several threads."""
+    :func:`fadev.torch_native.native_attention`), or "sdpa" (plain PyTorch SDPA). Arguments are
+    checked here, so a bad one raises at the ``with``. Blocks nest (the innermost wins) and are per
+    thread / asyncio task; one ``use`` object may be entered again, also from several threads."""
 
     def __init__(self, policy=None, *, kernel="flash", **tiling):
         self.setting = _setting(policy, kernel, tiling)
