@@ -8,7 +8,7 @@ the arguments its "sdpa" implementation would get (None where causal is enough, 
 
 * ``use(policy, kernel="flash", **tiling)`` / ``kernel="baseline"``: fadev's emulated kernels under a
   precision policy (:func:`fadev.torch.attention`; CPU or CUDA tensors, forward and backward);
-* ``use(kernel="native", block_q=..., block_kv=...)``: the native tensor-core kernel
+* ``use(kernel="native", block_q=..., block_kv=..., ...)``: the native tensor-core kernel
   (:func:`fadev.torch_native.native_attention`; CUDA float16 / bfloat16, head dim 64 or 128);
 * ``use(kernel="sdpa")``: transformers' own sdpa attention, i.e. plain
   ``torch.nn.functional.scaled_dot_product_attention`` (so SDPA-level monitors and patches see the calls).
@@ -45,14 +45,15 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import _args
 from .cuda import device_count, no_gpu
-from .formats import integer
+from .formats import boolean, integer
 from .native import native_attention as _native_forward, native_attention_backward as _native_backward
 from .policy import Policy
 from .torch import _Kernel, attention as _emulated
 from .torch_native import check as _native_check, native_attention
 
 KERNELS = ("sdpa", "flash", "baseline", "native")
-NATIVE_TILING = ("block_q", "block_kv")
+NATIVE_OPTIONS = ("block_q", "block_kv", "backward_block_q", "backward_block_kv", "deterministic")
+"""Keyword arguments ``use(kernel="native", ...)`` takes: those of :func:`fadev.torch_native.native_attention`."""
 NAME = "fadev"
 
 
@@ -76,13 +77,15 @@ def _setting(policy, kernel, tiling) -> Setting:
         return Setting(kernel, _Kernel.make(policy, kernel, tiling).policy, tuple(sorted(tiling.items())))
     if policy is not None:
         raise ValueError(f"kernel={kernel!r} takes no policy (its arithmetic is fixed), got policy={policy!r}")
-    allowed = NATIVE_TILING if kernel == "native" else ()
+    allowed = NATIVE_OPTIONS if kernel == "native" else ()
     unknown = sorted(set(tiling) - set(allowed))
     if unknown:
         raise TypeError(f"kernel={kernel!r} takes no tiling argument(s) {', '.join(unknown)}"
                         + (f" (it takes {', '.join(allowed)})" if allowed else ""))
     for name, value in tiling.items():
-        if value is not None:
+        if name == "deterministic":
+            boolean(value, name)
+        elif value is not None:
             integer(value, name)
     return Setting(kernel, None, tuple(sorted(tiling.items())))
 
@@ -103,10 +106,11 @@ class use:  # noqa: N801 (a context manager)
 
     Inside the block, attention of models built with ``attn_implementation="fadev"`` is computed by
     ``kernel``: "flash" or "baseline" under ``policy`` (a Policy or a string such as "fa2:bf16";
-    ``**tiling`` as :func:`fadev.torch.attention`), "native" (``block_q``, ``block_kv``: a tile of
-    :func:`fadev.native_tiles`), or "sdpa" (plain PyTorch SDPA). Arguments are checked here, so a bad
-    one raises at the ``with``. Blocks nest (the innermost wins) and are per thread / asyncio task;
-    one ``use`` object may be entered again, also from several threads."""
+    ``**tiling`` as :func:`fadev.torch.attention`), "native" (``block_q``, ``block_kv``,
+    ``backward_block_q``, ``backward_block_kv``, ``deterministic``, as
+    :func:`fadev.torch_native.native_attention`), or "sdpa" (plain PyTorch SDPA). Arguments are
+    checked here, so a bad one raises at the ``with``. Blocks nest (the innermost wins) and are per
+    thread / asyncio task; one ``use`` object may be entered again, also from several threads."""
 
     def __init__(self, policy=None, *, kernel="flash", **tiling):
         self.setting = _setting(policy, kernel, tiling)
@@ -241,14 +245,14 @@ def register(name=NAME) -> None:
 
 # ---------------------------------------------------------------- an SDPA flash implementation
 
-def _flash_check(query, key, value, dropout_p, return_debug_mask, is_causal, scale, tile):
-    """The tile the native kernel uses for this flash call; RuntimeError saying why it cannot."""
+def _flash_check(query, key, value, dropout_p, return_debug_mask, is_causal, scale, options):
+    """The forward's and backward's native tiles for this flash call; RuntimeError saying why it cannot."""
     why = ("dropout_p must be 0" if dropout_p else "return_debug_mask must be False" if return_debug_mask
            else None)
     if why is None:
         try:
             gqa = query.dim() == 4 == key.dim() and query.shape[1] != key.shape[1]
-            return _native_check(query, key, value, is_causal, scale, gqa, *tile)
+            return _native_check(query, key, value, is_causal, scale, gqa, *options[:4])
         except (TypeError, ValueError) as e:
             why = str(e)
     raise RuntimeError(f"fadev's SDPA flash implementation cannot compute this call: {why}. Call "
@@ -256,11 +260,12 @@ def _flash_check(query, key, value, dropout_p, return_debug_mask, is_causal, sca
                        f"backend with torch.nn.attention.sdpa_kernel")
 
 
-def _flash_ops(tile):
-    """aten._scaled_dot_product_flash_attention and its backward, on the native kernel with ``tile``."""
+def _flash_ops(options):
+    """aten._scaled_dot_product_flash_attention and its backward on the native kernel; ``options``:
+    (block_q, block_kv, backward_block_q, backward_block_kv, deterministic)."""
 
     def forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
-        bq, bkv = _flash_check(query, key, value, dropout_p, return_debug_mask, is_causal, scale, tile)
+        (bq, bkv), _ = _flash_check(query, key, value, dropout_p, return_debug_mask, is_causal, scale, options)
         out, lse = _native_forward(query, key, value, causal=is_causal, scale=scale, block_q=bq, block_kv=bkv,
                                    return_lse=True)
         dev = query.device
@@ -269,9 +274,9 @@ def _flash_ops(tile):
 
     def backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                  is_causal, philox_seed, philox_offset, *, scale=None):
-        bq, bkv = _flash_check(query, key, value, dropout_p, False, is_causal, scale, tile)
+        _, (bq, bkv) = _flash_check(query, key, value, dropout_p, False, is_causal, scale, options)
         return _native_backward(query, key, value, out, logsumexp, grad_out, causal=is_causal, scale=scale,
-                                block_q=bq, block_kv=bkv)
+                                block_q=bq, block_kv=bkv, deterministic=options[4])
 
     return forward, backward
 
@@ -284,38 +289,45 @@ class _FlashHandle:
 
     def remove(self) -> None:
         if self.library is not None:
-            self.library._destroy()
+            destroy = getattr(self.library, "_destroy", None)  # else the Library deregisters when collected
+            if destroy is not None:
+                destroy()
             self.library = None
 
 
-def _activate_flash(tile):
+def _activate_flash(options):
     if not device_count():
         raise no_gpu("fadev's SDPA flash implementation")
-    forward, backward = _flash_ops(tile)
+    forward, backward = _flash_ops(options)
     lib = torch.library.Library("aten", "IMPL", "CUDA")  # noqa: TOR901 (an override of aten's CUDA kernels)
     lib.impl("_scaled_dot_product_flash_attention", forward, "CUDA")
     lib.impl("_scaled_dot_product_flash_attention_backward", backward, "CUDA")
     return _FlashHandle(lib)
 
 
-def register_sdpa_flash(name=NAME, *, block_q=None, block_kv=None) -> None:
-    """Register the native kernel (tile ``block_q`` x ``block_kv``, default the first of
-    :func:`fadev.native_tiles`) with ``torch.nn.attention.register_flash_attention_impl`` under ``name``;
-    idempotent (the last registration of a name wins). Activating it
+def register_sdpa_flash(name=NAME, *, block_q=None, block_kv=None, backward_block_q=None, backward_block_kv=None,
+                        deterministic=True) -> None:
+    """Register the native kernel (tiles and ``deterministic`` as :func:`fadev.torch_native.native_attention`)
+    with ``torch.nn.attention.register_flash_attention_impl`` under ``name``; idempotent (the last
+    registration of a name wins). Activating it
     (``torch.nn.attention.activate_flash_attention_impl(name)``, or :func:`sdpa_flash`) overrides the
     CUDA kernels of ``aten._scaled_dot_product_flash_attention`` and its backward: SDPA calls that PyTorch
     routes to its flash backend then run fadev's native forward and backward (float16 / bfloat16, head
     dim 64 or 128, no dropout); other flash calls raise RuntimeError saying why (there is no fallback to
     PyTorch's own flash kernel, which the override replaces; torch's FA4 registration refuses the same
-    way). Activation needs a GPU fadev can use. RuntimeError where PyTorch has no register_flash_attention_impl (before 2.10)."""
+    way). Activation needs a GPU fadev can use. RuntimeError where PyTorch has no
+    register_flash_attention_impl."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")
-    tile = tuple(None if t is None else integer(t, n) for t, n in ((block_q, "block_q"), (block_kv, "block_kv")))
+    tiles = ((block_q, "block_q"), (block_kv, "block_kv"), (backward_block_q, "backward_block_q"),
+             (backward_block_kv, "backward_block_kv"))
+    options = tuple(None if t is None else integer(t, n) for t, n in tiles)
+    options += (boolean(deterministic, "deterministic"),)
     registry = getattr(torch.nn.attention, "register_flash_attention_impl", None)
     if registry is None:
         raise RuntimeError(f"torch {torch.__version__} has no torch.nn.attention.register_flash_attention_impl: "
                            f"use fadev.hf.use(kernel='native') or fadev.torch_native.native_attention instead")
-    registry(name, register_fn=lambda: _activate_flash(tile))
+    registry(name, register_fn=lambda: _activate_flash(options))
 
 
 class sdpa_flash:  # noqa: N801 (a context manager)
@@ -343,5 +355,5 @@ register()
 if has_sdpa_flash_registry():
     register_sdpa_flash()
 
-__all__ = ["use", "current", "Setting", "DEFAULT", "KERNELS", "NATIVE_TILING", "attention_forward", "register",
+__all__ = ["use", "current", "Setting", "DEFAULT", "KERNELS", "NATIVE_OPTIONS", "attention_forward", "register",
            "register_sdpa_flash", "sdpa_flash", "has_sdpa_flash_registry"]

@@ -26,24 +26,36 @@ class _NativeFunction(torch.autograd.Function):
     """The native forward, saving (q, k, v, out, lse); the native backward from them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, block_q, block_kv):
+    def forward(ctx, q, k, v, causal, scale, tiles, deterministic):
+        (block_q, block_kv), (ctx.block_q, ctx.block_kv) = tiles
         out, lse = _forward(q, k, v, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
                             return_lse=True)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.options = {"causal": causal, "scale": scale, "block_q": block_q, "block_kv": block_kv}
+        ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, out, lse, dout, **ctx.options)
+        dq, dk, dv = _backward(q, k, v, out, lse, dout, causal=ctx.causal, scale=ctx.scale, block_q=ctx.block_q,
+                               block_kv=ctx.block_kv, deterministic=ctx.deterministic)
         return dq, dk, dv, None, None, None, None
 
 
-def check(q, k, v, is_causal, scale, enable_gqa, block_q, block_kv):
-    """Every check :func:`native_attention` makes before calling the kernel; the tile (block_q, block_kv)
-    it will use. Errors name the argument."""
+def _tile(dim, block_q, block_kv, backward, names):
+    tiles = native_tiles(dim, backward=backward)
+    fits = [t for t in tiles if block_q in (None, t[0]) and block_kv in (None, t[1])]
+    if not fits:
+        raise ValueError(f"{names}: ({block_q!r}, {block_kv!r}) is not a native {'backward' if backward else 'forward'}"
+                         f" tile for head dim {dim}; supported: {tiles}")
+    return fits[0]
+
+
+def check(q, k, v, is_causal, scale, enable_gqa, block_q=None, block_kv=None, backward_block_q=None,
+          backward_block_kv=None):
+    """Every check :func:`native_attention` makes before calling the kernel; the forward's and the
+    backward's tiles ((block_q, block_kv), (block_q, block_kv)) it will use. Errors name the argument."""
     named = (("query", q), ("key", k), ("value", v))
     for name, t in named:
         if not isinstance(t, torch.Tensor):
@@ -78,30 +90,35 @@ def check(q, k, v, is_causal, scale, enable_gqa, block_q, block_kv):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     if not device_count():
         raise no_gpu("fadev.torch_native.native_attention")
-    tiles = native_tiles(int(q.shape[3]))
-    if not tiles:
-        raise ValueError(f"query: the native kernel has no tiles for head dim {q.shape[3]} (supported: those "
+    dim = int(q.shape[3])
+    if not native_tiles(dim):
+        raise ValueError(f"query: the native kernel has no tiles for head dim {dim} (supported: those "
                          f"fadev.native_tiles lists, 64 and 128)")
-    fits = [t for t in tiles if block_q in (None, t[0]) and block_kv in (None, t[1])]
-    if not fits:
-        raise ValueError(f"(block_q, block_kv) = ({block_q!r}, {block_kv!r}) is not a native tile for head dim "
-                         f"{q.shape[3]}; supported: {tiles}")
-    return fits[0]
+    forward = _tile(dim, block_q, block_kv, False, "block_q, block_kv")
+    if backward_block_q is None and backward_block_kv is None and forward in native_tiles(dim, backward=True):
+        return forward, forward
+    return forward, _tile(dim, backward_block_q, backward_block_kv, True, "backward_block_q, backward_block_kv")
 
 
-def native_attention(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, block_q=None, block_kv=None):
+def native_attention(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, block_q=None, block_kv=None,
+                     backward_block_q=None, backward_block_kv=None, deterministic=True):
     """softmax(scale q k^T) v by fadev's native FlashAttention-2-style kernel, differentiable.
 
     ``torch.nn.functional.scaled_dot_product_attention``'s conventions: q (B, H, N, D), k and v
     (B, H_kv, N_kv, D) CUDA tensors of one dtype, float16 or bfloat16; ``scale`` defaults to 1/sqrt(D);
     ``is_causal`` masks key j > query i (needs N == N_kv); ``enable_gqa`` lets H be a multiple of H_kv
-    (query head h reads K/V head h // (H / H_kv)). D is 64 or 128; (``block_q``, ``block_kv``) one of
-    :func:`fadev.native_tiles` (D), default its first. The output has q's dtype; the backward is
-    :func:`fadev.native_attention_backward` with the same tile. No dropout, no attn_mask.
+    (query head h reads K/V head h // (H / H_kv)). D is 64 or 128. The forward's tile (``block_q``,
+    ``block_kv``) is one of ``fadev.native_tiles(D)`` (default: its first); the backward has its own list,
+    ``fadev.native_tiles(D, backward=True)``, and uses (``backward_block_q``, ``backward_block_kv``) when
+    given, else the forward's tile where that list has it, else its own default. ``deterministic``: dq
+    by the backward's separate pass in key order (the same bits on every run, so a training run repeats
+    exactly); False: by atomic adds, as FlashAttention-2. The output has q's dtype; the output and the
+    gradients are the tensors :func:`fadev.native_attention` and :func:`fadev.native_attention_backward`
+    return. No dropout, no attn_mask.
     """
-    block_q, block_kv = check(q, k, v, is_causal, scale, enable_gqa, block_q, block_kv)
-    return _NativeFunction.apply(q, k, v, bool(is_causal), None if scale is None else float(scale), block_q,
-                                 block_kv)
+    tiles = check(q, k, v, is_causal, scale, enable_gqa, block_q, block_kv, backward_block_q, backward_block_kv)
+    return _NativeFunction.apply(q, k, v, bool(is_causal), None if scale is None else float(scale), tiles,
+                                 boolean(deterministic, "deterministic"))
 
 
 __all__ = ["native_attention", "DTYPES"]

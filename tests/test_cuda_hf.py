@@ -67,7 +67,7 @@ def test_native_op_bits_and_flash_rule(dim, dtype_name, causal, shape):
     grads = (ql.grad, kl.grad, vl.grad)
 
     want, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)
-    want_grads = fadev.native_attention_backward(q, k, v, want, lse, dout, causal=causal)
+    want_grads = fadev.native_attention_backward(q, k, v, want, lse, dout, causal=causal, deterministic=True)
     assert torch.equal(out, want), f"out differs from fadev.native_attention [{info}]"
     for name, g, w in zip(("dq", "dk", "dv"), grads, want_grads):
         assert torch.equal(g, w), f"{name} differs from fadev.native_attention_backward [{info}]"
@@ -79,13 +79,43 @@ def test_native_op_bits_and_flash_rule(dim, dtype_name, causal, shape):
         _assert_within(f"{name} [{info}]", _errors(g, ref), _errors(f, ref), 3, "torch flash")
 
 
-def test_native_op_tiles_and_errors():
-    q, k, v, dout = _inputs((1, 2, 2, 200, 200), 64, torch.bfloat16, "tiles")
-    for bq, bkv in fadev.native_tiles(64):
-        out = tn.native_attention(q, k, v, is_causal=True, block_q=bq, block_kv=bkv)
-        assert torch.equal(out, fadev.native_attention(q, k, v, causal=True, block_q=bq, block_kv=bkv))
+def _grads(q, k, v, dout, **options):
+    ql, kl, vl = _leaves(q, k, v)
+    out = tn.native_attention(ql, kl, vl, is_causal=True, **options)
+    out.backward(dout)
+    return out.detach(), (ql.grad, kl.grad, vl.grad)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_native_op_tiles(dim):
+    """Every forward tile; the backward on the forward's tile where its own list has it, else on its default,
+    or on the backward tile asked for; deterministic backward: the same bits twice."""
+    q, k, v, dout = _inputs((1, 2, 2, 200, 200), dim, torch.bfloat16, "tiles")
+    backward_tiles = fadev.native_tiles(dim, backward=True)
+    for bq, bkv in fadev.native_tiles(dim):
+        out, grads = _grads(q, k, v, dout, block_q=bq, block_kv=bkv)
+        want, lse = fadev.native_attention(q, k, v, causal=True, block_q=bq, block_kv=bkv, return_lse=True)
+        assert torch.equal(out, want)
+        bbq, bbkv = (bq, bkv) if (bq, bkv) in backward_tiles else backward_tiles[0]
+        want_grads = fadev.native_attention_backward(q, k, v, want, lse, dout, causal=True, block_q=bbq,
+                                                     block_kv=bbkv, deterministic=True)
+        assert all(torch.equal(g, w) for g, w in zip(grads, want_grads)), f"tile {bq}x{bkv}, backward {bbq}x{bbkv}"
+    bbq, bbkv = backward_tiles[-1]
+    _, grads = _grads(q, k, v, dout, backward_block_q=bbq, backward_block_kv=bbkv)
+    out, lse = fadev.native_attention(q, k, v, causal=True, return_lse=True)
+    want_grads = fadev.native_attention_backward(q, k, v, out, lse, dout, causal=True, block_q=bbq, block_kv=bbkv,
+                                                 deterministic=True)
+    assert all(torch.equal(g, w) for g, w in zip(grads, want_grads))
+    again = _grads(q, k, v, dout, backward_block_q=bbq, backward_block_kv=bbkv)[1]
+    assert all(torch.equal(g, w) for g, w in zip(grads, again))
+
+
+def test_native_op_errors():
+    q, k, v, dout = _inputs((1, 2, 2, 200, 200), 64, torch.bfloat16, "errors")
+    with pytest.raises(ValueError, match="backward_block_q"):
+        tn.native_attention(q, k, v, backward_block_q=128, backward_block_kv=256)
     with pytest.raises(ValueError, match="block_q"):
-        tn.native_attention(q, k, v, block_q=32, block_kv=32)
+        tn.native_attention(q, k, v, block_q=256, block_kv=256)
     with pytest.raises(TypeError, match="query.*float16 or bfloat16"):
         tn.native_attention(q.float(), k.float(), v.float())
     q96 = torch.zeros(1, 2, 8, 96, device="cuda", dtype=torch.float16)
@@ -121,7 +151,7 @@ def test_sdpa_flash_impl_is_native(dim, heads_kv):
     assert torch.nn.attention.current_flash_attention_impl() is None
     want, lse = fadev.native_attention(q, k, v, causal=True, return_lse=True)
     assert torch.equal(out, want)
-    for g, w in zip(grads, fadev.native_attention_backward(q, k, v, want, lse, dout, causal=True)):
+    for g, w in zip(grads, fadev.native_attention_backward(q, k, v, want, lse, dout, causal=True, deterministic=True)):
         assert torch.equal(g, w)
     after = sdpa()
     # PyTorch's own kernel again after restoring, and a different computation from the native one
@@ -170,8 +200,8 @@ def test_llama_native_equals_sdpa_on_the_flash_impl():
 
 def test_native_padding_mask_flash_rule():
     """A padding mask (row 0 left-padded, row 1 right-padded, grouped-query heads) through
-    use(kernel="native"): queries that see no key give 0; the others are within 2x of the error of PyTorch's
-    SDPA on the same mask in bfloat16, both against float64."""
+    use(kernel="native"): queries that see no key give 0; the others are within 2x of the error of the naive
+    bfloat16 attention on the same mask, both against float64."""
     b, h, hkv, n, d = 2, 4, 2, 192, 64
     q, k, v, _ = _inputs((b, h, hkv, n, n), d, torch.bfloat16, "padding")
     valid = torch.ones(b, n, dtype=torch.bool, device="cuda")
@@ -189,11 +219,11 @@ def test_native_padding_mask_flash_rule():
     scores = (q.double() @ kr.double().transpose(-1, -2) * d ** -0.5).masked_fill(~mask, -math.inf)
     none = ~mask.any(-1, keepdim=True)
     gold = torch.softmax(scores.masked_fill(none, 0.0), -1).masked_fill(none, 0.0) @ vr.double()
-    ref = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+    naive = torch.softmax((q @ kr.transpose(-1, -2) * d ** -0.5).masked_fill(~mask, -math.inf), -1) @ vr  # bf16
     seeing = mask.any(-1).expand(b, h, n)
     assert not out[~seeing].any()
-    _assert_within("padded out", _errors(out[seeing], gold[seeing]), _errors(ref[seeing], gold[seeing]), 2,
-                   "torch sdpa")
+    _assert_within("padded out", _errors(out[seeing], gold[seeing]), _errors(naive[seeing], gold[seeing]), 2,
+                   "naive")
     model = _llama(2)  # and a whole model: grouped-query heads, a padded batch, finite logits
     ids = torch.randint(0, 300, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     pad = torch.ones_like(ids)

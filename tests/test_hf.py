@@ -262,6 +262,7 @@ def test_dropout_bias_softcap_and_sinks_refused():
     (("golden",), {"kernel": "sdpa"}, ValueError, "policy"),
     ((), {"kernel": "native", "block_q": "64"}, TypeError, "block_q"),
     ((), {"kernel": "native", "exp": "exp2"}, TypeError, "exp"),
+    ((), {"kernel": "native", "deterministic": 1}, TypeError, "deterministic"),
     ((), {"kernel": "sdpa", "block_q": 64}, TypeError, "block_q"),
     (("golden",), {"block_size": 4}, TypeError, "block_size"),
     (("golden",), {"kernel": "baseline", "block_q": 4}, ValueError, "block_q"),
@@ -316,8 +317,32 @@ def test_sdpa_flash_registration_without_gpu():
         hf.register_sdpa_flash(block_q=64.0)
     with pytest.raises(TypeError, match="name"):
         hf.register_sdpa_flash(None)
+    with pytest.raises(TypeError, match="deterministic"):
+        hf.register_sdpa_flash(deterministic="no")
     if fadev.cuda_available():
         pytest.skip("a GPU is present: tests/test_cuda_hf.py activates the implementation")
     with pytest.raises(RuntimeError, match="no usable GPU"):
         torch.nn.attention.activate_flash_attention_impl("fadev")
     assert torch.nn.attention.current_flash_attention_impl() is None
+
+
+def test_cache_shaped_masks():
+    """With a KV cache: one new query over padded keys (decoding) is computed, and equals the fp64 reference;
+    a chunk of new queries after cached ones (a bottom-right causal chain) is refused by name."""
+    class Module:
+        is_causal = True
+
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64), torch.randn(2, 2, 9, 8, generator=g,
+                                                                                 dtype=torch.float64)
+    padding = torch.ones(2, 9, dtype=torch.bool)
+    padding[0, :2] = False
+    decode = sdpa_mask(batch_size=2, q_length=1, kv_length=9, q_offset=8, attention_mask=padding,
+                       allow_is_causal_skip=False)
+    with hf.use("golden"):
+        got, _ = hf.attention_forward(Module(), q[:, :, -1:], k, k, decode, scaling=0.3)
+    want, _ = _reference_attention(None, q[:, :, -1:], k, k, (~decode).double(), scaling=0.3)
+    assert _rel(got, want) <= TOL
+    chunk = sdpa_mask(batch_size=2, q_length=6, kv_length=9, q_offset=3, allow_is_causal_skip=False)
+    with hf.use("golden"), pytest.raises(ValueError, match="attention_mask: batch row 0"):
+        hf.attention_forward(Module(), q, k, k, chunk, scaling=0.3)
