@@ -70,34 +70,55 @@ def _per_head(a, b):
     return out.reshape(*out.shape[:-4], heads, *out.shape[-2:])
 
 
+CHUNK_BYTES = 1 << 28
+"""Largest float64 copy of keys and values (bytes) the reference makes at once; more key/value heads are done
+in turns, so a long-context model's check does not hold a float64 copy of its whole K and V."""
+
+
+def _reference(q, k, v, positions, mask, scale):
+    """float64 attention of query rows ``q`` (at sequence ``positions``; ``mask`` already cut to them)."""
+    f64 = torch.float64
+    k = k.to(f64)
+    scores = _per_head(q.to(f64), k.transpose(-1, -2)) * scale
+    if positions is not None:  # causal, top-left: query i sees keys j <= i
+        seen = torch.arange(k.shape[-2], device=scores.device) <= positions[:, None]
+        scores = scores.masked_fill(~seen, -math.inf)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.to(f64)
+    top = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - torch.where(top == -math.inf, 0.0, top))  # a row seeing no key: all 0
+    total = weights.sum(-1, keepdim=True)
+    out = _per_head(weights, v.to(f64))
+    return torch.where(total > 0, out / torch.where(total > 0, total, 1.0), 0.0)
+
+
 def reference_rows(query, key, value, rows, attn_mask=None, is_causal=False, scale=None):
     """The float64 attention output at query rows ``rows`` (a slice of the sequence dim), on the inputs'
     device, as ``scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale,
-    enable_gqa)`` defines it; shape ``out[..., rows, :]``."""
-    f64 = torch.float64
+    enable_gqa)`` defines it; shape ``out[..., rows, :]``. Key/value heads are taken a few at a time
+    (:data:`CHUNK_BYTES`)."""
     with torch.no_grad():
-        squeeze = query.dim() == 2
-        q, k, v = (t.detach().to(f64) for t in (query, key, value))
-        if squeeze:
-            q, k, v = q[None], k[None], v[None]
-        length, keys = q.shape[-2], k.shape[-2]
-        scores = _per_head(q[..., rows, :], k.transpose(-1, -2))
-        scores = scores * (1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
-        if is_causal:
-            positions = torch.arange(length, device=scores.device)[rows]
-            seen = torch.arange(keys, device=scores.device) <= positions[:, None]
-            scores = scores.masked_fill(~seen, -math.inf)
-        if attn_mask is not None:
-            mask = attn_mask.detach()
-            if mask.dim() >= 2 and mask.shape[-2] == length:
-                mask = mask[..., rows, :]
-            scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.to(f64)
-        top = scores.amax(-1, keepdim=True)
-        weights = torch.exp(scores - torch.where(top == -math.inf, 0.0, top))  # a row seeing no key: all 0
-        total = weights.sum(-1, keepdim=True)
-        out = _per_head(weights, v)
-        out = torch.where(total > 0, out / torch.where(total > 0, total, 1.0), 0.0)
-        return out[0] if squeeze else out
+        q, k, v = (t.detach() for t in (query, key, value))
+        if q.dim() == 2:
+            return reference_rows(q[None], k[None], v[None], rows, attn_mask, is_causal, scale)[0]
+        length = q.shape[-2]
+        q = q[..., rows, :]
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        positions = torch.arange(length, device=q.device)[rows] if is_causal else None
+        mask = attn_mask.detach() if attn_mask is not None else None
+        if mask is not None and mask.dim() >= 2 and mask.shape[-2] == length:
+            mask = mask[..., rows, :]
+        heads, kv_heads = q.shape[-3], k.shape[-3]
+        per_head = 8 * (k[..., :1, :, :].numel() + v[..., :1, :, :].numel())
+        step = kv_heads if heads % kv_heads else max(1, CHUNK_BYTES // max(per_head, 1))
+        group = heads // kv_heads if heads >= kv_heads else 1
+        parts = []
+        for h in range(0, kv_heads, step):
+            kv, hq = slice(h, h + step), slice(h * group, (h + step) * group)
+            part_mask = mask[..., hq, :, :] if mask is not None and mask.dim() >= 3 and mask.shape[-3] > 1 else mask
+            parts.append(_reference(q[..., hq, :, :], k[..., kv, :, :], v[..., kv, :, :], positions, part_mask,
+                                    scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-3)
 
 
 def deviation(out, ref):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fadev
+import fadev.monitor
 import fadev.torch as ft
 from fadev.monitor import COLUMNS, METRICS, Monitor, _sampled_rows, reference_rows
 
@@ -110,6 +111,8 @@ CASES = {  # name: (q shape, k shape, v shape, sdpa kwargs)
     "hf_min_mask": ((1, 2, 6, 4), (1, 2, 6, 4), (1, 2, 6, 4),
                     {"attn_mask": torch.full((6, 6), torch.finfo(F64).min, dtype=F64).triu(1)[None, None]}),
     "gqa_causal": ((2, 6, 7, 4), (2, 2, 7, 4), (2, 2, 7, 4), {"is_causal": True, "enable_gqa": True}),
+    "gqa_head_mask": ((2, 6, 7, 4), (2, 3, 7, 4), (2, 3, 7, 4),
+                      {"attn_mask": _float_mask((6, 7, 7), 5), "enable_gqa": True}),
     "one_kv_head_broadcast": ((1, 4, 6, 4), (1, 1, 6, 4), (1, 1, 6, 4), {}),
     "scale_and_value_dim": ((1, 2, 6, 4), (1, 2, 8, 4), (1, 2, 8, 3), {"scale": 0.3}),
     "rank2": ((7, 4), (9, 4), (9, 4), {"is_causal": True}),
@@ -117,8 +120,11 @@ CASES = {  # name: (q shape, k shape, v shape, sdpa kwargs)
 }
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "head_by_head"])
 @pytest.mark.parametrize("case", CASES)
-def test_reference_rows_is_sdpa_in_float64(case):
+def test_reference_rows_is_sdpa_in_float64(case, chunked, monkeypatch):
+    if chunked:  # one key/value head at a time, as for a long context
+        monkeypatch.setattr(fadev.monitor, "CHUNK_BYTES", 1)
     qs, ks, vs, kwargs = CASES[case]
     q, k, v = randn(*qs, seed=10), randn(*ks, seed=11), randn(*vs, seed=12)
     out = F.scaled_dot_product_attention(q, k, v, **kwargs)
