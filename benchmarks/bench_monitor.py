@@ -152,7 +152,8 @@ def main():
     steps = args.steps or args.sample_every
     data = text_bytes()
     df = validate(args.model, args.device, data)
-    print(f"validated: bit-identical step; rel_rms per layer {df['rel_rms'].min():.3g} .. {df['rel_rms'].max():.3g}")
+    print(f"validated: bit-identical step; rel_rms per layer {df['rel_rms'].min():.3g} .. {df['rel_rms'].max():.3g}",
+          flush=True)
 
     trainer = Trainer(args.model, args.device, data)
     params = sum(p.numel() for p in trainer.model.parameters())
@@ -171,6 +172,7 @@ def main():
                     trainer.step()
                 sync(args.device)
                 times[arm].append((time.perf_counter() - t0) / steps)
+            print(f"block {block + 1}/{2 * args.blocks} ({arm}): {times[arm][-1] * 1e3:.2f} ms/step", flush=True)
         checks = len(monitor.records)
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
     hidden, layers, heads, kv_heads, seq, batch = SIZES[args.device]

@@ -12,10 +12,11 @@ from it is logged::
     max_abs = max |d|,  mean_abs = mean |d|,  rel_rms = sqrt(sum d^2 / sum ref^2),  nonfinite = #(out not finite)
 
 At most ``rows`` rows are checked per call; the offset moves by one at each sample, so s consecutive samples
-check every position once (causal attention's early rows see few keys, the late ones many). The reference reads the call's arguments as SDPA
-does: ``scale`` (default 1/sqrt(E)), ``is_causal`` (query i sees keys j <= i, SDPA's top-left alignment),
-``attn_mask`` (bool: True attends; float: added to the scores; broadcast as SDPA broadcasts it), grouped
-query heads (query head h reads key/value head h // (H / H_kv)); a row that sees no key is 0, as SDPA gives.
+check every position once (causal attention's early rows see few keys, the late ones many). The reference
+reads the call's arguments as SDPA does: ``scale`` (default 1/sqrt(E)), ``is_causal`` (query i sees keys
+j <= i, SDPA's top-left alignment), ``attn_mask`` (bool: True attends; float: added to the scores; broadcast
+as SDPA broadcasts it), grouped query heads (query head h reads key/value head h // (H / H_kv)); a row that
+sees no key is 0, as SDPA gives.
 Its float64 sums are exact to a few float64 ulps, so ``rel_rms`` of a float64 model is ~1e-16 and that of
 a bf16 model is bf16's error, not the reference's.
 
@@ -37,6 +38,7 @@ import csv as _csv
 import math
 import os
 import sys
+import warnings
 import weakref
 
 import torch
@@ -190,8 +192,9 @@ class Monitor:
 
     ``mon.records`` (completed records, dicts with :data:`COLUMNS`), ``mon.to_dataframe()``,
     ``mon.summary()`` (one row per layer), ``mon.calls`` (SDPA calls seen), ``mon.skipped`` ({reason: count}
-    of sampled calls the reference cannot compute: dropout, empty or nested tensors; calls traced by
-    torch.compile pass through unchecked). ``mon.step``: set it to your training step to log at that step;
+    of sampled calls the reference cannot compute: dropout, empty or nested tensors, a RuntimeError such as
+    running out of memory, which is also warned about once; calls traced by torch.compile pass through
+    unchecked). ``mon.step``: set it to your training step to log at that step;
     left None, a record's step is the index of the first layer's current call (the forward pass, when each
     calls every layer once).
     """
@@ -222,7 +225,12 @@ class Monitor:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
             writer = SummaryWriter(os.fspath(self.log_dir))
         if self._inner is not None:
-            self._inner.__enter__()
+            try:
+                self._inner.__enter__()
+            except BaseException:
+                if writer is not None:
+                    writer.close()
+                raise
         self._writer = writer
         self._original = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = self._sdpa
@@ -275,9 +283,16 @@ class Monitor:
             return self._skip("empty tensors")
         self._drain(block=False)
         rows, n, stride = _sampled_rows(q.shape[-2], self.rows, call // self.sample_every)
-        ref = reference_rows(q, k, v, rows, mask, bool(is_causal), scale)
-        with torch.no_grad():
-            stats = deviation(out[..., rows, :], ref)
+        try:
+            ref = reference_rows(q, k, v, rows, mask, bool(is_causal), scale)
+            with torch.no_grad():
+                stats = deviation(out[..., rows, :], ref)
+        except RuntimeError as e:  # out of memory, above all: the training run goes on, the check is skipped
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if reason not in self.skipped:
+                warnings.warn(f"fadev monitor: a check of {layer} failed and is skipped ({reason})", RuntimeWarning,
+                              stacklevel=3)
+            return self._skip(reason)
         step = self.step if self.step is not None else self._counts[self._first_layer] - 1
         record = {"step": step, "layer": layer, "module_type": module_type, "call": call,
                   "attention": self.attention, "dtype": str(q.dtype).replace("torch.", ""),

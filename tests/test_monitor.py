@@ -298,16 +298,28 @@ def test_no_reference_to_the_model_or_its_tensors_is_kept():
     assert not [o for o in gc.get_referents(*vars(mon).values()) if isinstance(o, torch.Tensor)]
 
 
-def test_skips_and_errors():
+def test_skips_and_errors(monkeypatch):
     q, k, v = randn(1, 2, 6, 4, seed=1), randn(1, 2, 6, 4, seed=2), randn(1, 2, 6, 4, seed=3)
     with ft.shadow(sample_every=1) as mon:
         F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
         F.scaled_dot_product_attention(q[:, :, :0], k, v)
     assert mon.records == [] and mon.skipped == {"dropout": 1, "empty tensors": 1} and mon.calls == 2
+
+    def out_of_memory(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB\nmore")
+
+    want = F.scaled_dot_product_attention(q, k, v)
+    monkeypatch.setattr(fadev.monitor, "reference_rows", out_of_memory)
+    with pytest.warns(RuntimeWarning, match="check of .* failed and is skipped .*OutOfMemoryError: CUDA out of"):
+        with ft.shadow(sample_every=1) as mon:
+            got = [F.scaled_dot_product_attention(q, k, v) for _ in range(2)]
+    assert all(torch.equal(g, want) for g in got) and mon.records == []
+    assert mon.skipped == {"OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB": 2}
+    monkeypatch.undo()
     original = F.scaled_dot_product_attention
     with pytest.raises(RuntimeError, match="size"):
         with ft.shadow(sample_every=1):
-            F.scaled_dot_product_attention(q, k[:, :, :5], v)  # PyTorch's own error, unchanged
+            F.scaled_dot_product_attention(q, k[..., :3], v)  # PyTorch's own error, unchanged
     assert F.scaled_dot_product_attention is original
     mon = ft.shadow(sample_every=10)
     with mon, pytest.raises(RuntimeError, match="already active"):
