@@ -10,9 +10,12 @@ writing CSV and TensorBoard logs to a temporary folder), ``--blocks`` of each, s
 machine load; a block is timed from a device synchronisation to another. The monitor keeps its per-layer
 counters across its blocks, so at --steps = k every monitored block holds exactly one checked call per layer.
 
-    python benchmarks/bench_monitor.py --threads 1             # CPU: a 0.8M-parameter Llama, sequence 256
-    python benchmarks/bench_monitor.py --device cuda           # GPU: a 24M-parameter Llama, sequence 1024, bf16 autocast
+    python benchmarks/bench_monitor.py --threads 1       # CPU: a 0.8M-parameter Llama, sequence 128
+    python benchmarks/bench_monitor.py --device cuda     # GPU: a 24M-parameter Llama, sequence 1024, bf16 autocast
     python benchmarks/bench_monitor.py --model torch --device cuda
+
+Besides the two arms' step times it prints the monitor's own host time (naming the calling layer at every
+SDPA call; the checks), which on the CPU is the monitor's whole cost, measured inside the monitored steps.
 """
 import argparse
 import contextlib
@@ -31,7 +34,7 @@ from torch import nn
 import fadev.torch as ft
 
 SIZES = {  # device: (hidden, layers, heads, kv heads, sequence, batch)
-    "cpu": (128, 4, 4, 2, 256, 4),
+    "cpu": (128, 4, 4, 2, 128, 4),
     "cuda": (512, 8, 8, 4, 1024, 8),
 }
 
@@ -119,7 +122,7 @@ def validate(kind, device, data):
     runs = []
     for monitored in (False, True):
         trainer = Trainer(kind, device, data)
-        batch = Trainer(kind, device, data).batch()
+        batch = trainer.batch()  # each run draws the same first batch
         ctx = ft.shadow(sample_every=1, rows=16) if monitored else contextlib.nullcontext()
         with ctx as mon:
             loss, logits = trainer.step(batch)
@@ -134,6 +137,23 @@ def validate(kind, device, data):
     limit = 2.0 ** -6 if device == "cuda" else 2.0 ** -12
     assert len(df) == SIZES[device][1] and (df["nonfinite"] == 0).all() and (df["rel_rms"] < limit).all(), df
     return df
+
+
+def clock(monitor):
+    """Time the monitor's two pieces of work (naming the calling layer; a check) on the host, into a dict."""
+    own = {"names": 0.0, "sample": 0.0}
+
+    def timed(fn, key):
+        def run(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                own[key] += time.perf_counter() - t0
+        return run
+
+    monitor._layer_names, monitor._sample = timed(monitor._layer_names, "names"), timed(monitor._sample, "sample")
+    return own
 
 
 def main():
@@ -152,7 +172,8 @@ def main():
     steps = args.steps or args.sample_every
     data = text_bytes()
     df = validate(args.model, args.device, data)
-    print(f"validated: bit-identical step; rel_rms per layer {df['rel_rms'].min():.3g} .. {df['rel_rms'].max():.3g}")
+    print(f"validated: bit-identical step; rel_rms per layer {df['rel_rms'].min():.3g} .. {df['rel_rms'].max():.3g}",
+          flush=True)
 
     trainer = Trainer(args.model, args.device, data)
     params = sum(p.numel() for p in trainer.model.parameters())
@@ -161,6 +182,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         monitor = ft.shadow(sample_every=args.sample_every, rows=args.rows, csv=os.path.join(tmp, "attention.csv"),
                             log_dir=os.path.join(tmp, "tb"))
+        own = clock(monitor)
         times = {"off": [], "on": []}
         for block in range(2 * args.blocks):
             arm = ("off", "on")[block % 2]
@@ -171,18 +193,25 @@ def main():
                     trainer.step()
                 sync(args.device)
                 times[arm].append((time.perf_counter() - t0) / steps)
+            print(f"block {block + 1}/{2 * args.blocks} ({arm}): {times[arm][-1] * 1e3:.2f} ms/step", flush=True)
         checks = len(monitor.records)
-    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    off, on = statistics.mean(times["off"]), statistics.mean(times["on"])
     hidden, layers, heads, kv_heads, seq, batch = SIZES[args.device]
     name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     print(f"\n{datetime.date.today()}  {name}  torch {torch.__version__}  threads {torch.get_num_threads()}")
     print(f"model {args.model}: {params / 1e6:.1f}M parameters, {layers} layers, {heads} heads ({kv_heads} kv), "
           f"hidden {hidden}, batch {batch} x sequence {seq}; sample_every={args.sample_every}, rows={args.rows}, "
           f"{args.blocks} blocks of {steps} steps per arm, {checks} checks logged")
-    print("\n| arm | ms/step (median of blocks) | blocks (ms/step) |\n|---|---|---|")
+    print("\n| arm | ms/step (all blocks) | blocks (ms/step) |\n|---|---|---|")
     for arm, t in (("without monitor", times["off"]), ("with monitor", times["on"])):
-        print(f"| {arm} | {statistics.median(t) * 1e3:.2f} | {', '.join(f'{x * 1e3:.2f}' for x in t)} |")
-    print(f"\noverhead: {100 * (on / off - 1):+.2f}% of step time (ratio {on / off:.4f})")
+        print(f"| {arm} | {statistics.mean(t) * 1e3:.2f} | {', '.join(f'{x * 1e3:.2f}' for x in t)} |")
+    total = steps * args.blocks
+    print(f"\noverhead: {100 * (on / off - 1):+.2f}% of step time (ratio {on / off:.4f}, both arms' time over "
+          f"{total} steps)")
+    per_step = (own["names"] + own["sample"]) / total
+    print(f"monitor's own host time: {own['names'] / total * 1e6:.1f} us/step naming layers "
+          f"({monitor.calls / total:.0f} calls/step), {own['sample'] / max(checks, 1) * 1e3:.2f} ms per check x "
+          f"{checks} checks = {per_step * 1e3:.3f} ms/step = {100 * per_step / on:.2f}% of the monitored step")
 
 
 if __name__ == "__main__":

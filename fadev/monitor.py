@@ -12,10 +12,11 @@ from it is logged::
     max_abs = max |d|,  mean_abs = mean |d|,  rel_rms = sqrt(sum d^2 / sum ref^2),  nonfinite = #(out not finite)
 
 At most ``rows`` rows are checked per call; the offset moves by one at each sample, so s consecutive samples
-check every position once (causal attention's early rows see few keys, the late ones many). The reference reads the call's arguments as SDPA
-does: ``scale`` (default 1/sqrt(E)), ``is_causal`` (query i sees keys j <= i, SDPA's top-left alignment),
-``attn_mask`` (bool: True attends; float: added to the scores; broadcast as SDPA broadcasts it), grouped
-query heads (query head h reads key/value head h // (H / H_kv)); a row that sees no key is 0, as SDPA gives.
+check every position once (causal attention's early rows see few keys, the late ones many). The reference
+reads the call's arguments as SDPA does: ``scale`` (default 1/sqrt(E)), ``is_causal`` (query i sees keys
+j <= i, SDPA's top-left alignment), ``attn_mask`` (bool: True attends; float: added to the scores; broadcast
+as SDPA broadcasts it), grouped query heads (query head h reads key/value head h // (H / H_kv)); a row that
+sees no key is 0, as SDPA gives.
 Its float64 sums are exact to a few float64 ulps, so ``rel_rms`` of a float64 model is ~1e-16 and that of
 a bf16 model is bf16's error, not the reference's.
 
@@ -37,6 +38,7 @@ import csv as _csv
 import math
 import os
 import sys
+import warnings
 import weakref
 
 import torch
@@ -70,34 +72,55 @@ def _per_head(a, b):
     return out.reshape(*out.shape[:-4], heads, *out.shape[-2:])
 
 
+CHUNK_BYTES = 1 << 28
+"""Largest float64 copy of keys and values (bytes) the reference makes at once; more key/value heads are done
+in turns, so a long-context model's check does not hold a float64 copy of its whole K and V."""
+
+
+def _reference(q, k, v, positions, mask, scale):
+    """float64 attention of query rows ``q`` (at sequence ``positions``; ``mask`` already cut to them)."""
+    f64 = torch.float64
+    k = k.to(f64)
+    scores = _per_head(q.to(f64), k.transpose(-1, -2)) * scale
+    if positions is not None:  # causal, top-left: query i sees keys j <= i
+        seen = torch.arange(k.shape[-2], device=scores.device) <= positions[:, None]
+        scores = scores.masked_fill(~seen, -math.inf)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.to(f64)
+    top = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - torch.where(top == -math.inf, 0.0, top))  # a row seeing no key: all 0
+    total = weights.sum(-1, keepdim=True)
+    out = _per_head(weights, v.to(f64))
+    return torch.where(total > 0, out / torch.where(total > 0, total, 1.0), 0.0)
+
+
 def reference_rows(query, key, value, rows, attn_mask=None, is_causal=False, scale=None):
     """The float64 attention output at query rows ``rows`` (a slice of the sequence dim), on the inputs'
     device, as ``scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale,
-    enable_gqa)`` defines it; shape ``out[..., rows, :]``."""
-    f64 = torch.float64
+    enable_gqa)`` defines it; shape ``out[..., rows, :]``. Key/value heads are taken a few at a time
+    (:data:`CHUNK_BYTES`)."""
     with torch.no_grad():
-        squeeze = query.dim() == 2
-        q, k, v = (t.detach().to(f64) for t in (query, key, value))
-        if squeeze:
-            q, k, v = q[None], k[None], v[None]
-        length, keys = q.shape[-2], k.shape[-2]
-        scores = _per_head(q[..., rows, :], k.transpose(-1, -2))
-        scores = scores * (1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
-        if is_causal:
-            positions = torch.arange(length, device=scores.device)[rows]
-            seen = torch.arange(keys, device=scores.device) <= positions[:, None]
-            scores = scores.masked_fill(~seen, -math.inf)
-        if attn_mask is not None:
-            mask = attn_mask.detach()
-            if mask.dim() >= 2 and mask.shape[-2] == length:
-                mask = mask[..., rows, :]
-            scores = scores.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else scores + mask.to(f64)
-        top = scores.amax(-1, keepdim=True)
-        weights = torch.exp(scores - torch.where(top == -math.inf, 0.0, top))  # a row seeing no key: all 0
-        total = weights.sum(-1, keepdim=True)
-        out = _per_head(weights, v)
-        out = torch.where(total > 0, out / torch.where(total > 0, total, 1.0), 0.0)
-        return out[0] if squeeze else out
+        q, k, v = (t.detach() for t in (query, key, value))
+        if q.dim() == 2:
+            return reference_rows(q[None], k[None], v[None], rows, attn_mask, is_causal, scale)[0]
+        length = q.shape[-2]
+        q = q[..., rows, :]
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        positions = torch.arange(length, device=q.device)[rows] if is_causal else None
+        mask = attn_mask.detach() if attn_mask is not None else None
+        if mask is not None and mask.dim() >= 2 and mask.shape[-2] == length:
+            mask = mask[..., rows, :]
+        heads, kv_heads = q.shape[-3], k.shape[-3]
+        per_head = 8 * (k[..., :1, :, :].numel() + v[..., :1, :, :].numel())
+        step = kv_heads if heads % kv_heads else max(1, CHUNK_BYTES // max(per_head, 1))
+        group = heads // kv_heads if heads >= kv_heads else 1
+        parts = []
+        for h in range(0, kv_heads, step):
+            kv, hq = slice(h, h + step), slice(h * group, (h + step) * group)
+            part_mask = mask[..., hq, :, :] if mask is not None and mask.dim() >= 3 and mask.shape[-3] > 1 else mask
+            parts.append(_reference(q[..., hq, :, :], k[..., kv, :, :], v[..., kv, :, :], positions, part_mask,
+                                    scale))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-3)
 
 
 def deviation(out, ref):
@@ -169,8 +192,9 @@ class Monitor:
 
     ``mon.records`` (completed records, dicts with :data:`COLUMNS`), ``mon.to_dataframe()``,
     ``mon.summary()`` (one row per layer), ``mon.calls`` (SDPA calls seen), ``mon.skipped`` ({reason: count}
-    of sampled calls the reference cannot compute: dropout, empty or nested tensors; calls traced by
-    torch.compile pass through unchecked). ``mon.step``: set it to your training step to log at that step;
+    of sampled calls the reference cannot compute: dropout, empty or nested tensors, a RuntimeError such as
+    running out of memory, which is also warned about once; calls traced by torch.compile pass through
+    unchecked). ``mon.step``: set it to your training step to log at that step;
     left None, a record's step is the index of the first layer's current call (the forward pass, when each
     calls every layer once).
     """
@@ -201,7 +225,12 @@ class Monitor:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
             writer = SummaryWriter(os.fspath(self.log_dir))
         if self._inner is not None:
-            self._inner.__enter__()
+            try:
+                self._inner.__enter__()
+            except BaseException:
+                if writer is not None:
+                    writer.close()
+                raise
         self._writer = writer
         self._original = F.scaled_dot_product_attention
         F.scaled_dot_product_attention = self._sdpa
@@ -254,9 +283,16 @@ class Monitor:
             return self._skip("empty tensors")
         self._drain(block=False)
         rows, n, stride = _sampled_rows(q.shape[-2], self.rows, call // self.sample_every)
-        ref = reference_rows(q, k, v, rows, mask, bool(is_causal), scale)
-        with torch.no_grad():
-            stats = deviation(out[..., rows, :], ref)
+        try:
+            ref = reference_rows(q, k, v, rows, mask, bool(is_causal), scale)
+            with torch.no_grad():
+                stats = deviation(out[..., rows, :], ref)
+        except RuntimeError as e:  # out of memory, above all: the training run goes on, the check is skipped
+            reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if reason not in self.skipped:
+                warnings.warn(f"fadev monitor: a check of {layer} failed and is skipped ({reason})", RuntimeWarning,
+                              stacklevel=3)
+            return self._skip(reason)
         step = self.step if self.step is not None else self._counts[self._first_layer] - 1
         record = {"step": step, "layer": layer, "module_type": module_type, "call": call,
                   "attention": self.attention, "dtype": str(q.dtype).replace("torch.", ""),

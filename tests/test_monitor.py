@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fadev
+import fadev.monitor
 import fadev.torch as ft
 from fadev.monitor import COLUMNS, METRICS, Monitor, _sampled_rows, reference_rows
 
@@ -110,6 +111,8 @@ CASES = {  # name: (q shape, k shape, v shape, sdpa kwargs)
     "hf_min_mask": ((1, 2, 6, 4), (1, 2, 6, 4), (1, 2, 6, 4),
                     {"attn_mask": torch.full((6, 6), torch.finfo(F64).min, dtype=F64).triu(1)[None, None]}),
     "gqa_causal": ((2, 6, 7, 4), (2, 2, 7, 4), (2, 2, 7, 4), {"is_causal": True, "enable_gqa": True}),
+    "gqa_head_mask": ((2, 6, 7, 4), (2, 3, 7, 4), (2, 3, 7, 4),
+                      {"attn_mask": _float_mask((6, 7, 7), 5), "enable_gqa": True}),
     "one_kv_head_broadcast": ((1, 4, 6, 4), (1, 1, 6, 4), (1, 1, 6, 4), {}),
     "scale_and_value_dim": ((1, 2, 6, 4), (1, 2, 8, 4), (1, 2, 8, 3), {"scale": 0.3}),
     "rank2": ((7, 4), (9, 4), (9, 4), {"is_causal": True}),
@@ -117,8 +120,11 @@ CASES = {  # name: (q shape, k shape, v shape, sdpa kwargs)
 }
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "head_by_head"])
 @pytest.mark.parametrize("case", CASES)
-def test_reference_rows_is_sdpa_in_float64(case):
+def test_reference_rows_is_sdpa_in_float64(case, chunked, monkeypatch):
+    if chunked:  # one key/value head at a time, as for a long context
+        monkeypatch.setattr(fadev.monitor, "CHUNK_BYTES", 1)
     qs, ks, vs, kwargs = CASES[case]
     q, k, v = randn(*qs, seed=10), randn(*ks, seed=11), randn(*vs, seed=12)
     out = F.scaled_dot_product_attention(q, k, v, **kwargs)
@@ -292,16 +298,28 @@ def test_no_reference_to_the_model_or_its_tensors_is_kept():
     assert not [o for o in gc.get_referents(*vars(mon).values()) if isinstance(o, torch.Tensor)]
 
 
-def test_skips_and_errors():
+def test_skips_and_errors(monkeypatch):
     q, k, v = randn(1, 2, 6, 4, seed=1), randn(1, 2, 6, 4, seed=2), randn(1, 2, 6, 4, seed=3)
     with ft.shadow(sample_every=1) as mon:
         F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
         F.scaled_dot_product_attention(q[:, :, :0], k, v)
     assert mon.records == [] and mon.skipped == {"dropout": 1, "empty tensors": 1} and mon.calls == 2
+
+    def out_of_memory(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB\nmore")
+
+    want = F.scaled_dot_product_attention(q, k, v)
+    monkeypatch.setattr(fadev.monitor, "reference_rows", out_of_memory)
+    with pytest.warns(RuntimeWarning, match="check of .* failed and is skipped .*OutOfMemoryError: CUDA out of"):
+        with ft.shadow(sample_every=1) as mon:
+            got = [F.scaled_dot_product_attention(q, k, v) for _ in range(2)]
+    assert all(torch.equal(g, want) for g in got) and mon.records == []
+    assert mon.skipped == {"OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB": 2}
+    monkeypatch.undo()
     original = F.scaled_dot_product_attention
     with pytest.raises(RuntimeError, match="size"):
         with ft.shadow(sample_every=1):
-            F.scaled_dot_product_attention(q, k[:, :, :5], v)  # PyTorch's own error, unchanged
+            F.scaled_dot_product_attention(q, k[..., :3], v)  # PyTorch's own error, unchanged
     assert F.scaled_dot_product_attention is original
     mon = ft.shadow(sample_every=10)
     with mon, pytest.raises(RuntimeError, match="already active"):
