@@ -12,8 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import fadev  # noqa: E402
 from fadev.__main__ import main  # noqa: E402
-from fadev.experiments.train_drift import llama_runs_and_pairs, settings  # noqa: E402
+from fadev.experiments.train_drift import check_device, llama_runs_and_pairs, settings  # noqa: E402
 from fadev.training import Pair, lm, lm_track, text  # noqa: E402
 
 TINY = lm.LMConfig(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64, seq=16, batch=2, lr=1e-2, steps=6, log_every=2,
@@ -193,3 +194,26 @@ def test_llama_arms_and_sizes():
     assert lm.parameters(lm.LMConfig(**{k: full[k] for k in ("hidden", "layers", "heads", "kv_heads", "ffn")})) >= 25e6
     with pytest.raises(ValueError, match="unknown setting.*--model llama"):
         settings("quick", "llama", width=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (fadev.cuda_available() and torch.cuda.is_available()), reason="needs a CUDA device and torch")
+def test_llama_arms_on_the_gpu(tmp_path):
+    """Models and attention on the GPU (emulated arms through fadev's GPU kernels, native arms on the tensor
+    cores): the emulated control stays exactly 0 and a resumed emulated arm has the uninterrupted bits; the
+    native arms train and drift from the baseline."""
+    check_device("cuda")
+    config = lm.LMConfig(hidden=128, layers=1, heads=2, kv_heads=1, ffn=64, seq=128, batch=2, lr=1e-2, steps=4,
+                         log_every=2, checkpoint_every=2, eval_windows=2)
+    runs, pairs, skipped = llama_runs_and_pairs("cuda", ("128x64", "64x64"), 64, head_dim=64)
+    assert not skipped and {"native_128x64", "native_64x64", "native_128x64_again"} <= {r.name for r in runs}
+    straight, parts = str(tmp_path / "straight"), str(tmp_path / "parts")
+    drift, loss, reached = lm_track.track_arms(config, runs, pairs, straight, device="cuda")
+    lm_track.track_arms(lm.LMConfig(**{**config.__dict__, "steps": 2}), runs, pairs, parts, device="cuda")
+    resumed, _, _ = lm_track.track_arms(config, runs, pairs, parts, device="cuda")
+    d = drift.set_index(["pair", "step"])
+    assert (drift[drift["role"] == "control"][["max_abs", "wasserstein"]].to_numpy() == 0).all()
+    assert all(d.loc[(p.name, 4), "max_abs"] > 0 for p in pairs if p.role == "flash")
+    assert np.isfinite(loss["eval_loss"]).all()
+    emulated = [p.name for p in pairs if p.role in ("flash", "precision", "init", "control") and "native" not in p.name]
+    assert _values(resumed[resumed["pair"].isin(emulated)]).equals(_values(drift[drift["pair"].isin(emulated)]))

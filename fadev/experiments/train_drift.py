@@ -196,8 +196,10 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
 def llama_runs_and_pairs(device="cpu", native_tiles=("128x64", "64x64"), flash_block=None, control=True, head_dim=64):
     """The Llama study's arms and pairs, and {skipped arm: why}: those of :func:`runs_and_pairs` (as
     fadev.training.lm.Arm; emulated flash tiles flash_block x flash_block, None: the presets'), plus one
-    native-kernel arm per tiling "BQxBKV" (skipped where it cannot run) paired with the baseline, and the
-    two native tilings against each other."""
+    native-kernel arm per tiling "BQxBKV" (skipped where it cannot run, e.g. on a CPU or a head dim without
+    that tile) paired with the baseline, the two native tilings against each other, and the first native arm
+    run twice: its backward's atomic dQ sums make the native kernel not bit-reproducible, and this pair
+    measures that run-to-run drift."""
     Arm, Pair = training.lm.Arm, training.Pair
     tiles = (("block_q", flash_block), ("block_kv", flash_block)) if flash_block else ()
     runs = [Arm("baseline", "baseline", "naive:bf16", "bf16"),
@@ -221,6 +223,10 @@ def llama_runs_and_pairs(device="cpu", native_tiles=("128x64", "64x64"), flash_b
         pairs.append(Pair(f"flash native {int(bq)}x{int(bkv)} vs baseline", name, "baseline", "flash"))
     if len(native) >= 2:
         pairs.append(Pair(f"{native[1]} vs {native[0]}", native[1], native[0], "other"))
+    if native:  # the native backward sums dQ with fp32 atomics (as FlashAttention-2 does): not bit-reproducible
+        first = next(r for r in runs if r.name == native[0])
+        runs.append(dataclasses.replace(first, name=f"{native[0]}_again"))
+        pairs.append(Pair(f"{native[0]} run twice (atomic dQ sums)", f"{native[0]}_again", native[0], "other"))
     if control:
         runs.append(Arm("control", "baseline", "naive:bf16", "bf16"))
         pairs.append(Pair("control (identical runs)", "control", "baseline", "control"))
