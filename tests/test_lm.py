@@ -189,6 +189,11 @@ def test_llama_arms_and_sizes():
     assert [p.role for p in pairs].count("flash") == 2 and "control" in [p.role for p in pairs]
     with pytest.raises(ValueError, match="native_tiles"):
         llama_runs_and_pairs("cpu", ("128-64",))
+    some, some_pairs, some_skipped = llama_runs_and_pairs("cpu", arms=("baseline", "fp32", "native_64x64"))
+    assert [r.name for r in some] == ["baseline", "fp32"] and [p.role for p in some_pairs] == ["precision"]
+    assert list(some_skipped) == ["native_64x64"]
+    with pytest.raises(ValueError, match="arms: unknown arm.*nope"):
+        llama_runs_and_pairs("cpu", arms=("baseline", "nope"))
     full = settings("full", "llama")
     assert full["seq"] == 1024 and full["steps"] >= 5000
     assert lm.parameters(lm.LMConfig(**{k: full[k] for k in ("hidden", "layers", "heads", "kv_heads", "ffn")})) >= 25e6

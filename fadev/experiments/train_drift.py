@@ -86,10 +86,10 @@ SIZE_DOCS = {"width": "model width", "heads": "attention heads", "layers": "tran
 LLAMA_SIZES = {
     "quick": {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 4, "ffn": 344, "seq": 64, "batch": 8, "lr": 1e-3,
               "steps": 100, "log_every": 10, "checkpoint_every": 50, "eval_windows": 16, "flash_block": 16,
-              "native_tiles": ("128x64", "64x64"), "data": "stdlib", "budget_s": math.inf},
-    "full": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 8, "ffn": 1376, "seq": 1024, "batch": 16, "lr": 3e-4,
+              "native_tiles": ("128x64", "64x64"), "arms": ("all",), "data": "stdlib", "budget_s": math.inf},
+    "full": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 8, "ffn": 1376, "seq": 1024, "batch": 8, "lr": 3e-4,
              "steps": 5000, "log_every": 250, "checkpoint_every": 250, "eval_windows": 32, "flash_block": 64,
-             "native_tiles": ("128x64", "64x64"), "data": "stdlib", "budget_s": math.inf},
+             "native_tiles": ("128x64", "64x64"), "arms": ("all",), "data": "stdlib", "budget_s": math.inf},
 }
 """``--model llama``: quick ~0.86M parameters (CPU), full ~25.6M parameters at sequence 1024 (GPU)."""
 LLAMA_DOCS = {"hidden": "model width", "layers": "decoder blocks", "heads": "query heads",
@@ -99,6 +99,8 @@ LLAMA_DOCS = {"hidden": "model width", "layers": "decoder blocks", "heads": "que
               "checkpoint_every": "save every arm's state every so many updates (one round of the arms)",
               "eval_windows": "held-out windows for eval_loss", "flash_block": "emulated flash block_q = block_kv",
               "native_tiles": "native-kernel tilings BQxBKV (GPU)",
+              "arms": "the arms to train ('all', or names: baseline, flash_paper, flash_fa2, baseline_seed1, fp32, "
+                      "native_BQxBKV, native_BQxBKV_again, control); pairs need both their arms",
               "data": "'stdlib' (the interpreter's standard library) or a text file or folder",
               "budget_s": "seconds of training this call may use; arms are saved where they stop, a rerun continues"}
 WORKLOADS = ("model", {"digits": (SIZES, SIZE_DOCS), "llama": (LLAMA_SIZES, LLAMA_DOCS)},
@@ -193,13 +195,14 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
     return drift
 
 
-def llama_runs_and_pairs(device="cpu", native_tiles=("128x64", "64x64"), flash_block=None, control=True, head_dim=64):
+def llama_runs_and_pairs(device="cpu", native_tiles=("128x64", "64x64"), flash_block=None, control=True, head_dim=64,
+                         arms=("all",)):
     """The Llama study's arms and pairs, and {skipped arm: why}: those of :func:`runs_and_pairs` (as
     fadev.training.lm.Arm; emulated flash tiles flash_block x flash_block, None: the presets'), plus one
     native-kernel arm per tiling "BQxBKV" (skipped where it cannot run, e.g. on a CPU or a head dim without
     that tile) paired with the baseline, the two native tilings against each other, and the first native arm
     run twice: its backward's atomic dQ sums make the native kernel not bit-reproducible, and this pair
-    measures that run-to-run drift."""
+    measures that run-to-run drift. ``arms``: ("all",) or the names to keep (pairs need both of theirs)."""
     Arm, Pair = training.lm.Arm, training.Pair
     tiles = (("block_q", flash_block), ("block_kv", flash_block)) if flash_block else ()
     runs = [Arm("baseline", "baseline", "naive:bf16", "bf16"),
@@ -230,6 +233,14 @@ def llama_runs_and_pairs(device="cpu", native_tiles=("128x64", "64x64"), flash_b
     if control:
         runs.append(Arm("control", "baseline", "naive:bf16", "bf16"))
         pairs.append(Pair("control (identical runs)", "control", "baseline", "control"))
+    if tuple(arms) != ("all",):
+        known = [r.name for r in runs] + list(skipped)
+        unknown = [a for a in arms if a not in known]
+        if unknown:
+            raise ValueError(f"arms: unknown arm(s) {', '.join(unknown)}; known here: all, {', '.join(known)}")
+        runs = [r for r in runs if r.name in arms]
+        pairs = [p for p in pairs if p.a in arms and p.b in arms]
+        skipped = {n: why for n, why in skipped.items() if n in arms}
     return runs, pairs, skipped
 
 
@@ -276,7 +287,7 @@ def run_llama(size="quick", out=None, *, device="cpu", workers=1, progress=False
         raise ImportError(f"--model llama needs transformers: pip install 'fadev[hf]' ({e})") from None
     config = lm.LMConfig(**{f.name: s[f.name] for f in dataclasses.fields(lm.LMConfig) if f.name in s})
     runs, pairs, skipped = llama_runs_and_pairs(device, s["native_tiles"], s["flash_block"],
-                                                head_dim=config.hidden // config.heads)
+                                                head_dim=config.hidden // config.heads, arms=s["arms"])
     corpus = training.text.load(config.data)
     options = dict(cluster or {})
     options.setdefault("workers", workers)
@@ -412,6 +423,8 @@ def _per_step(loss, run_name, s):
 
 def _conclusion(drift):
     v = verdicts(drift)
+    if not v:
+        return "**Verdict.** None: no flash pair among the arms run."
     held = [x for x in v if x[4]]
     parts = []
     for pair, metric, prec, init, holds in v:
