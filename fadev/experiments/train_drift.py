@@ -278,7 +278,7 @@ def run_llama(size="quick", out=None, *, device="cpu", workers=1, progress=False
     on this process (``workers`` 1), local worker processes or ``cluster``'s executor; results, arm states and
     checkpoints under ``out`` (None: a temporary folder). ``budget_s`` stops training in time and saves every
     arm; the rows then cover the steps every arm of a pair reached, ``df.attrs["reached"]`` says how far each
-    arm got."""
+    arm got: {arm: (updates, seconds they took)}."""
     check_device(device)
     s = settings(size, "llama", **overrides)
     try:
@@ -501,11 +501,12 @@ def _progress(df):
     """How far each arm got, its latest held-out loss, and the arms skipped with their reason."""
     steps, loss = df.attrs["steps"], df.attrs["loss"]
     cells = []
-    for name, reached in df.attrs["reached"].items():
+    for name, (reached, seconds) in df.attrs["reached"].items():
         g = loss[loss["run"] == name].sort_values("step")
         latest = f", held-out {g['eval_loss'].iloc[-1]:.4f} at step {int(g['step'].iloc[-1])}" if len(g) else ""
-        cells.append(f"`{name}` {reached}/{steps}{latest}")
-    complete = all(r >= steps for r in df.attrs["reached"].values())
+        rate = f", {seconds / reached:.3g} s/update" if reached else ""
+        cells.append(f"`{name}` {reached}/{steps}{rate}{latest}")
+    complete = all(r >= steps for r, _ in df.attrs["reached"].values())
     lines = [("**Complete**: " if complete else "**Partial run** (continue with the same command): ") +
              "updates done per arm: " + "; ".join(cells) + "."]
     if df.attrs.get("skipped"):
