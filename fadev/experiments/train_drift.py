@@ -95,7 +95,8 @@ LLAMA_SIZES = {
 LLAMA_DOCS = {"hidden": "model width", "layers": "decoder blocks", "heads": "query heads",
               "kv_heads": "key/value heads (grouped-query when fewer)", "ffn": "SwiGLU width",
               "seq": "bytes per training window", "batch": "windows per update", "lr": "Adam learning rate",
-              "steps": "optimizer updates per arm", "log_every": "log weights, losses and distances every so many updates",
+              "steps": "optimizer updates per arm",
+              "log_every": "log weights, losses and distances every so many updates",
               "checkpoint_every": "save every arm's state every so many updates (one round of the arms)",
               "eval_windows": "held-out windows for eval_loss", "flash_block": "emulated flash block_q = block_kv",
               "native_tiles": "native-kernel tilings BQxBKV (GPU)",
@@ -139,7 +140,8 @@ def settings(size="quick", model="digits", **overrides):
         raise ValueError(f"size must be 'quick' or 'full', got {size!r}")
     unknown = sorted(set(overrides) - set(table_[size]))
     if unknown:
-        raise ValueError(f"unknown setting(s) {', '.join(unknown)} of --model {model}; known: {', '.join(table_[size])}")
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)} of --model {model}; known: "
+                         f"{', '.join(table_[size])}")
     s = dict(table_[size])
     s.update({k: v for k, v in overrides.items() if v is not None})
     return s

@@ -290,8 +290,8 @@ class _Training:
 
 class ArmTask:
     """point {"run": name, "until": step, "device": device} -> {"key": name, "step": reached, "log": {step:
-    [train_loss, eval_loss, seconds]}, "train_s": seconds of all its updates so far}: arm ``name`` trained from its saved state (or from its init) up to
-    update ``until``, stopping early before ``deadline`` (time.time(); None: none) -- it stops before an
+    [train_loss, eval_loss, seconds]}, "train_s": seconds of all its updates so far}: arm ``name`` trained from
+    its saved state (or from its init) up to update ``until``, stopping early before ``deadline`` (time.time(); None: none) -- it stops before an
     update when twice the slowest update so far plus the last save would pass it -- and saved where it
     stops. A plain class (it pickles for executors in other processes)."""
 
@@ -336,5 +336,5 @@ def load_snapshot(root, name, step, key):
     return saved["weights"]
 
 
-__all__ = ["Arm", "LMConfig", "ArmTask", "build", "attention", "native_unavailable", "loss_of", "parameters", "study_key",
-           "read_progress", "load_snapshot", "snapshot_path", "PRECISIONS"]
+__all__ = ["Arm", "LMConfig", "ArmTask", "build", "attention", "native_unavailable", "loss_of", "parameters",
+           "study_key", "read_progress", "load_snapshot", "snapshot_path", "PRECISIONS", "ATTENTION"]
