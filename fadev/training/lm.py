@@ -291,9 +291,10 @@ class _Training:
 class ArmTask:
     """point {"run": name, "until": step, "device": device} -> {"key": name, "step": reached, "log": {step:
     [train_loss, eval_loss, seconds]}, "train_s": seconds of all its updates so far}: arm ``name`` trained from
-    its saved state (or from its init) up to update ``until``, stopping early before ``deadline`` (time.time(); None: none) -- it stops before an
-    update when twice the slowest update so far plus the last save would pass it -- and saved where it
-    stops. A plain class (it pickles for executors in other processes)."""
+    its saved state (or from its init) up to update ``until``, stopping early before ``deadline``
+    (time.time(); None: none) -- it stops before an update when twice the slowest update so far plus the last
+    save would pass it -- and saved where it stops. A plain class (it pickles for executors in other
+    processes)."""
 
     def __init__(self, config, arms, key, root, deadline=None):
         self.config, self.arms, self.key, self.root, self.deadline = config, arms, key, root, deadline
