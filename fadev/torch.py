@@ -429,7 +429,8 @@ class patch_sdpa(_SdpaRoute):  # noqa: N801 (used as a context manager, like tor
     ``nn.TransformerDecoderLayer`` (train and eval: the inference fast path is turned off meanwhile),
     Hugging Face's sdpa attention -- is computed by :func:`attention` under ``policy``. Supported:
     ``attn_mask`` None, all-visible, or the causal mask (bool, or float with 0 / -inf / dtype min),
-    ``is_causal``, ``scale``, ``enable_gqa``, ``dropout_p == 0``. Anything else raises
+    ``is_causal``, ``scale``, ``enable_gqa``, ``dropout_p == 0``; under ``torch.autocast`` q, k and v are
+    first cast to the autocast dtype, as PyTorch's SDPA casts them. Anything else raises
     :class:`UnsupportedSDPA`, or with ``fallback=True`` runs PyTorch's original. ``patch.calls``
     counts calls fadev computed, ``patch.fallbacks`` those handed to PyTorch. The original function
     is restored on exit, also after an exception.
