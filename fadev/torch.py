@@ -416,9 +416,15 @@ def _autocast(q, k, v):
     one of autocast's lower-precision ops on CPU and CUDA), which the replaced function would otherwise skip --
     under autocast a Hugging Face model hands SDPA fp32 q, k (after the rotary embedding) with a bf16 v."""
     kind = q.device.type if isinstance(q, torch.Tensor) else "cpu"
-    if kind not in ("cpu", "cuda") or not torch.is_autocast_enabled(kind):
+    if kind not in ("cpu", "cuda"):
         return q, k, v
-    dtype = torch.get_autocast_dtype(kind)
+    try:
+        on, dtype = torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+    except (TypeError, AttributeError):  # torch < 2.4: one function per device
+        on = torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled()
+        dtype = torch.get_autocast_cpu_dtype() if kind == "cpu" else torch.get_autocast_gpu_dtype()
+    if not on:
+        return q, k, v
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
 
 
@@ -430,7 +436,8 @@ class patch_sdpa(_SdpaRoute):  # noqa: N801 (used as a context manager, like tor
     ``nn.TransformerDecoderLayer`` (train and eval: the inference fast path is turned off meanwhile),
     Hugging Face's sdpa attention -- is computed by :func:`attention` under ``policy``. Supported:
     ``attn_mask`` None, all-visible, or the causal mask (bool, or float with 0 / -inf / dtype min),
-    ``is_causal``, ``scale``, ``enable_gqa``, ``dropout_p == 0``. Anything else raises
+    ``is_causal``, ``scale``, ``enable_gqa``, ``dropout_p == 0``; under ``torch.autocast`` q, k and v are
+    first cast to the autocast dtype, as PyTorch's SDPA casts them. Anything else raises
     :class:`UnsupportedSDPA`, or with ``fallback=True`` runs PyTorch's original. ``patch.calls``
     counts calls fadev computed, ``patch.fallbacks`` those handed to PyTorch. The original function
     is restored on exit, also after an exception.

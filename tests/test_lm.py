@@ -12,8 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import fadev  # noqa: E402
 from fadev.__main__ import main  # noqa: E402
-from fadev.experiments.train_drift import llama_runs_and_pairs, settings  # noqa: E402
+from fadev.experiments.train_drift import check_device, llama_runs_and_pairs, settings  # noqa: E402
 from fadev.training import Pair, lm, lm_track, text  # noqa: E402
 
 TINY = lm.LMConfig(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64, seq=16, batch=2, lr=1e-2, steps=6, log_every=2,
@@ -103,7 +104,7 @@ def test_tiny_llama_arms_learn_and_the_control_stays_identical(tmp_path):
     arms = [BASE, FLASH, CONTROL, lm.Arm("fp32", "baseline", "golden", "fp32")]
     pairs = PAIRS + [Pair("prec", "base", "fp32", "precision")]
     drift, loss, reached = lm_track.track_arms(TINY, arms, pairs, str(tmp_path))
-    assert reached == {a.name: 6 for a in arms}
+    assert {n: r[0] for n, r in reached.items()} == {a.name: 6 for a in arms}
     d = drift.set_index(["pair", "step"])
     assert list(drift["step"].unique()) == [0, 2, 4, 6]
     assert all(d.loc[("control", s), ["max_abs", "wasserstein", "rmse"]].eq(0).all() for s in (0, 2, 4, 6))
@@ -145,7 +146,7 @@ def test_stop_at_the_deadline_and_resume_give_the_uninterrupted_bits(tmp_path, m
     monkeypatch.undo()
     # call 3: the rest
     drift, loss, reached = lm_track.track_arms(config, [BASE, FLASH, CONTROL], PAIRS, parts)
-    assert reached == {"base": 12, "flash": 12, "control": 12}
+    assert {n: r[0] for n, r in reached.items()} == {"base": 12, "flash": 12, "control": 12}
     assert _values(drift).equals(_values(whole)) and _values(loss).equals(_values(whole_loss))
     for name in ("base", "flash"):
         a, b = _state(parts, name), _state(straight, name)
@@ -188,8 +189,36 @@ def test_llama_arms_and_sizes():
     assert [p.role for p in pairs].count("flash") == 2 and "control" in [p.role for p in pairs]
     with pytest.raises(ValueError, match="native_tiles"):
         llama_runs_and_pairs("cpu", ("128-64",))
+    some, some_pairs, some_skipped = llama_runs_and_pairs("cpu", arms=("baseline", "fp32", "native_64x64"))
+    assert [r.name for r in some] == ["baseline", "fp32"] and [p.role for p in some_pairs] == ["precision"]
+    assert list(some_skipped) == ["native_64x64"]
+    with pytest.raises(ValueError, match="arms: unknown arm.*nope"):
+        llama_runs_and_pairs("cpu", arms=("baseline", "nope"))
     full = settings("full", "llama")
     assert full["seq"] == 1024 and full["steps"] >= 5000
     assert lm.parameters(lm.LMConfig(**{k: full[k] for k in ("hidden", "layers", "heads", "kv_heads", "ffn")})) >= 25e6
     with pytest.raises(ValueError, match="unknown setting.*--model llama"):
         settings("quick", "llama", width=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (fadev.cuda_available() and torch.cuda.is_available()), reason="needs a CUDA device and torch")
+def test_llama_arms_on_the_gpu(tmp_path):
+    """Models and attention on the GPU (emulated arms through fadev's GPU kernels, native arms on the tensor
+    cores): the emulated control stays exactly 0 and a resumed emulated arm has the uninterrupted bits; the
+    native arms train and drift from the baseline."""
+    check_device("cuda")
+    config = lm.LMConfig(hidden=128, layers=1, heads=2, kv_heads=1, ffn=64, seq=128, batch=2, lr=1e-2, steps=4,
+                         log_every=2, checkpoint_every=2, eval_windows=2)
+    runs, pairs, skipped = llama_runs_and_pairs("cuda", ("128x64", "64x64"), 64, head_dim=64)
+    assert not skipped and {"native_128x64", "native_64x64", "native_128x64_again"} <= {r.name for r in runs}
+    straight, parts = str(tmp_path / "straight"), str(tmp_path / "parts")
+    drift, loss, reached = lm_track.track_arms(config, runs, pairs, straight, device="cuda")
+    lm_track.track_arms(lm.LMConfig(**{**config.__dict__, "steps": 2}), runs, pairs, parts, device="cuda")
+    resumed, _, _ = lm_track.track_arms(config, runs, pairs, parts, device="cuda")
+    d = drift.set_index(["pair", "step"])
+    assert (drift[drift["role"] == "control"][["max_abs", "wasserstein"]].to_numpy() == 0).all()
+    assert all(d.loc[(p.name, 4), "max_abs"] > 0 for p in pairs if p.role == "flash")
+    assert np.isfinite(loss["eval_loss"]).all()
+    emulated = [p.name for p in pairs if p.role in ("flash", "precision", "init", "control") and "native" not in p.name]
+    assert _values(resumed[resumed["pair"].isin(emulated)]).equals(_values(drift[drift["pair"].isin(emulated)]))

@@ -370,6 +370,23 @@ def test_patch_routes_hugging_face_style_attention():
         assert max_diff(out, out_ref) <= 1e-10 and max_diff(g, g_ref) <= 1e-10, kw
 
 
+def test_patch_casts_like_sdpa_under_autocast():
+    """Under torch.autocast PyTorch's SDPA casts q, k, v to the autocast dtype (a Hugging Face model hands it
+    float32 q, k after the rotary embedding and a bf16 v); the patched function does the same."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, 2, 8, 16, generator=g) for _ in range(2))
+    v = torch.randn(1, 2, 8, 16, generator=g).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        real = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with ft.patch_sdpa("naive:bf16", kernel="baseline") as patch:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert real.dtype == out.dtype == torch.bfloat16 and patch.calls == 1
+    expect = ft.attention(q.bfloat16(), k.bfloat16(), v, "naive:bf16", kernel="baseline", is_causal=True)
+    assert torch.equal(out, expect)
+    with ft.patch_sdpa("naive:bf16", kernel="baseline"), pytest.raises(TypeError, match="same dtype"):
+        F.scaled_dot_product_attention(q, k, v)  # no autocast: mixed dtypes are refused as before
+
+
 def test_patch_passes_kernel_and_tiling():
     q, k, v = tensors((1, 2, 9, 4), seed=11)
     with ft.patch_sdpa("paper:bf16", block_kv=2, exp="exp2") as patch:

@@ -80,10 +80,11 @@ def _shown(v):
     return ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
-def _size_option(sp, key, quick, full, doc):
-    """--KEY (and --KEY-WITH-DASHES) overriding one size parameter, typed from its quick value."""
+def _size_option(sp, key, quick, full, doc, values=None):
+    """--KEY (and --KEY-WITH-DASHES) overriding one size parameter, typed from its quick value; ``values``: the
+    help's text of the defaults (default: the quick and full values)."""
     names = [f"--{key}"] + ([f"--{key.replace('_', '-')}"] if "_" in key else [])
-    help_text = f"{doc} (quick: {_shown(quick)}; full: {_shown(full)})"
+    help_text = f"{doc} ({values or f'quick: {_shown(quick)}; full: {_shown(full)}'})"
     if isinstance(quick, bool):
         sp.add_argument(*names, dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         return
@@ -211,7 +212,8 @@ def add_subcommands(sub):
                 if key in seen:
                     continue
                 seen.add(key)
-                where = [v for v, (t, _) in tables.items() if key in t["quick"]]
-                doc = docs.get(key, key) + (f" (--{variants[0]} {', '.join(where)})" if variants else "")
-                _size_option(ep, key, quick, sizes["full"][key], doc)
+                where = {v: t for v, (t, _) in tables.items() if key in t["quick"]}
+                values = "; ".join(f"--{variants[0]} {v}: quick {_shown(t['quick'][key])}, full {_shown(t['full'][key])}"
+                                   for v, t in where.items()) if variants else None
+                _size_option(ep, key, quick, sizes["full"][key], docs.get(key, key), values)
         ep.set_defaults(func=_cmd_experiment(name, command))

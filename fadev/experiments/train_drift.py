@@ -86,19 +86,22 @@ SIZE_DOCS = {"width": "model width", "heads": "attention heads", "layers": "tran
 LLAMA_SIZES = {
     "quick": {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 4, "ffn": 344, "seq": 64, "batch": 8, "lr": 1e-3,
               "steps": 100, "log_every": 10, "checkpoint_every": 50, "eval_windows": 16, "flash_block": 16,
-              "native_tiles": ("128x64", "64x64"), "data": "stdlib", "budget_s": math.inf},
-    "full": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 8, "ffn": 1376, "seq": 1024, "batch": 16, "lr": 3e-4,
+              "native_tiles": ("128x64", "64x64"), "arms": ("all",), "data": "stdlib", "budget_s": math.inf},
+    "full": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 8, "ffn": 1376, "seq": 1024, "batch": 8, "lr": 3e-4,
              "steps": 5000, "log_every": 250, "checkpoint_every": 250, "eval_windows": 32, "flash_block": 64,
-             "native_tiles": ("128x64", "64x64"), "data": "stdlib", "budget_s": math.inf},
+             "native_tiles": ("128x64", "64x64"), "arms": ("all",), "data": "stdlib", "budget_s": math.inf},
 }
 """``--model llama``: quick ~0.86M parameters (CPU), full ~25.6M parameters at sequence 1024 (GPU)."""
 LLAMA_DOCS = {"hidden": "model width", "layers": "decoder blocks", "heads": "query heads",
               "kv_heads": "key/value heads (grouped-query when fewer)", "ffn": "SwiGLU width",
               "seq": "bytes per training window", "batch": "windows per update", "lr": "Adam learning rate",
-              "steps": "optimizer updates per arm", "log_every": "log weights, losses and distances every so many updates",
+              "steps": "optimizer updates per arm",
+              "log_every": "log weights, losses and distances every so many updates",
               "checkpoint_every": "save every arm's state every so many updates (one round of the arms)",
               "eval_windows": "held-out windows for eval_loss", "flash_block": "emulated flash block_q = block_kv",
               "native_tiles": "native-kernel tilings BQxBKV (GPU)",
+              "arms": "the arms to train ('all', or names: baseline, flash_paper, flash_fa2, baseline_seed1, fp32, "
+                      "native_BQxBKV, native_BQxBKV_again, control); pairs need both their arms",
               "data": "'stdlib' (the interpreter's standard library) or a text file or folder",
               "budget_s": "seconds of training this call may use; arms are saved where they stop, a rerun continues"}
 WORKLOADS = ("model", {"digits": (SIZES, SIZE_DOCS), "llama": (LLAMA_SIZES, LLAMA_DOCS)},
@@ -137,7 +140,8 @@ def settings(size="quick", model="digits", **overrides):
         raise ValueError(f"size must be 'quick' or 'full', got {size!r}")
     unknown = sorted(set(overrides) - set(table_[size]))
     if unknown:
-        raise ValueError(f"unknown setting(s) {', '.join(unknown)} of --model {model}; known: {', '.join(table_[size])}")
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)} of --model {model}; known: "
+                         f"{', '.join(table_[size])}")
     s = dict(table_[size])
     s.update({k: v for k, v in overrides.items() if v is not None})
     return s
@@ -193,11 +197,14 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
     return drift
 
 
-def llama_runs_and_pairs(device="cpu", native_tiles=("128x64", "64x64"), flash_block=None, control=True, head_dim=64):
+def llama_runs_and_pairs(device="cpu", native_tiles=("128x64", "64x64"), flash_block=None, control=True, head_dim=64,
+                         arms=("all",)):
     """The Llama study's arms and pairs, and {skipped arm: why}: those of :func:`runs_and_pairs` (as
     fadev.training.lm.Arm; emulated flash tiles flash_block x flash_block, None: the presets'), plus one
-    native-kernel arm per tiling "BQxBKV" (skipped where it cannot run) paired with the baseline, and the
-    two native tilings against each other."""
+    native-kernel arm per tiling "BQxBKV" (skipped where it cannot run, e.g. on a CPU or a head dim without
+    that tile) paired with the baseline, the two native tilings against each other, and the first native arm
+    run twice: its backward's atomic dQ sums make the native kernel not bit-reproducible, and this pair
+    measures that run-to-run drift. ``arms``: ("all",) or the names to keep (pairs need both of theirs)."""
     Arm, Pair = training.lm.Arm, training.Pair
     tiles = (("block_q", flash_block), ("block_kv", flash_block)) if flash_block else ()
     runs = [Arm("baseline", "baseline", "naive:bf16", "bf16"),
@@ -221,9 +228,21 @@ def llama_runs_and_pairs(device="cpu", native_tiles=("128x64", "64x64"), flash_b
         pairs.append(Pair(f"flash native {int(bq)}x{int(bkv)} vs baseline", name, "baseline", "flash"))
     if len(native) >= 2:
         pairs.append(Pair(f"{native[1]} vs {native[0]}", native[1], native[0], "other"))
+    if native:  # the native backward sums dQ with fp32 atomics (as FlashAttention-2 does): not bit-reproducible
+        first = next(r for r in runs if r.name == native[0])
+        runs.append(dataclasses.replace(first, name=f"{native[0]}_again"))
+        pairs.append(Pair(f"{native[0]} run twice (atomic dQ sums)", f"{native[0]}_again", native[0], "other"))
     if control:
         runs.append(Arm("control", "baseline", "naive:bf16", "bf16"))
         pairs.append(Pair("control (identical runs)", "control", "baseline", "control"))
+    if tuple(arms) != ("all",):
+        known = [r.name for r in runs] + list(skipped)
+        unknown = [a for a in arms if a not in known]
+        if unknown:
+            raise ValueError(f"arms: unknown arm(s) {', '.join(unknown)}; known here: all, {', '.join(known)}")
+        runs = [r for r in runs if r.name in arms]
+        pairs = [p for p in pairs if p.a in arms and p.b in arms]
+        skipped = {n: why for n, why in skipped.items() if n in arms}
     return runs, pairs, skipped
 
 
@@ -261,7 +280,7 @@ def run_llama(size="quick", out=None, *, device="cpu", workers=1, progress=False
     on this process (``workers`` 1), local worker processes or ``cluster``'s executor; results, arm states and
     checkpoints under ``out`` (None: a temporary folder). ``budget_s`` stops training in time and saves every
     arm; the rows then cover the steps every arm of a pair reached, ``df.attrs["reached"]`` says how far each
-    arm got."""
+    arm got: {arm: (updates, seconds they took)}."""
     check_device(device)
     s = settings(size, "llama", **overrides)
     try:
@@ -270,7 +289,7 @@ def run_llama(size="quick", out=None, *, device="cpu", workers=1, progress=False
         raise ImportError(f"--model llama needs transformers: pip install 'fadev[hf]' ({e})") from None
     config = lm.LMConfig(**{f.name: s[f.name] for f in dataclasses.fields(lm.LMConfig) if f.name in s})
     runs, pairs, skipped = llama_runs_and_pairs(device, s["native_tiles"], s["flash_block"],
-                                                head_dim=config.hidden // config.heads)
+                                                head_dim=config.hidden // config.heads, arms=s["arms"])
     corpus = training.text.load(config.data)
     options = dict(cluster or {})
     options.setdefault("workers", workers)
@@ -406,6 +425,8 @@ def _per_step(loss, run_name, s):
 
 def _conclusion(drift):
     v = verdicts(drift)
+    if not v:
+        return "**Verdict.** None: no flash pair among the arms run."
     held = [x for x in v if x[4]]
     parts = []
     for pair, metric, prec, init, holds in v:
@@ -482,11 +503,12 @@ def _progress(df):
     """How far each arm got, its latest held-out loss, and the arms skipped with their reason."""
     steps, loss = df.attrs["steps"], df.attrs["loss"]
     cells = []
-    for name, reached in df.attrs["reached"].items():
+    for name, (reached, seconds) in df.attrs["reached"].items():
         g = loss[loss["run"] == name].sort_values("step")
         latest = f", held-out {g['eval_loss'].iloc[-1]:.4f} at step {int(g['step'].iloc[-1])}" if len(g) else ""
-        cells.append(f"`{name}` {reached}/{steps}{latest}")
-    complete = all(r >= steps for r in df.attrs["reached"].values())
+        rate = f", {seconds / reached:.3g} s/update" if reached else ""
+        cells.append(f"`{name}` {reached}/{steps}{rate}{latest}")
+    complete = all(r >= steps for r, _ in df.attrs["reached"].values())
     lines = [("**Complete**: " if complete else "**Partial run** (continue with the same command): ") +
              "updates done per arm: " + "; ".join(cells) + "."]
     if df.attrs.get("skipped"):

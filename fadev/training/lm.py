@@ -213,13 +213,13 @@ def read_progress(root, name, key):
     holds another configuration's state."""
     path = os.path.join(root, name, "progress.json")
     if not os.path.exists(path):
-        return {"step": 0, "log": {}}
+        return {"step": 0, "log": {}, "train_s": 0.0}
     with open(path) as fh:
         saved = json.load(fh)
     if saved.get("key") != key:
         raise ValueError(f"{os.path.dirname(path)!r} holds the state of another configuration (config "
                          f"{saved.get('key')}; this one is {key}): write to another --out folder, or delete it")
-    return {"step": saved["step"], "log": {int(s): v for s, v in saved["log"].items()}}
+    return {"step": saved["step"], "log": {int(s): v for s, v in saved["log"].items()}, "train_s": saved["train_s"]}
 
 
 class _Training:
@@ -232,6 +232,7 @@ class _Training:
         self.attn = attention(arm)
         self.step, self.log = 0, {}
         self.loss_sum, self.loss_n, self.seconds = 0.0, 0, 0.0
+        self.train_s = 0.0  # seconds of training updates since step 0, over every task (a timing: not in the rows)
         x, y = text.eval_windows(corpus.held_out, config.eval_windows, config.seq)
         self.eval_x, self.eval_y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
 
@@ -248,6 +249,7 @@ class _Training:
         self.loss_n += 1
         self.step += 1
         self.seconds += time.perf_counter() - start
+        self.train_s += time.perf_counter() - start
 
     def eval_loss(self):
         with torch.no_grad(), self.attn:
@@ -264,11 +266,11 @@ class _Training:
     def save(self, root, key):
         folder = arm_folder(root, self.arm.name)
         save_atomic({"key": key, "step": self.step, "model": self.model.state_dict(), "opt": self.opt.state_dict(),
-                     "rng": _rng_state(self.device), "acc": [self.loss_sum, self.loss_n, self.seconds],
+                     "rng": _rng_state(self.device), "acc": [self.loss_sum, self.loss_n, self.seconds, self.train_s],
                      "log": self.log}, os.path.join(folder, "state.pt"))
         tmp = os.path.join(folder, "progress.json.tmp")
         with open(tmp, "w") as fh:
-            json.dump({"key": key, "step": self.step, "log": self.log}, fh)
+            json.dump({"key": key, "step": self.step, "log": self.log, "train_s": self.train_s}, fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, os.path.join(folder, "progress.json"))
@@ -282,16 +284,17 @@ class _Training:
         self.model.load_state_dict(saved["model"])
         self.opt.load_state_dict(saved["opt"])
         _set_rng_state({k: v.cpu() for k, v in saved["rng"].items()}, self.device)
-        self.loss_sum, self.loss_n, self.seconds = saved["acc"]
+        self.loss_sum, self.loss_n, self.seconds, self.train_s = saved["acc"]
         self.step, self.log = saved["step"], {int(s): v for s, v in saved["log"].items()}
 
 
 class ArmTask:
     """point {"run": name, "until": step, "device": device} -> {"key": name, "step": reached, "log": {step:
-    [train_loss, eval_loss, seconds]}}: arm ``name`` trained from its saved state (or from its init) up to
-    update ``until``, stopping early before ``deadline`` (time.time(); None: none) -- it stops before an
-    update when twice the slowest update so far plus the last save would pass it -- and saved where it
-    stops. A plain class (it pickles for executors in other processes)."""
+    [train_loss, eval_loss, seconds]}, "train_s": seconds of all its updates so far}: arm ``name`` trained from
+    its saved state (or from its init) up to update ``until``, stopping early before ``deadline``
+    (time.time(); None: none) -- it stops before an update when twice the slowest update so far plus the last
+    save would pass it -- and saved where it stops. A plain class (it pickles for executors in other
+    processes)."""
 
     def __init__(self, config, arms, key, root, deadline=None):
         self.config, self.arms, self.key, self.root, self.deadline = config, arms, key, root, deadline
@@ -324,7 +327,7 @@ class ArmTask:
                 slowest = max(slowest, time.perf_counter() - t)
             if run.step > start_step or not os.path.exists(os.path.join(arm_folder(self.root, arm.name), "state.pt")):
                 run.save(self.root, self.key)
-        return {"key": arm.name, "step": run.step, "log": run.log}
+        return {"key": arm.name, "step": run.step, "log": run.log, "train_s": run.train_s}
 
 
 def load_snapshot(root, name, step, key):
@@ -334,5 +337,5 @@ def load_snapshot(root, name, step, key):
     return saved["weights"]
 
 
-__all__ = ["Arm", "LMConfig", "ArmTask", "build", "attention", "native_unavailable", "loss_of", "parameters", "study_key",
-           "read_progress", "load_snapshot", "snapshot_path", "PRECISIONS"]
+__all__ = ["Arm", "LMConfig", "ArmTask", "build", "attention", "native_unavailable", "loss_of", "parameters",
+           "study_key", "read_progress", "load_snapshot", "snapshot_path", "PRECISIONS", "ATTENTION"]

@@ -53,7 +53,7 @@ def track_arms(config, arms, pairs, out, *, device="cpu", budget_s=None, log=Non
     ``pairs`` and each arm's losses at the logged steps (module docstring). ``out``: the output folder
     (``train_drift.jsonl`` and ``train_drift_arms/``); ``budget_s``: seconds this call may train (None: no
     limit). Returns (drift, loss, reached): the DataFrames of every row of this configuration (earlier
-    calls' included) and {arm: updates done}."""
+    calls' included) and {arm: (updates done, seconds those updates took)}."""
     if not isinstance(config, lm.LMConfig):
         raise TypeError(f"config: expected an LMConfig, got {type(config).__name__}")
     arms, pairs = _validate(arms, pairs)
@@ -90,15 +90,17 @@ def track_arms(config, arms, pairs, out, *, device="cpu", budget_s=None, log=Non
                 for r in chunk:
                     if r.get("error"):
                         raise RuntimeError(f"arm {r['run']!r} failed: {r['error']}")
-                    state[r["key"]] = {"step": r["step"], "log": {int(s): v for s, v in r["log"].items()}}
+                    state[r["key"]] = {"step": r["step"], "log": {int(s): v for s, v in r["log"].items()},
+                                       "train_s": r["train_s"]}
             compare(config, pairs, key, root, state, file, rows, done)
-            say("reached: " + ", ".join(f"{n} {s['step']}" for n, s in state.items()))
+            say("reached: " + ", ".join(f"{n} {s['step']} ({s['train_s'] / max(1, s['step']):.3g} s/update)"
+                                        for n, s in state.items()))
             if all(state[n]["step"] == before[n] for n in state):
                 break  # the deadline stopped every arm before its next update
     finally:
         file.close()
     drift, loss = frames(rows, key, config.steps)
-    return drift, loss, {n: s["step"] for n, s in state.items()}
+    return drift, loss, {n: (s["step"], s["train_s"]) for n, s in state.items()}
 
 
 def compare(config, pairs, key, root, state, file, rows, done):
