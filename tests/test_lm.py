@@ -167,6 +167,7 @@ def test_cli_report_and_a_budget_that_stops_the_run(tmp_path, capsys):
     assert main(args + ["--steps", "2"]) == 0
     report = open(os.path.join(out, "train_drift.md")).read()
     assert "**Complete**" in report and "`native_128x64` (the native kernel runs on CUDA only" in report
+    assert "partial run" not in report and "— **holds**" in report or "— **does not hold**" in report
     assert "exactly 0 at every logged step" in report and "train-drift --model llama --quick" in report
     rows = [json.loads(line) for line in open(os.path.join(out, "train_drift.jsonl"))]
     assert len(rows) == 3 * (5 + 6)  # steps 0, 1, 2 x (5 pairs + 6 arms)
@@ -176,6 +177,9 @@ def test_cli_report_and_a_budget_that_stops_the_run(tmp_path, capsys):
     assert main(args + ["--steps", "4", "--budget-s", "1e-9"]) == 0
     report = open(os.path.join(out, "train_drift.md")).read()
     assert "**Partial run**" in report and "`flash_fa2` 2/4" in report
+    # the ratios at step 2 of 4 judge the start of training: shown, without a verdict
+    assert "partial run (step 2 of 4): no verdict yet" in report and "**holds**" not in report
+    assert "**does not hold**" not in report and "Provisional (partial run, step 2 of 4)" in report
     assert len(open(os.path.join(out, "train_drift.jsonl")).readlines()) == len(rows)
     capsys.readouterr()
     assert main(args + ["--out", str(tmp_path / "empty"), "--budget-s", "1e-9"]) == 1

@@ -442,11 +442,14 @@ def _conclusion(drift):
 def findings(df, *, device="cpu") -> list:
     """The paper's ratio for each (flash pair, metric), the conclusion, and the control pair."""
     last = int(df["step"].max())
+    partial = _partial(df)  # a verdict on a run stopped early would judge the start of training: none until done
+    note = f" -- partial run (step {last} of {df.attrs['steps']}): no verdict yet" if partial else ""
     out = [Finding(f"{pair}, {metric}: flash drift / low-precision (bf16 vs fp32) drift, late training",
-                   f"{prec[0]:.3g} ({prec[1]:.3g} at step {last}); / init-seed drift {init[0]:.3g} ({init[1]:.3g})",
-                   "1/2..1/5 of low-precision training's drift", bool(holds), "golden")
+                   f"{prec[0]:.3g} ({prec[1]:.3g} at step {last}); / init-seed drift {init[0]:.3g} ({init[1]:.3g})"
+                   + note, "1/2..1/5 of low-precision training's drift", None if partial else bool(holds), "golden")
            for pair, metric, prec, init, holds in verdicts(df)]
-    out.append(Finding("conclusion", _conclusion(df)))
+    out.append(Finding("conclusion", ("Provisional (partial run, step " f"{last} of {df.attrs['steps']}): "
+                                      if partial else "") + _conclusion(df)))
     if "reached" in df.attrs:
         out.append(Finding("arms", " ".join(_progress(df))))
     for pair, control in df[df["role"] == "control"].groupby("pair", sort=False):
@@ -480,9 +483,11 @@ def table(df) -> str:
               "late-training ratio to `bf16 mixed vs fp32` lies in [0.2, 0.5].", "",
               "| flash pair | metric | / low precision (bf16 vs fp32) | / init seed | paper 1/2..1/5 |",
               "|---|---|---|---|---|"]
+    partial = _partial(df)
     for pair, metric, prec, init, holds in verdicts(df):
+        verdict = "none yet (partial run)" if partial else "holds" if holds else "**does not hold**"
         lines.append(f"| {report.escape(pair)} | {metric} | {prec[0]:.3g} ({prec[1]:.3g}) | {init[0]:.3g} "
-                     f"({init[1]:.3g}) | {'holds' if holds else '**does not hold**'} |")
+                     f"({init[1]:.3g}) | {verdict} |")
     final = loss[loss["step"] == last].set_index("run")
     lines += ["", f"Held-out loss at step {last} ({df.attrs.get('unit', 'nats per pixel')}; step 0: "
               f"{loss[loss['step'] == 0]['eval_loss'].iloc[0]:.3f}): " +
@@ -499,6 +504,11 @@ def table(df) -> str:
     return "\n".join(lines)
 
 
+def _partial(df) -> bool:
+    """Whether some arm stopped before the run's last step (a --budget-s stop, to be continued)."""
+    return "reached" in df.attrs and any(r < df.attrs["steps"] for r, _ in df.attrs["reached"].values())
+
+
 def _progress(df):
     """How far each arm got, its latest held-out loss, and the arms skipped with their reason."""
     steps, loss = df.attrs["steps"], df.attrs["loss"]
@@ -508,8 +518,7 @@ def _progress(df):
         latest = f", held-out {g['eval_loss'].iloc[-1]:.4f} at step {int(g['step'].iloc[-1])}" if len(g) else ""
         rate = f", {seconds / reached:.3g} s/update" if reached else ""
         cells.append(f"`{name}` {reached}/{steps}{rate}{latest}")
-    complete = all(r >= steps for r, _ in df.attrs["reached"].values())
-    lines = [("**Complete**: " if complete else "**Partial run** (continue with the same command): ") +
+    lines = [("**Complete**: " if not _partial(df) else "**Partial run** (continue with the same command): ") +
              "updates done per arm: " + "; ".join(cells) + "."]
     if df.attrs.get("skipped"):
         lines.append("Skipped arms: " + "; ".join(f"`{n}` ({why})" for n, why in df.attrs["skipped"].items()) + ".")
