@@ -27,14 +27,19 @@ struct native_fwd_args {
 
 template <int D, int BQ, int BKV> constexpr int native_fwd_smem() { return (BQ + 4 * BKV) * D * 2; }
 
-template <typename T, int D, int BQ, int BKV>
-__global__ void __launch_bounds__(BQ * 2) native_forward_kernel(const native_fwd_args a) {
-    constexpr int NT = BQ * 2, C = D / 8;
+/* MI = query rows per warp / 16: each warp runs MI m16 row blocks side by side, so every K / V fragment it reads
+ * from shared memory feeds MI mma instructions (FlashAttention-2's forward: 4 warps of 32 rows at D 64) */
+template <typename T, int D, int BQ, int BKV, int MI>
+__global__ void __launch_bounds__(BQ * 2 / MI) native_forward_kernel(const native_fwd_args a) {
+    constexpr int WR = 16 * MI, NT = BQ / WR * 32, C = D / 8;
+    /* Q fragments stay in registers when they fit beside S and O, else they are re-read from shared memory for each
+     * K/V tile (always in registers for MI = 1) */
+    constexpr bool QREG = MI * (D / 4 + BKV / 2 + D / 2) <= 160;
     extern __shared__ __align__(16) unsigned char smem[];
     T *sQ = reinterpret_cast<T *>(smem);
     T *sK = sQ + BQ * D;      /* 2 stages of BKV x D */
     T *sV = sK + 2 * BKV * D; /* 2 stages of BKV x D */
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3, wrow = warp * WR;
 
     const int qt = a.n_qt - 1 - (int)(blockIdx.x % a.n_qt);
     const int64_t bh = blockIdx.x / a.n_qt; /* b * H + h */
@@ -62,23 +67,36 @@ __global__ void __launch_bounds__(BQ * 2) native_forward_kernel(const native_fwd
     load_rows<T, BKV, D, NT>(sV, V, 0, a.seq_kv, tid);
     cp_async_commit();
 
-    /* this lane's rows: q0 + 16 warp + g (fragment half 0) and + 8 (half 1); the last key each may see */
-    const int row0 = q0 + warp * 16 + g;
-    int lim[2] = {a.seq_kv - 1, a.seq_kv - 1};
-    if (a.causal) lim[0] = min(lim[0], row0 + off), lim[1] = min(lim[1], row0 + 8 + off);
-
-    uint32_t qf[D / 16][4];
-    float o[D / 8][4];
+    /* this lane's rows in row block mi: q0 + wrow + 16 mi + g (fragment half 0) and + 8 (half 1); the last key
+     * each may see */
+    int lim[MI][2];
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    for (int mi = 0; mi < MI; ++mi) {
+        const int row = q0 + wrow + 16 * mi + g;
+        lim[mi][0] = lim[mi][1] = a.seq_kv - 1;
+        if (a.causal) lim[mi][0] = min(lim[mi][0], row + off), lim[mi][1] = min(lim[mi][1], row + 8 + off);
+    }
+
+    uint32_t qf[QREG ? MI : 1][QREG ? D / 16 : 1][4];
+    float o[MI][D / 8][4], m[MI][2], l[MI][2];
+#pragma unroll
+    for (int mi = 0; mi < MI; ++mi) {
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) o[mi][i][0] = o[mi][i][1] = o[mi][i][2] = o[mi][i][3] = 0.f;
+        m[mi][0] = m[mi][1] = -INFINITY, l[mi][0] = l[mi][1] = 0.f;
+    }
 
     for (int j = 0; j < n_kt; ++j) {
         cp_async_wait_all();
         __syncthreads(); /* tile j landed for everyone; everyone is done with tile j - 1's stage */
-        if (j == 0) {
+        if constexpr (QREG) {
+            if (j == 0) {
 #pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qf[kk], sQ + swz<C>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+                for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+                    for (int kk = 0; kk < D / 16; ++kk)
+                        ldmatrix_x4(qf[mi][kk], sQ + swz<C>(wrow + 16 * mi + (lane & 15), kk * 2 + (lane >> 4)));
+            }
         }
         if (j + 1 < n_kt) {
             const int st = (j + 1) & 1;
@@ -89,53 +107,73 @@ __global__ void __launch_bounds__(BQ * 2) native_forward_kernel(const native_fwd
         const T *sKj = sK + (j & 1) * BKV * D, *sVj = sV + (j & 1) * BKV * D;
 
         /* S = Q Kj^T: B[k = d][n = key] = K[key][d], K rows as stored (ldmatrix without .trans) */
-        float s[BKV / 8][4];
+        float s[MI][BKV / 8][4];
 #pragma unroll
-        for (int i = 0; i < BKV / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int i = 0; i < BKV / 8; ++i) s[mi][i][0] = s[mi][i][1] = s[mi][i][2] = s[mi][i][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
+            uint32_t qa[MI][4];
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+                if constexpr (QREG) {
+                    qa[mi][0] = qf[mi][kk][0], qa[mi][1] = qf[mi][kk][1], qa[mi][2] = qf[mi][kk][2], qa[mi][3] = qf[mi][kk][3];
+                } else {
+                    ldmatrix_x4(qa[mi], sQ + swz<C>(wrow + 16 * mi + (lane & 15), kk * 2 + (lane >> 4)));
+                }
+            }
 #pragma unroll
             for (int np = 0; np < BKV / 16; ++np) {
                 uint32_t b[4];
                 ldmatrix_x4(b, sKj + swz<C>(np * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 2 + ((lane >> 3) & 1)));
-                mma_16816<T>(s[2 * np], qf[kk], b[0], b[1]);
-                mma_16816<T>(s[2 * np + 1], qf[kk], b[2], b[3]);
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi) {
+                    mma_16816<T>(s[mi][2 * np], qa[mi], b[0], b[1]);
+                    mma_16816<T>(s[mi][2 * np + 1], qa[mi], b[2], b[3]);
+                }
             }
         }
 
         const int kv0 = j * BKV;
         const bool masked = kv0 + BKV > a.seq_kv || (a.causal && kv0 + BKV - 1 > q0 + off);
 #pragma unroll
-        for (int nb = 0; nb < BKV / 8; ++nb) {
+        for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[nb][e] *= a.scale_log2;
-                if (masked && kv0 + nb * 8 + 2 * t4 + (e & 1) > lim[e >> 1]) s[nb][e] = -INFINITY;
+            for (int nb = 0; nb < BKV / 8; ++nb) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[mi][nb][e] *= a.scale_log2;
+                    if (masked && kv0 + nb * 8 + 2 * t4 + (e & 1) > lim[mi][e >> 1]) s[mi][nb][e] = -INFINITY;
+                }
             }
         }
 
-        /* online softmax, rows r = 0 (g) and 1 (g + 8) */
+        /* online softmax, rows r = 0 (g) and 1 (g + 8) of each row block */
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = m[r];
+        for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
-            for (int nb = 0; nb < BKV / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * r], s[nb][2 * r + 1]));
-            mx = quad_max(mx);
-            const float ref = mx == -INFINITY ? 0.f : mx; /* all keys so far masked: P = 0, O and l stay 0 */
-            const float alpha = fast_exp2(m[r] - ref);
-            m[r] = mx;
-            float sum = 0.f;
+            for (int r = 0; r < 2; ++r) {
+                float mx = m[mi][r];
 #pragma unroll
-            for (int nb = 0; nb < BKV / 8; ++nb) {
-                s[nb][2 * r] = fast_exp2(s[nb][2 * r] - ref);
-                s[nb][2 * r + 1] = fast_exp2(s[nb][2 * r + 1] - ref);
-                sum += s[nb][2 * r] + s[nb][2 * r + 1];
-            }
-            l[r] = l[r] * alpha + sum;
+                for (int nb = 0; nb < BKV / 8; ++nb) mx = fmaxf(mx, fmaxf(s[mi][nb][2 * r], s[mi][nb][2 * r + 1]));
+                mx = quad_max(mx);
+                const float ref = mx == -INFINITY ? 0.f : mx; /* all keys so far masked: P = 0, O and l stay 0 */
+                const float alpha = fast_exp2(m[mi][r] - ref);
+                m[mi][r] = mx;
+                float sum = 0.f;
 #pragma unroll
-            for (int db = 0; db < D / 8; ++db) {
-                o[db][2 * r] *= alpha;
-                o[db][2 * r + 1] *= alpha;
+                for (int nb = 0; nb < BKV / 8; ++nb) {
+                    s[mi][nb][2 * r] = fast_exp2(s[mi][nb][2 * r] - ref);
+                    s[mi][nb][2 * r + 1] = fast_exp2(s[mi][nb][2 * r + 1] - ref);
+                    sum += s[mi][nb][2 * r] + s[mi][nb][2 * r + 1];
+                }
+                l[mi][r] = l[mi][r] * alpha + sum;
+#pragma unroll
+                for (int db = 0; db < D / 8; ++db) {
+                    o[mi][db][2 * r] *= alpha;
+                    o[mi][db][2 * r + 1] *= alpha;
+                }
             }
         }
 
@@ -143,68 +181,89 @@ __global__ void __launch_bounds__(BQ * 2) native_forward_kernel(const native_fwd
          * B[k = key][n = d] = V[key][d], V rows as stored, so ldmatrix .trans */
 #pragma unroll
         for (int kk = 0; kk < BKV / 16; ++kk) {
-            const uint32_t pa[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                                    pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                    pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            uint32_t pa[MI][4];
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+                pa[mi][0] = pack2<T>(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+                pa[mi][1] = pack2<T>(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+                pa[mi][2] = pack2<T>(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+                pa[mi][3] = pack2<T>(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int dp = 0; dp < D / 16; ++dp) {
                 uint32_t b[4];
                 ldmatrix_x4_trans(b, sVj + swz<C>(kk * 16 + (lane & 7) + (lane & 8), dp * 2 + (lane >> 4)));
-                mma_16816<T>(o[2 * dp], pa, b[0], b[1]);
-                mma_16816<T>(o[2 * dp + 1], pa, b[2], b[3]);
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi) {
+                    mma_16816<T>(o[mi][2 * dp], pa[mi], b[0], b[1]);
+                    mma_16816<T>(o[mi][2 * dp + 1], pa[mi], b[2], b[3]);
+                }
             }
         }
     }
 
-    float inv[2];
+    /* stage this warp's output rows in its own rows of the Q tile (only this warp ever read them), then store
+     * whole 16-byte chunks */
+    __syncwarp();
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] = quad_sum(l[r]);
-        inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        if (t4 == 0 && row0 + 8 * r < a.seq_q)
-            L[row0 + 8 * r] = l[r] > 0.f ? m[r] * NATIVE_LN2 + logf(l[r]) : -INFINITY;
-    }
-    /* stage this warp's 16 output rows in its own rows of the Q tile (only this warp ever read them), then
-     * store whole 16-byte chunks */
+    for (int mi = 0; mi < MI; ++mi) {
+        float inv[2];
 #pragma unroll
-    for (int db = 0; db < D / 8; ++db) {
-        *reinterpret_cast<uint32_t *>(sQ + swz<C>(warp * 16 + g, db) + 2 * t4) = pack2<T>(o[db][0] * inv[0], o[db][1] * inv[0]);
-        *reinterpret_cast<uint32_t *>(sQ + swz<C>(warp * 16 + g + 8, db) + 2 * t4) = pack2<T>(o[db][2] * inv[1], o[db][3] * inv[1]);
+        for (int r = 0; r < 2; ++r) {
+            const int row = q0 + wrow + 16 * mi + g + 8 * r;
+            l[mi][r] = quad_sum(l[mi][r]);
+            inv[r] = l[mi][r] > 0.f ? 1.f / l[mi][r] : 0.f;
+            if (t4 == 0 && row < a.seq_q) L[row] = l[mi][r] > 0.f ? m[mi][r] * NATIVE_LN2 + logf(l[mi][r]) : -INFINITY;
+        }
+#pragma unroll
+        for (int db = 0; db < D / 8; ++db) {
+            const int r0 = wrow + 16 * mi + g;
+            *reinterpret_cast<uint32_t *>(sQ + swz<C>(r0, db) + 2 * t4) = pack2<T>(o[mi][db][0] * inv[0], o[mi][db][1] * inv[0]);
+            *reinterpret_cast<uint32_t *>(sQ + swz<C>(r0 + 8, db) + 2 * t4) = pack2<T>(o[mi][db][2] * inv[1], o[mi][db][3] * inv[1]);
+        }
     }
     __syncwarp();
 #pragma unroll
-    for (int c = lane; c < 16 * C; c += 32) {
-        const int r = c / C, row = q0 + warp * 16 + r;
+    for (int c = lane; c < WR * C; c += 32) {
+        const int r = c / C, row = q0 + wrow + r;
         if (row < a.seq_q)
-            *reinterpret_cast<uint4 *>(O + (int64_t)row * D + c % C * 8) = *reinterpret_cast<const uint4 *>(sQ + swz<C>(warp * 16 + r, c % C));
+            *reinterpret_cast<uint4 *>(O + (int64_t)row * D + c % C * 8) = *reinterpret_cast<const uint4 *>(sQ + swz<C>(wrow + r, c % C));
     }
 }
 
 /* ---------------------------------------------------------------- host entry points */
 
-template <typename T, int D, int BQ, int BKV> static fadev_status native_forward_launch(const native_fwd_args &a, int64_t ctas) {
+template <typename T, int D, int BQ, int BKV, int MI>
+static fadev_status native_forward_launch(const native_fwd_args &a, int64_t ctas) {
     constexpr int smem = native_fwd_smem<D, BQ, BKV>();
-    CUDA_TRY(cudaFuncSetAttribute(native_forward_kernel<T, D, BQ, BKV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    native_forward_kernel<T, D, BQ, BKV><<<(unsigned)ctas, BQ * 2, smem>>>(a);
+    CUDA_TRY(cudaFuncSetAttribute(native_forward_kernel<T, D, BQ, BKV, MI>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    native_forward_kernel<T, D, BQ, BKV, MI><<<(unsigned)ctas, BQ * 2 / MI, smem>>>(a);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }
 
 template <typename T> static fadev_status native_forward_dispatch(const fadev_native_params *p, native_fwd_args a) {
-    const int bq = p->attn.block_q, bkv = p->attn.block_kv;
+    const int bq = p->attn.block_q, bkv = p->attn.block_kv, wide = p->warp_rows == 32;
     a.n_qt = (int)((p->attn.seq_q + bq - 1) / bq);
     const int64_t ctas = p->attn.batch * p->attn.heads * a.n_qt;
 #define NATIVE_FORWARD_CASE(d, q, kv) \
-    if (p->attn.dim == d && bq == q && bkv == kv) return native_forward_launch<T, d, q, kv>(a, ctas);
+    if (!wide && p->attn.dim == d && bq == q && bkv == kv) return native_forward_launch<T, d, q, kv, 1>(a, ctas);
     NATIVE_FORWARD_TILES(NATIVE_FORWARD_CASE)
+#undef NATIVE_FORWARD_CASE
+#define NATIVE_FORWARD_CASE(d, q, kv) \
+    if (wide && p->attn.dim == d && bq == q && bkv == kv) return native_forward_launch<T, d, q, kv, 2>(a, ctas);
+    NATIVE_FORWARD_TILES_32(NATIVE_FORWARD_CASE)
 #undef NATIVE_FORWARD_CASE
     return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: tile not compiled");
 }
 
-extern "C" fadev_status fadev_cuda_native_tiles(int dim, int backward, int32_t *tiles, int max_pairs, int *count) {
+extern "C" fadev_status fadev_cuda_native_tiles(int dim, int backward, int warp_rows, int32_t *tiles, int max_pairs,
+                                                int *count) {
     if (!count || max_pairs < 0 || (max_pairs > 0 && !tiles))
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "fadev_cuda_native_tiles: NULL count or tiles, or max_pairs < 0");
-    *count = native_tile_pairs(dim, backward != 0, tiles, max_pairs);
+    if (warp_rows != 16 && warp_rows != 32)
+        return native_bad(FADEV_ERR_INVALID_ARGUMENT, "fadev_cuda_native_tiles: warp_rows must be 16 or 32");
+    *count = native_tile_pairs(dim, backward != 0, warp_rows, tiles, max_pairs);
     if (*count == 0) return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: dim must be 64 or 128");
     return FADEV_OK;
 }
