@@ -145,6 +145,18 @@ __device__ __forceinline__ void load_rows(T *tile, const T *slab, int row0, int 
     }
 }
 
+/* The K/V loop's prefetch: tile j + 1 (if any) of K and V into the other of two stages of BKV rows, then commit the
+ * copy group (an empty one on the last tile, so every iteration's wait sees the same group count). */
+template <typename T, int BKV, int D, int NT>
+__device__ __forceinline__ void prefetch_kv(T *sK, T *sV, const T *K, const T *V, int j, int n_kt, int seq_kv, int tid) {
+    if (j + 1 < n_kt) {
+        const int st = (j + 1) & 1;
+        load_rows<T, BKV, D, NT>(sK + st * BKV * D, K, (j + 1) * BKV, seq_kv, tid);
+        load_rows<T, BKV, D, NT>(sV + st * BKV * D, V, (j + 1) * BKV, seq_kv, tid);
+    }
+    cp_async_commit();
+}
+
 /* ---------------------------------------------------------------- the backward's kernels (native_backward*.cu) */
 
 struct native_bwd_args {
