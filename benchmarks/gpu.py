@@ -106,14 +106,14 @@ def native_rows(quick):
                 e_naive = (naive.double() - gold).abs().max().item()
                 ok = e_mine <= 2 * e_naive
                 shape = f"{B}x{H}x{N}x{D}"
-                tiles = fadev.native_tiles(D)
-                best = None
-                for bq, bkv in tiles:
-                    t = cuda_seconds(lambda: fadev.native_attention(q, k, v, causal=causal, block_q=bq, block_kv=bkv))
-                    if best is None or t < best[0]:
-                        best = (t, bq, bkv)
-                t_native, bq, bkv = best
-                rates = {"native": flops / t_native}
+                best = {}  # warp_rows -> (seconds, block_q, block_kv): the fastest tile of each variant
+                for warp_rows in fadev.native.WARP_ROWS:
+                    for bq, bkv in fadev.native_tiles(D, warp_rows=warp_rows):
+                        t = cuda_seconds(lambda: fadev.native_attention(q, k, v, causal=causal, block_q=bq,
+                                                                        block_kv=bkv, warp_rows=warp_rows))
+                        if warp_rows not in best or t < best[warp_rows][0]:
+                            best[warp_rows] = (t, bq, bkv)
+                rates = {}
                 for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
                     try:
@@ -124,33 +124,38 @@ def native_rows(quick):
                                      f"{flops / t / 1e12:.0f} TFLOP/s", ""))
                     except RuntimeError as exc:  # a backend not available for this shape/GPU
                         rows.append(("native", name, shape, "yes" if causal else "no", "-", "-", str(exc)[:40]))
-                ratio = rates["native"] / rates.get("sdpa flash", float("nan"))
-                rows.append(("native", f"fadev native {bq}x{bkv}", shape, "yes" if causal else "no",
-                             f"{t_native * 1e3:.2f}", f"{rates['native'] / 1e12:.0f} TFLOP/s",
-                             f"{ratio:.2f}x sdpa flash; err {e_mine:.1e} vs naive {e_naive:.1e} "
-                             f"{'ok' if ok else 'FAILS 2x rule'}"))
+                for warp_rows, (t_native, bq, bkv) in sorted(best.items()):
+                    rate = flops / t_native
+                    rows.append(("native", f"fadev native {bq}x{bkv}, {warp_rows} rows/warp", shape,
+                                 "yes" if causal else "no", f"{t_native * 1e3:.2f}", f"{rate / 1e12:.0f} TFLOP/s",
+                                 f"{rate / rates.get('sdpa flash', float('nan')):.2f}x sdpa flash, "
+                                 f"{rate / rates.get('sdpa cudnn', float('nan')):.2f}x cudnn; err {e_mine:.1e} vs "
+                                 f"naive {e_naive:.1e} {'ok' if ok else 'FAILS 2x rule'}"))
                 # backward (2.5x the forward's flops: 5 matmuls of the 2 forward ones' size... as FA reports):
                 # every backward tile with atomic dq (the fastest shown), then that tile deterministic
                 qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
                 out, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)
                 dout = torch.randn_like(out)
-                best_b = None
-                for bq, bkv in fadev.native_tiles(D, backward=True):
-                    t = cuda_seconds(lambda: fadev.native_attention_backward(q, k, v, out, lse, dout, causal=causal,
-                                                                             block_q=bq, block_kv=bkv))
-                    if best_b is None or t < best_b[0]:
-                        best_b = (t, bq, bkv)
-                t_b, bq, bkv = best_b
-                t_det = cuda_seconds(lambda: fadev.native_attention_backward(q, k, v, out, lse, dout, causal=causal,
-                                                                             block_q=bq, block_kv=bkv,
-                                                                             deterministic=True))
+                best_b = {}  # warp_rows -> (seconds, block_q, block_kv)
+                for warp_rows in fadev.native.WARP_ROWS:
+                    for bq, bkv in fadev.native_tiles(D, backward=True, warp_rows=warp_rows):
+                        t = cuda_seconds(lambda: fadev.native_attention_backward(
+                            q, k, v, out, lse, dout, causal=causal, block_q=bq, block_kv=bkv, warp_rows=warp_rows))
+                        if warp_rows not in best_b or t < best_b[warp_rows][0]:
+                            best_b[warp_rows] = (t, bq, bkv)
+                t_b, bq, bkv = min(best_b.values())
+                fastest_rows = min(best_b, key=lambda w: best_b[w][0])
+                t_det = cuda_seconds(lambda: fadev.native_attention_backward(
+                    q, k, v, out, lse, dout, causal=causal, block_q=bq, block_kv=bkv, warp_rows=fastest_rows,
+                    deterministic=True))
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     o2 = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
                     t_sb = cuda_seconds(lambda: torch.autograd.grad(o2, (qg, kg, vg), dout, retain_graph=True))
-                rows.append(("native bwd", f"fadev native {bq}x{bkv}", shape, "yes" if causal else "no",
-                             f"{t_b * 1e3:.2f}", f"{2.5 * flops / t_b / 1e12:.0f} TFLOP/s",
-                             f"{t_sb / t_b:.2f}x sdpa flash bwd"))
-                rows.append(("native bwd", f"fadev native {bq}x{bkv} deterministic", shape,
+                for warp_rows, (t_w, bq_w, bkv_w) in sorted(best_b.items()):
+                    rows.append(("native bwd", f"fadev native {bq_w}x{bkv_w}, {warp_rows} keys/warp", shape,
+                                 "yes" if causal else "no", f"{t_w * 1e3:.2f}", f"{2.5 * flops / t_w / 1e12:.0f} TFLOP/s",
+                                 f"{t_sb / t_w:.2f}x sdpa flash bwd"))
+                rows.append(("native bwd", f"fadev native {bq}x{bkv}, {fastest_rows} keys/warp, deterministic", shape,
                              "yes" if causal else "no", f"{t_det * 1e3:.2f}", f"{2.5 * flops / t_det / 1e12:.0f} TFLOP/s",
                              f"{t_b / t_det:.2f}x atomic; {t_sb / t_det:.2f}x sdpa flash bwd"))
                 rows.append(("native bwd", "sdpa flash", shape, "yes" if causal else "no", f"{t_sb * 1e3:.2f}",

@@ -355,10 +355,13 @@ typedef struct fadev_native_params {
                                     loop_order, normalize and exp_form are not read */
     int32_t dtype;               /* fadev_native_dtype */
     int32_t deterministic;       /* backward only: 1 = dq without atomics (bit-reproducible), 0 = atomics */
+    int32_t warp_rows;           /* tile rows per warp, 16 (0 means 16) or 32 (query rows forward, key rows backward);
+                                    the same arithmetic, so the same bits, at another speed */
 } fadev_native_params;
 /* Writes up to max_pairs (block_q, block_kv) pairs supported for head dim `dim` in one direction (backward 0: the
- * forward's, 1: the backward's) into tiles[2 * i], tiles[2 * i + 1]; *count receives how many there are. */
-fadev_status fadev_cuda_native_tiles(int dim, int backward, int32_t *tiles, int max_pairs, int *count);
+ * forward's, 1: the backward's) with `warp_rows` (16 or 32) tile rows per warp into tiles[2 * i], tiles[2 * i + 1];
+ * *count receives how many there are (0 with FADEV_ERR_INVALID_ARGUMENT for a head dim without any). */
+fadev_status fadev_cuda_native_tiles(int dim, int backward, int warp_rows, int32_t *tiles, int max_pairs, int *count);
 fadev_status fadev_cuda_native_forward(const void *q, const void *k, const void *v, void *out, float *lse,
                                        const fadev_native_params *params);
 size_t fadev_cuda_native_workspace(const fadev_native_params *params);

@@ -142,19 +142,20 @@ int parse_params(PyObject *obj, void *out) {
 }
 
 /* fadev_native_params from (batch, heads, heads_kv, seq_q, seq_kv, dim, scale, causal, block_q, block_kv, dtype,
- * deterministic). */
+ * deterministic, warp_rows). */
 int parse_native_params(PyObject *obj, void *out) {
     fadev_native_params *np = (fadev_native_params *)out;
     long long s[6];
-    int causal, block_q, block_kv, dtype, deterministic;
+    int causal, block_q, block_kv, dtype, deterministic, warp_rows;
     memset(np, 0, sizeof *np);
-    if (!PyArg_ParseTuple(obj, "LLLLLLdpiiip;native params must be (batch, heads, heads_kv, seq_q, seq_kv, dim, "
-                               "scale, causal, block_q, block_kv, dtype, deterministic)", &s[0], &s[1], &s[2], &s[3],
-                          &s[4], &s[5], &np->attn.scale, &causal, &block_q, &block_kv, &dtype, &deterministic))
+    if (!PyArg_ParseTuple(obj, "LLLLLLdpiiipi;native params must be (batch, heads, heads_kv, seq_q, seq_kv, dim, "
+                               "scale, causal, block_q, block_kv, dtype, deterministic, warp_rows)", &s[0], &s[1], &s[2],
+                          &s[3], &s[4], &s[5], &np->attn.scale, &causal, &block_q, &block_kv, &dtype, &deterministic,
+                          &warp_rows))
         return 0;
     set_shapes(&np->attn, s);
     np->attn.causal = causal, np->attn.block_q = block_q, np->attn.block_kv = block_kv, np->dtype = dtype;
-    np->deterministic = deterministic;
+    np->deterministic = deterministic, np->warp_rows = warp_rows;
     return 1;
 }
 

@@ -145,6 +145,18 @@ __device__ __forceinline__ void load_rows(T *tile, const T *slab, int row0, int 
     }
 }
 
+/* The K/V loop's prefetch: tile j + 1 (if any) of K and V into the other of two stages of BKV rows, then commit the
+ * copy group (an empty one on the last tile, so every iteration's wait sees the same group count). */
+template <typename T, int BKV, int D, int NT>
+__device__ __forceinline__ void prefetch_kv(T *sK, T *sV, const T *K, const T *V, int j, int n_kt, int seq_kv, int tid) {
+    if (j + 1 < n_kt) {
+        const int st = (j + 1) & 1;
+        load_rows<T, BKV, D, NT>(sK + st * BKV * D, K, (j + 1) * BKV, seq_kv, tid);
+        load_rows<T, BKV, D, NT>(sV + st * BKV * D, V, (j + 1) * BKV, seq_kv, tid);
+    }
+    cp_async_commit();
+}
+
 /* ---------------------------------------------------------------- the backward's kernels (native_backward*.cu) */
 
 struct native_bwd_args {
@@ -180,23 +192,42 @@ fadev_status native_dq_pass(const fadev_native_params *p, native_bwd_args a);
     X(64, 128, 32)                                                                                               \
     X(128, 64, 64) X(128, 128, 64) X(128, 16, 16) X(128, 16, 32) X(128, 32, 16) X(128, 32, 32) X(128, 32, 64)   \
     X(128, 64, 16) X(128, 64, 32) X(128, 128, 16) X(128, 128, 32)
+/* The forward with 32 query rows per warp (two m16 row blocks side by side: half the shared-memory reads of K and V
+ * per product; Q re-read from shared memory where it does not fit in registers beside S and O). ptxas (sm_90): 241
+ * and 248 registers for D 64 128 x 64 and 64 x 64; 128 bytes of spills at D 64 128 x 128 and D 128 128 x 64, 12 at
+ * D 128 128 x 32 (D 128 64 x 64 spilled 324 and is not compiled). */
+#define NATIVE_FORWARD_TILES_32(X) X(64, 128, 64) X(64, 64, 64) X(64, 128, 128) X(128, 128, 32) X(128, 128, 64)
 #define NATIVE_BACKWARD_TILES(X)                                                                                 \
     X(64, 64, 64) X(64, 16, 16) X(64, 16, 32) X(64, 16, 64) X(64, 16, 128) X(64, 32, 16) X(64, 32, 32)          \
     X(64, 32, 64) X(64, 32, 128) X(64, 64, 16) X(64, 64, 32) X(64, 64, 128)                                      \
     X(128, 32, 64) X(128, 16, 16) X(128, 16, 32) X(128, 16, 64) X(128, 16, 128) X(128, 32, 32)                  \
     X(128, 32, 128)
 
+/* The backward with 32 keys per warp (two m16 key blocks side by side: half the shared-memory reads of Q and dO per
+ * product), D 64 only (dK, dV of 32 keys take 128 registers): ptxas (sm_90) 255, 236, 238 registers without spills
+ * for 32 x 128, 16 x 128, 16 x 64; 28 bytes of spills at 32 x 64 (64-row query tiles spill 700+). */
+#define NATIVE_BACKWARD_TILES_32(X) X(64, 32, 128) X(64, 16, 128) X(64, 16, 64) X(64, 32, 64)
+
 #define NATIVE_TILE_ROW(dim, bq, bkv) {dim, bq, bkv},
 static const int32_t native_forward_tiles[][3] = {NATIVE_FORWARD_TILES(NATIVE_TILE_ROW)};
+static const int32_t native_forward_tiles_32[][3] = {NATIVE_FORWARD_TILES_32(NATIVE_TILE_ROW)};
 static const int32_t native_backward_tiles[][3] = {NATIVE_BACKWARD_TILES(NATIVE_TILE_ROW)};
+static const int32_t native_backward_tiles_32[][3] = {NATIVE_BACKWARD_TILES_32(NATIVE_TILE_ROW)};
 #undef NATIVE_TILE_ROW
 
-/* The (block_q, block_kv) pairs of head dim `dim` for one direction, in list order: writes up to max_pairs of
- * them to tiles (when not NULL) and returns how many there are. */
-static inline int native_tile_pairs(int dim, int backward, int32_t *tiles, int max_pairs) {
-    const int32_t(*list)[3] = backward ? native_backward_tiles : native_forward_tiles;
-    const int n = backward ? (int)(sizeof native_backward_tiles / sizeof *native_backward_tiles)
-                           : (int)(sizeof native_forward_tiles / sizeof *native_forward_tiles);
+/* The (block_q, block_kv) pairs of head dim `dim` for one direction and rows per warp (16 or 32: query rows in the
+ * forward, key rows in the backward), in list order: writes up to max_pairs of them to tiles (when not NULL) and
+ * returns how many there are. */
+static inline int native_tile_pairs(int dim, int backward, int warp_rows, int32_t *tiles, int max_pairs) {
+#define NATIVE_LIST(x) list = x, n = (int)(sizeof x / sizeof *x)
+    const int32_t(*list)[3];
+    int n;
+    if (backward) {
+        if (warp_rows == 32) NATIVE_LIST(native_backward_tiles_32); else NATIVE_LIST(native_backward_tiles);
+    } else {
+        if (warp_rows == 32) NATIVE_LIST(native_forward_tiles_32); else NATIVE_LIST(native_forward_tiles);
+    }
+#undef NATIVE_LIST
     int count = 0;
     for (int i = 0; i < n; i++) {
         if (list[i][0] != dim) continue;
@@ -226,8 +257,10 @@ static inline fadev_status native_validate(const fadev_native_params *p, int bac
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: dtype must be fp16 (0) or bf16 (1)");
     if (p->deterministic != 0 && p->deterministic != 1)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: deterministic must be 0 or 1");
+    if (p->warp_rows != 0 && p->warp_rows != 16 && p->warp_rows != 32)
+        return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: warp_rows must be 16 or 32");
     int32_t pairs[2 * 64];
-    const int n = native_tile_pairs((int)p->attn.dim, backward, pairs, 64);
+    const int n = native_tile_pairs((int)p->attn.dim, backward, p->warp_rows == 32 ? 32 : 16, pairs, 64);
     int found = 0;
     for (int i = 0; i < n && i < 64; i++) found |= pairs[2 * i] == p->attn.block_q && pairs[2 * i + 1] == p->attn.block_kv;
     if (!found)

@@ -43,13 +43,15 @@ template <typename T> __global__ void native_dq_kernel(const float *acc, T *dq, 
         dq[i] = from_float<T>(acc[i] * scale);
 }
 
-template <typename T, int D, int BKV, int BQ>
-__global__ void __launch_bounds__(BKV * 2) native_backward_kernel(const native_bwd_args a) {
-    constexpr int NT = BKV * 2, C = D / 8, QC = BQ / 8;
+/* MI = keys per warp / 16: each warp runs MI m16 key blocks side by side, so every Q / dO fragment it reads from
+ * shared memory feeds MI mma instructions */
+template <typename T, int D, int BKV, int BQ, int MI>
+__global__ void __launch_bounds__(BKV * 2 / MI) native_backward_kernel(const native_bwd_args a) {
+    constexpr int NT = BKV * 2 / MI, C = D / 8, QC = BQ / 8;
     /* dQ = dS K split over the W warps: MT query blocks of 16 rows; MW warps side by side over them (each takes
      * MT / MW blocks in turn), times NDP column parts of DW columns (at least 16), each done DS <= 64 columns at a
      * time (the accumulators' registers); warps >= MW NDP idle */
-    constexpr int W = BKV / 16, MT = BQ / 16, MW = W < MT ? W : MT, NDP = W / MW < D / 16 ? W / MW : D / 16,
+    constexpr int W = BKV / 16 / MI, MT = BQ / 16, MW = W < MT ? W : MT, NDP = W / MW < D / 16 ? W / MW : D / 16,
                   DW = D / NDP, DS = DW < 64 ? DW : 64;
     static_assert(MT % MW == 0 && DW % DS == 0 && DS % 16 == 0 && MW * NDP <= W, "dQ split");
     extern __shared__ __align__(16) unsigned char smem[];
@@ -99,13 +101,16 @@ __global__ void __launch_bounds__(BKV * 2) native_backward_kernel(const native_b
     if (n_it > 0) issue(0, 0);
     cp_async_commit();
 
-    const int key0 = k0 + warp * 16 + g; /* this lane's keys: key0 (fragment half 0) and key0 + 8 (half 1) */
-    float dk[D / 8][4], dv[D / 8][4];
+    /* this lane's keys in key block mi: key0 + 16 mi (fragment half 0) and + 8 (half 1) */
+    const int wkey = warp * 16 * MI, key0 = k0 + wkey + g;
+    float dk[MI][D / 8][4], dv[MI][D / 8][4];
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-        dk[i][0] = dk[i][1] = dk[i][2] = dk[i][3] = 0.f;
-        dv[i][0] = dv[i][1] = dv[i][2] = dv[i][3] = 0.f;
-    }
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+            dk[mi][i][0] = dk[mi][i][1] = dk[mi][i][2] = dk[mi][i][3] = 0.f;
+            dv[mi][i][0] = dv[mi][i][1] = dv[mi][i][2] = dv[mi][i][3] = 0.f;
+        }
 
     for (int it = 0; it < n_it; ++it) {
         cp_async_wait_all();
@@ -118,27 +123,35 @@ __global__ void __launch_bounds__(BKV * 2) native_backward_kernel(const native_b
         const float *cL = sL + st * BQ, *cDv = sDv + st * BQ;
 
         /* S^T = K Q^T and dP^T = V dO^T: A = this warp's K / V rows, B[k = d][n = query] = Q[query][d] */
-        float sp[BQ / 8][4], dp[BQ / 8][4];
+        float sp[MI][BQ / 8][4], dp[MI][BQ / 8][4];
 #pragma unroll
-        for (int i = 0; i < BQ / 8; ++i) {
-            sp[i][0] = sp[i][1] = sp[i][2] = sp[i][3] = 0.f;
-            dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
-        }
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int i = 0; i < BQ / 8; ++i) {
+                sp[mi][i][0] = sp[mi][i][1] = sp[mi][i][2] = sp[mi][i][3] = 0.f;
+                dp[mi][i][0] = dp[mi][i][1] = dp[mi][i][2] = dp[mi][i][3] = 0.f;
+            }
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t ka[4], va[4];
-            ldmatrix_x4(ka, sK + swz<C>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
-            ldmatrix_x4(va, sV + swz<C>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
+            uint32_t ka[MI][4], va[MI][4];
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+                ldmatrix_x4(ka[mi], sK + swz<C>(wkey + 16 * mi + (lane & 15), kk * 2 + (lane >> 4)));
+                ldmatrix_x4(va[mi], sV + swz<C>(wkey + 16 * mi + (lane & 15), kk * 2 + (lane >> 4)));
+            }
 #pragma unroll
             for (int np = 0; np < BQ / 16; ++np) {
                 const int row = np * 16 + (lane & 7) + ((lane >> 4) << 3), ch = kk * 2 + ((lane >> 3) & 1);
                 uint32_t bq[4], bo[4];
                 ldmatrix_x4(bq, cQ + swz<C>(row, ch));
                 ldmatrix_x4(bo, cdO + swz<C>(row, ch));
-                mma_16816<T>(sp[2 * np], ka, bq[0], bq[1]);
-                mma_16816<T>(sp[2 * np + 1], ka, bq[2], bq[3]);
-                mma_16816<T>(dp[2 * np], va, bo[0], bo[1]);
-                mma_16816<T>(dp[2 * np + 1], va, bo[2], bo[3]);
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi) {
+                    mma_16816<T>(sp[mi][2 * np], ka[mi], bq[0], bq[1]);
+                    mma_16816<T>(sp[mi][2 * np + 1], ka[mi], bq[2], bq[3]);
+                    mma_16816<T>(dp[mi][2 * np], va[mi], bo[0], bo[1]);
+                    mma_16816<T>(dp[mi][2 * np + 1], va[mi], bo[2], bo[3]);
+                }
             }
         }
 
@@ -146,47 +159,61 @@ __global__ void __launch_bounds__(BKV * 2) native_backward_kernel(const native_b
          * q0 + 8 nb + 2 t4 + (e & 1) */
         const bool masked = q0 + BQ > a.seq_q || k0 + BKV > a.seq_kv || (a.causal && k0 + BKV - 1 > q0 + off);
 #pragma unroll
-        for (int nb = 0; nb < BQ / 8; ++nb) {
+        for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = nb * 8 + 2 * t4 + (e & 1), key = key0 + 8 * (e >> 1);
-                float p = fast_exp2(sp[nb][e] * a.scale_log2 - cL[i] * (float)NATIVE_LOG2E);
-                if (masked && (q0 + i >= a.seq_q || key >= a.seq_kv || (a.causal && key > q0 + i + off))) p = 0.f;
-                sp[nb][e] = p;
-                dp[nb][e] = p * (dp[nb][e] - cDv[i]);
+            for (int nb = 0; nb < BQ / 8; ++nb) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int i = nb * 8 + 2 * t4 + (e & 1), key = key0 + 16 * mi + 8 * (e >> 1);
+                    float p = fast_exp2(sp[mi][nb][e] * a.scale_log2 - cL[i] * (float)NATIVE_LOG2E);
+                    if (masked && (q0 + i >= a.seq_q || key >= a.seq_kv || (a.causal && key > q0 + i + off))) p = 0.f;
+                    sp[mi][nb][e] = p;
+                    dp[mi][nb][e] = p * (dp[mi][nb][e] - cDv[i]);
+                }
             }
-        }
 
         /* dV += round(P^T) dO, dK += round(dS^T) Q: A from the accumulators (query chunk kk = blocks 2kk, 2kk+1),
          * B[k = query][n = d] = dO[query][d], rows as stored, so ldmatrix .trans */
 #pragma unroll
         for (int kk = 0; kk < BQ / 16; ++kk) {
-            const uint32_t pa[4] = {pack2<T>(sp[2 * kk][0], sp[2 * kk][1]), pack2<T>(sp[2 * kk][2], sp[2 * kk][3]),
-                                    pack2<T>(sp[2 * kk + 1][0], sp[2 * kk + 1][1]),
-                                    pack2<T>(sp[2 * kk + 1][2], sp[2 * kk + 1][3])};
-            const uint32_t sa[4] = {pack2<T>(dp[2 * kk][0], dp[2 * kk][1]), pack2<T>(dp[2 * kk][2], dp[2 * kk][3]),
-                                    pack2<T>(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
-                                    pack2<T>(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+            uint32_t pa[MI][4], sa[MI][4];
+#pragma unroll
+            for (int mi = 0; mi < MI; ++mi) {
+                pa[mi][0] = pack2<T>(sp[mi][2 * kk][0], sp[mi][2 * kk][1]);
+                pa[mi][1] = pack2<T>(sp[mi][2 * kk][2], sp[mi][2 * kk][3]);
+                pa[mi][2] = pack2<T>(sp[mi][2 * kk + 1][0], sp[mi][2 * kk + 1][1]);
+                pa[mi][3] = pack2<T>(sp[mi][2 * kk + 1][2], sp[mi][2 * kk + 1][3]);
+                sa[mi][0] = pack2<T>(dp[mi][2 * kk][0], dp[mi][2 * kk][1]);
+                sa[mi][1] = pack2<T>(dp[mi][2 * kk][2], dp[mi][2 * kk][3]);
+                sa[mi][2] = pack2<T>(dp[mi][2 * kk + 1][0], dp[mi][2 * kk + 1][1]);
+                sa[mi][3] = pack2<T>(dp[mi][2 * kk + 1][2], dp[mi][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int dd = 0; dd < D / 16; ++dd) {
                 const int row = kk * 16 + (lane & 7) + (lane & 8), ch = dd * 2 + (lane >> 4);
                 uint32_t bo[4], bq[4];
                 ldmatrix_x4_trans(bo, cdO + swz<C>(row, ch));
                 ldmatrix_x4_trans(bq, cQ + swz<C>(row, ch));
-                mma_16816<T>(dv[2 * dd], pa, bo[0], bo[1]);
-                mma_16816<T>(dv[2 * dd + 1], pa, bo[2], bo[3]);
-                mma_16816<T>(dk[2 * dd], sa, bq[0], bq[1]);
-                mma_16816<T>(dk[2 * dd + 1], sa, bq[2], bq[3]);
+#pragma unroll
+                for (int mi = 0; mi < MI; ++mi) {
+                    mma_16816<T>(dv[mi][2 * dd], pa[mi], bo[0], bo[1]);
+                    mma_16816<T>(dv[mi][2 * dd + 1], pa[mi], bo[2], bo[3]);
+                    mma_16816<T>(dk[mi][2 * dd], sa[mi], bq[0], bq[1]);
+                    mma_16816<T>(dk[mi][2 * dd + 1], sa[mi], bq[2], bq[3]);
+                }
             }
         }
 
         if (!a.dq_acc) continue; /* deterministic: dQ by native_dq_pass */
         /* dS^T (rows: keys, cols: queries) to shared memory for dQ */
 #pragma unroll
-        for (int nb = 0; nb < BQ / 8; ++nb) {
-            *reinterpret_cast<uint32_t *>(sdS + swz<QC>(warp * 16 + g, nb) + 2 * t4) = pack2<T>(dp[nb][0], dp[nb][1]);
-            *reinterpret_cast<uint32_t *>(sdS + swz<QC>(warp * 16 + g + 8, nb) + 2 * t4) = pack2<T>(dp[nb][2], dp[nb][3]);
-        }
+        for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
+            for (int nb = 0; nb < BQ / 8; ++nb) {
+                const int r0 = wkey + 16 * mi + g;
+                *reinterpret_cast<uint32_t *>(sdS + swz<QC>(r0, nb) + 2 * t4) = pack2<T>(dp[mi][nb][0], dp[mi][nb][1]);
+                *reinterpret_cast<uint32_t *>(sdS + swz<QC>(r0 + 8, nb) + 2 * t4) = pack2<T>(dp[mi][nb][2], dp[mi][nb][3]);
+            }
         __syncthreads();
 
         /* dQ[q0 + 16 mt .. + 16][DW dpart .. + DW] += dS K over the tile's keys: A[query][key] = dS^T[key][query]
@@ -230,14 +257,16 @@ __global__ void __launch_bounds__(BKV * 2) native_backward_kernel(const native_b
     T *dK = static_cast<T *>(a.dk) + bhk * a.seq_kv * D;
     T *dV = static_cast<T *>(a.dv) + bhk * a.seq_kv * D;
 #pragma unroll
+    for (int mi = 0; mi < MI; ++mi)
+#pragma unroll
     for (int db = 0; db < D / 8; ++db) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int key = key0 + 8 * r;
+            const int key = key0 + 16 * mi + 8 * r;
             if (key < a.seq_kv) {
                 const int64_t at = (int64_t)key * D + db * 8 + 2 * t4;
-                *reinterpret_cast<uint32_t *>(dK + at) = pack2<T>(dk[db][2 * r] * a.scale, dk[db][2 * r + 1] * a.scale);
-                *reinterpret_cast<uint32_t *>(dV + at) = pack2<T>(dv[db][2 * r], dv[db][2 * r + 1]);
+                *reinterpret_cast<uint32_t *>(dK + at) = pack2<T>(dk[mi][db][2 * r] * a.scale, dk[mi][db][2 * r + 1] * a.scale);
+                *reinterpret_cast<uint32_t *>(dV + at) = pack2<T>(dv[mi][db][2 * r], dv[mi][db][2 * r + 1]);
             }
         }
     }
@@ -250,7 +279,7 @@ static unsigned native_blocks(int64_t work, int per_block) {
     return (unsigned)(b < 1 ? 1 : b > (1 << 20) ? (1 << 20) : b);
 }
 
-template <typename T, int D, int BQ, int BKV>
+template <typename T, int D, int BQ, int BKV, int MI>
 static fadev_status native_backward_launch(const fadev_native_params *p, const native_bwd_args &a, const void *out) {
     constexpr int smem = native_bwd_smem<D, BKV, BQ>();
     const int64_t rows = p->attn.batch * p->attn.heads * p->attn.seq_q, n = rows * D;
@@ -258,8 +287,8 @@ static fadev_status native_backward_launch(const fadev_native_params *p, const n
     native_dot_kernel<T, D><<<native_blocks(rows, 8), 256>>>(static_cast<const T *>(out), static_cast<const T *>(a.dout),
                                                               const_cast<float *>(a.dvec), rows);
     CUDA_TRY(cudaGetLastError());
-    CUDA_TRY(cudaFuncSetAttribute(native_backward_kernel<T, D, BKV, BQ>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    native_backward_kernel<T, D, BKV, BQ><<<(unsigned)(p->attn.batch * p->attn.heads_kv * a.n_kt), BKV * 2, smem>>>(a);
+    CUDA_TRY(cudaFuncSetAttribute(native_backward_kernel<T, D, BKV, BQ, MI>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    native_backward_kernel<T, D, BKV, BQ, MI><<<(unsigned)(p->attn.batch * p->attn.heads_kv * a.n_kt), BKV * 2 / MI, smem>>>(a);
     CUDA_TRY(cudaGetLastError());
     if (!a.dq_acc) return native_dq_pass(p, a);
     native_dq_kernel<T><<<native_blocks(n, 256), 256>>>(a.dq_acc, static_cast<T *>(a.dq), n, a.scale);
@@ -269,11 +298,15 @@ static fadev_status native_backward_launch(const fadev_native_params *p, const n
 
 template <typename T>
 static fadev_status native_backward_dispatch(const fadev_native_params *p, native_bwd_args a, const void *out) {
-    const int bq = p->attn.block_q, bkv = p->attn.block_kv;
+    const int bq = p->attn.block_q, bkv = p->attn.block_kv, wide = p->warp_rows == 32;
     a.n_kt = (int)((p->attn.seq_kv + bkv - 1) / bkv);
 #define NATIVE_BACKWARD_CASE(d, q, kv) \
-    if (p->attn.dim == d && bq == q && bkv == kv) return native_backward_launch<T, d, q, kv>(p, a, out);
+    if (!wide && p->attn.dim == d && bq == q && bkv == kv) return native_backward_launch<T, d, q, kv, 1>(p, a, out);
     NATIVE_BACKWARD_TILES(NATIVE_BACKWARD_CASE)
+#undef NATIVE_BACKWARD_CASE
+#define NATIVE_BACKWARD_CASE(d, q, kv) \
+    if (wide && p->attn.dim == d && bq == q && bkv == kv) return native_backward_launch<T, d, q, kv, 2>(p, a, out);
+    NATIVE_BACKWARD_TILES_32(NATIVE_BACKWARD_CASE)
 #undef NATIVE_BACKWARD_CASE
     return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: tile not compiled");
 }

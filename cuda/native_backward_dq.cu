@@ -72,12 +72,7 @@ __global__ void __launch_bounds__(BQ * 2) native_dq_pass_kernel(const native_bwd
                 ldmatrix_x4(of[kk], sdO + swz<C>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4)));
             }
         }
-        if (j + 1 < n_kt) {
-            const int st = (j + 1) & 1;
-            load_rows<T, BKV, D, NT>(sK + st * BKV * D, K, (j + 1) * BKV, a.seq_kv, tid);
-            load_rows<T, BKV, D, NT>(sV + st * BKV * D, V, (j + 1) * BKV, a.seq_kv, tid);
-        }
-        cp_async_commit();
+        prefetch_kv<T, BKV, D, NT>(sK, sV, K, V, j, n_kt, a.seq_kv, tid);
         const T *sKj = sK + (j & 1) * BKV * D, *sVj = sV + (j & 1) * BKV * D;
 
         /* S = Q Kj^T and dP = dO Vj^T: B[k = d][n = key] = K[key][d] (V[key][d]), rows as stored */

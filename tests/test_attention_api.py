@@ -368,8 +368,8 @@ def test_random_qkv_outliers():
 
 # ---------------------------------------------------------------- one uniform, keyword-only API
 
-ORDER = ("world_size", "layout", "merge", "causal", "scale", "block_q", "block_kv", "sram_bytes", "loop_order",
-         "normalize", "exp", "return_lse", "device", "deterministic", "dtype")
+ORDER = ("world_size", "layout", "merge", "causal", "scale", "block_q", "block_kv", "warp_rows", "sram_bytes",
+         "loop_order", "normalize", "exp", "return_lse", "device", "deterministic", "dtype")
 KERNELS = {"baseline_attention": ("q", "k", "v", "policy"), "flash_attention": ("q", "k", "v", "policy"),
            "golden_attention": ("q", "k", "v"), "ring_attention": ("q", "k", "v", "policy"),
            "baseline_attention_backward": ("q", "k", "v", "out", "lse", "dout", "policy"),

@@ -27,20 +27,22 @@ pytestmark = [pytest.mark.gpu, needs_gpu]
 
 
 
-def compiled_tiles(direction):
-    """{D: [(block_q, block_kv), ...]} of NATIVE_FORWARD_TILES or NATIVE_BACKWARD_TILES in cuda/native.cuh."""
+def compiled_tiles(macro):
+    """{D: [(block_q, block_kv), ...]} of one X-list of cuda/native.cuh (NATIVE_FORWARD_TILES, ...)."""
     with open(os.path.join(os.path.dirname(__file__), "..", "cuda", "native.cuh")) as f:
         text = f.read()
-    body = re.search(rf"#define NATIVE_{direction.upper()}_TILES\(X\)((?:.*\\\n)*.*)", text).group(1)
+    body = re.search(rf"#define {macro}\(X\)((?:.*\\\n)*.*)", text).group(1)
     tiles = {}
     for d, bq, bkv in re.findall(r"X\((\d+), (\d+), (\d+)\)", body):
         tiles.setdefault(int(d), []).append((int(bq), int(bkv)))
-    assert tiles, f"no NATIVE_{direction.upper()}_TILES list in cuda/native.cuh"
+    assert tiles, f"no {macro} list in cuda/native.cuh"
     return tiles
 
 
-TILES = compiled_tiles("forward")
-BACKWARD_TILES = compiled_tiles("backward")
+TILES = compiled_tiles("NATIVE_FORWARD_TILES")
+TILES_32 = compiled_tiles("NATIVE_FORWARD_TILES_32")  # 32 query rows per warp
+BACKWARD_TILES = compiled_tiles("NATIVE_BACKWARD_TILES")
+BACKWARD_TILES_32 = compiled_tiles("NATIVE_BACKWARD_TILES_32")  # 32 keys per warp
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # (batch, heads, heads_kv, seq_q, seq_kv)
 SHAPES = [(2, 4, 4, 128, 128), (1, 4, 2, 1000, 257), (1, 4, 1, 257, 1000), (1, 2, 2, 1, 77), (2, 2, 1, 333, 333)]
@@ -180,7 +182,49 @@ def test_native_backward_flash_rule(case, shape, dtype_name, causal, determinist
 
 
 def _bits(t):
-    return t.view(torch.int16)
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("case", [(d, bq, bkv) for d in TILES_32 for bq, bkv in TILES_32[d]],
+                         ids=lambda c: f"D{c[0]}-{c[1]}x{c[2]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_native_forward_32_rows_per_warp_same_bits(case, shape, causal):
+    """warp_rows=32 runs the same operations per row in the same order as warp_rows=16 (tested above under
+    FlashAttention's rule), so out and lse are the same bits, both dtypes."""
+    d, bq, bkv = case
+    assert (bq, bkv) in TILES[d], "every 32-row tile also has a 16-row kernel to compare with"
+    for dtype_name, dtype in DTYPES.items():
+        q, k, v, _ = _inputs(shape, d, dtype, case, causal, "rows32")
+        kw = dict(causal=causal, block_q=bq, block_kv=bkv, return_lse=True)
+        out16, lse16 = fadev.native_attention(q, k, v, **kw)
+        out32, lse32 = fadev.native_attention(q, k, v, warp_rows=32, **kw)
+        info = _params(case, shape, dtype_name, causal)
+        assert torch.equal(_bits(out32), _bits(out16)), f"out differs between 16 and 32 rows per warp [{info}]"
+        assert torch.equal(_bits(lse32), _bits(lse16)), f"lse differs between 16 and 32 rows per warp [{info}]"
+
+
+@pytest.mark.parametrize("case", [(d, bq, bkv) for d in BACKWARD_TILES_32 for bq, bkv in BACKWARD_TILES_32[d]],
+                         ids=lambda c: f"D{c[0]}-{c[1]}x{c[2]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_native_backward_32_keys_per_warp_same_bits(case, shape, causal):
+    """warp_rows=32 (32 keys per warp) runs the same operations per gradient element in the same order as
+    warp_rows=16, so with deterministic dq all three gradients are the same bits, both dtypes; with atomic dq,
+    dk and dv are."""
+    d, bq, bkv = case
+    assert (bq, bkv) in BACKWARD_TILES[d], "every 32-key tile also has a 16-key kernel to compare with"
+    for dtype_name, dtype in DTYPES.items():
+        q, k, v, dout = _inputs(shape, d, dtype, case, causal, "keys32")
+        out, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)
+        info = _params(case, shape, dtype_name, causal)
+        for deterministic in (True, False):
+            kw = dict(causal=causal, block_q=bq, block_kv=bkv, deterministic=deterministic)
+            g16 = fadev.native_attention_backward(q, k, v, out, lse, dout, **kw)
+            g32 = fadev.native_attention_backward(q, k, v, out, lse, dout, warp_rows=32, **kw)
+            for name, a, b in list(zip(("dq", "dk", "dv"), g32, g16))[0 if deterministic else 1:]:
+                assert torch.equal(_bits(a), _bits(b)), (f"{name} differs between 16 and 32 keys per warp "
+                                                         f"[{info} deterministic={deterministic}]")
 
 
 @pytest.mark.parametrize("case", BACKWARD_CASES, ids=lambda c: f"D{c[0]}-{c[1]}x{c[2]}")
@@ -241,7 +285,9 @@ def test_native_tiles_reported():
     backward's tiles are its own: a forward-only tile is refused by the backward, naming the arguments."""
     for d, tiles in TILES.items():
         assert [tuple(t) for t in fadev.native_tiles(d)] == tiles
+        assert [tuple(t) for t in fadev.native_tiles(d, warp_rows=32)] == TILES_32[d]
         assert [tuple(t) for t in fadev.native_tiles(d, backward=True)] == BACKWARD_TILES[d]
+        assert [tuple(t) for t in fadev.native_tiles(d, backward=True, warp_rows=32)] == BACKWARD_TILES_32.get(d, [])
     q, k, v, dout = _inputs((1, 2, 2, 64, 64), 128, torch.bfloat16, "tiles")
     out, lse = fadev.native_attention(q, k, v, block_q=128, block_kv=64, return_lse=True)
     assert (128, 64) not in BACKWARD_TILES[128]
@@ -249,6 +295,10 @@ def test_native_tiles_reported():
         fadev.native_attention_backward(q, k, v, out, lse, dout, block_q=128, block_kv=64)
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         fadev.native_attention_backward(q, k, v, out, lse, dout, deterministic=1)
+    with pytest.raises(ValueError, match="warp_rows: no native backward tile has 32 rows per warp at head dim 128"):
+        fadev.native_attention_backward(q, k, v, out, lse, dout, warp_rows=32)
+    with pytest.raises(ValueError, match="warp_rows must be 16 or 32, got 8"):
+        fadev.native_attention(q, k, v, warp_rows=8)
 
 
 def test_native_defaults_and_scale():
