@@ -48,7 +48,7 @@ from .cuda import device_count, no_gpu
 from .formats import boolean, integer
 from .native import native_attention as _native_forward, native_attention_backward as _native_backward
 from .policy import Policy
-from .torch import _Kernel, attention as _emulated
+from .torch import _Kernel, attention as _emulated, autocast_inputs
 from .torch_native import check as _native_check, native_attention
 
 KERNELS = ("sdpa", "flash", "baseline", "native")
@@ -220,6 +220,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     for name in ("position_bias", "softcap", "s_aux"):  # T5's bias, Gemma 2's soft cap, gpt-oss's sinks
         if kwargs.get(name) is not None:
             raise ValueError(f"{name}: fadev computes plain softmax attention (no bias, soft cap or sinks)")
+    # under torch.autocast a model hands attention fp32 q, k (after the rotary embedding) and a bf16 v; SDPA
+    # is one of autocast's lower-precision ops, so cast as PyTorch's SDPA (and fadev.torch.patch_sdpa) would
+    query, key, value = autocast_inputs(query, key, value)
     gqa = query.shape[1] != key.shape[1]
     nq = query.shape[2]
     # as transformers' sdpa integration: is_causal only for a prefill without a mask, keys cut to the queries

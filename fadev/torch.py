@@ -405,13 +405,13 @@ class _SdpaRoute:
             extra = {"enable_gqa": True} if enable_gqa else {}  # torch < 2.5 has no enable_gqa
             return self._original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                   scale=scale, **extra)
-        query, key, value = _autocast(query, key, value)
+        query, key, value = autocast_inputs(query, key, value)
         _validate(query, key, value, causal, enable_gqa)
         self.calls += 1
         return self._attend(query, key, value, causal, scale)
 
 
-def _autocast(q, k, v):
+def autocast_inputs(q, k, v):
     """q, k, v as PyTorch's own SDPA sees them under ``torch.autocast``: cast to the autocast dtype (SDPA is
     one of autocast's lower-precision ops on CPU and CUDA), which the replaced function would otherwise skip --
     under autocast a Hugging Face model hands SDPA fp32 q, k (after the rotary embedding) with a bf16 v."""
@@ -552,5 +552,5 @@ class shadow(_SdpaRoute):  # noqa: N801 (a context manager)
         return pd.DataFrame.from_records(self.records)
 
 
-__all__ = ["attention", "patch_sdpa", "shadow", "UnsupportedSDPA", "release_buffers", "POOL_MAX_ELEMENTS", "KERNELS",
+__all__ = ["attention", "patch_sdpa", "autocast_inputs", "shadow", "UnsupportedSDPA", "release_buffers", "POOL_MAX_ELEMENTS", "KERNELS",
            "FLASH_TILING", "DTYPES", "METRICS"]

@@ -346,3 +346,21 @@ def test_cache_shaped_masks():
     chunk = sdpa_mask(batch_size=2, q_length=6, kv_length=9, q_offset=3, allow_is_causal_skip=False)
     with hf.use("golden"), pytest.raises(ValueError, match="attention_mask: batch row 0"):
         hf.attention_forward(Module(), q, k, k, chunk, scaling=0.3)
+
+
+def test_autocast_casts_like_sdpa():
+    """Under torch.autocast (bf16 on the CPU) a Llama hands attention float32 q, k, v (after the bf16 projections
+    and the float32 rotary embedding); SDPA is one of autocast's bf16 ops, and "fadev" casts them as PyTorch's
+    SDPA (and patch_sdpa) does: under use("golden") (no input rounding of its own) the bits of the sdpa model
+    under patch_sdpa("golden"), and the attention output in bf16."""
+    torch.manual_seed(0)
+    first = AutoModelForCausalLM.from_config(_config(), attn_implementation="fadev", dtype=torch.float32)
+    second = AutoModelForCausalLM.from_config(_config(), attn_implementation="sdpa", dtype=torch.float32)
+    second.load_state_dict(first.state_dict())
+    ids = _ids()
+    with torch.autocast("cpu", dtype=torch.bfloat16), hf.use("golden"):
+        la = first(ids).logits
+    with torch.autocast("cpu", dtype=torch.bfloat16), fadev.torch.patch_sdpa("golden") as patch:
+        lb = second(ids).logits
+    assert patch.calls == 2 and la.dtype == lb.dtype
+    assert torch.equal(la, lb)
