@@ -74,3 +74,14 @@ def test_bad_folders(tmp_path, capsys):
     with pytest.raises(ValueError, match="no recorded report"):
         rerender.rerender(str(tmp_path))
     assert main(["report", str(tmp_path)]) == 1 and "fadev report: " in capsys.readouterr().err
+
+
+def test_llama_training_folder_is_refused(tmp_path, capsys):
+    """A `train-drift --model llama` folder's CSVs lack its runs, corpus and progress: rendering them as the
+    digits study would describe the wrong workload, so the command says so instead."""
+    folder = copy("train-drift-llama-quick-cpu-2026-11-23", tmp_path)
+    before = (folder / "train_drift.md").read_text()
+    with pytest.raises(ValueError, match="--model llama"):
+        rerender.rerender(str(folder))
+    assert main(["report", str(folder)]) == 1 and "run its command again" in capsys.readouterr().err
+    assert (folder / "train_drift.md").read_text() == before

@@ -89,6 +89,10 @@ def _result(folder, name, size, device, text):
         if os.path.exists(path):
             df.attrs[key] = pd.read_csv(path)
     if name == "train_drift":
+        if "--model llama" in text:  # its runs, corpus, progress and units live with the arms, not in the CSVs
+            raise ValueError(f"{folder}: a `train-drift --model llama` folder cannot be rendered from its CSVs "
+                             "alone (the digits study's text would describe it); run its command again on the "
+                             "folder: it resumes, and rewrites the report")
         df.attrs["settings"] = exp.SIZES[size]
     if name == "ring" and _candidates(text):
         df.attrs["candidates"] = _candidates(text)
