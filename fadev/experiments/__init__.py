@@ -31,6 +31,8 @@ fp8           FlashAttention-3 Table 3: outlier inputs, fp16 and fp8 with scalin
 ring          ring attention's error vs the number of ranks, and candidate causes (not in reproduce)
 ring_dist     ring attention on real ranks (torch.distributed): a deep model's gradient error vs W and
               depth (not in reproduce)
+ring_multigpu ring attention across GPUs (torch.distributed, nccl): out/LSE/gradient error vs fp64 against W,
+              PyTorch's context parallelism beside it, tokens/s (not in reproduce)
 train_drift   Section 5: weight drift of training with flash vs baseline attention (PyTorch; not in
               reproduce)
 ============  =====================================================================================
@@ -41,12 +43,13 @@ import os
 import time
 
 from .. import report
-from . import algorithm, attribution, fp8, kernels, precision, ring, ring_dist, seqlen, train_drift
+from . import algorithm, attribution, fp8, kernels, precision, ring, ring_dist, ring_multigpu, seqlen, train_drift
 from . import common
 from .common import METHOD, PAPER, Finding, torch_cuda
 from .quant import hadamard, quantize, random_signs
 
-EXPERIMENTS = {m.NAME: m for m in (precision, seqlen, algorithm, attribution, kernels, fp8, ring, ring_dist, train_drift)}
+EXPERIMENTS = {m.NAME: m for m in (precision, seqlen, algorithm, attribution, kernels, fp8, ring, ring_dist, ring_multigpu,
+                                   train_drift)}
 """{name: module} in report order."""
 
 

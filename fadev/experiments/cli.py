@@ -89,7 +89,8 @@ def _size_option(sp, key, quick, full, doc, values=None):
         sp.add_argument(*names, dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         return
     if isinstance(quick, tuple):
-        kind = _int_list if quick and isinstance(quick[0], int) else _str_list
+        sample = (quick or full or ("",))[0]  # an empty quick tuple: typed from the full one
+        kind = _int_list if isinstance(sample, int) else _str_list
     else:
         kind = {int: positive_int, float: float}.get(type(quick), str)
     sp.add_argument(*names, dest=key, type=kind, default=None, help=help_text,

@@ -46,7 +46,7 @@ INTRO = (
 SIZES = {
     "quick": {"spawn": 4, "Ws": (1, 2, 4), "Ls": (1, 2, 4), "N": 64, "dim": 64, "heads": 4, "heads_kv": 2,
               "layout": "zigzag", "kernels": ("emulated", "sdpa")},
-    "full": {"spawn": 8, "Ws": (1, 2, 4, 8), "Ls": (1, 4, 16), "N": 512, "dim": 128, "heads": 8, "heads_kv": 2,
+    "full": {"spawn": 8, "Ws": (1, 2, 4, 8), "Ls": (1, 4, 16, 32), "N": 512, "dim": 128, "heads": 8, "heads_kv": 2,
              "layout": "zigzag", "kernels": ("emulated", "sdpa")},
 }
 SIZE_DOCS = {"spawn": "local processes to spawn (ignored under torchrun, whose world is used)",
@@ -95,8 +95,11 @@ def _study(rank, world, cfg, path):
         if rank == 0:
             ref = llama.gradients(params, mc, tokens, targets, full_pos, llama.exact_attention, N)
         for W in cfg["Ws"]:
-            for kernel in cfg["kernels"]:
-                for merge in MERGES:
+            for merge in MERGES:
+                if rank == 0:  # the prediction, once for every kernel
+                    sim = llama.gradients(params, mc, tokens, targets, full_pos,
+                                          llama.simulated_attention(POLICY, W, layout, merge), N)
+                for kernel in cfg["kernels"]:
                     if rank < W:
                         pos = fd.shard(full_pos[:, None], W, rank, layout)[:, 0]
                         tk, tg = (fd.shard(t[..., None], W, rank, layout)[..., 0] for t in (tokens, targets))
@@ -110,8 +113,6 @@ def _study(rank, world, cfg, path):
                             dist.all_reduce(t, group=groups[W])
                         loss, grads = loss.cpu(), {n: g.cpu() for n, g in grads.items()}
                     if rank == 0:
-                        sim = llama.gradients(params, mc, tokens, targets, full_pos,
-                                              llama.simulated_attention(POLICY, W, layout, merge), N)
                         row = {"L": L, "W": W, "merge": merge, "kernel": kernel, **_errors(loss, grads, *ref)}
                         row.update({f"pred_{k}": v for k, v in _errors(*sim, *ref).items()})
                         row["max_dev_from_prediction"] = max(
@@ -129,27 +130,37 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
     if cluster and cluster.get("executor", "local") != "local":
         raise ValueError("cluster: ring-dist runs its own ranks (--spawn or torchrun), not a sweep on a cluster")
 
-    from .. import distributed as fd
     cfg = common.sizes(SIZES, size, overrides)
     out = out or "results"
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{NAME}.jsonl")
     if os.path.exists(path):
         os.remove(path)
+    launch(_study, cfg, path, STUDY_TIMEOUT)
+    with open(path) as f:
+        return pd.DataFrame([json.loads(line) for line in f])
+
+
+def launch(study, cfg, path, timeout):
+    """Run ``study(rank, world, cfg, path)`` on torchrun's world (env://; ranks other than 0 exit after it) or
+    on ``cfg["spawn"]`` spawned local processes (nccl when PyTorch sees that many GPUs, else gloo); every
+    ring size in cfg["Ws"] must fit the world."""
+    import torch
+
+    from .. import distributed as fd
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if torchrun else cfg["spawn"]
     too_big = [W for W in cfg["Ws"] if W > world]
     if too_big:
         raise ValueError(f"Ws: ring sizes {too_big} exceed the {world} processes (--spawn or torchrun's world)")
     if torchrun:
-        rank, _ = fd.init(timeout=STUDY_TIMEOUT)
-        _study(rank, world, cfg, path)
+        rank, _ = fd.init(timeout=timeout)
+        study(rank, world, cfg, path)
         if rank != 0:
             raise SystemExit(0)  # rank 0 writes the results and the report
     else:
-        fd.spawn(_study, world, cfg, path, timeout=STUDY_TIMEOUT)
-    with open(path) as f:
-        return pd.DataFrame([json.loads(line) for line in f])
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+        fd.spawn(study, world, cfg, path, backend=backend, timeout=timeout)
 
 
 def _at(rows, **match):
