@@ -24,6 +24,7 @@ backward, which return the LSE; CPU or CUDA) per piece, in the policy's input dt
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -133,10 +134,59 @@ class _Comm:
                 f"rank {r}: {tuple(e.tolist())}" for r, e in enumerate(everyone)))
 
 
-def _wire(x, fmt, device):
-    """Host fp64 ``x`` rounded to ``fmt`` as the tensor that travels (that dtype when torch has it)."""
-    y = _round(x, fmt)
-    return torch.from_numpy(y).to(device=device, dtype=_WIRE.get(fmt.name, torch.float64))
+class TorchOps:
+    """ring_steps.NumpyOps' operations on fp64 torch tensors on the rank's device, for the real kernels
+    (sdpa, native) whose pieces stay there: rounding to fp32 / fp16 / bf16 is the dtype cast (nearest-even,
+    as fadev.formats.round), other formats go through the host; sigmoid and log-sigmoid by ring.c's formulas
+    with torch's exp / log1p (not the C library's: last-bit differences in fp64 are possible, so these
+    rings promise the formats' rounding, not ring.c's bits)."""
+
+    @staticmethod
+    def round(x, fmt):
+        if fmt.name in _WIRE:
+            return x.to(_WIRE[fmt.name]).to(torch.float64)
+        return torch.from_numpy(_round(_host(x), fmt)).to(x.device)
+
+    where, stack = staticmethod(torch.where), staticmethod(torch.stack)
+
+    @staticmethod
+    def sigmoid(x):
+        e = torch.exp(-x.abs())
+        return torch.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+    @staticmethod
+    def logsigmoid(x):
+        t = torch.log1p(torch.exp(-x.abs()))
+        return torch.where(x >= 0, -t, x - t)
+
+    @staticmethod
+    def quiet():
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def zeros(shape, dtype=None, like=None):
+        return torch.zeros(shape, dtype=torch.bool if dtype is bool else torch.float64, device=like.device)
+
+    @staticmethod
+    def load(t):
+        return t.detach().to(torch.float64)
+
+    @staticmethod
+    def result(x, device):
+        return x
+
+
+class _HostOps(_steps.NumpyOps):
+    """The host path (kernel emulated): fp64 NumPy arrays, ring.c's bits."""
+
+    stack = staticmethod(np.stack)
+    load = staticmethod(lambda t: _host(t))
+    result = staticmethod(lambda x, device: torch.from_numpy(x).to(device))
+
+
+def _wire(x, fmt, device, ops):
+    """fp64 ``x`` rounded to ``fmt`` as the tensor that travels (that dtype when torch has it)."""
+    return ops.result(ops.round(x, fmt), device).to(dtype=_WIRE.get(fmt.name, torch.float64))
 
 
 def _host(t):
@@ -154,6 +204,7 @@ class _Config:
     causal: bool
     flash: object
     flash_backward: object
+    ops: object
 
 
 def _sdpa_dtype(pol):
@@ -165,21 +216,20 @@ def _sdpa_dtype(pol):
 
 
 def _sdpa_pieces(scale, dtype, device):
-    """PyTorch's flash kernel per piece (the CPU's _for_cpu ops on the CPU). Bottom-right causal with more
-    keys than queries (allgather) runs as top-left causal on queries padded at the front with zero rows;
-    K/V heads are repeated for grouped-query and their gradients summed back."""
+    """PyTorch's flash kernel per piece (the CPU's _for_cpu ops on the CPU), on fp64 tensors of the rank's
+    device holding the input format's values. Bottom-right causal with more keys than queries (allgather)
+    runs as top-left causal on queries padded at the front with zero rows; K/V heads are repeated for
+    grouped-query and their gradients summed back."""
     ops, cpu = torch.ops.aten, device.type == "cpu"
 
-    def dev(*arrays, dt=dtype):
-        return [torch.from_numpy(np.ascontiguousarray(a)).to(device, dt) for a in arrays]
-
-    def padded(x, pad):
-        return np.concatenate([np.zeros(x.shape[:2] + (pad,) + x.shape[3:]), x], axis=2) if pad else x
+    def padded(x, pad, dt=dtype):
+        x = x.to(dt)
+        return torch.cat([x.new_zeros(x.shape[:2] + (pad,) + x.shape[3:]), x], dim=2) if pad else x.contiguous()
 
     def prep(q, k, v, causal):
         pad, rep = (k.shape[2] - q.shape[2] if causal else 0), q.shape[1] // k.shape[1]
-        tq, tk, tv = dev(padded(q, pad), k, v)
-        return tq, tk.repeat_interleave(rep, 1), tv.repeat_interleave(rep, 1), pad, rep
+        tk, tv = (t.to(dtype).repeat_interleave(rep, 1) for t in (k, v))
+        return padded(q, pad), tk, tv, pad, rep
 
     def flash(q, k, v, policy, causal):
         tq, tk, tv, pad, _ = prep(q, k, v, causal)
@@ -187,12 +237,11 @@ def _sdpa_pieces(scale, dtype, device):
             out, lse = ops._scaled_dot_product_flash_attention_for_cpu(tq, tk, tv, 0.0, causal, scale=scale)
         else:
             out, lse = ops._scaled_dot_product_flash_attention(tq, tk, tv, 0.0, causal, False, scale=scale)[:2]
-        return _host(out)[:, :, pad:], _host(lse)[:, :, pad:]
+        return out[:, :, pad:].to(torch.float64), lse[:, :, pad:].to(torch.float64)
 
     def flash_backward(q, k, v, out, lse, dout, policy, causal):
         tq, tk, tv, pad, rep = prep(q, k, v, causal)
-        to, tdo = dev(padded(out, pad), padded(dout, pad))
-        (tl,) = dev(padded(lse, pad), dt=torch.float32)
+        to, tdo, tl = padded(out, pad), padded(dout, pad), padded(lse[..., None], pad, torch.float32)[..., 0]
         if cpu:
             dq, dk, dv = ops._scaled_dot_product_flash_attention_for_cpu_backward(tdo, tq, tk, tv, to, tl, 0.0,
                                                                                   causal, scale=scale)
@@ -203,106 +252,125 @@ def _sdpa_pieces(scale, dtype, device):
             dq, dk, dv = ops._scaled_dot_product_flash_attention_backward(
                 tdo, tq, tk, tv, to, tl, fwd[2], fwd[3], fwd[4], fwd[5], 0.0, causal, fwd[6], fwd[7], scale=scale)
         dk, dv = (g.reshape(g.shape[0], -1, rep, *g.shape[2:]).to(torch.float64).sum(2) for g in (dk, dv))
-        return _host(dq)[:, :, pad:], _host(dk), _host(dv)
+        return dq[:, :, pad:].to(torch.float64), dk, dv
+    return flash, flash_backward
+
+
+def _native_pieces(scale, dtype):
+    """fadev's native tensor-core kernel per piece, on the rank's CUDA tensors (fp64 in and out)."""
+    torch_dtype = _WIRE[dtype]
+
+    def cast(*ts):
+        return [t.to(torch_dtype).contiguous() for t in ts]
+
+    def flash(q, k, v, policy, causal):
+        out, lse = native.native_attention(*cast(q, k, v), causal=causal, scale=scale, return_lse=True)
+        return out.to(torch.float64), lse.to(torch.float64)
+
+    def flash_backward(q, k, v, out, lse, dout, policy, causal):
+        grads = native.native_attention_backward(*cast(q, k, v, out), lse.to(torch.float32).contiguous(),
+                                                 *cast(dout), causal=causal, scale=scale)
+        return tuple(g.to(torch.float64) for g in grads)
     return flash, flash_backward
 
 
 def _kernels(kernel, pol, scale, tiles, choices, exp_form, device):
+    """(flash, flash_backward, ops) of the pieces: the real kernels on the device's tensors (TorchOps), the
+    emulated one on host arrays (ring.c's bits; the GPU's emulated kernel where the tensors are on a GPU)."""
     if kernel == "sdpa":
-        return _sdpa_pieces(scale, _sdpa_dtype(pol), device)
+        return _sdpa_pieces(scale, _sdpa_dtype(pol), device) + (TorchOps,)
     if kernel == "native":
-        dtype = pol.input.name
-
-        def flash(q, k, v, policy, causal):
-            return native.native_attention(q, k, v, causal=causal, scale=scale, return_lse=True, dtype=dtype)
-
-        def flash_backward(q, k, v, out, lse, dout, policy, causal):
-            return native.native_attention_backward(q, k, v, out, lse, dout, causal=causal, scale=scale, dtype=dtype)
-        return flash, flash_backward
+        if device.type != "cuda":
+            raise ValueError("kernel: 'native' runs on CUDA tensors; this rank's are on the CPU")
+        if pol.input.name not in ("bf16", "fp16"):
+            raise ValueError(f"policy: kernel='native' runs bf16 or fp16 inputs, got {pol.input.name}")
+        return _native_pieces(scale, pol.input.name) + (TorchOps,)
     if device.type == "cuda":
-        return _steps.gpu_flash(scale, tiles, choices), _steps.gpu_flash_backward(scale, tiles, exp_form)
-    return _steps.cpu_flash(scale, tiles, choices), _steps.cpu_flash_backward(scale, tiles, exp_form)
+        return _steps.gpu_flash(scale, tiles, choices), _steps.gpu_flash_backward(scale, tiles, exp_form), _HostOps
+    return _steps.cpu_flash(scale, tiles, choices), _steps.cpu_flash_backward(scale, tiles, exp_form), _HostOps
 
 
 # ---------------------------------------------------------------- one rank's forward and backward
 
 def _local_pieces(cfg, comm, n, s):
-    """(query rows, key rows, causal) of this rank at step s: local rows, or global rows (allgather)."""
+    """(query rows, key rows, causal) of this rank at step s, as slices: local rows, or global rows
+    (allgather)."""
     N = n * comm.size
     for q_lo, q_n, _, k_lo, k_n, c in _steps.pieces(N, comm.size, cfg.layout, cfg.allgather, cfg.causal, comm.rank,
                                                     s):
-        yield np.arange(q_lo, q_lo + q_n), np.arange(k_lo, k_lo + k_n), c
+        yield slice(q_lo, q_lo + q_n), slice(k_lo, k_lo + k_n), c
 
 
 def _gathered(comm, cfg, *tensors):
-    """The full K/V (global order, fp64 host arrays) from every rank's shard."""
-    return [_host(unshard(comm.all_gather(t), cfg.layout)) for t in tensors]
+    """The full K/V (global order, fp64 working arrays) from every rank's shard."""
+    return [cfg.ops.load(unshard(comm.all_gather(t), cfg.layout)) for t in tensors]
 
 
 def _forward(q, k, v, cfg, comm):
-    """(out, lse) host fp64 of this rank; q, k, v: this rank's torch shards (4-D)."""
-    qh, n = _host(q), q.shape[2]
-    state = _steps.new_state(qh.shape)
+    """(out, lse) of this rank as fp64 working arrays (cfg.ops); q, k, v: this rank's torch shards (4-D)."""
+    ops = cfg.ops
+    qh, n = ops.load(q), q.shape[2]
+    state = _steps.new_state(qh.shape, ops, like=q)
     if cfg.allgather:
         kh, vh = _gathered(comm, cfg, k, v)
         for qr, kr, c in _local_pieces(cfg, comm, n, 0):
             ob, lb = cfg.flash(qh[:, :, qr], kh[:, :, kr], vh[:, :, kr], cfg.pol, c)
             state[0][:, :, qr], state[1][:, :, qr], state[2][:, :, qr] = ob, lb, True
-        return _steps.finish(state, cfg.pol, True)
+        return _steps.finish(state, cfg.pol, True, ops)
     piece_pol = cfg.pol.replace(out=cfg.fmts["partial_out"])
     kv = [k, v]
     for s in range(comm.size):
         incoming = comm.ring(kv) if s < comm.size - 1 else None
-        kh, vh = _host(kv[0]), _host(kv[1])
+        kh, vh = ops.load(kv[0]), ops.load(kv[1])
         for qr, kr, c in _local_pieces(cfg, comm, n, s):
             ob, lb = cfg.flash(qh[:, :, qr], kh[:, :, kr], vh[:, :, kr], piece_pol, c)
-            _steps.merge_piece(state, qr, ob, lb, cfg.fmts)
+            _steps.merge_piece(state, qr, ob, lb, cfg.fmts, ops)
         if incoming:
             kv = incoming()
-    return _steps.finish(state, cfg.pol, False)
+    return _steps.finish(state, cfg.pol, False, ops)
 
 
 def _backward(q, k, v, out, lse, dout, cfg, comm):
-    """(dq, dk, dv) host fp64 of this rank; out, lse, dout: host fp64 of this rank's rows."""
-    f, n, dev = cfg.fmts, q.shape[2], q.device
+    """(dq, dk, dv) fp64 working arrays of this rank; out, lse, dout: this rank's rows, likewise."""
+    f, n, dev, ops = cfg.fmts, q.shape[2], q.device, cfg.ops
     T, A = f["dkv_transport"], f["dkv_acc"]
-    qh = _host(q)
+    qh = ops.load(q)
     piece_pol = cfg.pol.replace(grad=f["partial_grad"])
-    aq = np.zeros(qh.shape)
+    aq = ops.zeros(qh.shape, like=q)
 
     def run(s, kh, vh, ak, av):
         for qr, kr, c in _local_pieces(cfg, comm, n, s):
             gq, gk, gv = cfg.flash_backward(qh[:, :, qr], kh[:, :, kr], vh[:, :, kr], out[:, :, qr], lse[:, :, qr],
                                             dout[:, :, qr], piece_pol, c)
-            aq[:, :, qr] = _round(aq[:, :, qr] + gq, f["dq_acc"])
-            ak[:, :, kr] = _round(ak[:, :, kr] + gk, A)
-            av[:, :, kr] = _round(av[:, :, kr] + gv, A)
+            aq[:, :, qr] = ops.round(aq[:, :, qr] + gq, f["dq_acc"])
+            ak[:, :, kr] = ops.round(ak[:, :, kr] + gk, A)
+            av[:, :, kr] = ops.round(av[:, :, kr] + gv, A)
 
     if cfg.allgather:
         kh, vh = _gathered(comm, cfg, k, v)
-        lk, lv = np.zeros(kh.shape), np.zeros(vh.shape)
+        lk, lv = ops.zeros(kh.shape, like=q), ops.zeros(vh.shape, like=q)
         run(0, kh, vh, lk, lv)
         sums = []
         for local in (lk, lv):
-            mine = [shard(local, comm.size, j, cfg.layout) for j in range(comm.size)]
-            got = _host(comm.all_to_all(_wire(np.stack(mine), T, dev)))
+            mine = ops.stack([shard(local, comm.size, j, cfg.layout) for j in range(comm.size)])
+            got = ops.load(comm.all_to_all(_wire(mine, T, dev, ops)))
             total = got[0]
             for j in range(1, comm.size):  # ranks ascending, as the simulation sums
-                total = _round(total + got[j], T)
+                total = ops.round(total + got[j], T)
             sums.append(total)
         ak, av = sums
     else:
         kv, dkv = [k, v], None
         for s in range(comm.size):
             incoming = comm.ring(kv) if s < comm.size - 1 else None
-            ak, av = (np.zeros(k.shape), np.zeros(v.shape)) if dkv is None else dkv
-            run(s, _host(kv[0]), _host(kv[1]), ak, av)
-            dkv = [_host(t) for t in comm.ring([_wire(ak, T, dev), _wire(av, T, dev)])()]
+            ak, av = (ops.zeros(k.shape, like=q), ops.zeros(v.shape, like=q)) if dkv is None else dkv
+            run(s, ops.load(kv[0]), ops.load(kv[1]), ak, av)
+            dkv = [ops.load(t) for t in comm.ring([_wire(ak, T, dev, ops), _wire(av, T, dev, ops)])()]
             if incoming:
                 kv = incoming()
         ak, av = dkv
     g = cfg.pol.grad
-    return _round(aq, g), _round(ak, g), _round(av, g)
+    return ops.round(aq, g), ops.round(ak, g), ops.round(av, g)
 
 
 class _RingFunction(torch.autograd.Function):
@@ -311,15 +379,15 @@ class _RingFunction(torch.autograd.Function):
         out, lse = _forward(q, k, v, cfg, comm)
         ctx.save_for_backward(q, k, v)
         ctx.cfg, ctx.comm, ctx.saved_out, ctx.saved_lse = cfg, comm, out, lse
-        lse_t = torch.from_numpy(lse).to(q.device)
+        lse_t = cfg.ops.result(lse, q.device)
         ctx.mark_non_differentiable(lse_t)
-        return torch.from_numpy(out).to(q.device, q.dtype), lse_t
+        return cfg.ops.result(out, q.device).to(q.dtype), lse_t
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v = ctx.saved_tensors
-        grads = _backward(q, k, v, ctx.saved_out, ctx.saved_lse, _host(dout), ctx.cfg, ctx.comm)
-        return tuple(torch.from_numpy(g).to(t.device, t.dtype) for g, t in zip(grads, (q, k, v))) + (None, None)
+        grads = _backward(q, k, v, ctx.saved_out, ctx.saved_lse, ctx.cfg.ops.load(dout), ctx.cfg, ctx.comm)
+        return tuple(ctx.cfg.ops.result(g, t.device).to(t.dtype) for g, t in zip(grads, (q, k, v))) + (None, None)
 
 
 def ring_attention(q, k, v, policy, *, layout="zigzag", merge="lowp_partials", causal=False, scale=None,
@@ -357,8 +425,9 @@ def ring_attention(q, k, v, policy, *, layout="zigzag", merge="lowp_partials", c
                _args.choice("normalize", normalize, NORMALIZE, pol.normalize),
                _args.choice("exp", exp, EXP_FORMS, pol.exp))
     scale = _args.scale_of(scale, q4.shape[3])
-    flash, flash_backward = _kernels(kernel, pol, scale, tiles, choices, choices[2], q.device)
-    cfg = _Config(pol, mg.resolve(pol), layout, bool(mg.allgather), _args.causal_of(causal), flash, flash_backward)
+    flash, flash_backward, ops = _kernels(kernel, pol, scale, tiles, choices, choices[2], q.device)
+    cfg = _Config(pol, mg.resolve(pol), layout, bool(mg.allgather), _args.causal_of(causal), flash, flash_backward,
+                  ops)
     out, lse = _RingFunction.apply(q4t, k4t, v4t, cfg, comm)
     out = out.reshape(out.shape[4 - rank:])
     return (out, lse.reshape(lse.shape[4 - rank:])) if return_lse else out
@@ -401,4 +470,4 @@ def spawn(fn, world_size, *args, backend="gloo", timeout=60.0):
                        join=True, start_method="spawn")
 
 
-__all__ = ["ring_attention", "shard", "unshard", "init", "spawn", "free_port", "KERNELS"]
+__all__ = ["ring_attention", "shard", "unshard", "init", "spawn", "free_port", "KERNELS", "TorchOps"]

@@ -83,41 +83,68 @@ def _steps(N, W, layout, allgather, causal):
             yield r, s, pieces(N, W, layout, allgather, causal, r, s)
 
 
-def merge_piece(state, rows, ob, lb, fmts):
+class NumpyOps:
+    """The array operations of a rank's merge and sums on host fp64 NumPy arrays (ring.c's arithmetic bit for
+    bit). fadev.distributed has a torch twin for device-resident pieces (its ``TorchOps``)."""
+
+    round = staticmethod(_round)
+    where = staticmethod(np.where)
+
+    @staticmethod
+    def sigmoid(x):
+        return _each(_sigmoid, x)
+
+    @staticmethod
+    def logsigmoid(x):
+        return _each(_logsigmoid, x)
+
+    @staticmethod
+    def quiet():
+        return np.errstate(all="ignore")
+
+    @staticmethod
+    def zeros(shape, dtype=None, like=None):
+        return np.zeros(shape, dtype=dtype or np.float64)
+
+
+def merge_piece(state, rows, ob, lb, fmts, ops=NumpyOps):
     """Merge one piece's (out, lse) into a rank's running ``state`` = [out, lse, seen] (arrays, rows on axis
     2; ``rows`` indexes them) as ring.c does: the piece's lse rounded to partial_lse, the first piece of a
-    row stored, later ones merged by the sigmoid / log-sigmoid update in ``merge``."""
+    row stored, later ones merged by the sigmoid / log-sigmoid update in ``merge``. ``ops``: the arrays'
+    operations (:class:`NumpyOps`, or fadev.distributed's torch ones)."""
     m = fmts["merge"]
     out, run_l, seen = state
-    lb = _round(lb, fmts["partial_lse"])
+    lb = ops.round(lb, fmts["partial_lse"])
     live = lb != -np.inf  # a row with no visible key (cannot happen with these pieces)
     was = seen[:, :, rows]
     O, L = out[:, :, rows], run_l[:, :, rows]
-    new_O, new_L = _round(ob, fmts["running_out"]), _round(lb, fmts["running_lse"])
+    new_O, new_L = ops.round(ob, fmts["running_out"]), ops.round(lb, fmts["running_lse"])
     both = live & was
     if both.any():
-        with np.errstate(all="ignore"):  # rows not merged may hold anything
-            gt = _round(_each(_sigmoid, _round(lb - L, m)), m)
-            merged_O = _round(_round(O - _round(gt[..., None] * _round(O - ob, m), m), m), fmts["running_out"])
-            ls = _round(_each(_logsigmoid, _round(L - lb, m)), m)
-            merged_L = _round(_round(L - ls, m), fmts["running_lse"])
-        new_O, new_L = np.where(was[..., None], merged_O, new_O), np.where(was, merged_L, new_L)
-    out[:, :, rows] = np.where(live[..., None], new_O, O)
-    run_l[:, :, rows] = np.where(live, new_L, L)
+        with ops.quiet():  # rows not merged may hold anything
+            gt = ops.round(ops.sigmoid(ops.round(lb - L, m)), m)
+            merged_O = ops.round(ops.round(O - ops.round(gt[..., None] * ops.round(O - ob, m), m), m),
+                                 fmts["running_out"])
+            ls = ops.round(ops.logsigmoid(ops.round(L - lb, m)), m)
+            merged_L = ops.round(ops.round(L - ls, m), fmts["running_lse"])
+        new_O, new_L = ops.where(was[..., None], merged_O, new_O), ops.where(was, merged_L, new_L)
+    out[:, :, rows] = ops.where(live[..., None], new_O, O)
+    run_l[:, :, rows] = ops.where(live, new_L, L)
     seen[:, :, rows] = was | live
 
 
-def new_state(q_shape):
+def new_state(q_shape, ops=NumpyOps, like=None):
     """A rank's empty running state [out, lse, seen] for queries of shape ``q_shape``."""
-    return [np.zeros(q_shape), np.zeros(q_shape[:3]), np.zeros(q_shape[:3], dtype=bool)]
+    return [ops.zeros(q_shape, like=like), ops.zeros(q_shape[:3], like=like),
+            ops.zeros(q_shape[:3], dtype=bool, like=like)]
 
 
-def finish(state, pol, allgather):
+def finish(state, pol, allgather, ops=NumpyOps):
     """(out, lse) from a running state: rows never seen get 0 / -inf; ring out rounded to ``pol.out``."""
     out, run_l, seen = state
     out[~seen], run_l[~seen] = 0.0, -np.inf
     if not allgather:
-        out = np.where(seen[..., None], _round(out, pol.out), out)
+        out = ops.where(seen[..., None], ops.round(out, pol.out), out)
     return out, run_l
 
 

@@ -225,3 +225,28 @@ def gpu_worker(rank, world, kernel):
             else:
                 assert abs(fadev.rel_l2(g, o) / fadev.rel_l2(w, o) - 1) <= 0.15, f"{name} {layout} {merge}"
         assert torch.equal(fd.unshard([fd.shard(q, 2, r, layout) for r in range(2)], layout), q)
+
+
+@pytest.mark.parametrize("merge", ["lowp_partials", "fp32_partials", "lowp_running"])
+def test_torch_merge_twin_matches_numpy(merge):
+    """fadev.distributed.TorchOps (the real kernels' device-resident merge) against ring_steps.NumpyOps
+    (ring.c's arithmetic): the same state after merging three pieces of random partials, row sets that
+    overlap and do not; bits equal except where torch's fp64 exp / log1p and the C library's differ in
+    the last bit and that difference survives the rounding (none expected at these sizes)."""
+    from fadev import ring_steps
+    from fadev.ring import as_merge
+    fmts = as_merge(merge).resolve(fadev.as_policy(POLICY))
+    rng = np.random.default_rng(3)
+    shape = (1, 2, 12, 8)
+    states = [ring_steps.new_state(shape), ring_steps.new_state(shape, fd.TorchOps, like=torch.zeros(1))]
+    for rows in (slice(0, 12), slice(4, 10), slice(0, 6)):
+        n = rows.stop - rows.start
+        ob = fadev.round(rng.standard_normal((1, 2, n, 8)), "bf16")
+        lb = rng.standard_normal((1, 2, n)) * 4
+        ring_steps.merge_piece(states[0], rows, ob, lb, fmts)
+        ring_steps.merge_piece(states[1], rows, torch.from_numpy(ob), torch.from_numpy(lb), fmts, fd.TorchOps)
+    pol = fadev.as_policy(POLICY)
+    want = ring_steps.finish(states[0], pol, False)
+    got = ring_steps.finish(states[1], pol, False, fd.TorchOps)
+    for w, g in zip(want, got):
+        assert np.array_equal(w.view(np.int64), g.numpy().view(np.int64))
