@@ -20,6 +20,8 @@ fadev_status fadev_cuda_round_f64(const double *x, double *out, size_t n, const 
     return FADEV_ERR_NO_CUDA;
 }
 
+fadev_status fadev_cuda_current_device(int *device) { return FADEV_ERR_NO_CUDA; }
+
 const char *fadev_cuda_last_error(void) { return "fadev was built without CUDA"; }
 
 fadev_status fadev_cuda_malloc(void **ptr, size_t bytes) {

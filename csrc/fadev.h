@@ -308,6 +308,9 @@ fadev_status fadev_cuda_free(void *ptr);
 fadev_status fadev_cuda_memcpy(void *dst, const void *src, size_t bytes, int kind);
 /* The device that owns a pointer (-1 for host memory), for interop checks. */
 fadev_status fadev_cuda_pointer_device(const void *ptr, int *device);
+/* The calling thread's current CUDA device: where fadev's allocations and kernels go (a framework that
+ * selects a device, e.g. torch.cuda.set_device, sets it). */
+fadev_status fadev_cuda_current_device(int *device);
 
 /* Emulated-precision attention (emu_forward.cu, emu_backward.cu): the same contract, validation and errors
  * as the CPU entry points above, and the same result bit for bit (docs/numerics.md; NaN payloads aside). */

@@ -92,6 +92,13 @@ static PyObject *py_cuda_pointer_device(PyObject *self, PyObject *args) {
     return PyLong_FromLong(device);
 }
 
+static PyObject *py_cuda_current_device(PyObject *self, PyObject *args) {
+    int device = -1;
+    fadev_status st = fadev_cuda_current_device(&device);
+    if (st != FADEV_OK) return raise_device_status(st, "cuda_current_device");
+    return PyLong_FromLong(device);
+}
+
 /* ------------------------------------------------------------ kernels: one table, one dispatcher */
 
 /* What follows a kernel's device pointers. */
@@ -304,6 +311,7 @@ PyMethodDef cuda_methods[] = {
     {"cuda_download", py_cuda_download, METH_VARARGS, "cuda_download(host_buffer, src_ptr): fill the whole buffer"},
     {"cuda_copy", py_cuda_copy, METH_VARARGS, "cuda_copy(dst_ptr, src_ptr, bytes): device to device"},
     {"cuda_synchronize", py_cuda_synchronize, METH_NOARGS, "cuda_synchronize(): wait for all work on the device"},
+    {"cuda_current_device", py_cuda_current_device, METH_NOARGS, "cuda_current_device() -> this thread's device"},
     {"cuda_pointer_device", py_cuda_pointer_device, METH_VARARGS,
      "cuda_pointer_device(ptr) -> device index owning ptr, -1 for host memory"},
     {"cuda_attention", py_cuda_attention, METH_VARARGS,

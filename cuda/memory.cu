@@ -46,6 +46,12 @@ extern "C" fadev_status fadev_cuda_memcpy(void *dst, const void *src, size_t byt
     return fadev_cuda_finish("fadev_cuda_memcpy");
 }
 
+extern "C" fadev_status fadev_cuda_current_device(int *device) {
+    if (!device) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "fadev_cuda_current_device: device is NULL");
+    CUDA_TRY(cudaGetDevice(device));
+    return FADEV_OK;
+}
+
 extern "C" fadev_status fadev_cuda_pointer_device(const void *ptr, int *device) {
     if (!device) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "fadev_cuda_pointer_device: device is NULL");
     *device = -1;

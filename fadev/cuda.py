@@ -5,7 +5,9 @@ Where a call runs. Every API function with a ``device`` keyword (:func:`fadev.fl
 :func:`fadev.compare`, ...) resolves it with :func:`resolve_device`: ``None`` computes on the GPU when
 an input is a CUDA array and on the CPU otherwise; ``"cuda"`` / ``"cuda:0"`` on the GPU (NumPy inputs
 are copied there, results copied back); ``"cpu"`` on the CPU (CUDA arrays are then an error, never
-silently copied). Only CUDA device 0 is supported.
+silently copied). The GPU is the calling thread's current CUDA device (device 0 unless a framework selected
+another: ``torch.cuda.set_device(i)`` or ``with torch.cuda.device(i)``, as one process per GPU does), where
+fadev allocates and launches; ``"cuda:N"`` names it, and CUDA inputs must be on it.
 
 Inputs. CUDA arrays are anything with ``__cuda_array_interface__`` (PyTorch CUDA tensors, CuPy arrays,
 :class:`DeviceArray`, Numba) or a CUDA ``__dlpack__`` (read through ``torch.from_dlpack``). The kernels
@@ -219,7 +221,7 @@ def _parse_device(device):
     m = re.fullmatch(r"cpu|cuda(?::(\d+))?", device)
     if not m:
         raise ValueError(f"device must be {_DEVICE_FORMS}, got {device!r}")
-    return "cpu" if device == "cpu" else int(m[1] or 0)
+    return "cpu" if device == "cpu" else int(m[1]) if m[1] else "cuda"
 
 
 def _resolve(device, named: dict):
@@ -227,7 +229,7 @@ def _resolve(device, named: dict):
     where = _parse_device(device)
     on_gpu = [name for name, x in named.items() if is_cuda_array(x)]
     if where is None:
-        where = 0 if on_gpu else "cpu"
+        where = "cuda" if on_gpu else "cpu"
     if where == "cpu":
         if on_gpu:
             verb = "is a CUDA array" if len(on_gpu) == 1 else "are CUDA arrays"
@@ -238,15 +240,20 @@ def _resolve(device, named: dict):
     count = device_count()
     if not count:
         raise no_gpu(what)
+    current = _core.cuda_current_device()
+    if where == "cuda":
+        return current
     if where >= count:
         raise ValueError(f"device={device!r}: fadev sees {count} CUDA device(s)")
-    if where != 0:
-        raise ValueError(f"device={device!r}: fadev's GPU kernels run on CUDA device 0 only")
+    if where != current:
+        raise ValueError(f"device={device!r}: fadev's kernels run on the current CUDA device, cuda:{current}; "
+                         f"make cuda:{where} current first (torch.cuda.set_device({where}) or with "
+                         f"torch.cuda.device({where}))")
     return where
 
 
 def resolve_device(device, *arrays) -> str:
-    """'cpu' or 'cuda:0': where a fadev call with ``device`` and these inputs computes. ``device`` is
+    """'cpu' or 'cuda:N': where a fadev call with ``device`` and these inputs computes. ``device`` is
     None (the GPU if an input is a CUDA array, else the CPU), 'cpu', 'cuda' or 'cuda:N' (or a
     torch.device). ValueError for a bad device string or CUDA arrays with device='cpu'; RuntimeError
     when the GPU is asked for and fadev has none (built without CUDA, or no device)."""
@@ -339,7 +346,9 @@ class _Gpu:
             owner = _core.cuda_pointer_device(arr.ptr)
             if owner != self.index:
                 where = "host memory" if owner < 0 else f"memory of cuda:{owner}"
-                raise ValueError(f"{name}: the array is in {where}, but the call runs on cuda:{self.index}")
+                hint = "" if owner < 0 else (f" (the current CUDA device; torch.cuda.set_device({owner}) or with "
+                                             f"torch.cuda.device({owner}) makes cuda:{owner} current)")
+                raise ValueError(f"{name}: the array is in {where}, but the call runs on cuda:{self.index}{hint}")
         return arr
 
     def _from_torch(self, t, name, dtype):

@@ -205,7 +205,7 @@ def test_host_memory_is_not_taken_for_device_memory():
     fake = FakeCudaArray(shape=q.shape, ptr=q.ctypes.data)
     with pytest.raises(ValueError, match="q: the array is in host memory, but the call runs on cuda:0"):
         fadev.flash_attention(fake, k, v, "golden")
-    with pytest.raises(ValueError, match="fadev sees 1 CUDA device|fadev's GPU kernels run on CUDA device 0 only"):
+    with pytest.raises(ValueError, match="fadev sees 1 CUDA device|make cuda:1 current first"):
         fadev.flash_attention(q, k, v, "golden", device="cuda:1")
     # a NULL pointer reaches the C entry point, which refuses it: its status becomes a ValueError
     params = (1, 1, 1, 2, 2, 4, 0.5, False, 0, 0, 0, 0, 0)  # B, H, Hkv, Nq, Nk, D, scale, causal, flash fields
@@ -486,3 +486,24 @@ def test_native_numpy_and_torch_agree():
     assert all(same_bits(host(a), b) for a, b in zip(tgrads, grads))
     with pytest.raises(TypeError, match="k: a tensor of dtype torch.float16; this call reads torch.bfloat16"):
         fadev.native_attention(tq, tk.half(), tv)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_current_device_is_where_fadev_runs():
+    """With two GPUs: tensors on cuda:1 under torch.cuda.device(1) run there (one process per GPU does this)
+    and give cuda:0's bits; cuda:1 tensors while cuda:0 is current are refused with the way out named."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, PyTorch sees {torch.cuda.device_count()}")
+    q, k, v = fadev.random_qkv((1, 2, 64, 16), seed=4)
+    want = fadev.flash_attention(*(torch.tensor(x, device="cuda:0") for x in (q, k, v)), "fa2:bf16")
+    on1 = [torch.tensor(x, device="cuda:1") for x in (q, k, v)]
+    with pytest.raises(ValueError, match=r"q: the array is in memory of cuda:1, .*torch.cuda.set_device\(1\)"):
+        fadev.flash_attention(*on1, "fa2:bf16")
+    with torch.cuda.device(1):
+        got = fadev.flash_attention(*on1, "fa2:bf16")
+        assert fadev.cuda.resolve_device(None, on1[0]) == "cuda:1"
+        x = fadev.native_attention(*(t.to(torch.bfloat16) for t in on1))
+    assert got.device == torch.device("cuda:1") and x.device == torch.device("cuda:1")
+    assert torch.equal(got.cpu(), want.cpu())

@@ -201,6 +201,8 @@ def test_other_refusals(tmp_path):
         ring_multigpu.run(size="quick", out=str(tmp_path), N=(256,))
     with pytest.raises(ValueError, match="^cluster:"):
         ring_multigpu.run(size="quick", out=str(tmp_path), cluster={"executor": "ray"})
+    with pytest.raises(ValueError, match=r"^Ws: ring sizes \[4\] exceed the 2 processes"):
+        ring_multigpu.run(size="quick", out=str(tmp_path), Ws=(1, 2, 4))  # refused before spawning
 
 
 # ---------------------------------------------------------------- end to end: 2 spawned gloo ranks

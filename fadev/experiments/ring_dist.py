@@ -131,6 +131,7 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
         raise ValueError("cluster: ring-dist runs its own ranks (--spawn or torchrun), not a sweep on a cluster")
 
     cfg = common.sizes(SIZES, size, overrides)
+    check_world(cfg)  # before the old results are removed
     out = out or "results"
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{NAME}.jsonl")
@@ -141,6 +142,15 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
         return pd.DataFrame([json.loads(line) for line in f])
 
 
+def check_world(cfg):
+    """The number of processes (torchrun's world, else cfg["spawn"]); ValueError when a ring size exceeds it."""
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else cfg["spawn"]
+    too_big = [W for W in cfg["Ws"] if W > world]
+    if too_big:
+        raise ValueError(f"Ws: ring sizes {too_big} exceed the {world} processes (--spawn or torchrun's world)")
+    return world
+
+
 def launch(study, cfg, path, timeout):
     """Run ``study(rank, world, cfg, path)`` on torchrun's world (env://; ranks other than 0 exit after it) or
     on ``cfg["spawn"]`` spawned local processes (nccl when PyTorch sees that many GPUs, else gloo); every
@@ -148,11 +158,7 @@ def launch(study, cfg, path, timeout):
     import torch
 
     from .. import distributed as fd
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else cfg["spawn"]
-    too_big = [W for W in cfg["Ws"] if W > world]
-    if too_big:
-        raise ValueError(f"Ws: ring sizes {too_big} exceed the {world} processes (--spawn or torchrun's world)")
+    world, torchrun = check_world(cfg), "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if torchrun:
         rank, _ = fd.init(timeout=timeout)
         study(rank, world, cfg, path)

@@ -326,7 +326,7 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
     and speed rows, column ``phase``). Its ranks are its own processes: ``cluster`` must be None or local."""
     import pandas as pd
 
-    from .ring_dist import launch
+    from .ring_dist import check_world, launch
     if cluster and cluster.get("executor", "local") != "local":
         raise ValueError("cluster: ring-multigpu runs its own ranks (--spawn or torchrun), not a sweep on a cluster")
     cfg = common.sizes(SIZES, size, overrides)
@@ -345,6 +345,7 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
     gpu_kernels = [k for k in cfg["kernels"] if k in ("native", "torch_cp")]
     if gpu_kernels and not torch.cuda.is_available():
         raise ValueError(f"kernels: {', '.join(gpu_kernels)} run on CUDA GPUs only; PyTorch sees none here")
+    check_world(cfg)  # before the old results are removed
     out = out or "results"
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{NAME}.jsonl")
@@ -479,7 +480,7 @@ def findings(df, *, device="cpu") -> list:
         k2 = ["N", "fmt", "dist", "layout", "merge", "W"]
         dev = np.concatenate([np.abs(_paired(e, a, b, k2, qn) - 1) for qn in ("out", "dq", "dk", "dv")])
         dev = dev[np.isfinite(dev)]
-        if len(dev) and (e["device"] == "cuda").all():
+        if len(dev) and "device" in e and (e["device"] == "cuda").all():  # PyTorch's CPU flash is not FA2
             out.append(Finding(
                 f"the real ring ({KERNEL_NAMES[kernel]} per piece) vs fadev's simulation of it (fa2 emulated, "
                 "fp32_partials predicted as lowp_partials): relative L2 errors of out, dQ, dK, dV within 15% of "
