@@ -354,8 +354,8 @@ def _backward(q, k, v, out, lse, dout, cfg, comm):
         for local in (lk, lv):
             mine = ops.stack([shard(local, comm.size, j, cfg.layout) for j in range(comm.size)])
             got = ops.load(comm.all_to_all(_wire(mine, T, dev, ops)))
-            total = got[0]
-            for j in range(1, comm.size):  # ranks ascending, as the simulation sums
+            total = ops.zeros(got.shape[1:], like=q)
+            for j in range(comm.size):  # from +0, ranks ascending, as the simulation sums (-0 + +0 is +0)
                 total = ops.round(total + got[j], T)
             sums.append(total)
         ak, av = sums

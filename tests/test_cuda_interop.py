@@ -496,7 +496,7 @@ def test_the_current_device_is_where_fadev_runs():
     torch = pytest.importorskip("torch")
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, PyTorch sees {torch.cuda.device_count()}")
-    q, k, v = fadev.random_qkv((1, 2, 64, 16), seed=4)
+    q, k, v = fadev.random_qkv((1, 2, 64, 64), seed=4)
     want = fadev.flash_attention(*(torch.tensor(x, device="cuda:0") for x in (q, k, v)), "fa2:bf16")
     on1 = [torch.tensor(x, device="cuda:1") for x in (q, k, v)]
     with pytest.raises(ValueError, match=r"q: the array is in memory of cuda:1, .*torch.cuda.set_device\(1\)"):

@@ -250,3 +250,28 @@ def test_torch_merge_twin_matches_numpy(merge):
     got = ring_steps.finish(states[1], pol, False, fd.TorchOps)
     for w, g in zip(want, got):
         assert np.array_equal(w.view(np.int64), g.numpy().view(np.int64))
+
+
+def fp16_zero_worker(rank, world, outdir):
+    tensors = list(inputs(11, 1, 2, 2, 8 * world, 8))
+    tensors[3] = tensors[3] * 1e-7  # dK / dV underflow fp16: many of them round to -0 or +0
+    q, k, v, dout = (fd.shard(x, world, rank, "zigzag") for x in tensors)
+    x = [torch.tensor(t, requires_grad=True) for t in (q, k, v)]
+    out = fd.ring_attention(*x, "fa2:fp16", layout="zigzag", merge="allgather", causal=True)
+    out.backward(torch.tensor(dout))
+    np.savez(os.path.join(outdir, f"rank{rank}.npz"), dk=x[1].grad.numpy(), dv=x[2].grad.numpy())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_allgather_sums_signed_zeros_as_the_simulation(tmp_path, world):
+    """The reduce-scatter sums every rank's share from +0, as ring.c: a share that is -0 (an fp16 gradient
+    that underflowed) gives +0, also at W = 1 where no other rank adds to it (found on two GPUs, fp16)."""
+    fd.spawn(fp16_zero_worker, world, str(tmp_path), timeout=60)
+    tensors = list(inputs(11, 1, 2, 2, 8 * world, 8))
+    tensors[3] = tensors[3] * 1e-7
+    want = simulated(world, "zigzag", "allgather", True, tensors, "fa2:fp16")
+    got = [np.load(tmp_path / f"rank{r}.npz") for r in range(world)]
+    for i, name in ((3, "dk"), (4, "dv")):
+        assert (want[i] == 0).any() and not np.signbit(want[i][want[i] == 0]).any()  # the case is exercised
+        mine = fd.unshard([g[name] for g in got], "zigzag")
+        assert np.array_equal(mine.view(np.int64), want[i].view(np.int64)), name

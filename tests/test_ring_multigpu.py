@@ -65,7 +65,8 @@ def test_reference_sees_the_mask_and_the_input_dtype():
 
 # ---------------------------------------------------------------- findings() and table() follow the data
 
-BASE = {"lowp_partials": 2.0e-3, "fp32_partials": 1.5e-3, "lowp_running": 1.8e-3, "allgather": 1.6e-3}
+REAL_AG = ring_multigpu.REAL_ALLGATHER.name
+BASE = {"lowp_partials": 2.0e-3, "fp32_partials": 1.5e-3, "lowp_running": 1.8e-3, "allgather": 1.3e-3, REAL_AG: 1.6e-3}
 
 
 def _df(device="cuda", sdpa_fp32_factor=1.0, speed=((256, 1000.0, 3000.0), (512, 1000.0, 1800.0))):
@@ -74,9 +75,9 @@ def _df(device="cuda", sdpa_fp32_factor=1.0, speed=((256, 1000.0, 3000.0), (512,
     ``sdpa_fp32_factor``); speed rows (N, tokens/s at W=1, at W=2) for sdpa."""
     rows = []
     for kernel in ("emulated", "sdpa"):
-        for merge in MERGES:
+        for merge in MERGES + ((REAL_AG,) if kernel == "emulated" else ()):
             for W in (1, 2):
-                src = "lowp_partials" if (kernel == "sdpa" and merge == "fp32_partials") else merge
+                src = ring_multigpu.REAL_PARTIALS.get(merge, merge) if kernel == "sdpa" else merge
                 e = BASE[src] * (1.2 if W == 2 else 1.0)
                 if kernel == "sdpa" and merge == "fp32_partials":
                     e *= sdpa_fp32_factor
@@ -103,14 +104,14 @@ def _find(found, text):
 def test_bit_exact_finding_follows_the_data():
     df = _df()
     f = _find(ring_multigpu.findings(df), "single-process simulation")
-    assert f.holds is True and f.source == "fadev" and f.ours.startswith("8 of 8 configurations")
+    assert f.holds is True and f.source == "fadev" and f.ours.startswith("10 of 10 configurations")
     assert "W = 1, 2" in f.ours and "N = 256" in f.ours
     bad = df.copy()
     bad.loc[(bad["kernel"] == "emulated") & (bad["merge"] == "allgather") & (bad["W"] == 2), "bit_exact"] = False
     f = _find(ring_multigpu.findings(bad), "single-process simulation")
-    assert f.holds is False and f.ours.startswith("7 of 8 configurations")
+    assert f.holds is False and f.ours.startswith("9 of 10 configurations")
     table = ring_multigpu.table(bad)
-    assert table.count("| NO |") == 1 and table.count("| yes |") == 7
+    assert table.count("| NO |") == 1 and table.count("| yes |") == 9
     nos = [line for line in table.splitlines() if "| NO |" in line]
     assert "| 2 | zigzag | emulated | allgather |" in nos[0]
 
@@ -160,9 +161,9 @@ def test_speed_finding_and_table():
     assert "Speed (forward + backward, bf16, zigzag):" in table
     assert "| 512 | 2 | sdpa | fp32_partials | 0.284 | 1.8e+03 |" in table
     assert "| 256 | 1 | sdpa | fp32_partials | 0.256 | 1e+03 |" in table
-    # 16 error rows (emulated with bit_exact yes, sdpa with none) and 4 speed rows
+    # 18 error rows (emulated with bit_exact yes, sdpa with none) and 4 speed rows
     errs = [line for line in table.split("Speed")[0].splitlines() if line.startswith("| 256 ")]
-    assert len(errs) == 16 and sum("| yes |" in line for line in errs) == 8
+    assert len(errs) == 18 and sum("| yes |" in line for line in errs) == 10
     no_speed = ring_multigpu.table(_df(speed=()))
     assert "Speed" not in no_speed
     assert _find(ring_multigpu.findings(_df(speed=())), "tokens/s") is None
@@ -219,13 +220,13 @@ def test_cli_spawns_ranks_end_to_end(tmp_path):
     assert main(args) == 0
     report = (out / "ring_multigpu.md").read_text()
     assert "fadev's checks of its emulation (against real kernels, and its own invariances): 1 of 1 hold" in report
-    assert "8 of 8 configurations" in report
+    assert "10 of 10 configurations" in report
     with open(out / "ring_multigpu.jsonl") as f:
         df = pd.DataFrame([json.loads(line) for line in f])
     e, s = df[df["phase"] == "error"], df[df["phase"] == "speed"]
     assert set(e["W"]) == {1, 2} and set(s["W"]) == {1, 2}
     assert set(e["kernel"]) == {"emulated", "sdpa"} and set(s["kernel"]) == {"sdpa"}
-    assert len(e) == 2 * 2 * len(MERGES)  # W x kernel x merge
+    assert len(e) == 2 * (2 * len(MERGES) + 1)  # W x (kernel x merge, and emulated allgather as a real kernel runs it)
     assert (e["device"] == "cpu").all() and (e["N"] == 32).all() and (e["D"] == 16).all()
     emu = e[e["kernel"] == "emulated"]
     assert emu["bit_exact"].map(lambda x: x is True).all()

@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import plots, report
 from ..attention import random_qkv
-from ..ring import LAYOUTS, MERGES
+from ..ring import LAYOUTS, MERGES, RingMerge
 from . import common
 from .common import Finding
 
@@ -39,7 +39,9 @@ KERNELS = ("emulated", "sdpa", "native", "torch_cp")
 STUDY_TIMEOUT = 1800.0
 MERGE_COLORS = {"lowp_partials": "#d62728", "fp32_partials": "#1f77b4", "lowp_running": "#ff7f0e",
                 "allgather": "#2ca02c", "torch_cp": "#7f7f7f"}
-REAL_PARTIALS = {"fp32_partials": "lowp_partials"}
+REAL_ALLGATHER = RingMerge.preset("allgather").replace(partial_grad="grad")
+"""allgather as a real kernel runs it: each piece's dK/dV arrive in the input format (the preset keeps fp32)."""
+REAL_PARTIALS = {"fp32_partials": "lowp_partials", "allgather": REAL_ALLGATHER.name}
 """The emulated merge a real kernel's merge behaves as: its partials arrive in the input format."""
 KERNEL_NAMES = {"sdpa": "PyTorch's flash kernel", "native": "fadev's native kernel"}
 SPEED_MERGE = "fp32_partials"
@@ -225,6 +227,10 @@ def _runs(cfg, N, layouts, cuda):
         for kernel in cfg["kernels"]:
             if kernel == "emulated" and N > cfg["emu_max_N"]:
                 continue
+            if kernel == "emulated":
+                for merge in MERGES + (REAL_ALLGATHER,):
+                    yield layout, kernel, merge
+                continue
             if kernel == "torch_cp":
                 if layout == "zigzag" and cuda:
                     yield layout, kernel, "torch_cp"
@@ -256,7 +262,8 @@ def _study(rank, world, cfg, path):
         for W in cfg["Ws"]:
             for layout, kernel, merge in _runs(cfg, N, layouts, cuda):
                 row = {"phase": "error", "N": N, "fmt": fmt, "dist": dist_name, "W": W, "layout": layout,
-                       "kernel": kernel, "merge": merge, "H": H, "D": D, "device": dev.type}
+                       "kernel": kernel, "merge": getattr(merge, "name", merge), "H": H, "D": D,
+                       "device": dev.type}
                 if rank < W:
                     g = groups[W]
                     start = time.perf_counter()
@@ -386,7 +393,7 @@ def figures(df, out_dir):
         for kernel, merge in combos:
             sel = _series(e, kernel, merge, "W", **focus)
             if len(sel):
-                ax.plot(sel["W"], plots.positive(sel[qn]), styles[kernel], ms=4, color=MERGE_COLORS[merge],
+                ax.plot(sel["W"], plots.positive(sel[qn]), styles[kernel], ms=4, color=MERGE_COLORS.get(merge, "#9467bd"),
                         label=f"{kernel}, {merge}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -401,7 +408,7 @@ def figures(df, out_dir):
         for kernel, merge in combos:
             sel = _series(e, kernel, merge, "N", W=Wmax, fmt=focus["fmt"], dist="normal", layout="zigzag")
             if len(sel):
-                ax.plot(sel["N"], plots.positive(sel[qn]), styles[kernel], ms=4, color=MERGE_COLORS[merge],
+                ax.plot(sel["N"], plots.positive(sel[qn]), styles[kernel], ms=4, color=MERGE_COLORS.get(merge, "#9467bd"),
                         label=f"{kernel}, {merge}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
