@@ -142,6 +142,22 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
         return pd.DataFrame([json.loads(line) for line in f])
 
 
+LAUNCHED = {}
+"""The last :func:`launch` in this process: {"world": processes, "backend": "nccl" or "gloo"} (for ran_on)."""
+
+
+def ran_on(device):
+    """Where the last launch's ranks ran, as report text (its processes and GPUs, not ``device``)."""
+    if not LAUNCHED:
+        return common.ran_on(device)
+    world = LAUNCHED["world"]
+    if LAUNCHED["backend"] == "nccl":
+        import torch
+        names = sorted({torch.cuda.get_device_name(i) for i in range(min(world, torch.cuda.device_count()))})
+        return f"{world} processes, one per GPU ({', '.join(names)}), NCCL"
+    return f"{world} processes on the CPU, gloo"
+
+
 def check_world(cfg):
     """The number of processes (torchrun's world, else cfg["spawn"]); ValueError when a ring size exceeds it."""
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else cfg["spawn"]
@@ -161,11 +177,13 @@ def launch(study, cfg, path, timeout):
     world, torchrun = check_world(cfg), "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if torchrun:
         rank, _ = fd.init(timeout=timeout)
+        LAUNCHED.update(world=world, backend=torch.distributed.get_backend())
         study(rank, world, cfg, path)
         if rank != 0:
             raise SystemExit(0)  # rank 0 writes the results and the report
     else:
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+        LAUNCHED.update(world=world, backend=backend)
         fd.spawn(study, world, cfg, path, backend=backend, timeout=timeout)
 
 

@@ -29,6 +29,7 @@ from ..attention import random_qkv
 from ..ring import LAYOUTS, MERGES, RingMerge
 from . import common
 from .common import Finding
+from .ring_dist import check_world, launch, ran_on  # noqa: F401 (ran_on: where the ranks ran, for the report)
 
 NAME = "ring_multigpu"
 TITLE = "Ring attention across GPUs: error vs fp64 against W, PyTorch's context parallelism, tokens/s"
@@ -333,7 +334,6 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
     and speed rows, column ``phase``). Its ranks are its own processes: ``cluster`` must be None or local."""
     import pandas as pd
 
-    from .ring_dist import check_world, launch
     if cluster and cluster.get("executor", "local") != "local":
         raise ValueError("cluster: ring-multigpu runs its own ranks (--spawn or torchrun), not a sweep on a cluster")
     cfg = common.sizes(SIZES, size, overrides)
