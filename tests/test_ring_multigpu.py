@@ -221,6 +221,7 @@ def test_cli_spawns_ranks_end_to_end(tmp_path):
     report = (out / "ring_multigpu.md").read_text()
     assert "fadev's checks of its emulation (against real kernels, and its own invariances): 1 of 1 hold" in report
     assert "10 of 10 configurations" in report
+    assert "ran on: 2 processes on the CPU, gloo" in report  # where the ranks ran, not the sweep device
     with open(out / "ring_multigpu.jsonl") as f:
         df = pd.DataFrame([json.loads(line) for line in f])
     e, s = df[df["phase"] == "error"], df[df["phase"] == "speed"]

@@ -125,19 +125,24 @@ def _study(rank, world, cfg, path):
 def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None, **overrides):
     """Run the study (spawning ``spawn`` local ranks, or on torchrun's world) and return its rows. Its ranks
     are its own processes, so it takes no sweep executor: ``cluster`` must be None or the local one."""
-    import pandas as pd
-
     if cluster and cluster.get("executor", "local") != "local":
         raise ValueError("cluster: ring-dist runs its own ranks (--spawn or torchrun), not a sweep on a cluster")
 
-    cfg = common.sizes(SIZES, size, overrides)
+    return run_ranks(_study, common.sizes(SIZES, size, overrides), out, NAME, STUDY_TIMEOUT)
+
+
+def run_ranks(study, cfg, out, name, timeout):
+    """The rows (a DataFrame) of ``study`` launched on its ranks (:func:`launch`): the world checked first, then
+    out/NAME.jsonl started afresh (a study on ranks is not resumable) and read back once rank 0 wrote it."""
+    import pandas as pd
+
     check_world(cfg)  # before the old results are removed
     out = out or "results"
     os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"{NAME}.jsonl")
+    path = os.path.join(out, f"{name}.jsonl")
     if os.path.exists(path):
         os.remove(path)
-    launch(_study, cfg, path, STUDY_TIMEOUT)
+    launch(study, cfg, path, timeout)
     with open(path) as f:
         return pd.DataFrame([json.loads(line) for line in f])
 

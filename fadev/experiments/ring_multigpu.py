@@ -29,7 +29,9 @@ from ..attention import random_qkv
 from ..ring import LAYOUTS, MERGES, RingMerge
 from . import common
 from .common import Finding
-from .ring_dist import check_world, launch, ran_on  # noqa: F401 (ran_on: where the ranks ran, for the report)
+from .ring_dist import ran_on, run_ranks
+
+__all__ = ["run", "findings", "table", "figures", "ran_on", "reference"]
 
 NAME = "ring_multigpu"
 TITLE = "Ring attention across GPUs: error vs fp64 against W, PyTorch's context parallelism, tokens/s"
@@ -332,8 +334,6 @@ def _speed(rank, world, cfg, groups, dev, cuda, write):
 def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None, **overrides):
     """Run the study (spawning ``spawn`` local ranks, or on torchrun's world) and return its rows (error rows
     and speed rows, column ``phase``). Its ranks are its own processes: ``cluster`` must be None or local."""
-    import pandas as pd
-
     if cluster and cluster.get("executor", "local") != "local":
         raise ValueError("cluster: ring-multigpu runs its own ranks (--spawn or torchrun), not a sweep on a cluster")
     cfg = common.sizes(SIZES, size, overrides)
@@ -352,15 +352,7 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
     gpu_kernels = [k for k in cfg["kernels"] if k in ("native", "torch_cp")]
     if gpu_kernels and not torch.cuda.is_available():
         raise ValueError(f"kernels: {', '.join(gpu_kernels)} run on CUDA GPUs only; PyTorch sees none here")
-    check_world(cfg)  # before the old results are removed
-    out = out or "results"
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"{NAME}.jsonl")
-    if os.path.exists(path):
-        os.remove(path)
-    launch(_study, cfg, path, STUDY_TIMEOUT)
-    with open(path) as f:
-        return pd.DataFrame([json.loads(line) for line in f])
+    return run_ranks(_study, cfg, out, NAME, STUDY_TIMEOUT)
 
 
 # ---------------------------------------------------------------- report
@@ -383,46 +375,38 @@ def _focus(df):
     return {"N": int(e["N"].max()), "fmt": fmt, "dist": "normal", "layout": "zigzag"}
 
 
+STYLES = {"emulated": ":x", "sdpa": "-o", "native": "--s", "torch_cp": "-D"}
+
+
+def _panels(e, x, fixed, xlabel, stem):
+    """out, dq, dk errors against ``x`` for every (kernel, merge) at the ``fixed`` columns; the figure's files."""
+    fig, axes = plots.figure(12, 4, 1, 3)
+    for ax, qn in zip(axes.ravel(), ("out", "dq", "dk")):
+        for kernel, merge in sorted({(k, m) for k, m in zip(e["kernel"], e["merge"])}):
+            sel = _series(e, kernel, merge, x, **fixed)
+            if len(sel):
+                ax.plot(sel[x], plots.positive(sel[qn]), STYLES[kernel], ms=4,
+                        color=MERGE_COLORS.get(merge, "#9467bd"), label=f"{kernel}, {merge}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"rel. L2 error of {qn} vs fp64")
+        ax.set_title(", ".join(f"{k}={v}" for k, v in fixed.items()), fontsize=8)
+    axes.ravel()[0].legend(fontsize=6)
+    return plots.save(fig, stem)
+
+
 def figures(df, out_dir):
-    e, paths = _errs(df), []
-    focus = _focus(df)
-    combos = sorted({(k, m) for k, m in zip(e["kernel"], e["merge"])})
-    styles = {"emulated": ":x", "sdpa": "-o", "native": "--s", "torch_cp": "-D"}
-    fig, axes = plots.figure(12, 4, 1, 3)
-    for ax, qn in zip(axes.ravel(), ("out", "dq", "dk")):
-        for kernel, merge in combos:
-            sel = _series(e, kernel, merge, "W", **focus)
-            if len(sel):
-                ax.plot(sel["W"], plots.positive(sel[qn]), styles[kernel], ms=4, color=MERGE_COLORS.get(merge, "#9467bd"),
-                        label=f"{kernel}, {merge}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("ring size W (GPUs)")
-        ax.set_ylabel(f"rel. L2 error of {qn} vs fp64")
-        ax.set_title(", ".join(f"{k}={v}" for k, v in focus.items()), fontsize=8)
-    axes.ravel()[0].legend(fontsize=6)
-    paths += plots.save(fig, os.path.join(out_dir, FIGURES[0]))
-    fig, axes = plots.figure(12, 4, 1, 3)
-    Wmax = int(e["W"].max())
-    for ax, qn in zip(axes.ravel(), ("out", "dq", "dk")):
-        for kernel, merge in combos:
-            sel = _series(e, kernel, merge, "N", W=Wmax, fmt=focus["fmt"], dist="normal", layout="zigzag")
-            if len(sel):
-                ax.plot(sel["N"], plots.positive(sel[qn]), styles[kernel], ms=4, color=MERGE_COLORS.get(merge, "#9467bd"),
-                        label=f"{kernel}, {merge}")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length N")
-        ax.set_ylabel(f"rel. L2 error of {qn} vs fp64")
-        ax.set_title(f"W={Wmax}, {focus['fmt']}, normal, zigzag", fontsize=8)
-    axes.ravel()[0].legend(fontsize=6)
-    paths += plots.save(fig, os.path.join(out_dir, FIGURES[1]))
+    e, focus = _errs(df), _focus(df)
+    paths = _panels(e, "W", focus, "ring size W (GPUs)", os.path.join(out_dir, FIGURES[0]))
+    fixed = {"W": int(e["W"].max()), "fmt": focus["fmt"], "dist": "normal", "layout": "zigzag"}
+    paths += _panels(e, "N", fixed, "sequence length N", os.path.join(out_dir, FIGURES[1]))
     s = df[df["phase"] == "speed"]
     fig, axes = plots.figure(6, 4)
     ax = axes[0, 0]
     for (kernel, N), sel in s.groupby(["kernel", "N"]):
         sel = sel.sort_values("W")
-        ax.plot(sel["W"], sel["tokens_per_s"], styles[kernel], ms=4, label=f"{kernel}, N={N}")
+        ax.plot(sel["W"], sel["tokens_per_s"], STYLES[kernel], ms=4, label=f"{kernel}, N={N}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("ring size W (GPUs)")
