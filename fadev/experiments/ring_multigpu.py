@@ -421,7 +421,7 @@ def _ratio_text(values):
     return "n/a" if not len(v) else f"median x{np.median(v):.2f}, max x{v.max():.2f}"
 
 
-def _paired(e, a, b, key_cols, qn):
+def _paired(a, b, key_cols, qn):
     """a[qn] / b[qn] over the rows of a and b (DataFrames) that agree on key_cols."""
     m = a.merge(b, on=key_cols, suffixes=("_a", "_b"))
     return (m[f"{qn}_a"] / m[f"{qn}_b"]).to_numpy(dtype=float)
@@ -450,7 +450,7 @@ def findings(df, *, device="cpu") -> list:
                 me = ke[ke["merge"] == merge]
                 lo, hi = me[me["W"] == Wmin], me[me["W"] == Wmax]
                 parts.append(f"{merge}: " + "; ".join(
-                    f"{qn} {_ratio_text(_paired(e, hi, lo, keys, qn))}" for qn in ("out", "dq", "dk", "dv")))
+                    f"{qn} {_ratio_text(_paired(hi, lo, keys, qn))}" for qn in ("out", "dq", "dk", "dv")))
             out.append(Finding(f"{kernel}: error at W={Wmax} / error at W={Wmin}, over every N, format, input "
                                "kind and layout run", " | ".join(parts)))
         sel = ke[(ke["W"] == Wmax) & (ke["N"] == focus["N"]) & (ke["fmt"] == focus["fmt"])
@@ -469,7 +469,7 @@ def findings(df, *, device="cpu") -> list:
         a = a.assign(merge=a["merge"].replace(REAL_PARTIALS))
         b = e[e["kernel"] == "emulated"].drop(columns="kernel")
         k2 = ["N", "fmt", "dist", "layout", "merge", "W"]
-        dev = np.concatenate([np.abs(_paired(e, a, b, k2, qn) - 1) for qn in ("out", "dq", "dk", "dv")])
+        dev = np.concatenate([np.abs(_paired(a, b, k2, qn) - 1) for qn in ("out", "dq", "dk", "dv")])
         dev = dev[np.isfinite(dev)]
         if len(dev) and "device" in e and (e["device"] == "cuda").all():  # PyTorch's CPU flash is not FA2
             out.append(Finding(
@@ -480,7 +480,7 @@ def findings(df, *, device="cpu") -> list:
         lo = e[(e["kernel"] == kernel) & (e["merge"] == "lowp_partials")]
         hi = e[(e["kernel"] == kernel) & (e["merge"] == "fp32_partials")]
         k3 = ["N", "fmt", "dist", "layout", "W"]
-        same = np.concatenate([_paired(e, hi, lo, k3, qn) for qn in ("out", "dq", "dk", "dv")])
+        same = np.concatenate([_paired(hi, lo, k3, qn) for qn in ("out", "dq", "dk", "dv")])
         if len(same):
             out.append(Finding(
                 f"{kernel}: merge fp32_partials vs lowp_partials with a real kernel (error ratio, every "
@@ -496,7 +496,7 @@ def findings(df, *, device="cpu") -> list:
         out.append(Finding(
             "PyTorch's context parallelism vs fadev's ring of the same flash kernel with merge fp32_partials "
             "(error of torch_cp / error of fadev sdpa)",
-            "; ".join(f"{qn} {_ratio_text(_paired(e, cp, ours, k2, qn))}" for qn in ("out", "dq", "dk", "dv"))))
+            "; ".join(f"{qn} {_ratio_text(_paired(cp, ours, k2, qn))}" for qn in ("out", "dq", "dk", "dv"))))
     out += _speed_findings(df[df["phase"] == "speed"])
     return out
 
