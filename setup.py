@@ -87,9 +87,17 @@ class BuildExt(build_ext):
 
     def compile_cuda(self, nvcc):
         archs = os.environ.get("FADEV_CUDA_ARCH", "80 90").split()
-        gencode = []
-        for a in archs:
-            gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+
+        def gencode(src):
+            # Hopper's warpgroup MMA (cuda/*_wgmma.cu) exists only in the arch-specific sm_90a target: those files
+            # build their Hopper code as 90a (their other targets compile the kernels to a trap, never launched)
+            hopper_a = src.endswith("_wgmma.cu")
+            flags = []
+            for a in archs:
+                a = a + "a" if hopper_a and a == "90" else a
+                flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+            return flags
+
         build_dir = os.path.join(self.build_temp, "cuda")
         os.makedirs(build_dir, exist_ok=True)
         commands = []
@@ -97,7 +105,7 @@ class BuildExt(build_ext):
             obj = os.path.join(build_dir, os.path.basename(src) + ".o")
             commands.append([nvcc, "-c", src, "-o", obj, "-O3", "-std=c++17", "--fmad=false", "-Xcompiler", "-fPIC",
                              "-Xcompiler", "-ffp-contract=off", "-Xcompiler", "-fvisibility=hidden",
-                             "-cudart", "static", *gencode, *os.environ.get("FADEV_NVCC_FLAGS", "").split()])
+                             "-cudart", "static", *gencode(src), *os.environ.get("FADEV_NVCC_FLAGS", "").split()])
         for cmd in commands:
             print(" ".join(cmd))
         # nvcc is slow per file and runs one process per file: compile them side by side

@@ -86,7 +86,7 @@ def golden_fp64(q, k, v, causal):
     return torch.softmax(s, -1) @ v.double()
 
 
-def native_rows(quick):
+def native_rows(quick, backward=True):
     rows = []
     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
     Ns = (4096,) if quick else (4096, 16384)
@@ -106,13 +106,19 @@ def native_rows(quick):
                 e_naive = (naive.double() - gold).abs().max().item()
                 ok = e_mine <= 2 * e_naive
                 shape = f"{B}x{H}x{N}x{D}"
-                best = {}  # warp_rows -> (seconds, block_q, block_kv): the fastest tile of each variant
-                for warp_rows in fadev.native.WARP_ROWS:
-                    for bq, bkv in fadev.native_tiles(D, warp_rows=warp_rows):
+                best = {}  # variant -> (seconds, block_q, block_kv): the fastest tile of each variant
+                variants = [(f"{w} rows/warp", dict(warp_rows=w)) for w in fadev.native.WARP_ROWS]
+                if torch.cuda.get_device_capability() == (9, 0):  # Hopper's warpgroup MMA
+                    variants.append(("wgmma", dict(mma="wgmma")))
+                    mine_w = fadev.native_attention(qs, ks, vs, causal=causal, mma="wgmma")
+                    e_mine = max(e_mine, (mine_w.double() - gold).abs().max().item())
+                    ok = e_mine <= 2 * e_naive
+                for label, kw in variants:
+                    for bq, bkv in fadev.native_tiles(D, **kw):
                         t = cuda_seconds(lambda: fadev.native_attention(q, k, v, causal=causal, block_q=bq,
-                                                                        block_kv=bkv, warp_rows=warp_rows))
-                        if warp_rows not in best or t < best[warp_rows][0]:
-                            best[warp_rows] = (t, bq, bkv)
+                                                                        block_kv=bkv, **kw))
+                        if label not in best or t < best[label][0]:
+                            best[label] = (t, bq, bkv)
                 rates = {}
                 for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -124,13 +130,15 @@ def native_rows(quick):
                                      f"{flops / t / 1e12:.0f} TFLOP/s", ""))
                     except RuntimeError as exc:  # a backend not available for this shape/GPU
                         rows.append(("native", name, shape, "yes" if causal else "no", "-", "-", str(exc)[:40]))
-                for warp_rows, (t_native, bq, bkv) in sorted(best.items()):
+                for label, (t_native, bq, bkv) in best.items():
                     rate = flops / t_native
-                    rows.append(("native", f"fadev native {bq}x{bkv}, {warp_rows} rows/warp", shape,
+                    rows.append(("native", f"fadev native {bq}x{bkv}, {label}", shape,
                                  "yes" if causal else "no", f"{t_native * 1e3:.2f}", f"{rate / 1e12:.0f} TFLOP/s",
                                  f"{rate / rates.get('sdpa flash', float('nan')):.2f}x sdpa flash, "
                                  f"{rate / rates.get('sdpa cudnn', float('nan')):.2f}x cudnn; err {e_mine:.1e} vs "
                                  f"naive {e_naive:.1e} {'ok' if ok else 'FAILS 2x rule'}"))
+                if not backward:
+                    continue
                 # backward (2.5x the forward's flops: 5 matmuls of the 2 forward ones' size... as FA reports):
                 # every backward tile with atomic dq (the fastest shown), then that tile deterministic
                 qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
@@ -196,7 +204,8 @@ def golden_rows(quick):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller shapes (N = 4096 only)")
-    ap.add_argument("--parts", default="emulated,native,golden", help="comma-separated parts to run")
+    ap.add_argument("--parts", default="emulated,native,golden", help="comma-separated parts to run "
+                    "(emulated, native, native-forward: the native forward alone, golden)")
     args = ap.parse_args()
     if not fadev.cuda_available():
         sys.exit("no CUDA device: fadev.cuda_available() is False (build with FADEV_CUDA=1 on a GPU machine)")
@@ -208,8 +217,8 @@ def main():
     if "emulated" in parts:
         validate_emulated()
         rows += emulated_rows(args.quick)
-    if "native" in parts:
-        rows += native_rows(args.quick)
+    if "native" in parts or "native-forward" in parts:
+        rows += native_rows(args.quick, backward="native" in parts)
     if "golden" in parts:
         rows += golden_rows(args.quick)
     print(rows_table(rows))

@@ -77,7 +77,8 @@ fadev_status fadev_cuda_ulp_error(const double *test, const double *ref, size_t 
     return FADEV_ERR_NO_CUDA;
 }
 
-fadev_status fadev_cuda_native_tiles(int dim, int backward, int warp_rows, int32_t *tiles, int max_pairs, int *count) {
+fadev_status fadev_cuda_native_tiles(int dim, int backward, int warp_rows, int mma, int32_t *tiles, int max_pairs,
+                                     int *count) {
     if (count) *count = 0;
     return FADEV_ERR_NO_CUDA;
 }

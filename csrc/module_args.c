@@ -142,20 +142,20 @@ int parse_params(PyObject *obj, void *out) {
 }
 
 /* fadev_native_params from (batch, heads, heads_kv, seq_q, seq_kv, dim, scale, causal, block_q, block_kv, dtype,
- * deterministic, warp_rows). */
+ * deterministic, warp_rows, mma). */
 int parse_native_params(PyObject *obj, void *out) {
     fadev_native_params *np = (fadev_native_params *)out;
     long long s[6];
-    int causal, block_q, block_kv, dtype, deterministic, warp_rows;
+    int causal, block_q, block_kv, dtype, deterministic, warp_rows, mma;
     memset(np, 0, sizeof *np);
-    if (!PyArg_ParseTuple(obj, "LLLLLLdpiiipi;native params must be (batch, heads, heads_kv, seq_q, seq_kv, dim, "
-                               "scale, causal, block_q, block_kv, dtype, deterministic, warp_rows)", &s[0], &s[1], &s[2],
-                          &s[3], &s[4], &s[5], &np->attn.scale, &causal, &block_q, &block_kv, &dtype, &deterministic,
-                          &warp_rows))
+    if (!PyArg_ParseTuple(obj, "LLLLLLdpiiipii;native params must be (batch, heads, heads_kv, seq_q, seq_kv, dim, "
+                               "scale, causal, block_q, block_kv, dtype, deterministic, warp_rows, mma)", &s[0], &s[1],
+                          &s[2], &s[3], &s[4], &s[5], &np->attn.scale, &causal, &block_q, &block_kv, &dtype,
+                          &deterministic, &warp_rows, &mma))
         return 0;
     set_shapes(&np->attn, s);
     np->attn.causal = causal, np->attn.block_q = block_q, np->attn.block_kv = block_kv, np->dtype = dtype;
-    np->deterministic = deterministic, np->warp_rows = warp_rows;
+    np->deterministic = deterministic, np->warp_rows = warp_rows, np->mma = mma;
     return 1;
 }
 

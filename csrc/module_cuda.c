@@ -235,10 +235,10 @@ static PyObject *py_cuda_native_backward(PyObject *self, PyObject *args) {
 #define MAX_NATIVE_TILES 64
 
 static PyObject *py_cuda_native_tiles(PyObject *self, PyObject *args) {
-    int dim, backward, warp_rows, count = 0;
+    int dim, backward, warp_rows, mma, count = 0;
     int32_t tiles[2 * MAX_NATIVE_TILES];
-    if (!PyArg_ParseTuple(args, "ipi", &dim, &backward, &warp_rows)) return NULL;
-    fadev_status st = fadev_cuda_native_tiles(dim, backward, warp_rows, tiles, MAX_NATIVE_TILES, &count);
+    if (!PyArg_ParseTuple(args, "ipii", &dim, &backward, &warp_rows, &mma)) return NULL;
+    fadev_status st = fadev_cuda_native_tiles(dim, backward, warp_rows, mma, tiles, MAX_NATIVE_TILES, &count);
     if (st != FADEV_OK) return raise_device_status(st, "native_tiles (cuda)");
     if (count > MAX_NATIVE_TILES) count = MAX_NATIVE_TILES;
     PyObject *list = PyList_New(0);
@@ -324,13 +324,13 @@ PyMethodDef cuda_methods[] = {
     {"cuda_wasserstein", py_cuda_wasserstein, METH_VARARGS, "cuda_wasserstein(a, n_a, b, n_b) -> w1"},
     {"cuda_ulp_error", py_cuda_ulp_error, METH_VARARGS, "cuda_ulp_error(test, ref, n, fmt, out)"},
     {"cuda_native_tiles", py_cuda_native_tiles, METH_VARARGS,
-     "cuda_native_tiles(dim, backward, warp_rows) -> [(block_q, block_kv), ...] of the forward (backward False; "
-     "warp_rows 16 or 32) or the backward (warp_rows 16)"},
+     "cuda_native_tiles(dim, backward, warp_rows, mma) -> [(block_q, block_kv), ...] of the forward (backward False; "
+     "warp_rows 16 or 32; mma 1: the wgmma forward) or the backward (warp_rows 16 or 32, mma 0)"},
     {"cuda_native_workspace", py_cuda_native_workspace, METH_VARARGS,
      "cuda_native_workspace(native_params) -> bytes of float32 workspace the backward needs"},
     {"cuda_native_forward", py_cuda_native_forward, METH_VARARGS,
      "cuda_native_forward(q, k, v, out, lse, native_params); native_params (B, H, Hkv, Nq, Nk, D, scale, causal, "
-     "block_q, block_kv, dtype, deterministic, warp_rows)"},
+     "block_q, block_kv, dtype, deterministic, warp_rows, mma)"},
     {"cuda_native_backward", py_cuda_native_backward, METH_VARARGS,
      "cuda_native_backward(q, k, v, out, lse, dout, dq, dk, dv, workspace, native_params)"},
     {NULL, NULL, 0, NULL},

@@ -129,9 +129,15 @@ template <int CHUNKS> __device__ __forceinline__ int swz(int row, int chunk) {
     return row * (CHUNKS * 8) + ((chunk ^ x) << 3);
 }
 
-/* cp.async rows [row0, row0 + ROWS) of a (nrows x D) row-major slab into a swizzled tile; rows >= nrows are
- * zero-filled. NT threads, thread `tid`. */
-template <typename T, int ROWS, int D, int NT>
+/* Element offset of (row, chunk) in a tile of R rows stored as 64-column panels with the 128-byte swizzle (the wgmma
+ * kernel's layout, wgmma.cuh). */
+template <int R> __device__ __forceinline__ int wswz(int row, int chunk) {
+    return (chunk >> 3) * (R * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+}
+
+/* cp.async rows [row0, row0 + ROWS) of a (nrows x D) row-major slab into a swizzled tile (PANELS: wswz's layout,
+ * else swz's); rows >= nrows are zero-filled. NT threads, thread `tid`. */
+template <typename T, int ROWS, int D, int NT, bool PANELS = false>
 __device__ __forceinline__ void load_rows(T *tile, const T *slab, int row0, int nrows, int tid) {
     constexpr int C = D / 8, N = ROWS * C;
 #pragma unroll
@@ -140,7 +146,8 @@ __device__ __forceinline__ void load_rows(T *tile, const T *slab, int row0, int 
         if (N % NT == 0 || c < N) {
             const int r = c / C, ch = c % C;
             const bool ok = row0 + r < nrows;
-            cp_async_16(tile + swz<C>(r, ch), slab + (ok ? (int64_t)(row0 + r) * D + ch * 8 : 0), ok);
+            cp_async_16(tile + (PANELS ? wswz<ROWS>(r, ch) : swz<C>(r, ch)),
+                        slab + (ok ? (int64_t)(row0 + r) * D + ch * 8 : 0), ok);
         }
     }
 }
@@ -208,21 +215,31 @@ fadev_status native_dq_pass(const fadev_native_params *p, native_bwd_args a);
  * for 32 x 128, 16 x 128, 16 x 64; 28 bytes of spills at 32 x 64 (64-row query tiles spill 700+). */
 #define NATIVE_BACKWARD_TILES_32(X) X(64, 32, 128) X(64, 16, 128) X(64, 16, 64) X(64, 32, 64)
 
+/* The forward on Hopper's warpgroup MMA (mma 1, native_forward_wgmma.cu; sm_90a): block_q / 64 warpgroups of 4 warps,
+ * each holding 64 query rows' O and a 64 x block_kv score tile in registers (D / 2 + block_kv / 2 floats a thread). */
+#define NATIVE_FORWARD_TILES_WGMMA(X)                                                                            \
+    X(64, 128, 128) X(64, 128, 64) X(64, 64, 128) X(64, 64, 64) X(64, 192, 128) X(64, 192, 64)                  \
+    X(128, 128, 128) X(128, 128, 64) X(128, 64, 128) X(128, 64, 64)
+
 #define NATIVE_TILE_ROW(dim, bq, bkv) {dim, bq, bkv},
 static const int32_t native_forward_tiles[][3] = {NATIVE_FORWARD_TILES(NATIVE_TILE_ROW)};
 static const int32_t native_forward_tiles_32[][3] = {NATIVE_FORWARD_TILES_32(NATIVE_TILE_ROW)};
 static const int32_t native_backward_tiles[][3] = {NATIVE_BACKWARD_TILES(NATIVE_TILE_ROW)};
 static const int32_t native_backward_tiles_32[][3] = {NATIVE_BACKWARD_TILES_32(NATIVE_TILE_ROW)};
+static const int32_t native_forward_tiles_wgmma[][3] = {NATIVE_FORWARD_TILES_WGMMA(NATIVE_TILE_ROW)};
 #undef NATIVE_TILE_ROW
 
 /* The (block_q, block_kv) pairs of head dim `dim` for one direction and rows per warp (16 or 32: query rows in the
- * forward, key rows in the backward), in list order: writes up to max_pairs of them to tiles (when not NULL) and
- * returns how many there are. */
-static inline int native_tile_pairs(int dim, int backward, int warp_rows, int32_t *tiles, int max_pairs) {
+ * forward, key rows in the backward), or of the wgmma forward (mma 1: no backward, warp_rows not read), in list order:
+ * writes up to max_pairs of them to tiles (when not NULL) and returns how many there are. */
+static inline int native_tile_pairs(int dim, int backward, int warp_rows, int mma, int32_t *tiles, int max_pairs) {
 #define NATIVE_LIST(x) list = x, n = (int)(sizeof x / sizeof *x)
     const int32_t(*list)[3];
     int n;
-    if (backward) {
+    if (mma) {
+        if (backward) return 0;
+        NATIVE_LIST(native_forward_tiles_wgmma);
+    } else if (backward) {
         if (warp_rows == 32) NATIVE_LIST(native_backward_tiles_32); else NATIVE_LIST(native_backward_tiles);
     } else {
         if (warp_rows == 32) NATIVE_LIST(native_forward_tiles_32); else NATIVE_LIST(native_forward_tiles);
@@ -259,8 +276,12 @@ static inline fadev_status native_validate(const fadev_native_params *p, int bac
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: deterministic must be 0 or 1");
     if (p->warp_rows != 0 && p->warp_rows != 16 && p->warp_rows != 32)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: warp_rows must be 16 or 32");
+    if (p->mma != 0 && p->mma != 1)
+        return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: mma must be 0 (mma.sync) or 1 (wgmma)");
+    if (p->mma && backward)
+        return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: the backward has no wgmma kernel (mma 0)");
     int32_t pairs[2 * 64];
-    const int n = native_tile_pairs((int)p->attn.dim, backward, p->warp_rows == 32 ? 32 : 16, pairs, 64);
+    const int n = native_tile_pairs((int)p->attn.dim, backward, p->warp_rows == 32 ? 32 : 16, p->mma, pairs, 64);
     int found = 0;
     for (int i = 0; i < n && i < 64; i++) found |= pairs[2 * i] == p->attn.block_q && pairs[2 * i + 1] == p->attn.block_kv;
     if (!found)

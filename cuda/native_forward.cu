@@ -5,16 +5,19 @@
 template <typename T> static fadev_status native_forward_dispatch(const fadev_native_params *p, native_fwd_args a) {
     a.n_qt = (int)((p->attn.seq_q + p->attn.block_q - 1) / p->attn.block_q);
     const int64_t ctas = p->attn.batch * p->attn.heads * a.n_qt;
+    if (p->mma) return native_forward_wgmma(p, a, ctas);
     return p->attn.dim == 64 ? native_forward_dim<T, 64>(p, a, ctas) : native_forward_d128(p, a, ctas);
 }
 
-extern "C" fadev_status fadev_cuda_native_tiles(int dim, int backward, int warp_rows, int32_t *tiles, int max_pairs,
-                                                int *count) {
+extern "C" fadev_status fadev_cuda_native_tiles(int dim, int backward, int warp_rows, int mma, int32_t *tiles,
+                                                int max_pairs, int *count) {
     if (!count || max_pairs < 0 || (max_pairs > 0 && !tiles))
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "fadev_cuda_native_tiles: NULL count or tiles, or max_pairs < 0");
     if (warp_rows != 16 && warp_rows != 32)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "fadev_cuda_native_tiles: warp_rows must be 16 or 32");
-    *count = native_tile_pairs(dim, backward != 0, warp_rows, tiles, max_pairs);
+    if (mma != 0 && mma != 1)
+        return native_bad(FADEV_ERR_INVALID_ARGUMENT, "fadev_cuda_native_tiles: mma must be 0 or 1");
+    *count = native_tile_pairs(dim, backward != 0, warp_rows, mma, tiles, max_pairs);
     if (*count == 0) return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: dim must be 64 or 128");
     return FADEV_OK;
 }

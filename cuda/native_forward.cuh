@@ -29,6 +29,38 @@ struct native_fwd_args {
     float scale_log2;                                /* scale * log2(e) */
 };
 
+/* The CTA's query tile (both forward kernels): query tile qt of head b * H + h (tiles run longest first), its K/V
+ * head (grouped-query: h / (H / Hkv)), the row pointers, and n_kt, the K/V tiles of block_kv keys some row of the
+ * tile may see (causal: up to the tile's last row's diagonal, bottom-right aligned: off = Nk - Nq). */
+template <typename T, int D, int BQ, int BKV> struct fwd_tile {
+    const T *Q, *K, *V;
+    T *O;
+    float *L;
+    int q0, off, n_kt;
+    __device__ __forceinline__ explicit fwd_tile(const native_fwd_args &a) {
+        const int qt = a.n_qt - 1 - (int)(blockIdx.x % a.n_qt);
+        const int64_t bh = blockIdx.x / a.n_qt; /* b * H + h */
+        const int64_t bhk = bh / a.heads * (a.heads / a.group) + bh % a.heads / a.group;
+        Q = static_cast<const T *>(a.q) + bh * a.seq_q * D;
+        K = static_cast<const T *>(a.k) + bhk * a.seq_kv * D;
+        V = static_cast<const T *>(a.v) + bhk * a.seq_kv * D;
+        O = static_cast<T *>(a.out) + bh * a.seq_q * D;
+        L = a.lse + bh * a.seq_q;
+        q0 = qt * BQ, off = a.seq_kv - a.seq_q;
+        int kv_end = a.seq_kv; /* keys [0, kv_end) are visible to some row of this tile */
+        if (a.causal) kv_end = min(kv_end, min(q0 + BQ, a.seq_q) + off);
+        n_kt = kv_end > 0 ? (kv_end + BKV - 1) / BKV : 0;
+    }
+    /* n_kt == 0 (causal, Nq > Nk: no row of this tile sees a key): out 0, lse -inf; NT threads */
+    template <int NT> __device__ __forceinline__ void write_empty(const native_fwd_args &a, int tid) const {
+        constexpr int C = D / 8;
+        for (int c = tid; c < BQ * C; c += NT)
+            if (q0 + c / C < a.seq_q) *reinterpret_cast<uint4 *>(O + (int64_t)(q0 + c / C) * D + c % C * 8) = uint4{0, 0, 0, 0};
+        for (int r = tid; r < BQ; r += NT)
+            if (q0 + r < a.seq_q) L[q0 + r] = -INFINITY;
+    }
+};
+
 template <int D, int BQ, int BKV> constexpr int native_fwd_smem() { return (BQ + 4 * BKV) * D * 2; }
 
 /* MI = query rows per warp / 16: each warp runs MI m16 row blocks side by side, so every K / V fragment it reads
@@ -45,26 +77,12 @@ __global__ void __launch_bounds__(BQ * 2 / MI) native_forward_kernel(const nativ
     T *sV = sK + 2 * BKV * D; /* 2 stages of BKV x D */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3, wrow = warp * WR;
 
-    const int qt = a.n_qt - 1 - (int)(blockIdx.x % a.n_qt);
-    const int64_t bh = blockIdx.x / a.n_qt; /* b * H + h */
-    const int64_t bhk = bh / a.heads * (a.heads / a.group) + bh % a.heads / a.group;
-    const T *Q = static_cast<const T *>(a.q) + bh * a.seq_q * D;
-    const T *K = static_cast<const T *>(a.k) + bhk * a.seq_kv * D;
-    const T *V = static_cast<const T *>(a.v) + bhk * a.seq_kv * D;
-    T *O = static_cast<T *>(a.out) + bh * a.seq_q * D;
-    float *L = a.lse + bh * a.seq_q;
-
-    const int q0 = qt * BQ, off = a.seq_kv - a.seq_q;
-    int kv_end = a.seq_kv; /* keys [0, kv_end) are visible to some row of this tile */
-    if (a.causal) kv_end = min(kv_end, min(q0 + BQ, a.seq_q) + off);
-    const int n_kt = kv_end > 0 ? (kv_end + BKV - 1) / BKV : 0;
-    if (n_kt == 0) { /* causal, Nq > Nk: no row of this tile sees a key */
-        for (int c = tid; c < BQ * C; c += NT)
-            if (q0 + c / C < a.seq_q) *reinterpret_cast<uint4 *>(O + (int64_t)(q0 + c / C) * D + c % C * 8) = uint4{0, 0, 0, 0};
-        for (int r = tid; r < BQ; r += NT)
-            if (q0 + r < a.seq_q) L[q0 + r] = -INFINITY;
-        return;
-    }
+    const fwd_tile<T, D, BQ, BKV> tile(a);
+    const T *Q = tile.Q, *K = tile.K, *V = tile.V;
+    T *O = tile.O;
+    float *L = tile.L;
+    const int q0 = tile.q0, off = tile.off, n_kt = tile.n_kt;
+    if (n_kt == 0) return tile.template write_empty<NT>(a, tid);
 
     load_rows<T, BQ, D, NT>(sQ, Q, q0, a.seq_q, tid);
     load_rows<T, BKV, D, NT>(sK, K, 0, a.seq_kv, tid);
@@ -256,6 +274,9 @@ static inline fadev_status native_forward_dim(const fadev_native_params *p, cons
 #undef NATIVE_FORWARD_CASE
     return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: tile not compiled");
 }
+
+/* The wgmma forward (native_forward_wgmma.cu), any head dim and type; refuses a GPU that is not compute capability 9.0. */
+fadev_status native_forward_wgmma(const fadev_native_params *p, const native_fwd_args &a, int64_t ctas);
 
 /* Head dim 128 (native_forward_128.cu). */
 fadev_status native_forward_d128(const fadev_native_params *p, const native_fwd_args &a, int64_t ctas);

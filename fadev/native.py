@@ -20,6 +20,9 @@ _NP_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))  # by DTYPES i
 
 
 WARP_ROWS = (16, 32)
+MMA = ("sync", "wgmma")
+"""The forward's tensor-core instructions: ``"sync"`` mma.sync.m16n8k16 issued per warp (every GPU from sm_80),
+``"wgmma"`` Hopper's warpgroup MMA (wgmma.m64nNk16, compute capability 9.0 only; cuda/native_forward_wgmma.cu)."""
 
 
 def _warp_rows(warp_rows):
@@ -28,21 +31,23 @@ def _warp_rows(warp_rows):
     return int(warp_rows)
 
 
-def native_tiles(dim, *, backward=False, warp_rows=16) -> list:
+def native_tiles(dim, *, backward=False, warp_rows=16, mma="sync") -> list:
     """The (block_q, block_kv) tiles the native forward (``backward=False``) or backward kernel supports for
     head dim ``dim`` (the first is the default); an empty list for a head dim they do not support. The two
     lists differ: the backward holds dK and dV in registers besides the score tile, so its query tiles are
     smaller. ``warp_rows``: the tile rows a warp owns, 16 or 32 (query rows in the forward, key rows in the
     backward; 32 runs two row blocks side by side, half the shared-memory reads per product; the same
-    arithmetic, so the same bits), each with its own list (the backward's 32 only at D 64)."""
+    arithmetic, so the same bits), each with its own list (the backward's 32 only at D 64). ``mma="wgmma"``:
+    the tiles of the Hopper forward (block_q / 64 warpgroups; ``warp_rows`` not read; no backward: [])."""
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
         raise ValueError(f"dim must be a positive integer, got {dim!r}")
     _args.boolean(backward, "backward")
     rows = _warp_rows(warp_rows)
+    code = _args.choice("mma", mma, MMA)
     if not _core.cuda_info()["compiled"]:
         raise no_gpu("native_tiles")
     try:
-        return [tuple(t) for t in _core.cuda_native_tiles(int(dim), backward, rows)]
+        return [tuple(t) for t in _core.cuda_native_tiles(int(dim), backward, rows, code)]
     except ValueError:  # FADEV_ERR_INVALID_ARGUMENT: a head dim without tiles
         return []
 
@@ -66,9 +71,12 @@ def _host(x, name, code):
     return _round(_numeric(x, name), DTYPES[code]).astype(_NP_DTYPES[code])
 
 
-def _params(q4, k4, causal, scale, block_q, block_kv, code, backward=False, deterministic=False, warp_rows=16):
+def _params(q4, k4, causal, scale, block_q, block_kv, code, backward=False, deterministic=False, warp_rows=16,
+            mma="sync"):
     dim = q4.shape[3]
-    tiles = native_tiles(dim, backward=backward, warp_rows=warp_rows)
+    tiles = native_tiles(dim, backward=backward, warp_rows=warp_rows, mma=mma)
+    if not tiles and mma == "wgmma" and native_tiles(dim):
+        raise ValueError(f"mma: the wgmma kernel has no tile at head dim {dim}")
     if not tiles and native_tiles(dim, backward=backward):
         raise ValueError(f"warp_rows: no native {'backward' if backward else 'forward'} tile has {warp_rows} rows per "
                          f"warp at head dim {dim}")
@@ -76,33 +84,37 @@ def _params(q4, k4, causal, scale, block_q, block_kv, code, backward=False, dete
         raise ValueError(f"q: the native kernels do not support head dim {dim}")
     fits = [t for t in tiles if block_q in (None, t[0]) and block_kv in (None, t[1])]
     if not fits:
-        direction = ("backward" if backward else "forward") + ("" if warp_rows == 16 else " (warp_rows=32)")
+        direction = ("backward" if backward else "forward") + ("" if warp_rows == 16 or mma == "wgmma" else
+                                                               " (warp_rows=32)") + (" (mma='wgmma')" if mma == "wgmma" else "")
         raise ValueError(f"block_q, block_kv: ({block_q!r}, {block_kv!r}) is not a native {direction} tile for head "
                          f"dim {dim}; supported: {tiles}")
     (b, h, nq, d), (_, hkv, nk, _) = q4.shape, k4.shape
     return (b, h, hkv, nq, nk, d, _args.scale_of(scale, d), _args.causal_of(causal), fits[0][0], fits[0][1], code,
-            deterministic, warp_rows)
+            deterministic, warp_rows, MMA.index(mma))
 
 
-def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_kv=None, warp_rows=16,
+def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_kv=None, warp_rows=16, mma="sync",
                      return_lse=False, dtype=None):
     """FlashAttention-2-style forward on the tensor cores (cuda/native_forward.cu): fp16 or bf16 inputs
     and output, fp32 accumulation and online softmax (exp2). Shapes, ``causal`` and ``scale`` as
     :func:`fadev.flash_attention`; head dim 64 or 128; (``block_q``, ``block_kv``) one of
     :func:`native_tiles` for ``warp_rows`` (16 or 32 query rows per warp: the same bits, another speed;
-    default: the list's first). PyTorch CUDA tensors of float16 / bfloat16 give tensors
+    default: the list's first). ``mma="wgmma"`` runs the Hopper kernel (cuda/native_forward_wgmma.cu: the same
+    algorithm and rounding steps, products by warpgroup MMA; its own tiles, ``native_tiles(D, mma="wgmma")``;
+    compute capability 9.0 only). PyTorch CUDA tensors of float16 / bfloat16 give tensors
     (``lse`` float32, natural log); NumPy (or ml_dtypes) arrays are rounded to ``dtype`` ("bf16" or
     "fp16"; inferred from a float16 / bfloat16 array), copied to the GPU, and come back as float64
     NumPy arrays holding the fp16 / bf16 (lse: fp32) values. Not differentiable: see
     :func:`native_attention_backward`."""
     _args.boolean(return_lse, "return_lse")
     rows = _warp_rows(warp_rows)
+    _args.choice("mma", mma, MMA)
     code = _dtype_code(dtype, q)
     gpu = route("cuda", q=q, k=k, v=v)
     q, k, v = (_host(x, n, code) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     q4, k4, v4, rank = _args.qkv(q, k, v, gpu, _NP_DTYPES[code])
     out, lse = gpu.native_forward(q4, k4, v4, _params(q4, k4, causal, scale, block_q, block_kv, code,
-                                                      warp_rows=rows))
+                                                      warp_rows=rows, mma=mma))
     return _args.unshape_forward(out, lse, rank, return_lse)
 
 
@@ -128,4 +140,4 @@ def native_attention_backward(q, k, v, out, lse, dout, *, causal=False, scale=No
     return _args.unshape_grads(gpu.native_backward(q4, k4, v4, out4, lse3, dout4, params), rank)
 
 
-__all__ = ["native_attention", "native_attention_backward", "native_tiles", "DTYPES"]
+__all__ = ["native_attention", "native_attention_backward", "native_tiles", "DTYPES", "MMA"]

@@ -368,7 +368,7 @@ def test_random_qkv_outliers():
 
 # ---------------------------------------------------------------- one uniform, keyword-only API
 
-ORDER = ("world_size", "layout", "merge", "causal", "scale", "block_q", "block_kv", "warp_rows", "sram_bytes",
+ORDER = ("world_size", "layout", "merge", "causal", "scale", "block_q", "block_kv", "warp_rows", "mma", "sram_bytes",
          "loop_order", "normalize", "exp", "return_lse", "device", "deterministic", "dtype")
 KERNELS = {"baseline_attention": ("q", "k", "v", "policy"), "flash_attention": ("q", "k", "v", "policy"),
            "golden_attention": ("q", "k", "v"), "ring_attention": ("q", "k", "v", "policy"),

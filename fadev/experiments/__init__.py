@@ -27,6 +27,7 @@ seqlen        Fig 5: flash vs baseline over the sequence length at fixed tiles
 algorithm     Fig 6: tile area, swapped and non-square tiles, block_q, SRAM rule, loop order, ...
 attribution   which policy stage is to blame: raise / lower one stage at a time
 kernels       presets of real kernels (fa2, fa1, naive, torch_math) vs golden; PyTorch SDPA on a GPU
+              and fadev's native kernel per forward tile beside fa2 emulated with its tiles
 fp8           FlashAttention-3 Table 3: outlier inputs, fp16 and fp8 with scaling and Hadamard rotation
 ring          ring attention's error vs the number of ranks, and candidate causes (not in reproduce)
 ring_dist     ring attention on real ranks (torch.distributed): a deep model's gradient error vs W and

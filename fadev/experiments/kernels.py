@@ -14,6 +14,12 @@ The math backend upcasts fp16/bf16 to fp32 inside (what torch_math models) unles
 multiplies q and k by sqrt(scale) and rounds both to F before Q K^T (docs/numerics.md), which plain
 ``naive(F)`` (the paper's baseline, scores scaled after the product) does not; plain naive is ~0.87x its
 error at every N.
+
+Native tile sweep (only with ``device='cuda'`` where fadev has a usable CUDA device; kernel_tiles.py): for each
+format, N up to 4096 (quick) or 16384 (full) and forward tile (block_q, block_kv) of ``fadev.native_tiles(D)``,
+the native kernel's error vs golden beside its prediction, ``fa2(F)`` emulated with the same tiles on the same
+inputs: per tile the ratio native/emulated (within ±15%), and how the error moves from the smallest tile to
+the largest in both. In ``df.attrs["tiles"]``; on the CPU it is absent.
 """
 from __future__ import annotations
 
@@ -26,12 +32,14 @@ from .. import plots, report
 from ..attention import baseline_attention
 from ..native import native_attention, native_tiles
 from ..policy import Policy
-from . import common, kernels_backward
+from . import common, kernel_tiles, kernels_backward
 from .common import Finding
 
 NAME = "kernels"
 TITLE = "Real-kernel presets vs golden"
 FIGURES = ("kernels",)
+EXTRA_FIGURES = (kernel_tiles.FIGURE,)
+"""Figures drawn only when their rows were measured: the native tile sweep's (a GPU run)."""
 
 INTRO = (
     "The presets that model real kernels against golden: `fa2(F)` (FlashAttention-2: fp32 "
@@ -39,7 +47,8 @@ INTRO = (
     "F between K/V blocks), `naive(F)` and `torch_math(F)` (SDPA's math backend: fp32 inside). On a GPU with "
     "PyTorch, `--device cuda` adds PyTorch's real SDPA backends on the same inputs (flash, memory-efficient, "
     "cuDNN, math, and math with `allow_fp16_bf16_reduction_math_sdp(True)`: without it the math backend "
-    "upcasts fp16/bf16 to fp32).")
+    "upcasts fp16/bf16 to fp32); where fadev has a CUDA device it also sweeps fadev's native kernel over its "
+    "forward tiles (block_q x block_kv) beside `fa2(F)` emulated with the same tiles.")
 """The report's prose before the figures."""
 
 COLUMNS = [
@@ -73,7 +82,9 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
         **overrides) -> pd.DataFrame:
     """One row per (impl, format, N): mean/std over seeds of vs_golden.{rmse, max_abs, rel_l2}; ``impl`` is
     'emulated fa2', ..., or 'torch flash', ... (PyTorch rows only when device='cuda' and torch sees a GPU).
-    Results in out/kernels.jsonl, out/kernels_prescaled.jsonl and out/kernels_torch.jsonl."""
+    Results in out/kernels.jsonl, out/kernels_prescaled.jsonl and out/kernels_torch.jsonl. ``df.attrs``:
+    "backward" (kernels_backward.py) and, with device='cuda' where fadev has a CUDA device, "tiles": the native
+    tile sweep (kernel_tiles.py; out/kernels_tiles.jsonl and .csv)."""
     s = common.sizes(SIZES, size, overrides)
     points = [{"kernel": kernel, "policy": f"{preset}:{fmt}", "N": min(s["n_query"], N), "N_kv": N, "D": s["D"],
                "seed": seed, "device": device}
@@ -102,6 +113,8 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
         df["error"] = [errors.get((i, f, n), "") for i, f, n in zip(df["impl"], df["format"], df["N_kv"])]
     df = df.rename(columns={"N": "n_query", "N_kv": "N"})
     df.attrs["backward"] = _backward(size, out, device, progress, overrides)
+    if device == "cuda" and kernel_tiles.available(s["D"]):
+        df.attrs["tiles"] = kernel_tiles.run(kernel_tiles.settings(s, size), out, progress=progress)
     return df
 
 
@@ -164,13 +177,9 @@ def _torch_evaluate(point):
             "gpu": torch.cuda.get_device_name()}
 
 
-TOLERANCE = 0.15
-"""The emulations' claim (docs/design.md): each reproduces its kernel's RMSE vs golden within ±15%."""
-
-
-def within(ratio) -> bool:
-    """The verdict on one emulated/real RMSE ratio: within ±:data:`TOLERANCE` of 1."""
-    return bool(1 - TOLERANCE <= ratio <= 1 + TOLERANCE)
+TOLERANCE, within = kernel_tiles.TOLERANCE, kernel_tiles.within
+"""The emulations' claim (docs/design.md) and its verdict on one ratio (defined in kernel_tiles.py, which this
+module imports)."""
 
 
 def ran_on(device) -> str:
@@ -180,9 +189,11 @@ def ran_on(device) -> str:
         where += f" (\"{PRESCALED}\": the CPU)"
     if device != "cuda":
         return f"{where}, PyTorch's kernels not run (`--device cpu`)"
+    tiles = "; the native tile sweep on the GPU" if kernel_tiles.available(SIZES["quick"]["D"]) else \
+        "; no native tile sweep (fadev has no usable CUDA device)"
     if not common.torch_cuda():
-        return f"{where}, PyTorch's kernels not run (PyTorch sees no GPU)"
-    return f"{where}, PyTorch's kernels on the GPU"
+        return f"{where}, PyTorch's kernels not run (PyTorch sees no GPU){tiles}"
+    return f"{where}, PyTorch's kernels on the GPU{tiles}"
 
 
 def model_checks(df) -> list:
@@ -219,12 +230,17 @@ def findings(df, *, device="cpu") -> list:
                            "not measured: this run had no CUDA GPU visible to PyTorch (or --device cpu); the "
                            "table holds fadev's emulations only. Run `python -m fadev kernels --device cuda` on a "
                            "GPU machine to put them side by side."))
-        return out + _backward_findings(df)
-    return out + model_checks(df) + _backward_findings(df)
+        return out + _backward_findings(df) + _tile_findings(df)
+    return out + model_checks(df) + _backward_findings(df) + _tile_findings(df)
 
 
 def _backward_findings(df):
     return kernels_backward.findings(df.attrs["backward"]) if "backward" in df.attrs else []
+
+
+def _tile_findings(df):
+    """The native tile sweep's verdicts; nothing where it did not run (the CPU)."""
+    return kernel_tiles.findings(df.attrs["tiles"]) if "tiles" in df.attrs else []
 
 
 def table(df) -> str:
@@ -232,6 +248,9 @@ def table(df) -> str:
     if "backward" in df.attrs:
         text += "\n\nBackward, mean |err| ratio emulated / real kernel:\n\n"
         text += kernels_backward.table(df.attrs["backward"])
+    if "tiles" in df.attrs:
+        text += "\n\nNative tile sweep, RMSE vs golden per forward tile, fadev native beside emulated fa2:\n\n"
+        text += kernel_tiles.table(df.attrs["tiles"])
     return text
 
 
@@ -266,5 +285,8 @@ def fig_kernels(df):
 
 
 def figures(df, out_dir):
-    """Draw and save the figures (PNG and SVG); returns their paths."""
-    return plots.save(fig_kernels(df), os.path.join(out_dir, "kernels"))
+    """Draw and save the figures (PNG and SVG); returns their paths. The tile sweep's only where it ran."""
+    paths = plots.save(fig_kernels(df), os.path.join(out_dir, "kernels"))
+    if "tiles" in df.attrs:
+        paths += kernel_tiles.figures(df.attrs["tiles"], out_dir)
+    return paths

@@ -20,7 +20,8 @@ import pandas as pd
 from .. import __version__, report
 from . import EXPERIMENTS, METHOD, PAPER
 
-ATTR_TABLES = {"kernels": {"backward": "kernels_backward.csv"}, "train_drift": {"loss": "train_drift_loss.csv"}}
+ATTR_TABLES = {"kernels": {"backward": "kernels_backward.csv", "tiles": "kernels_tiles.csv"},
+               "train_drift": {"loss": "train_drift_loss.csv"}}
 """{experiment: {df.attrs key: the CSV in DIR that holds it}}."""
 
 ATTR_MISSING = {"kernels": {"backward": "the backward study (emulated backward presets vs PyTorch's backward "
@@ -104,12 +105,16 @@ def _result(folder, name, size, device, text):
         missing += [f"rows of `emulated {model}`, the model the current report pairs with `{real}` (so {real} gets "
                     "no verdict)" for real, model in exp.MODELS.items()
                     if real in impls and f"emulated {model}" not in impls]
+        if device == "cuda" and "tiles" not in df.attrs:  # a GPU run before the sweep, or without fadev's CUDA
+            missing.append("the native tile sweep (fadev's native kernel per forward tile beside its emulation): the "
+                           "run predates it or had no CUDA device for fadev, or kernels_tiles.csv was not kept")
     if missing:
         notes.append("Not in the recorded CSVs, so not shown: " + "; ".join(missing) + ".")
     sizes_text, seconds = _sizes_line(text, name)
     if sizes_text is None:
         sizes_text = "as in the recorded run's header above (its report had no sizes line)"
-    figures = [p for stem in exp.FIGURES for p in sorted(glob.glob(os.path.join(folder, f"{stem}.png")))]
+    stems = exp.FIGURES + getattr(exp, "EXTRA_FIGURES", ())  # extra: drawn only where their rows were measured
+    figures = [p for stem in stems for p in sorted(glob.glob(os.path.join(folder, f"{stem}.png")))]
     return {"experiment": exp, "df": df, "figures": figures, "findings": exp.findings(df, device=device),
             "seconds": seconds, "sizes_text": sizes_text, "notes": notes}
 
