@@ -46,13 +46,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from . import _args
 from .cuda import device_count, no_gpu
 from .formats import boolean, integer
-from .native import native_attention as _native_forward, native_attention_backward as _native_backward
+from .native import MMA, native_attention as _native_forward, native_attention_backward as _native_backward
 from .policy import Policy
 from .torch import _Kernel, attention as _emulated, autocast_inputs
 from .torch_native import check as _native_check, native_attention
 
 KERNELS = ("sdpa", "flash", "baseline", "native")
-NATIVE_OPTIONS = ("block_q", "block_kv", "backward_block_q", "backward_block_kv", "deterministic")
+NATIVE_OPTIONS = ("block_q", "block_kv", "backward_block_q", "backward_block_kv", "deterministic", "mma")
 """Keyword arguments ``use(kernel="native", ...)`` takes: those of :func:`fadev.torch_native.native_attention`."""
 NAME = "fadev"
 
@@ -85,6 +85,8 @@ def _setting(policy, kernel, tiling) -> Setting:
     for name, value in tiling.items():
         if name == "deterministic":
             boolean(value, name)
+        elif name == "mma":
+            _args.choice(name, value, MMA)
         elif value is not None:
             integer(value, name)
     return Setting(kernel, None, tuple(sorted(tiling.items())))
@@ -107,7 +109,7 @@ class use:  # noqa: N801 (a context manager)
     Inside the block, attention of models built with ``attn_implementation="fadev"`` is computed by
     ``kernel``: "flash" or "baseline" under ``policy`` (a Policy or a string such as "fa2:bf16";
     ``**tiling`` as :func:`fadev.torch.attention`), "native" (``block_q``, ``block_kv``,
-    ``backward_block_q``, ``backward_block_kv``, ``deterministic``, as
+    ``backward_block_q``, ``backward_block_kv``, ``deterministic``, ``mma``, as
     :func:`fadev.torch_native.native_attention`), or "sdpa" (plain PyTorch SDPA). Arguments are
     checked here, so a bad one raises at the ``with``. Blocks nest (the innermost wins) and are per
     thread / asyncio task; one ``use`` object may be entered again, also from several threads."""

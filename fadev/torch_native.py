@@ -17,7 +17,8 @@ import torch
 
 from .cuda import device_count, no_gpu
 from .formats import boolean
-from .native import native_attention as _forward, native_attention_backward as _backward, native_tiles
+from . import _args
+from .native import MMA, native_attention as _forward, native_attention_backward as _backward, native_tiles
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -26,9 +27,9 @@ class _NativeFunction(torch.autograd.Function):
     """The native forward, saving (q, k, v, out, lse); the native backward from them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, tiles, deterministic):
+    def forward(ctx, q, k, v, causal, scale, tiles, deterministic, mma):
         (block_q, block_kv), (ctx.block_q, ctx.block_kv) = tiles
-        out, lse = _forward(q, k, v, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv,
+        out, lse = _forward(q, k, v, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv, mma=mma,
                             return_lse=True)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.deterministic = causal, scale, deterministic
@@ -40,22 +41,24 @@ class _NativeFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(q, k, v, out, lse, dout, causal=ctx.causal, scale=ctx.scale, block_q=ctx.block_q,
                                block_kv=ctx.block_kv, deterministic=ctx.deterministic)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def _tile(dim, block_q, block_kv, backward, names):
-    tiles = native_tiles(dim, backward=backward)
+def _tile(dim, block_q, block_kv, backward, names, mma="sync"):
+    tiles = native_tiles(dim, backward=backward, mma="sync" if backward else mma)
     fits = [t for t in tiles if block_q in (None, t[0]) and block_kv in (None, t[1])]
     if not fits:
         raise ValueError(f"{names}: ({block_q!r}, {block_kv!r}) is not a native {'backward' if backward else 'forward'}"
-                         f" tile for head dim {dim}; supported: {tiles}")
+                         f"{'' if backward or mma == 'sync' else ' (mma=' + repr(mma) + ')'} tile for head dim {dim}; "
+                         f"supported: {tiles}")
     return fits[0]
 
 
 def check(q, k, v, is_causal, scale, enable_gqa, block_q=None, block_kv=None, backward_block_q=None,
-          backward_block_kv=None):
+          backward_block_kv=None, mma="sync"):
     """Every check :func:`native_attention` makes before calling the kernel; the forward's and the
     backward's tiles ((block_q, block_kv), (block_q, block_kv)) it will use. Errors name the argument."""
+    _args.choice("mma", mma, MMA)
     named = (("query", q), ("key", k), ("value", v))
     for name, t in named:
         if not isinstance(t, torch.Tensor):
@@ -94,14 +97,14 @@ def check(q, k, v, is_causal, scale, enable_gqa, block_q=None, block_kv=None, ba
     if not native_tiles(dim):
         raise ValueError(f"query: the native kernel has no tiles for head dim {dim} (supported: those "
                          f"fadev.native_tiles lists, 64 and 128)")
-    forward = _tile(dim, block_q, block_kv, False, "block_q, block_kv")
+    forward = _tile(dim, block_q, block_kv, False, "block_q, block_kv", mma)
     if backward_block_q is None and backward_block_kv is None and forward in native_tiles(dim, backward=True):
         return forward, forward
     return forward, _tile(dim, backward_block_q, backward_block_kv, True, "backward_block_q, backward_block_kv")
 
 
 def native_attention(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, block_q=None, block_kv=None,
-                     backward_block_q=None, backward_block_kv=None, deterministic=True):
+                     backward_block_q=None, backward_block_kv=None, deterministic=True, mma="sync"):
     """softmax(scale q k^T) v by fadev's native FlashAttention-2-style kernel, differentiable.
 
     ``torch.nn.functional.scaled_dot_product_attention``'s conventions: q (B, H, N, D), k and v
@@ -114,11 +117,13 @@ def native_attention(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, 
     by the backward's separate pass in key order (the same bits on every run, so a training run repeats
     exactly); False: by atomic adds, as FlashAttention-2. The output has q's dtype; the output and the
     gradients are the tensors :func:`fadev.native_attention` and :func:`fadev.native_attention_backward`
-    return. No dropout, no attn_mask.
+    return. ``mma="wgmma"``: the forward on Hopper's warpgroup MMA (its own tiles, ``fadev.native_tiles(D,
+    mma="wgmma")``; the same bits as the mma.sync forward where both have the tile); the backward is mma.sync's.
+    No dropout, no attn_mask.
     """
-    tiles = check(q, k, v, is_causal, scale, enable_gqa, block_q, block_kv, backward_block_q, backward_block_kv)
+    tiles = check(q, k, v, is_causal, scale, enable_gqa, block_q, block_kv, backward_block_q, backward_block_kv, mma)
     return _NativeFunction.apply(q, k, v, bool(is_causal), None if scale is None else float(scale), tiles,
-                                 boolean(deterministic, "deterministic"))
+                                 boolean(deterministic, "deterministic"), mma)
 
 
 __all__ = ["native_attention", "DTYPES"]

@@ -110,6 +110,32 @@ def test_native_op_tiles(dim):
     assert all(torch.equal(g, w) for g, w in zip(grads, again))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="mma='wgmma' needs compute capability 9.0")
+@pytest.mark.parametrize("dim", [64, 128])
+def test_native_op_wgmma_forward(dim):
+    """mma='wgmma': every Hopper forward tile gives fadev.native_attention(..., mma='wgmma')'s bits and the mma.sync
+    backward's gradients on the tile asked for; where the mma.sync forward has the tile too, the same bits as
+    mma='sync' for out and every gradient (a training step does not change with the instruction)."""
+    q, k, v, dout = _inputs((1, 2, 2, 200, 200), dim, torch.bfloat16, "wgmma")
+    backward_tiles = fadev.native_tiles(dim, backward=True)
+    for bq, bkv in fadev.native_tiles(dim, mma="wgmma"):
+        out, grads = _grads(q, k, v, dout, block_q=bq, block_kv=bkv, mma="wgmma")
+        want, lse = fadev.native_attention(q, k, v, causal=True, block_q=bq, block_kv=bkv, mma="wgmma",
+                                           return_lse=True)
+        assert torch.equal(out, want), f"tile {bq}x{bkv}"
+        bbq, bbkv = (bq, bkv) if (bq, bkv) in backward_tiles else backward_tiles[0]
+        want_grads = fadev.native_attention_backward(q, k, v, want, lse, dout, causal=True, block_q=bbq,
+                                                     block_kv=bbkv, deterministic=True)
+        assert all(torch.equal(g, w) for g, w in zip(grads, want_grads)), f"tile {bq}x{bkv}"
+        if (bq, bkv) in fadev.native_tiles(dim):
+            out_s, grads_s = _grads(q, k, v, dout, block_q=bq, block_kv=bkv)
+            assert torch.equal(out, out_s) and all(torch.equal(g, w) for g, w in zip(grads, grads_s)), \
+                f"wgmma vs sync, tile {bq}x{bkv}"
+    with pytest.raises(ValueError, match=r"block_q, block_kv: \(16, 16\) is not a native forward \(mma='wgmma'\)"):
+        tn.native_attention(q, k, v, block_q=16, block_kv=16, mma="wgmma")
+
+
 def test_native_op_errors():
     q, k, v, dout = _inputs((1, 2, 2, 200, 200), 64, torch.bfloat16, "errors")
     with pytest.raises(ValueError, match="backward_block_q"):

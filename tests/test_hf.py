@@ -305,6 +305,11 @@ def test_native_needs_cuda_half_tensors():
     (model,) = _models("fadev")
     with hf.use(kernel="native"), pytest.raises(TypeError, match="query.*float16 or bfloat16"):
         model(_ids())
+    with pytest.raises(ValueError, match="mma must be one of sync, wgmma, got 'hopper'"):
+        hf.use(kernel="native", mma="hopper")
+    assert dict(hf.use(kernel="native", mma="wgmma").setting.tiling) == {"mma": "wgmma"}
+    with pytest.raises(ValueError, match="mma must be one of sync, wgmma"):
+        tn.native_attention(h, h, h, mma=1)
 
 
 def test_sdpa_flash_registration_without_gpu():
