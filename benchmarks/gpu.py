@@ -150,26 +150,28 @@ def native_rows(quick, backward=True):
                 qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
                 out, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)
                 dout = torch.randn_like(out)
-                best_b = {}  # warp_rows -> (seconds, block_q, block_kv)
-                for warp_rows in fadev.native.WARP_ROWS:
-                    for bq, bkv in fadev.native_tiles(D, backward=True, warp_rows=warp_rows):
+                best_b = {}  # variant -> (seconds, block_q, block_kv, its options)
+                variants_b = [(f"{w} keys/warp", dict(warp_rows=w)) for w in fadev.native.WARP_ROWS]
+                if torch.cuda.get_device_capability() == (9, 0):
+                    variants_b.append(("wgmma", dict(mma="wgmma")))
+                for label, kw in variants_b:
+                    for bq, bkv in fadev.native_tiles(D, backward=True, **kw):
                         t = cuda_seconds(lambda: fadev.native_attention_backward(
-                            q, k, v, out, lse, dout, causal=causal, block_q=bq, block_kv=bkv, warp_rows=warp_rows))
-                        if warp_rows not in best_b or t < best_b[warp_rows][0]:
-                            best_b[warp_rows] = (t, bq, bkv)
-                t_b, bq, bkv = min(best_b.values())
-                fastest_rows = min(best_b, key=lambda w: best_b[w][0])
+                            q, k, v, out, lse, dout, causal=causal, block_q=bq, block_kv=bkv, **kw))
+                        if label not in best_b or t < best_b[label][0]:
+                            best_b[label] = (t, bq, bkv, kw)
+                fastest = min(best_b, key=lambda w: best_b[w][0])
+                t_b, bq, bkv, kw = best_b[fastest]
                 t_det = cuda_seconds(lambda: fadev.native_attention_backward(
-                    q, k, v, out, lse, dout, causal=causal, block_q=bq, block_kv=bkv, warp_rows=fastest_rows,
-                    deterministic=True))
+                    q, k, v, out, lse, dout, causal=causal, block_q=bq, block_kv=bkv, deterministic=True, **kw))
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     o2 = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
                     t_sb = cuda_seconds(lambda: torch.autograd.grad(o2, (qg, kg, vg), dout, retain_graph=True))
-                for warp_rows, (t_w, bq_w, bkv_w) in sorted(best_b.items()):
-                    rows.append(("native bwd", f"fadev native {bq_w}x{bkv_w}, {warp_rows} keys/warp", shape,
+                for label, (t_w, bq_w, bkv_w, _) in best_b.items():
+                    rows.append(("native bwd", f"fadev native {bq_w}x{bkv_w}, {label}", shape,
                                  "yes" if causal else "no", f"{t_w * 1e3:.2f}", f"{2.5 * flops / t_w / 1e12:.0f} TFLOP/s",
                                  f"{t_sb / t_w:.2f}x sdpa flash bwd"))
-                rows.append(("native bwd", f"fadev native {bq}x{bkv}, {fastest_rows} keys/warp, deterministic", shape,
+                rows.append(("native bwd", f"fadev native {bq}x{bkv}, {fastest}, deterministic", shape,
                              "yes" if causal else "no", f"{t_det * 1e3:.2f}", f"{2.5 * flops / t_det / 1e12:.0f} TFLOP/s",
                              f"{t_b / t_det:.2f}x atomic; {t_sb / t_det:.2f}x sdpa flash bwd"))
                 rows.append(("native bwd", "sdpa flash", shape, "yes" if causal else "no", f"{t_sb * 1e3:.2f}",

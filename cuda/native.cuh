@@ -175,6 +175,59 @@ struct native_bwd_args {
     float scale_log2, scale;                             /* scale * log2(e), scale */
 };
 
+/* The CTA's key tile (both backward dK/dV kernels): key tile kt of K/V head b * Hkv + hk, its rows, and the query
+ * tiles of block_q rows that see one of its keys, over the query heads of its group: iteration it is query head
+ * hk * group + it / per_head, tile qt_start + it % per_head (causal: query i sees key j iff j <= i + off). issue()
+ * starts the cp.async copies of iteration it's Q, dO, lse and Dvec into stage st (PANELS: the wgmma layout). */
+template <typename T, int D, int BKV, int BQ> struct bwd_tile {
+    const T *K, *V;
+    int64_t bhk, b, hk;
+    int k0, off, qt_start, n_it, per_head;
+    __device__ __forceinline__ explicit bwd_tile(const native_bwd_args &a) {
+        const int kt = (int)(blockIdx.x % a.n_kt);
+        bhk = blockIdx.x / a.n_kt; /* b * Hkv + hk */
+        const int heads_kv = a.heads / a.group;
+        b = bhk / heads_kv, hk = bhk % heads_kv;
+        K = static_cast<const T *>(a.k) + bhk * a.seq_kv * D;
+        V = static_cast<const T *>(a.v) + bhk * a.seq_kv * D;
+        k0 = kt * BKV, off = a.seq_kv - a.seq_q;
+        const int n_qt = (a.seq_q + BQ - 1) / BQ;
+        qt_start = 0, n_it = a.group * n_qt;
+        if (a.causal) {
+            const int i_min = k0 - off;
+            qt_start = i_min >= a.seq_q ? n_qt : max(i_min, 0) / BQ;
+            n_it = a.group * (n_qt - qt_start);
+        }
+        per_head = n_qt - qt_start;
+    }
+    __device__ __forceinline__ int64_t head_of(const native_bwd_args &a, int it) const {
+        return b * a.heads + hk * a.group + it / per_head;
+    }
+    __device__ __forceinline__ int first_row(int it) const { return (qt_start + it % per_head) * BQ; }
+    template <int NT, bool PANELS>
+    __device__ __forceinline__ void issue(const native_bwd_args &a, int it, T *sQ, T *sdO, float *sL, float *sDv,
+                                          int tid) const {
+        const int64_t bh = head_of(a, it);
+        const int q0 = first_row(it);
+        load_rows<T, BQ, D, NT, PANELS>(sQ, static_cast<const T *>(a.q) + bh * a.seq_q * D, q0, a.seq_q, tid);
+        load_rows<T, BQ, D, NT, PANELS>(sdO, static_cast<const T *>(a.dout) + bh * a.seq_q * D, q0, a.seq_q, tid);
+        for (int r = tid; r < BQ; r += NT) {
+            const bool ok = q0 + r < a.seq_q;
+            const int64_t at = bh * a.seq_q + (ok ? q0 + r : 0);
+            cp_async_4(sL + r, a.lse + at, ok);
+            cp_async_4(sDv + r, a.dvec + at, ok);
+        }
+    }
+};
+
+/* The backward's steps around its dK/dV kernel (native_backward.cu): dQ_acc zeroed and Dvec before, dQ after (the
+ * atomic sums rounded, or native_dq_pass); instantiated for fp16 / bf16 at D 64 and 128. */
+template <typename T, int D>
+fadev_status native_backward_before(const fadev_native_params *p, const native_bwd_args &a, const void *out);
+template <typename T, int D> fadev_status native_backward_after(const fadev_native_params *p, const native_bwd_args &a);
+/* The dK/dV kernel on Hopper's warpgroup MMA (native_backward_wgmma.cu; mma 1); a.n_kt set. */
+fadev_status native_backward_wgmma(const fadev_native_params *p, const native_bwd_args &a, const void *out);
+
 /* The deterministic backward's dQ pass (native_backward_dq.cu): dQ = scale * sum over K/V tiles of round(dS) K, in
  * key order, with dS recomputed from Q, K, V, dO, lse and Dvec (a.dvec); writes a.dq. */
 fadev_status native_dq_pass(const fadev_native_params *p, native_bwd_args a);
@@ -220,6 +273,10 @@ fadev_status native_dq_pass(const fadev_native_params *p, native_bwd_args a);
 #define NATIVE_FORWARD_TILES_WGMMA(X)                                                                            \
     X(64, 128, 128) X(64, 128, 64) X(64, 64, 128) X(64, 64, 64) X(64, 192, 128) X(64, 192, 64)                  \
     X(128, 128, 128) X(128, 128, 64) X(128, 64, 128) X(128, 64, 64)
+/* The backward on warpgroup MMA (native_backward_wgmma.cu): block_kv / 64 warpgroups of 64 keys, each holding its
+ * keys' dK and dV (D / 2 floats a thread each) and a 64 x block_q score tile; D 64 only (at D 128 dK, dV, S^T, dP^T
+ * and the dQ product's accumulators do not fit beside each other). */
+#define NATIVE_BACKWARD_TILES_WGMMA(X) X(64, 64, 128) X(64, 64, 64)
 
 #define NATIVE_TILE_ROW(dim, bq, bkv) {dim, bq, bkv},
 static const int32_t native_forward_tiles[][3] = {NATIVE_FORWARD_TILES(NATIVE_TILE_ROW)};
@@ -227,18 +284,18 @@ static const int32_t native_forward_tiles_32[][3] = {NATIVE_FORWARD_TILES_32(NAT
 static const int32_t native_backward_tiles[][3] = {NATIVE_BACKWARD_TILES(NATIVE_TILE_ROW)};
 static const int32_t native_backward_tiles_32[][3] = {NATIVE_BACKWARD_TILES_32(NATIVE_TILE_ROW)};
 static const int32_t native_forward_tiles_wgmma[][3] = {NATIVE_FORWARD_TILES_WGMMA(NATIVE_TILE_ROW)};
+static const int32_t native_backward_tiles_wgmma[][3] = {NATIVE_BACKWARD_TILES_WGMMA(NATIVE_TILE_ROW)};
 #undef NATIVE_TILE_ROW
 
 /* The (block_q, block_kv) pairs of head dim `dim` for one direction and rows per warp (16 or 32: query rows in the
- * forward, key rows in the backward), or of the wgmma forward (mma 1: no backward, warp_rows not read), in list order:
+ * forward, key rows in the backward), or of the wgmma kernels (mma 1: warp_rows not read), in list order:
  * writes up to max_pairs of them to tiles (when not NULL) and returns how many there are. */
 static inline int native_tile_pairs(int dim, int backward, int warp_rows, int mma, int32_t *tiles, int max_pairs) {
 #define NATIVE_LIST(x) list = x, n = (int)(sizeof x / sizeof *x)
     const int32_t(*list)[3];
     int n;
     if (mma) {
-        if (backward) return 0;
-        NATIVE_LIST(native_forward_tiles_wgmma);
+        if (backward) NATIVE_LIST(native_backward_tiles_wgmma); else NATIVE_LIST(native_forward_tiles_wgmma);
     } else if (backward) {
         if (warp_rows == 32) NATIVE_LIST(native_backward_tiles_32); else NATIVE_LIST(native_backward_tiles);
     } else {
@@ -278,8 +335,6 @@ static inline fadev_status native_validate(const fadev_native_params *p, int bac
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: warp_rows must be 16 or 32");
     if (p->mma != 0 && p->mma != 1)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: mma must be 0 (mma.sync) or 1 (wgmma)");
-    if (p->mma && backward)
-        return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: the backward has no wgmma kernel (mma 0)");
     int32_t pairs[2 * 64];
     const int n = native_tile_pairs((int)p->attn.dim, backward, p->warp_rows == 32 ? 32 : 16, p->mma, pairs, 64);
     int found = 0;

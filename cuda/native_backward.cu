@@ -64,36 +64,14 @@ __global__ void __launch_bounds__(BKV * 2 / MI) native_backward_kernel(const nat
     T *sdS = sdO + 2 * BQ * D;                    /* BKV x BQ: dS^T */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
 
-    const int kt = (int)(blockIdx.x % a.n_kt);
-    const int64_t bhk = blockIdx.x / a.n_kt; /* b * Hkv + hk */
-    const int heads_kv = a.heads / a.group;
-    const int64_t b = bhk / heads_kv, hk = bhk % heads_kv;
-    const T *K = static_cast<const T *>(a.k) + bhk * a.seq_kv * D;
-    const T *V = static_cast<const T *>(a.v) + bhk * a.seq_kv * D;
-
-    /* query tiles that see a key of this tile: causal, query i sees key j iff j <= i + off */
-    const int k0 = kt * BKV, off = a.seq_kv - a.seq_q, n_qt = (a.seq_q + BQ - 1) / BQ;
-    int qt_start = 0, n_it = a.group * n_qt;
-    if (a.causal) {
-        const int i_min = k0 - off;
-        qt_start = i_min >= a.seq_q ? n_qt : max(i_min, 0) / BQ;
-        n_it = a.group * (n_qt - qt_start);
-    }
-    const int per_head = n_qt - qt_start; /* iteration it: head hk * group + it / per_head, tile it % per_head */
-
-    auto head_of = [&](int it) { return b * a.heads + hk * a.group + it / per_head; };
-    auto first_row = [&](int it) { return (qt_start + it % per_head) * BQ; };
+    const bwd_tile<T, D, BKV, BQ> tile(a);
+    const T *K = tile.K, *V = tile.V;
+    const int64_t bhk = tile.bhk;
+    const int k0 = tile.k0, off = tile.off, n_it = tile.n_it;
+    auto head_of = [&](int it) { return tile.head_of(a, it); };
+    auto first_row = [&](int it) { return tile.first_row(it); };
     auto issue = [&](int it, int st) {
-        const int64_t bh = head_of(it);
-        const int q0 = first_row(it);
-        load_rows<T, BQ, D, NT>(sQ + st * BQ * D, static_cast<const T *>(a.q) + bh * a.seq_q * D, q0, a.seq_q, tid);
-        load_rows<T, BQ, D, NT>(sdO + st * BQ * D, static_cast<const T *>(a.dout) + bh * a.seq_q * D, q0, a.seq_q, tid);
-        for (int r = tid; r < BQ; r += NT) {
-            const bool ok = q0 + r < a.seq_q;
-            const int64_t at = bh * a.seq_q + (ok ? q0 + r : 0);
-            cp_async_4(sL + st * BQ + r, a.lse + at, ok);
-            cp_async_4(sDv + st * BQ + r, a.dvec + at, ok);
-        }
+        tile.template issue<NT, false>(a, it, sQ + st * BQ * D, sdO + st * BQ * D, sL + st * BQ, sDv + st * BQ, tid);
     };
 
     load_rows<T, BKV, D, NT>(sK, K, k0, a.seq_kv, tid);
@@ -279,27 +257,50 @@ static unsigned native_blocks(int64_t work, int per_block) {
     return (unsigned)(b < 1 ? 1 : b > (1 << 20) ? (1 << 20) : b);
 }
 
-template <typename T, int D, int BQ, int BKV, int MI>
-static fadev_status native_backward_launch(const fadev_native_params *p, const native_bwd_args &a, const void *out) {
-    constexpr int smem = native_bwd_smem<D, BKV, BQ>();
+/* Before the dK/dV kernel (both instructions' backward): dQ_acc zeroed (atomic mode), Dvec = rowsum(dO * O). */
+template <typename T, int D>
+fadev_status native_backward_before(const fadev_native_params *p, const native_bwd_args &a, const void *out) {
     const int64_t rows = p->attn.batch * p->attn.heads * p->attn.seq_q, n = rows * D;
     if (a.dq_acc) CUDA_TRY(cudaMemsetAsync(a.dq_acc, 0, (size_t)n * sizeof(float), 0));
     native_dot_kernel<T, D><<<native_blocks(rows, 8), 256>>>(static_cast<const T *>(out), static_cast<const T *>(a.dout),
                                                               const_cast<float *>(a.dvec), rows);
     CUDA_TRY(cudaGetLastError());
-    CUDA_TRY(cudaFuncSetAttribute(native_backward_kernel<T, D, BKV, BQ, MI>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    native_backward_kernel<T, D, BKV, BQ, MI><<<(unsigned)(p->attn.batch * p->attn.heads_kv * a.n_kt), BKV * 2 / MI, smem>>>(a);
-    CUDA_TRY(cudaGetLastError());
+    return FADEV_OK;
+}
+
+/* After it: dQ = round(scale * dQ_acc), or the deterministic dQ pass. */
+template <typename T, int D> fadev_status native_backward_after(const fadev_native_params *p, const native_bwd_args &a) {
     if (!a.dq_acc) return native_dq_pass(p, a);
+    const int64_t n = p->attn.batch * p->attn.heads * p->attn.seq_q * D;
     native_dq_kernel<T><<<native_blocks(n, 256), 256>>>(a.dq_acc, static_cast<T *>(a.dq), n, a.scale);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
+}
+
+#define NATIVE_BACKWARD_STEPS(T, D)                                                                                     \
+    template fadev_status native_backward_before<T, D>(const fadev_native_params *, const native_bwd_args &, const void *); \
+    template fadev_status native_backward_after<T, D>(const fadev_native_params *, const native_bwd_args &);
+NATIVE_BACKWARD_STEPS(__half, 64)
+NATIVE_BACKWARD_STEPS(__half, 128)
+NATIVE_BACKWARD_STEPS(__nv_bfloat16, 64)
+NATIVE_BACKWARD_STEPS(__nv_bfloat16, 128)
+#undef NATIVE_BACKWARD_STEPS
+
+template <typename T, int D, int BQ, int BKV, int MI>
+static fadev_status native_backward_launch(const fadev_native_params *p, const native_bwd_args &a, const void *out) {
+    constexpr int smem = native_bwd_smem<D, BKV, BQ>();
+    FADEV_TRY((native_backward_before<T, D>(p, a, out)));
+    CUDA_TRY(cudaFuncSetAttribute(native_backward_kernel<T, D, BKV, BQ, MI>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    native_backward_kernel<T, D, BKV, BQ, MI><<<(unsigned)(p->attn.batch * p->attn.heads_kv * a.n_kt), BKV * 2 / MI, smem>>>(a);
+    CUDA_TRY(cudaGetLastError());
+    return native_backward_after<T, D>(p, a);
 }
 
 template <typename T>
 static fadev_status native_backward_dispatch(const fadev_native_params *p, native_bwd_args a, const void *out) {
     const int bq = p->attn.block_q, bkv = p->attn.block_kv, wide = p->warp_rows == 32;
     a.n_kt = (int)((p->attn.seq_kv + bkv - 1) / bkv);
+    if (p->mma) return native_backward_wgmma(p, a, out);
 #define NATIVE_BACKWARD_CASE(d, q, kv) \
     if (!wide && p->attn.dim == d && bq == q && bkv == kv) return native_backward_launch<T, d, q, kv, 1>(p, a, out);
     NATIVE_BACKWARD_TILES(NATIVE_BACKWARD_CASE)

@@ -242,13 +242,7 @@ template <typename T> static fadev_status native_wgmma_dispatch(const fadev_nati
 }
 
 fadev_status native_forward_wgmma(const fadev_native_params *p, const native_fwd_args &a, int64_t ctas) {
-    int device = 0, major = 0, minor = 0;
-    CUDA_TRY(cudaGetDevice(&device));
-    CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    if (major != 9 || minor != 0)
-        return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: mma='wgmma' needs a Hopper GPU (compute "
-                                                      "capability 9.0); use mma='sync'");
+    FADEV_TRY(native_require_hopper());
     return p->dtype == FADEV_NATIVE_FP16 ? native_wgmma_dispatch<__half>(p, a, ctas)
                                          : native_wgmma_dispatch<__nv_bfloat16>(p, a, ctas);
 }

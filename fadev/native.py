@@ -38,7 +38,8 @@ def native_tiles(dim, *, backward=False, warp_rows=16, mma="sync") -> list:
     smaller. ``warp_rows``: the tile rows a warp owns, 16 or 32 (query rows in the forward, key rows in the
     backward; 32 runs two row blocks side by side, half the shared-memory reads per product; the same
     arithmetic, so the same bits), each with its own list (the backward's 32 only at D 64). ``mma="wgmma"``:
-    the tiles of the Hopper forward (block_q / 64 warpgroups; ``warp_rows`` not read; no backward: [])."""
+    the tiles of the Hopper kernels (forward: block_q / 64 warpgroups; backward: block_kv / 64, D 64 only;
+    ``warp_rows`` not read)."""
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
         raise ValueError(f"dim must be a positive integer, got {dim!r}")
     _args.boolean(backward, "backward")
@@ -75,8 +76,8 @@ def _params(q4, k4, causal, scale, block_q, block_kv, code, backward=False, dete
             mma="sync"):
     dim = q4.shape[3]
     tiles = native_tiles(dim, backward=backward, warp_rows=warp_rows, mma=mma)
-    if not tiles and mma == "wgmma" and native_tiles(dim):
-        raise ValueError(f"mma: the wgmma kernel has no tile at head dim {dim}")
+    if not tiles and mma == "wgmma" and native_tiles(dim, backward=backward):
+        raise ValueError(f"mma: the wgmma {'backward' if backward else 'forward'} has no tile at head dim {dim}")
     if not tiles and native_tiles(dim, backward=backward):
         raise ValueError(f"warp_rows: no native {'backward' if backward else 'forward'} tile has {warp_rows} rows per "
                          f"warp at head dim {dim}")
@@ -119,16 +120,20 @@ def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k
 
 
 def native_attention_backward(q, k, v, out, lse, dout, *, causal=False, scale=None, block_q=None, block_kv=None,
-                              warp_rows=16, deterministic=False, dtype=None):
+                              warp_rows=16, mma="sync", deterministic=False, dtype=None):
     """Gradients (dq, dk, dv) by the native FlashAttention-2-style backward (cuda/native_backward.cu): P
     recomputed from the forward's ``lse`` (float32), dq accumulated in fp32: by atomic adds from the key
     tiles, or with ``deterministic=True`` by a separate pass over the K/V tiles in key order
     (cuda/native_backward_dq.cu; no atomics, the same bits on every run). (``block_q``, ``block_kv``) is
     one of ``native_tiles(D, backward=True, warp_rows=warp_rows)`` (default: its first), the backward's own
     lists; ``warp_rows`` 32 gives each warp 32 keys (the same bits as 16, another speed). ``out`` and
-    ``lse`` as :func:`native_attention` returned them; arguments and result kinds as that function's."""
+    ``lse`` as :func:`native_attention` returned them; arguments and result kinds as that function's.
+    ``mma="wgmma"``: the dK/dV kernel on Hopper's warpgroup MMA (cuda/native_backward_wgmma.cu; D 64; its tiles
+    ``native_tiles(64, backward=True, mma="wgmma")``): the same dK and dV bits as mma.sync with the tile, and the
+    same dq with ``deterministic`` (the dq pass is shared); atomic dq sums in another grouping."""
     _args.boolean(deterministic, "deterministic")
     rows = _warp_rows(warp_rows)
+    _args.choice("mma", mma, MMA)
     code = _dtype_code(dtype, q)
     gpu = route("cuda", q=q, k=k, v=v, out=out, lse=lse, dout=dout)
     q, k, v, out, dout = (_host(x, n, code) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"),
@@ -136,7 +141,7 @@ def native_attention_backward(q, k, v, out, lse, dout, *, causal=False, scale=No
     q4, k4, v4, rank = _args.qkv(q, k, v, gpu, _NP_DTYPES[code])
     out4, lse3, dout4 = _args.saved(q4, out, lse, dout, rank, gpu, _NP_DTYPES[code], np.float32)
     params = _params(q4, k4, causal, scale, block_q, block_kv, code, backward=True, deterministic=deterministic,
-                     warp_rows=rows)
+                     warp_rows=rows, mma=mma)
     return _args.unshape_grads(gpu.native_backward(q4, k4, v4, out4, lse3, dout4, params), rank)
 
 

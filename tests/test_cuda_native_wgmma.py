@@ -34,6 +34,9 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="wgmma needs compute cap
 TILES = compiled_tiles("NATIVE_FORWARD_TILES_WGMMA")
 CASES = [(d, bq, bkv) for d in TILES for bq, bkv in TILES[d]]
 SYNC_TILES = compiled_tiles("NATIVE_FORWARD_TILES")
+BACKWARD_TILES = compiled_tiles("NATIVE_BACKWARD_TILES_WGMMA")
+BACKWARD_CASES = [(d, bq, bkv) for d in BACKWARD_TILES for bq, bkv in BACKWARD_TILES[d]]
+SYNC_BACKWARD_TILES = compiled_tiles("NATIVE_BACKWARD_TILES")
 
 
 @needs_hopper
@@ -84,10 +87,10 @@ def test_wgmma_error_statistics_match_fa2_emulation(fmt, D, causal):
 
 
 def test_wgmma_tiles_and_refusals():
-    """The binding reports the compiled wgmma tiles; bad arguments are refused by name; no wgmma backward."""
+    """The binding reports the compiled wgmma tiles; bad arguments are refused by name; no wgmma backward at D 128."""
     for d, tiles in TILES.items():
         assert fadev.native_tiles(d, mma="wgmma") == tiles
-        assert fadev.native_tiles(d, mma="wgmma", backward=True) == []
+        assert fadev.native_tiles(d, mma="wgmma", backward=True) == BACKWARD_TILES.get(d, [])
     assert fadev.native_tiles(96, mma="wgmma") == []
     with pytest.raises(ValueError, match="mma must be one of sync, wgmma, got 'tma'"):
         fadev.native_tiles(64, mma="tma")
@@ -96,6 +99,10 @@ def test_wgmma_tiles_and_refusals():
         fadev.native_attention(q, k, v, mma="WGMMA")
     with pytest.raises(ValueError, match=r"block_q, block_kv: \(16, 16\) is not a native forward \(mma='wgmma'\) tile"):
         fadev.native_attention(q, k, v, block_q=16, block_kv=16, mma="wgmma")
+    q2, k2, v2, dout2 = _inputs((1, 2, 2, 64, 64), 128, torch.bfloat16, "wgmma-refusals-128")
+    out2, lse2 = fadev.native_attention(q2, k2, v2, return_lse=True)
+    with pytest.raises(ValueError, match="mma: the wgmma backward has no tile at head dim 128"):
+        fadev.native_attention_backward(q2, k2, v2, out2, lse2, dout2, mma="wgmma")
     if not _hopper():
         with pytest.raises(ValueError, match="needs a Hopper GPU"):
             fadev.native_attention(q, k, v, mma="wgmma")
@@ -112,3 +119,32 @@ def test_wgmma_large_causal_matches_mma_sync_statistics():
     assert torch.isfinite(out).all()
     a, b = _errors(out, gold)[1], _errors(ref, gold)[1]
     assert abs(a - b) <= 0.15 * b, f"mean |error| wgmma {a:.3e} vs mma.sync {b:.3e}"
+
+
+@needs_hopper
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=lambda c: f"D{c[0]}-{c[1]}x{c[2]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_wgmma_backward(case, shape, dtype_name, causal, deterministic):
+    """FlashAttention's rule for gradients (3x the same-precision naive baseline's error), and the mma.sync backward's
+    bits with the same tile: dk and dv always (the same arithmetic per element in the same order), dq in the
+    deterministic mode (its dq pass is shared); atomic dq sums in another grouping, so only the rule holds it."""
+    d, bq, bkv = case
+    dtype, scale = DTYPES[dtype_name], 1.0 / math.sqrt(d)
+    q, k, v, dout = _inputs(shape, d, dtype, case, causal, "wgmma-bwd")
+    info = f"D={d} {bq}x{bkv} shape={shape} {dtype_name} causal={causal} deterministic={deterministic}"
+    out, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)
+    kw = dict(causal=causal, block_q=bq, block_kv=bkv, deterministic=deterministic)
+    grads = fadev.native_attention_backward(q, k, v, out, lse, dout, mma="wgmma", **kw)
+    _, gold_lse, gold = _golden(q, k, v, dout, causal, scale)
+    _, naive = _naive(q, k, v, dout, causal, scale)
+    for name, g, ref, base, t in zip(("dq", "dk", "dv"), grads, gold, naive, (q, k, v)):
+        assert g.dtype == dtype and g.shape == t.shape, f"{name} dtype/shape [{info}]"
+        _assert_within(f"{name} [{info}]", _errors(g, ref), _errors(base, ref), 3, "naive")
+    assert not grads[0][torch.isinf(gold_lse)].any(), f"dq of rows that see no key is not 0 [{info}]"
+    assert (bq, bkv) in SYNC_BACKWARD_TILES[d], "every wgmma backward tile has an mma.sync twin to compare with"
+    sync = fadev.native_attention_backward(q, k, v, out, lse, dout, **kw)
+    for name, g, s in list(zip(("dq", "dk", "dv"), grads, sync))[0 if deterministic else 1:]:
+        assert torch.equal(g.view(torch.int16), s.view(torch.int16)), f"{name} bits differ from mma.sync [{info}]"

@@ -1,0 +1,208 @@
+/* The native backward's dK/dV kernel on Hopper's warpgroup MMA (mma = 1, "wgmma"): native_backward.cu's kernel 2,
+ * the same arithmetic per element in the same order, its products issued by warpgroups as wgmma.m64nNk16 (wgmma.cuh).
+ * Kernels 1 and 3 (Dvec; dQ rounded, or the deterministic dQ pass) are native_backward.cu's.
+ *
+ * One CTA per (batch, K/V head, block_kv keys), block_kv / 64 warpgroups; warpgroup w owns keys [64 w, 64 w + 64)
+ * of the tile (warp w4 of it keys 16 w4 .. 16 w4 + 15 of those: the mma.sync kernel's per-warp rows), with their dK
+ * and dV in fp32 registers. K and V sit in shared memory, Q, dO, lse and Dvec of the query tiles in two cp.async
+ * stages, all in wgmma's 128-byte-swizzled panels. For each query tile (block_q = 64 rows) that sees a key:
+ *   S^T = K Q^T, dP^T = V dO^T   D / 16 wgmma each, A = this warpgroup's K / V rows, B = Q / dO (K-major)
+ *   P^T, dS^T                    as the mma.sync kernel, on the same fragment layout (wgmma.cuh)
+ *   dV += round(P^T) dO, dK += round(dS^T) Q    A from registers, B = dO / Q MN-major (transposed)
+ *   dQ_i += round(dS) K          dS^T stored to shared memory; A = dS^T, B = K, both MN-major, over the tile's keys,
+ *                                the head dim split over the warpgroups; added to the fp32 workspace atomically
+ * dK = scale dK and dV written once at the end (grouped-query heads summed in registers). D 64 only
+ * (NATIVE_BACKWARD_TILES_WGMMA). Built for sm_90a only (setup.py); the host refuses other GPUs. */
+#include "native.cuh"
+#include "wgmma.cuh"
+
+template <int D, int BKV, int BQ> constexpr int native_bwd_wgmma_smem() {
+    return 16 * BQ + (2 * BKV * D + 4 * BQ * D + BKV * BQ) * 2 + 1024;
+}
+
+template <typename T, int D, int BKV, int BQ>
+__global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const native_bwd_args a) {
+#if FADEV_WGMMA
+    static_assert(D == 64 && BQ == 64, "one 64-column panel per tile row: D 64, 64 query rows");
+    constexpr int NT = BKV * 2;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    /* the swizzle atoms must be 1024-byte aligned (wgmma.cuh); lse and Dvec after the tiles */
+    T *sK = reinterpret_cast<T *>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u)); /* BKV x D */
+    T *sV = sK + BKV * D;                                           /* BKV x D */
+    T *sQ = sV + BKV * D;                                           /* 2 stages of BQ x D */
+    T *sdO = sQ + 2 * BQ * D;                                       /* 2 stages of BQ x D */
+    T *sdS = sdO + 2 * BQ * D;                                      /* BKV x BQ: dS^T */
+    float *sL = reinterpret_cast<float *>(sdS + BKV * BQ);          /* 2 stages of BQ: lse */
+    float *sDv = sL + 2 * BQ;                                       /* 2 stages of BQ: Dvec */
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, g = lane >> 2, t4 = lane & 3;
+
+    const bwd_tile<T, D, BKV, BQ> tile(a);
+    const T *K = tile.K, *V = tile.V;
+    const int64_t bhk = tile.bhk;
+    const int k0 = tile.k0, off = tile.off, n_it = tile.n_it;
+    auto head_of = [&](int it) { return tile.head_of(a, it); };
+    auto first_row = [&](int it) { return tile.first_row(it); };
+    auto issue = [&](int it, int st) {
+        tile.template issue<NT, true>(a, it, sQ + st * BQ * D, sdO + st * BQ * D, sL + st * BQ, sDv + st * BQ, tid);
+    };
+
+    load_rows<T, BKV, D, NT, true>(sK, K, k0, a.seq_kv, tid);
+    load_rows<T, BKV, D, NT, true>(sV, V, k0, a.seq_kv, tid);
+    if (n_it > 0) issue(0, 0);
+    cp_async_commit();
+
+    /* this lane's keys: key0 (fragment half 0) and key0 + 8 (half 1) */
+    const int wkey = warp * 16, key0 = k0 + wkey + g;
+    const uint32_t aK = smem_u32(sK) + wg * 64 * 128, aV = smem_u32(sV) + wg * 64 * 128; /* this warpgroup's rows */
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+
+    for (int it = 0; it < n_it; ++it) {
+        cp_async_wait_all();
+        fence_proxy_async();
+        __syncthreads(); /* tile `it` landed; everyone is done with iteration it - 1 (its stage and sdS) */
+        if (it + 1 < n_it) issue(it + 1, (it + 1) & 1);
+        cp_async_commit();
+        const int st = it & 1, q0 = first_row(it);
+        const int64_t bh = head_of(it);
+        const T *cQ = sQ + st * BQ * D, *cdO = sdO + st * BQ * D;
+        const float *cL = sL + st * BQ, *cDv = sDv + st * BQ;
+        const uint32_t aQ = smem_u32(cQ), adO = smem_u32(cdO);
+
+        /* S^T = K Q^T, dP^T = V dO^T */
+        float sp[BQ / 2], dp[BQ / 2];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            wgmma_ss<T, BQ>(sp, wgmma_desc(aK + kk * 32, 16, 1024), wgmma_desc(aQ + kk * 32, 16, 1024), kk > 0);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            wgmma_ss<T, BQ>(dp, wgmma_desc(aV + kk * 32, 16, 1024), wgmma_desc(adO + kk * 32, 16, 1024), kk > 0);
+        wgmma_commit();
+        wgmma_wait_all();
+        wgmma_fence_regs(sp);
+        wgmma_fence_regs(dp);
+
+        /* P^T, then dS^T = P^T (dP^T - Dvec) in place of dP^T; element (nb, e): key key0 + 8 (e >> 1), query
+         * q0 + 8 nb + 2 t4 + (e & 1) */
+        const bool masked = q0 + BQ > a.seq_q || k0 + BKV > a.seq_kv || (a.causal && k0 + BKV - 1 > q0 + off);
+#pragma unroll
+        for (int nb = 0; nb < BQ / 8; ++nb) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = nb * 8 + 2 * t4 + (e & 1), key = key0 + 8 * (e >> 1);
+                float p = fast_exp2(sp[4 * nb + e] * a.scale_log2 - cL[i] * (float)NATIVE_LOG2E);
+                if (masked && (q0 + i >= a.seq_q || key >= a.seq_kv || (a.causal && key > q0 + i + off))) p = 0.f;
+                sp[4 * nb + e] = p;
+                dp[4 * nb + e] = p * (dp[4 * nb + e] - cDv[i]);
+            }
+        }
+
+        /* dV += round(P^T) dO, dK += round(dS^T) Q: A from the accumulators (query chunk kk = blocks 2kk, 2kk + 1),
+         * B = dO / Q rows kk * 16 .. + 16, MN-major */
+        uint32_t pa[BQ / 16][4], sa[BQ / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk) {
+            pa[kk][0] = pack2<T>(sp[8 * kk + 0], sp[8 * kk + 1]);
+            pa[kk][1] = pack2<T>(sp[8 * kk + 2], sp[8 * kk + 3]);
+            pa[kk][2] = pack2<T>(sp[8 * kk + 4], sp[8 * kk + 5]);
+            pa[kk][3] = pack2<T>(sp[8 * kk + 6], sp[8 * kk + 7]);
+            sa[kk][0] = pack2<T>(dp[8 * kk + 0], dp[8 * kk + 1]);
+            sa[kk][1] = pack2<T>(dp[8 * kk + 2], dp[8 * kk + 3]);
+            sa[kk][2] = pack2<T>(dp[8 * kk + 4], dp[8 * kk + 5]);
+            sa[kk][3] = pack2<T>(dp[8 * kk + 6], dp[8 * kk + 7]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D, 1>(dv, pa[kk], wgmma_desc(adO + kk * 2048, BQ * 128, 1024), 1);
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D, 1>(dk, sa[kk], wgmma_desc(aQ + kk * 2048, BQ * 128, 1024), 1);
+        wgmma_commit();
+
+        if (a.dq_acc) { /* else deterministic: dQ by native_dq_pass */
+            /* this warpgroup's dS^T (its 64 keys x BQ queries) to its rows of the tile's dS^T */
+#pragma unroll
+            for (int nb = 0; nb < BQ / 8; ++nb) {
+                const int r0 = wkey + g;
+                *reinterpret_cast<uint32_t *>(sdS + wswz<BKV>(r0, nb) + 2 * t4) = sa[nb >> 1][(nb & 1) * 2];
+                *reinterpret_cast<uint32_t *>(sdS + wswz<BKV>(r0 + 8, nb) + 2 * t4) = sa[nb >> 1][(nb & 1) * 2 + 1];
+            }
+            fence_proxy_async();
+            __syncthreads(); /* every warpgroup's dS^T stored */
+            /* dQ[q0 .. q0 + 64][DN wg .. + DN] += dS K over the tile's BKV keys, the head dim split over the
+             * warpgroups: A = dS^T (keys x queries), B = K (keys x d) from column DN wg (byte 2 DN wg of the
+             * 128-byte rows), both MN-major; keys kk * 16 .. + 16 at byte 2048 kk */
+            constexpr int NWG = BKV / 64, DN = D / NWG;
+            float dq[DN / 2];
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < BKV / 16; ++kk)
+                wgmma_ss_tt<T, DN>(dq, wgmma_desc(smem_u32(sdS) + kk * 2048, BKV * 128, 1024),
+                                   wgmma_desc(smem_u32(sK) + kk * 2048 + wg * DN * 2, BKV * 128, 1024), kk > 0);
+            wgmma_commit();
+            wgmma_wait_all();
+            wgmma_fence_regs(dq);
+            float *dQ = a.dq_acc + bh * a.seq_q * D;
+#pragma unroll
+            for (int nb = 0; nb < DN / 8; ++nb) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) { /* two adjacent columns at once (sm_90's float2 atomicAdd) */
+                    const int row = q0 + (warp & 3) * 16 + g + 8 * r, col = wg * DN + nb * 8 + 2 * t4;
+                    if (row < a.seq_q)
+                        atomicAdd(reinterpret_cast<float2 *>(dQ + (int64_t)row * D + col), make_float2(dq[4 * nb + 2 * r], dq[4 * nb + 2 * r + 1]));
+                }
+            }
+        } else {
+            wgmma_wait_all();
+        }
+        wgmma_fence_regs(dk);
+        wgmma_fence_regs(dv);
+    }
+    cp_async_wait_all(); /* no copy outlives the CTA */
+
+    T *dK = static_cast<T *>(a.dk) + bhk * a.seq_kv * D;
+    T *dV = static_cast<T *>(a.dv) + bhk * a.seq_kv * D;
+#pragma unroll
+    for (int db = 0; db < D / 8; ++db) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int key = key0 + 8 * r;
+            if (key < a.seq_kv) {
+                const int64_t at = (int64_t)key * D + db * 8 + 2 * t4;
+                *reinterpret_cast<uint32_t *>(dK + at) = pack2<T>(dk[4 * db + 2 * r] * a.scale, dk[4 * db + 2 * r + 1] * a.scale);
+                *reinterpret_cast<uint32_t *>(dV + at) = pack2<T>(dv[4 * db + 2 * r], dv[4 * db + 2 * r + 1]);
+            }
+        }
+    }
+#else
+    __trap(); /* not an sm_90a build: never launched (native_backward_wgmma checks the device) */
+#endif
+}
+
+template <typename T, int D, int BQ, int BKV>
+static fadev_status native_bwd_wgmma_launch(const fadev_native_params *p, const native_bwd_args &a, const void *out) {
+    constexpr int smem = native_bwd_wgmma_smem<D, BKV, BQ>();
+    FADEV_TRY((native_backward_before<T, D>(p, a, out)));
+    CUDA_TRY(cudaFuncSetAttribute(native_backward_wgmma_kernel<T, D, BKV, BQ>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  smem));
+    native_backward_wgmma_kernel<T, D, BKV, BQ><<<(unsigned)(p->attn.batch * p->attn.heads_kv * a.n_kt), BKV * 2, smem>>>(a);
+    CUDA_TRY(cudaGetLastError());
+    return native_backward_after<T, D>(p, a);
+}
+
+template <typename T>
+static fadev_status native_bwd_wgmma_dispatch(const fadev_native_params *p, const native_bwd_args &a, const void *out) {
+    const int d = (int)p->attn.dim, bq = p->attn.block_q, bkv = p->attn.block_kv;
+#define NATIVE_BWD_WGMMA_CASE(dim, q, kv) \
+    if (d == dim && bq == q && bkv == kv) return native_bwd_wgmma_launch<T, dim, q, kv>(p, a, out);
+    NATIVE_BACKWARD_TILES_WGMMA(NATIVE_BWD_WGMMA_CASE)
+#undef NATIVE_BWD_WGMMA_CASE
+    return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: wgmma backward tile not compiled");
+}
+
+fadev_status native_backward_wgmma(const fadev_native_params *p, const native_bwd_args &a, const void *out) {
+    FADEV_TRY(native_require_hopper());
+    return p->dtype == FADEV_NATIVE_FP16 ? native_bwd_wgmma_dispatch<__half>(p, a, out)
+                                         : native_bwd_wgmma_dispatch<__nv_bfloat16>(p, a, out);
+}
