@@ -102,17 +102,8 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
         /* dV += round(P^T) dO, dK += round(dS^T) Q: A from the accumulators (query chunk kk = blocks 2kk, 2kk + 1),
          * B = dO / Q rows kk * 16 .. + 16, MN-major */
         uint32_t pa[BQ / 16][4], sa[BQ / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BQ / 16; ++kk) {
-            pa[kk][0] = pack2<T>(sp[8 * kk + 0], sp[8 * kk + 1]);
-            pa[kk][1] = pack2<T>(sp[8 * kk + 2], sp[8 * kk + 3]);
-            pa[kk][2] = pack2<T>(sp[8 * kk + 4], sp[8 * kk + 5]);
-            pa[kk][3] = pack2<T>(sp[8 * kk + 6], sp[8 * kk + 7]);
-            sa[kk][0] = pack2<T>(dp[8 * kk + 0], dp[8 * kk + 1]);
-            sa[kk][1] = pack2<T>(dp[8 * kk + 2], dp[8 * kk + 3]);
-            sa[kk][2] = pack2<T>(dp[8 * kk + 4], dp[8 * kk + 5]);
-            sa[kk][3] = pack2<T>(dp[8 * kk + 6], dp[8 * kk + 7]);
-        }
+        wgmma_pack_a<T, BQ>(pa, sp);
+        wgmma_pack_a<T, BQ>(sa, dp);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D, 1>(dv, pa[kk], wgmma_desc(adO + kk * 2048, BQ * 128, 1024), 1);

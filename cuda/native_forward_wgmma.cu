@@ -92,17 +92,6 @@ __device__ __forceinline__ void tile_softmax(float (&s)[BKV / 2], float (&m)[2],
     }
 }
 
-/* P's accumulators of key blocks 2kk, 2kk + 1, rounded to T, are the A fragment of key chunk kk. */
-template <typename T, int BKV> __device__ __forceinline__ void pack_p(uint32_t (&pa)[BKV / 16][4], const float (&s)[BKV / 2]) {
-#pragma unroll
-    for (int kk = 0; kk < BKV / 16; ++kk) {
-        pa[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
-        pa[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-        pa[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
-}
-
 template <typename T, int D, int BQ, int BKV>
 __global__ void __launch_bounds__(BQ * 2, 1) native_forward_wgmma_kernel(const native_fwd_args a) {
 #if FADEV_WGMMA
@@ -159,7 +148,7 @@ __global__ void __launch_bounds__(BQ * 2, 1) native_forward_wgmma_kernel(const n
     wgmma_fence_regs(s);
     tile_softmax<BKV>(s, m, alpha, sum, a.scale_log2, masked(0), 0, t4, lim);
     l[0] = sum[0], l[1] = sum[1];
-    pack_p<T, BKV>(pa, s);
+    wgmma_pack_a<T, BKV>(pa, s);
 
     /* tile j: the scores of tile j + 1 are issued before P_j V_j, so P_j V_j runs on the tensor cores while the
      * softmax of tile j + 1 runs on the other units; O is rescaled once P_j V_j is done. The last tile's P V is
@@ -188,7 +177,7 @@ __global__ void __launch_bounds__(BQ * 2, 1) native_forward_wgmma_kernel(const n
 #pragma unroll
             for (int db = 0; db < D / 8; ++db) o[4 * db + 2 * r] *= alpha[r], o[4 * db + 2 * r + 1] *= alpha[r];
         }
-        pack_p<T, BKV>(pa, s);
+        wgmma_pack_a<T, BKV>(pa, s);
     }
     issue_pv<T, D, BKV>(o, pa, smem_u32(sV + (n_kt - 1) % 3 * BKV * D));
     wgmma_wait_all();

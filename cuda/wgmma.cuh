@@ -59,6 +59,18 @@ template <int N> __device__ __forceinline__ void wgmma_fence_regs(float (&d)[N])
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+/* A 64 x N product's fp32 accumulators (this thread's N / 2), rounded to T, as the A fragments of the next product's
+ * N / 16 k-chunks: chunk kk = accumulator blocks 2kk, 2kk + 1 (P -> P V forward; P^T, dS^T -> dV, dK backward). */
+template <typename T, int N> __device__ __forceinline__ void wgmma_pack_a(uint32_t (&a)[N / 16][4], const float (&d)[N / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) {
+        a[kk][0] = pack2<T>(d[8 * kk + 0], d[8 * kk + 1]);
+        a[kk][1] = pack2<T>(d[8 * kk + 2], d[8 * kk + 3]);
+        a[kk][2] = pack2<T>(d[8 * kk + 4], d[8 * kk + 5]);
+        a[kk][3] = pack2<T>(d[8 * kk + 6], d[8 * kk + 7]);
+    }
+}
+
 /* d (+)= A B, m64nNk16, fp32 accumulators (acc 0: d = A B). _ss: A and B by descriptor, both K-major. _rs: A from
  * registers (a: the m16 x k16 fragment of this warp's rows), B by descriptor, K-major (TB 0) or MN-major (TB 1:
  * transposed). The bodies are written out per N, type and TB: inline asm takes no operand lists by template. */
