@@ -1,7 +1,9 @@
 """The package as built and installed: public names, version, worker threads, the command line, and
 the C sources compiling warning-free under the project's flags."""
+import concurrent.futures
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -136,3 +138,55 @@ def test_c_and_cuda_sources_stay_small():
         with open(os.path.join(ROOT, rel)) as f:
             lines[rel] = sum(1 for _ in f)
     assert not {rel: n for rel, n in lines.items() if n >= 600}, "split these files (each < 600 lines)"
+
+
+# ptxas's notes on Hopper's warpgroup MMA that mean lost overlap: C7514 (wgmma serialised because other
+# instructions read its accumulators mid-flight: what the wgmma forward's overlap first compiled to) and C7517
+# (a warpgroup wait the compiler injected). Only a GPU can time the kernels; these notes show without one.
+WGMMA_NOTES = ("(C7514)", "(C7517)")
+NVCC = os.environ.get("CUDA_HOME") and os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
+NVCC = NVCC if NVCC and os.path.exists(NVCC) else shutil.which("nvcc")
+
+
+def wgmma_notes(src, tmp_path):
+    """Compile src for sm_90a under setup.py's nvcc flags; ptxas's lines that carry a WGMMA_NOTES code."""
+    out = tmp_path / (os.path.basename(src) + ".cubin")
+    cmd = [NVCC, "-cubin", src, "-o", str(out), "-I" + os.path.join(ROOT, "cuda"), "-O3", "-std=c++17",
+           "--fmad=false", "-gencode", "arch=compute_90a,code=sm_90a", "-Xptxas", "-v"]
+    # the toolkit runs without the sanitizer runtime .ci/run preloads for fadev's C core
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, f"{os.path.basename(src)}:\n{r.stderr[-3000:]}"
+    return [line for line in (r.stdout + r.stderr).splitlines() if any(code in line for code in WGMMA_NOTES)]
+
+
+SERIALISED = r"""
+#include "wgmma.cuh"
+__global__ void serialised(float *out, uint64_t da, uint64_t db, int n) {
+#if FADEV_WGMMA
+    float d[32], e[32];
+    for (int i = 0; i < 32; ++i) d[i] = e[i] = 0.f;
+    for (int j = 0; j < n; ++j) {
+        wgmma_fence();
+        wgmma_ss<__nv_bfloat16, 64>(d, da + j, db, 1);
+        wgmma_commit();
+        for (int i = 0; i < 32; ++i) e[i] += d[i];  /* reads d while its wgmma may be in flight */
+        wgmma_wait_all();
+    }
+    for (int i = 0; i < 32; ++i) out[threadIdx.x * 32 + i] = d[i] + e[i];
+#endif
+}
+"""
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (CUDA_HOME or PATH)")
+def test_wgmma_kernels_keep_their_overlap(tmp_path):
+    """cuda/*_wgmma.cu compile with every wgmma asynchronous; the check catches a kernel that serialises them."""
+    bad = tmp_path / "serialised.cu"
+    bad.write_text(SERIALISED)
+    sources = sorted(glob.glob(os.path.join(ROOT, "cuda", "*_wgmma.cu")))
+    assert len(sources) == 2, sources
+    with concurrent.futures.ThreadPoolExecutor(max_workers=3) as pool:
+        notes = dict(zip([str(bad), *sources], pool.map(lambda s: wgmma_notes(s, tmp_path), [str(bad), *sources])))
+    assert any("(C7514)" in line for line in notes.pop(str(bad))), "ptxas no longer reports serialised wgmma"
+    assert notes == {src: [] for src in sources}, notes
