@@ -123,6 +123,39 @@ class _tf32_off:
         torch.backends.cuda.matmul.allow_tf32 = self.saved
 
 
+def check_forward(q, k, v, dout, causal, scale, out, lse, info):
+    """A native forward's (out, lse) by FlashAttention's rule: out within 2x the same-precision naive baseline's max
+    and mean |error| against fp64; rows that see no key exactly 0 with lse -inf; lse within 2x the error of
+    logsumexp of the fp32 scores (TF32 off), plus 8 fp32 ulps of |lse|."""
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
+    gold_out, gold_lse, _ = _golden(q, k, v, dout, causal, scale)
+    naive_out, _ = _naive(q, k, v, dout, causal, scale)
+    _assert_within(f"out [{info}]", _errors(out, gold_out), _errors(naive_out, gold_out), 2, "naive")
+    empty = torch.isinf(gold_lse)
+    assert torch.equal(torch.isneginf(lse), empty), f"lse -inf rows differ [{info}]"
+    assert not out[empty].any(), f"rows that see no key are not 0 [{info}]"
+    with _tf32_off():
+        _, s32 = _attention(q.float(), k.float(), v.float(), causal, scale)
+    lse32 = torch.logsumexp(s32, dim=-1)
+    fin = ~empty
+    if fin.any():
+        err = (lse[fin].double() - gold_lse[fin]).abs().max().item()
+        base = (lse32[fin].double() - gold_lse[fin]).abs().max().item()
+        bound = 2 * base + 8 * 2.0**-23 * gold_lse[fin].abs().max().item()
+        assert err <= bound, f"lse |error| {err:.3e} > {bound:.3e} (fp32 baseline {base:.3e}) [{info}]"
+
+
+def check_backward(q, k, v, dout, causal, scale, grads, info):
+    """A native backward's (dq, dk, dv) by FlashAttention's rule for gradients: within 3x the same-precision naive
+    baseline's max and mean |error| against fp64; dq of rows that see no key exactly 0."""
+    _, gold_lse, gold = _golden(q, k, v, dout, causal, scale)
+    _, naive = _naive(q, k, v, dout, causal, scale)
+    for name, g, ref, base, t in zip(("dq", "dk", "dv"), grads, gold, naive, (q, k, v)):
+        assert g.dtype == q.dtype and g.shape == t.shape, f"{name} dtype/shape [{info}]"
+        _assert_within(f"{name} [{info}]", _errors(g, ref), _errors(base, ref), 3, "naive")
+    assert not grads[0][torch.isinf(gold_lse)].any(), f"dq of rows that see no key is not 0 [{info}]"
+
+
 def _params(case, shape, dtype_name, causal):
     d, bq, bkv = case
     return f"D={d} block_q={bq} block_kv={bkv} shape={shape} dtype={dtype_name} causal={causal}"
@@ -138,25 +171,7 @@ def test_native_forward_flash_rule(case, shape, dtype_name, causal):
     q, k, v, dout = _inputs(shape, d, dtype, case, causal)
     info = _params(case, shape, dtype_name, causal)
     out, lse = fadev.native_attention(q, k, v, causal=causal, block_q=bq, block_kv=bkv, return_lse=True)
-    assert out.dtype == dtype and out.shape == q.shape and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
-    gold_out, gold_lse, _ = _golden(q, k, v, dout, causal, scale)
-    naive_out, _ = _naive(q, k, v, dout, causal, scale)
-    _assert_within(f"out [{info}]", _errors(out, gold_out), _errors(naive_out, gold_out), 2, "naive")
-
-    # rows that see no key: exactly 0 out and -inf lse, as the golden says
-    empty = torch.isinf(gold_lse)
-    assert torch.equal(torch.isneginf(lse), empty), f"lse -inf rows differ [{info}]"
-    assert not out[empty].any(), f"rows that see no key are not 0 [{info}]"
-    # lse: at most 2x the error of logsumexp of the fp32 scores (TF32 off), plus 8 fp32 ulps of |lse|
-    with _tf32_off():
-        _, s32 = _attention(q.float(), k.float(), v.float(), causal, scale)
-    lse32 = torch.logsumexp(s32, dim=-1)
-    fin = ~empty
-    if fin.any():
-        err = (lse[fin].double() - gold_lse[fin]).abs().max().item()
-        base = (lse32[fin].double() - gold_lse[fin]).abs().max().item()
-        bound = 2 * base + 8 * 2.0**-23 * gold_lse[fin].abs().max().item()
-        assert err <= bound, f"lse |error| {err:.3e} > {bound:.3e} (fp32 baseline {base:.3e}) [{info}]"
+    check_forward(q, k, v, dout, causal, scale, out, lse, info)
 
 
 @pytest.mark.parametrize("case", BACKWARD_CASES, ids=lambda c: f"D{c[0]}-{c[1]}x{c[2]}")
@@ -172,13 +187,7 @@ def test_native_backward_flash_rule(case, shape, dtype_name, causal, determinist
     out, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)  # the forward's default tile
     grads = fadev.native_attention_backward(q, k, v, out, lse, dout, causal=causal, block_q=bq, block_kv=bkv,
                                             deterministic=deterministic)
-    _, gold_lse, gold = _golden(q, k, v, dout, causal, scale)
-    _, naive = _naive(q, k, v, dout, causal, scale)
-    for name, g, ref, base, t in zip(("dq", "dk", "dv"), grads, gold, naive, (q, k, v)):
-        assert g.dtype == dtype and g.shape == t.shape, f"{name} dtype/shape [{info}]"
-        _assert_within(f"{name} [{info}]", _errors(g, ref), _errors(base, ref), 3, "naive")
-    empty = torch.isinf(gold_lse)
-    assert not grads[0][empty].any(), f"dq of rows that see no key is not 0 [{info}]"
+    check_backward(q, k, v, dout, causal, scale, grads, info)
 
 
 def _bits(t):
