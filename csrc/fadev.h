@@ -360,11 +360,11 @@ typedef struct fadev_native_params {
     int32_t deterministic;       /* backward only: 1 = dq without atomics (bit-reproducible), 0 = atomics */
     int32_t warp_rows;           /* tile rows per warp, 16 (0 means 16) or 32 (query rows forward, key rows backward);
                                     the same arithmetic, so the same bits, at another speed */
-    int32_t mma;                 /* forward only: 0 = mma.sync (every GPU from sm_80), 1 = Hopper's wgmma (compute
-                                    capability 9.0; its own tiles, warp_rows not read) */
+    int32_t mma;                 /* 0 = mma.sync (every GPU from sm_80), 1 = Hopper's wgmma (compute capability 9.0;
+                                    its own tiles, warp_rows not read; the backward at D 64 only) */
 } fadev_native_params;
 /* Writes up to max_pairs (block_q, block_kv) pairs supported for head dim `dim` in one direction (backward 0: the
- * forward's, 1: the backward's) with `warp_rows` (16 or 32) tile rows per warp, or of the wgmma forward (mma 1), into
+ * forward's, 1: the backward's) with `warp_rows` (16 or 32) tile rows per warp, or of the wgmma kernels (mma 1), into
  * tiles[2 * i], tiles[2 * i + 1]; *count receives how many there are (0 with FADEV_ERR_INVALID_ARGUMENT for a head
  * dim, or a direction, without any). */
 fadev_status fadev_cuda_native_tiles(int dim, int backward, int warp_rows, int mma, int32_t *tiles, int max_pairs,

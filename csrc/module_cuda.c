@@ -325,7 +325,7 @@ PyMethodDef cuda_methods[] = {
     {"cuda_ulp_error", py_cuda_ulp_error, METH_VARARGS, "cuda_ulp_error(test, ref, n, fmt, out)"},
     {"cuda_native_tiles", py_cuda_native_tiles, METH_VARARGS,
      "cuda_native_tiles(dim, backward, warp_rows, mma) -> [(block_q, block_kv), ...] of the forward (backward False; "
-     "warp_rows 16 or 32; mma 1: the wgmma forward) or the backward (warp_rows 16 or 32, mma 0)"},
+     "warp_rows 16 or 32) or the backward (warp_rows 16 or 32); mma 1: the wgmma kernels' tiles"},
     {"cuda_native_workspace", py_cuda_native_workspace, METH_VARARGS,
      "cuda_native_workspace(native_params) -> bytes of float32 workspace the backward needs"},
     {"cuda_native_forward", py_cuda_native_forward, METH_VARARGS,

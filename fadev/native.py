@@ -21,8 +21,9 @@ _NP_DTYPES = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))  # by DTYPES i
 
 WARP_ROWS = (16, 32)
 MMA = ("sync", "wgmma")
-"""The forward's tensor-core instructions: ``"sync"`` mma.sync.m16n8k16 issued per warp (every GPU from sm_80),
-``"wgmma"`` Hopper's warpgroup MMA (wgmma.m64nNk16, compute capability 9.0 only; cuda/native_forward_wgmma.cu)."""
+"""The native kernels' tensor-core instructions: ``"sync"`` mma.sync.m16n8k16 issued per warp (every GPU from sm_80),
+``"wgmma"`` Hopper's warpgroup MMA (wgmma.m64nNk16, compute capability 9.0 only; cuda/native_forward_wgmma.cu,
+and cuda/native_backward_wgmma.cu at D 64)."""
 
 
 def _warp_rows(warp_rows):
