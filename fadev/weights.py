@@ -27,6 +27,12 @@ exactly. The same values are in ``df.attrs["model"]`` (a dict) and ``df.attrs["m
 names the tensor where the largest difference is. NaN in a tensor makes its metrics and the model's
 NaN (the max too).
 
+``groups`` (a function name -> group label) adds ``df.attrs["groups"]``: one dict per group (in first-seen
+order) with the same aggregates over that group's tensors -- e.g. one per transformer layer.
+
+Where both tensors of a name are CUDA tensors, their metrics are computed on the GPU (fadev's GPU metrics:
+the same exact Wasserstein distance and max, the sums within rounding of the CPU's), with no copy to the host.
+
 Empty tensors (numel 0) get 0 for every metric. ValueError names the tensor for keys present in only
 one of the two, or differing shapes; TypeError for inputs that are not modules or mappings of arrays.
 """
@@ -85,21 +91,53 @@ def _check_keys(sa, sb):
         raise ValueError(f"a and b hold different tensors ({'; '.join(parts)})")
 
 
-def compare(a, b):
+def _on_gpu(t) -> bool:
+    return type(t).__module__.startswith("torch") and t.is_cuda and not t.is_complex()
+
+
+def _pair(ta, tb, name):
+    """(a's values, b's values, ||b||^2) in float64: CUDA tensors stay on their GPU, the rest as NumPy."""
+    if _on_gpu(ta) and _on_gpu(tb):
+        x, y = ta.detach().double(), tb.detach().double()
+        return x, y, float((y.reshape(-1) @ y.reshape(-1)).item()) if y.numel() else 0.0
+    x, y = _array(ta, "a", name), _array(tb, "b", name)
+    y64 = np.asarray(y, dtype=np.float64)
+    return x, y, float(np.dot(y64.ravel(), y64.ravel()))
+
+
+def _aggregate(rows, sq_diff, sq_ref, name):
+    """The aggregate row (module docstring) of ``rows`` with their squared differences and reference norms."""
+    numel = np.array([r["numel"] for r in rows], dtype=np.float64)
+    total = float(numel.sum())
+    max_abs = np.array([r["max_abs"] for r in rows])
+    w1 = np.array([r["wasserstein"] for r in rows])
+    diff, ref = math.fsum(sq_diff), math.fsum(sq_ref)
+    return {"name": name, "numel": int(total),
+            "max_abs": float(np.max(max_abs)),  # np.max propagates NaN
+            "wasserstein": float(np.dot(numel, w1) / total) if total else 0.0,
+            "rmse": math.sqrt(diff / total) if total else 0.0,
+            "rel_l2": (math.sqrt(diff) / math.sqrt(ref) if ref else (0.0 if diff == 0 else math.inf))
+            if not math.isnan(diff) else math.nan}
+
+
+def compare(a, b, *, groups=None):
     """Per-tensor and model-level distances between the weights ``a`` and ``b`` (module docstring):
     a DataFrame with columns name, numel, max_abs, wasserstein, rmse, rel_l2, one row per tensor and a
-    final ``"__model__"`` row; ``df.attrs["model"]`` holds that row as a dict."""
+    final ``"__model__"`` row; ``df.attrs["model"]`` holds that row as a dict, ``df.attrs["groups"]`` the
+    aggregates of each group of ``groups(name)`` (a callable; None: no groups)."""
     import pandas as pd
+    if groups is not None and not callable(groups):
+        raise TypeError(f"groups: expected a function name -> group label or None, got {type(groups).__name__}")
     sa, sb = _state(a, "a"), _state(b, "b")
     _check_keys(sa, sb)
     if not sa:
         raise ValueError("a and b hold no tensors")
     rows, sq_diff, sq_ref = [], [], []
     for name in sa:
-        x, y = _array(sa[name], "a", name), _array(sb[name], "b", name)
+        x, y, ref_sq = _pair(sa[name], sb[name], name)
         if x.shape != y.shape:
             raise ValueError(f"tensor {name!r}: a has shape {tuple(x.shape)}, b has shape {tuple(y.shape)}")
-        n = int(x.size)
+        n = int(x.numel() if callable(x.size) else x.size)
         if n == 0:
             rows.append({"name": name, "numel": 0, "max_abs": 0.0, "wasserstein": 0.0, "rmse": 0.0, "rel_l2": 0.0})
             sq_diff.append(0.0)
@@ -109,21 +147,17 @@ def compare(a, b):
         rows.append({"name": name, "numel": n, "max_abs": c.max_abs, "wasserstein": c.wasserstein, "rmse": c.rmse,
                      "rel_l2": c.rel_l2})
         sq_diff.append(c.rmse * c.rmse * n)
-        y64 = np.asarray(y, dtype=np.float64)
-        sq_ref.append(float(np.dot(y64.ravel(), y64.ravel())))
-    numel = np.array([r["numel"] for r in rows], dtype=np.float64)
-    total = float(numel.sum())
+        sq_ref.append(ref_sq)
+    model = _aggregate(rows, sq_diff, sq_ref, MODEL_ROW)
     max_abs = np.array([r["max_abs"] for r in rows])
-    w1 = np.array([r["wasserstein"] for r in rows])
-    diff, ref = math.fsum(sq_diff), math.fsum(sq_ref)
-    model = {"name": MODEL_ROW, "numel": int(total),
-             "max_abs": float(np.max(max_abs)),  # np.max propagates NaN
-             "wasserstein": float(np.dot(numel, w1) / total) if total else 0.0,
-             "rmse": math.sqrt(diff / total) if total else 0.0,
-             "rel_l2": (math.sqrt(diff) / math.sqrt(ref) if ref else (0.0 if diff == 0 else math.inf))
-             if not math.isnan(diff) else math.nan}
     df = pd.DataFrame(rows + [model], columns=list(COLUMNS))
     df.attrs["model"] = dict(model)
+    if groups is not None:
+        members = {}
+        for i, r in enumerate(rows):
+            members.setdefault(groups(r["name"]), []).append(i)
+        df.attrs["groups"] = [_aggregate([rows[i] for i in idx], [sq_diff[i] for i in idx], [sq_ref[i] for i in idx],
+                                         label) for label, idx in members.items() if label is not None]
     df.attrs["max_abs_tensor"] = rows[int(np.nanargmax(max_abs))]["name"] if not np.all(np.isnan(max_abs)) else None
     return df
 

@@ -170,7 +170,8 @@ def test_cli_report_and_a_budget_that_stops_the_run(tmp_path, capsys):
     assert "partial run" not in report and "— **holds**" in report or "— **does not hold**" in report
     assert "exactly 0 at every logged step" in report and "train-drift --model llama --quick" in report
     rows = [json.loads(line) for line in open(os.path.join(out, "train_drift.jsonl"))]
-    assert len(rows) == 3 * (5 + 6)  # steps 0, 1, 2 x (5 pairs + 6 arms)
+    assert sum(r["kind"] != "layer" for r in rows) == 3 * (5 + 6)  # steps 0, 1, 2 x (5 pairs + 6 arms)
+    assert sum(r["kind"] == "layer" for r in rows) == 3 * 5 * 4  # x (embed, layer 0, norm, lm_head)
     for name in ("train_drift.csv", "train_drift_loss.csv", "train_drift_linear.png", "train_drift_loss.svg"):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
     # more steps, but no time: nothing trains, the report is written from what is there and says so

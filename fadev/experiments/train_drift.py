@@ -43,11 +43,14 @@ import tempfile
 import numpy as np
 
 from .. import cuda_available, plots, report, training
+from . import train_drift_real as real
 from .common import PAPER, Finding
 
 NAME = "train_drift"
 TITLE = "Training drift: does flash attention change the trained weights?"
 FIGURES = ("train_drift_linear", "train_drift_log", "train_drift_loss")
+EXTRA_FIGURES = ("train_drift_loglog", "train_drift_layers")
+"""Drawn for ``--kernels real`` only."""
 REPRODUCE = False
 """Not part of ``python -m fadev reproduce``'s default set (it needs PyTorch; ``--only train_drift`` adds it)."""
 
@@ -86,10 +89,12 @@ SIZE_DOCS = {"width": "model width", "heads": "attention heads", "layers": "tran
 LLAMA_SIZES = {
     "quick": {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 4, "ffn": 344, "seq": 64, "batch": 8, "lr": 1e-3,
               "steps": 100, "log_every": 10, "checkpoint_every": 50, "eval_windows": 16, "flash_block": 16,
-              "native_tiles": ("128x64", "64x64"), "arms": ("all",), "data": "stdlib", "budget_s": math.inf},
+              "native_tiles": ("128x64", "64x64"), "arms": ("all",), "data": "stdlib", "budget_s": math.inf,
+              "kernels": "emulated", "log_points": 0},
     "full": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 8, "ffn": 1376, "seq": 1024, "batch": 8, "lr": 3e-4,
              "steps": 5000, "log_every": 250, "checkpoint_every": 250, "eval_windows": 32, "flash_block": 64,
-             "native_tiles": ("128x64", "64x64"), "arms": ("all",), "data": "stdlib", "budget_s": math.inf},
+             "native_tiles": ("128x64", "64x64"), "arms": ("all",), "data": "stdlib", "budget_s": math.inf,
+             "kernels": "emulated", "log_points": 0},
 }
 """``--model llama``: quick ~0.86M parameters (CPU), full ~25.6M parameters at sequence 1024 (GPU)."""
 LLAMA_DOCS = {"hidden": "model width", "layers": "decoder blocks", "heads": "query heads",
@@ -103,7 +108,11 @@ LLAMA_DOCS = {"hidden": "model width", "layers": "decoder blocks", "heads": "que
               "arms": "the arms to train ('all', or names: baseline, flash_paper, flash_fa2, baseline_seed1, fp32, "
                       "native_BQxBKV, native_BQxBKV_again, control); pairs need both their arms",
               "data": "'stdlib' (the interpreter's standard library) or a text file or folder",
-              "budget_s": "seconds of training this call may use; arms are saved where they stop, a rerun continues"}
+              "budget_s": "seconds of training this call may use; arms are saved where they stop, a rerun continues",
+              "kernels": "'emulated' (fadev's kernels under precision policies) or 'real' (the kernels people train "
+                         "with: eager, SDPA flash and fadev's native kernel under real bf16 autocast; its own sizes, "
+                         "fadev.experiments.train_drift_real.SIZES, where not set here)",
+              "log_points": "also log at this many steps spaced evenly on a log scale from update 1"}
 WORKLOADS = ("model", {"digits": (SIZES, SIZE_DOCS), "llama": (LLAMA_SIZES, LLAMA_DOCS)},
             "the workload: digits (8x8 images, the default) or llama (a Hugging Face Llama on bytes of real text)")
 """The ``--model`` option: {value: (sizes, their docs)} (fadev.experiments.cli)."""
@@ -144,6 +153,11 @@ def settings(size="quick", model="digits", **overrides):
                          f"{', '.join(table_[size])}")
     s = dict(table_[size])
     s.update({k: v for k, v in overrides.items() if v is not None})
+    if model == "llama":
+        if s["kernels"] not in ("emulated", "real"):
+            raise ValueError(f"kernels must be 'emulated' or 'real', got {s['kernels']!r}")
+        if s["kernels"] == "real":  # the real study's own sizes, where the call does not set them
+            s.update({k: v for k, v in real.SIZES[size].items() if overrides.get(k) is None})
     return s
 
 
@@ -165,7 +179,7 @@ def check_device(device):
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # torch's deterministic cuBLAS needs it
 
 
-def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None, model="digits",
+def run(size="quick", out=None, *, device="cpu", workers=None, progress=False, cluster=None, model="digits",
         **overrides):
     """Train the runs in lockstep; returns the drift rows (one per pair and logged step) with the loss rows in
     ``df.attrs["loss"]`` and the settings in ``df.attrs["settings"]``. Results in out/train_drift.jsonl
@@ -276,7 +290,7 @@ def _llama_intro(s, config, corpus):
         "the Wasserstein-1 distance of each tensor's value distribution, averaged over tensors weighted by size.")
 
 
-def run_llama(size="quick", out=None, *, device="cpu", workers=1, progress=False, cluster=None, **overrides):
+def run_llama(size="quick", out=None, *, device="cpu", workers=None, progress=False, cluster=None, **overrides):
     """The study on the Llama workload (:data:`LLAMA_SIZES`): arms as resumable tasks (fadev.training.lm_track)
     on this process (``workers`` 1), local worker processes or ``cluster``'s executor; results, arm states and
     checkpoints under ``out`` (None: a temporary folder). ``budget_s`` stops training in time and saves every
@@ -289,8 +303,9 @@ def run_llama(size="quick", out=None, *, device="cpu", workers=1, progress=False
     except ImportError as e:
         raise ImportError(f"--model llama needs transformers: pip install 'fadev[hf]' ({e})") from None
     config = lm.LMConfig(**{f.name: s[f.name] for f in dataclasses.fields(lm.LMConfig) if f.name in s})
-    runs, pairs, skipped = llama_runs_and_pairs(device, s["native_tiles"], s["flash_block"],
-                                                head_dim=config.hidden // config.heads, arms=s["arms"])
+    head_dim = config.hidden // config.heads
+    runs, pairs, skipped = real.runs_and_pairs(device, head_dim, s["arms"]) if s["kernels"] == "real" else \
+        llama_runs_and_pairs(device, s["native_tiles"], s["flash_block"], head_dim=head_dim, arms=s["arms"])
     corpus = training.text.load(config.data)
     options = dict(cluster or {})
     options.setdefault("workers", workers)
@@ -302,10 +317,12 @@ def run_llama(size="quick", out=None, *, device="cpu", workers=1, progress=False
                                                             budget_s=budget, log=log, **options)
         if out is not None:
             loss.to_csv(os.path.join(out, f"{NAME}_loss.csv"), index=False)
+            drift.attrs["layers"].to_csv(os.path.join(out, f"{NAME}_layers.csv"), index=False)
     if not len(drift):
         raise RuntimeError(f"budget_s={s['budget_s']}: no arm got through its first logged step; give it more time")
     drift.attrs.update(loss=loss, settings=s, runs=runs, pairs=pairs, reached=reached, skipped=skipped,
-                       steps=config.steps, unit="nats per byte", intro=_llama_intro(s, config, corpus))
+                       steps=config.steps, unit="nats per byte",
+                       intro=(real.intro if s["kernels"] == "real" else _llama_intro)(s, config, corpus))
     return drift
 
 
@@ -389,11 +406,22 @@ def fig_loss(loss, unit="nats per pixel"):
 
 
 def figures(df, out_dir):
-    """Drift (linear and log y) and loss figures, PNG and SVG; returns their paths."""
-    return (plots.save(fig_drift(df, False), os.path.join(out_dir, "train_drift_linear")) +
-            plots.save(fig_drift(df, True), os.path.join(out_dir, "train_drift_log")) +
-            plots.save(fig_loss(df.attrs["loss"], df.attrs.get("unit", "nats per pixel")),
-                       os.path.join(out_dir, "train_drift_loss")))
+    """Drift (linear and log y) and loss figures, PNG and SVG, and for the real-kernel study the log-log drift
+    and the per-layer drift; returns their paths."""
+    paths = (plots.save(fig_drift(df, False), os.path.join(out_dir, "train_drift_linear")) +
+             plots.save(fig_drift(df, True), os.path.join(out_dir, "train_drift_log")) +
+             plots.save(fig_loss(df.attrs["loss"], df.attrs.get("unit", "nats per pixel")),
+                        os.path.join(out_dir, "train_drift_loss")))
+    if _is_real(df):
+        paths += plots.save(real.fig_loglog(df, _PAIR_COLORS), os.path.join(out_dir, "train_drift_loglog"))
+        if len(df.attrs.get("layers", ())):
+            paths += plots.save(real.fig_layers(df.attrs["layers"], _PAIR_COLORS),
+                                os.path.join(out_dir, "train_drift_layers"))
+    return paths
+
+
+def _is_real(df) -> bool:
+    return df.attrs.get("settings", {}).get("kernels") == "real"
 
 
 # ------------------------------------------------------------------ report
@@ -452,10 +480,14 @@ def findings(df, *, device="cpu") -> list:
                                       if partial else "") + _conclusion(df)))
     if "reached" in df.attrs:
         out.append(Finding("arms", " ".join(_progress(df))))
+    if _is_real(df) and not partial:
+        out += real.findings(df)
     for pair, control in df[df["role"] == "control"].groupby("pair", sort=False):
         zero = bool((control["max_abs"] == 0).all() and (control["wasserstein"] == 0).all())
-        out.append(Finding(pair, f"drift {'exactly 0 at every logged step' if zero else '**not 0**'} "
-                                 f"({len(control)} steps)"))
+        out.append(Finding(pair, f"drift exactly 0 at every logged step ({len(control)} steps): bit-reproducible"
+                           if zero else f"drift **not 0** (up to {control['rel_l2'].max():.3g} relative L2, "
+                           f"{control['max_abs'].max():.3g} max |Δw|, over {len(control)} steps): run-to-run noise, "
+                           "the floor the ratios are read above"))
     return out
 
 
@@ -488,6 +520,8 @@ def table(df) -> str:
         verdict = "none yet (partial run)" if partial else "holds" if holds else "**does not hold**"
         lines.append(f"| {report.escape(pair)} | {metric} | {prec[0]:.3g} ({prec[1]:.3g}) | {init[0]:.3g} "
                      f"({init[1]:.3g}) | {verdict} |")
+    if _is_real(df):
+        lines.append(real.table(df))
     final = loss[loss["step"] == last].set_index("run")
     lines += ["", f"Held-out loss at step {last} ({df.attrs.get('unit', 'nats per pixel')}; step 0: "
               f"{loss[loss['step'] == 0]['eval_loss'].iloc[0]:.3f}): " +

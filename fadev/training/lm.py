@@ -23,15 +23,27 @@ fp32 -- which is what ``torch.autocast(dtype=torch.bfloat16)`` does to this mode
 sums (the attention's own rounding of q, k, v is its policy's ``input`` stage). Measured on a CPU without
 bf16 units: real CPU autocast is about 8x slower per step than this emulation.
 
-Attention. The model is built with ``attn_implementation="fadev_mixed"``: fadev's Hugging Face attention
-(:mod:`fadev.hf`), whose kernel :func:`attention` chooses per arm -- the one context manager every forward and
-backward of the arm runs in: ``fadev.hf.use(policy, kernel=...)``, fadev's emulated kernels under the arm's
-policy, or ``kernel="native"``, fadev's tensor-core kernel (CUDA). The native kernel reads bf16 tensors, so
-"fadev_mixed" hands it q, k, v cast to bf16 (nearest-even, what the emulated policies' ``input`` stage does and
-what autocast does before SDPA) and casts its output back to the model's float32.
+``"bf16_autocast"``: real mixed precision, ``torch.autocast(dtype=torch.bfloat16)`` around the forward (as a
+user trains): the model's matmuls, and the attention, run on bf16 tensors with the hardware's arithmetic; master
+weights, the loss and Adam in fp32. The real-kernel arms use it (:data:`REAL_KERNELS`).
+
+Attention. Emulated and native arms build the model with ``attn_implementation="fadev_mixed"``: fadev's Hugging
+Face attention (:mod:`fadev.hf`), whose kernel :func:`attention` chooses per arm -- the one context manager every
+forward and backward of the arm runs in: ``fadev.hf.use(policy, kernel=...)``, fadev's emulated kernels under
+the arm's policy, or ``kernel="native"``, fadev's tensor-core kernel (CUDA). The native kernel reads bf16
+tensors, so "fadev_mixed" hands it q, k, v cast to bf16 (nearest-even, what the emulated policies' ``input``
+stage does and what autocast does before SDPA) and casts its output back to the model's float32. The real-kernel
+arms use transformers' own implementations: ``kernel="eager"`` (materialised attention, ``attn_implementation=
+"eager"``) and ``kernel="sdpa_flash"`` (``"sdpa"`` with PyTorch's flash backend forced by
+``torch.nn.attention.sdpa_kernel``: an error, not a silent fallback, where flash cannot run).
+
+Determinism. Every arm runs with ``torch.use_deterministic_algorithms(True)`` (PyTorch's flash backward then
+takes its deterministic path), cuBLAS' deterministic workspace, TF32 off and one CPU thread; fadev's native
+backward is deterministic by default. The control arms prove it: their distance must be exactly 0.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -51,19 +63,26 @@ from ..native import native_tiles
 from . import digits, text
 from .tracker import RunSpec, config_key, deterministic, save_atomic
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "bf16_autocast": None}
+"""{precision: the dtype its emulated mixed-precision Linear layers round to (None: none)}."""
+AUTOCAST = {"bf16_autocast": torch.bfloat16}
+"""Precisions that run the forward under real ``torch.autocast`` to this dtype."""
 ATTENTION = "fadev_mixed"
-"""The attention implementation the model is built with (module docstring)."""
+"""The attention implementation the model is built with for fadev's kernels (module docstring)."""
+REAL_KERNELS = {"eager": "eager", "sdpa_flash": "sdpa"}
+"""Kernels that are transformers' own attention: {kernel: attn_implementation}."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Arm(RunSpec):
     """One arm of the Llama study (:class:`fadev.training.RunSpec`'s fields): ``kernel`` "baseline" or
-    "flash" (fadev's emulated kernels under ``policy``) or "native" (fadev's tensor-core FlashAttention-2
-    kernel on CUDA, no policy: ``policy`` names the preset modelling it, fa2(bf16)); ``tiling`` block_q,
-    block_kv for flash and native; ``precision`` "fp32" or "bf16"."""
+    "flash" (fadev's emulated kernels under ``policy``), "native" (fadev's tensor-core FlashAttention-2
+    kernel on CUDA), "eager" (transformers' materialised attention) or "sdpa_flash" (PyTorch's SDPA flash
+    kernel) -- for the last three ``policy`` only names the preset modelling them; ``tiling`` block_q,
+    block_kv for flash and native; ``precision`` "fp32", "bf16" (emulated mixed precision) or "bf16_autocast"
+    (real autocast; module docstring)."""
 
-    KERNELS: typing.ClassVar[tuple] = ("baseline", "flash", "native")
+    KERNELS: typing.ClassVar[tuple] = ("baseline", "flash", "native", "eager", "sdpa_flash")
     PRECISIONS: typing.ClassVar[tuple] = tuple(PRECISIONS)
     TILED: typing.ClassVar[tuple] = ("flash", "native")
 
@@ -74,8 +93,9 @@ class LMConfig:
     ``heads`` query and ``kv_heads`` key/value heads, SwiGLU width ``ffn``; ``batch`` windows of ``seq``
     bytes per update, Adam with ``lr`` (no schedule, no weight decay) for ``steps`` updates; weights and
     losses logged every ``log_every`` updates (and at 0 and ``steps``) with the held-out loss over
-    ``eval_windows`` windows; state saved every ``checkpoint_every`` updates; ``data``: "stdlib" or a path
-    (:mod:`fadev.training.text`)."""
+    ``eval_windows`` windows, and at ``log_points`` steps spaced evenly on a log scale from update 1 (0: none):
+    the first updates, where a perturbation starts to grow, are seen; state saved every ``checkpoint_every``
+    updates; ``data``: "stdlib" or a path (:mod:`fadev.training.text`)."""
 
     hidden: int = 128
     layers: int = 4
@@ -91,6 +111,7 @@ class LMConfig:
     eval_windows: int = 16
     data_seed: int = 0
     data: str = text.STDLIB
+    log_points: int = 0
 
     def __post_init__(self):
         for f in ("hidden", "layers", "heads", "kv_heads", "ffn", "seq", "batch", "steps", "log_every",
@@ -104,13 +125,18 @@ class LMConfig:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
-        if isinstance(self.data_seed, bool) or not isinstance(self.data_seed, int) or self.data_seed < 0:
-            raise ValueError(f"data_seed must be a non-negative int, got {self.data_seed!r}")
+        for f in ("data_seed", "log_points"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{f} must be a non-negative int, got {v!r}")
         if not isinstance(self.data, str) or not self.data:
             raise ValueError(f"data must be 'stdlib' or a path, got {self.data!r}")
 
     def logged_steps(self) -> list:
-        return sorted({0, self.steps, *range(self.log_every, self.steps, self.log_every)})
+        """Steps 0, every ``log_every``-th, ``log_points`` log-spaced ones (from 1) and ``steps``, sorted."""
+        spaced = [round(self.steps ** (i / (self.log_points - 1))) for i in range(self.log_points)] \
+            if self.log_points > 1 else [1] * self.log_points
+        return sorted({0, self.steps, *range(self.log_every, self.steps, self.log_every), *spaced})
 
 
 def parameters(config: LMConfig) -> int:
@@ -128,9 +154,10 @@ def study_key(config, arms, pairs, fingerprint) -> str:
 
 # ---------------------------------------------------------------- model, precision, attention
 
-def build(config: LMConfig, init_seed: int, precision: str, device="cpu"):
-    """``LlamaForCausalLM`` with random init (torch.manual_seed(init_seed), built on the CPU, then moved), in
-    ``precision`` (module docstring), attention through SDPA."""
+def build(config: LMConfig, init_seed: int, precision: str, device="cpu", attn_implementation=ATTENTION):
+    """``LlamaForCausalLM`` with random init (torch.manual_seed(init_seed), built on the CPU, then moved: the
+    same weights whatever the attention), in ``precision`` (module docstring), attention through
+    ``attn_implementation`` (default: fadev's, :func:`attention` chooses the kernel)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -140,13 +167,26 @@ def build(config: LMConfig, init_seed: int, precision: str, device="cpu"):
                       bos_token_id=text.BOS, eos_token_id=text.EOS, pad_token_id=text.PAD, tie_word_embeddings=False,
                       attention_dropout=0.0, use_cache=False)
     torch.manual_seed(init_seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTENTION)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation)
     low = PRECISIONS[precision]
     for m in model.modules():
         if type(m) is nn.Linear and low is not None:
             m.__class__ = digits.Linear  # the same module and parameters, its matmul in mixed precision
             m.low = low
     return model.to(device)
+
+
+def layer_of(name: str) -> str:
+    """The group of state-dict tensor ``name`` for per-layer distances: "embed", "layer I" (decoder block I:
+    its attention, MLP and norms), "norm" (the final RMSNorm) or "lm_head"."""
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"] and len(parts) > 2:
+        return f"layer {parts[2]}"
+    if parts[:2] == ["model", "embed_tokens"]:
+        return "embed"
+    if parts[:2] == ["model", "norm"]:
+        return "norm"
+    return parts[0]
 
 
 def native_unavailable(device, head_dim, block_q, block_kv) -> str | None:
@@ -163,7 +203,34 @@ def attention(arm: Arm):
     """The context manager every forward and backward of ``arm``'s model runs in: its attention kernel."""
     if arm.kernel == "native":
         return fahf.use(kernel="native", **dict(arm.tiling))
+    if arm.kernel == "sdpa_flash":  # forced: an error where flash cannot run, never another backend's numbers
+        return _Reentrant(lambda: torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION))
+    if arm.kernel == "eager":
+        return contextlib.nullcontext()
     return fahf.use(arm.policy, kernel=arm.kernel, **dict(arm.tiling))
+
+
+def autocast(arm: Arm, device):
+    """The context ``arm``'s forward runs in: ``torch.autocast`` for "bf16_autocast", else nothing."""
+    dtype = AUTOCAST.get(arm.precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+class _Reentrant:
+    """A context manager entered again and again (each entry a fresh one from ``make``)."""
+
+    def __init__(self, make):
+        self.make, self.stack = make, []
+
+    def __enter__(self):
+        ctx = self.make()
+        self.stack.append(ctx)
+        return ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self.stack.pop().__exit__(*exc)
 
 
 def _attention_forward(module, query, key, value, *args, **kwargs):
@@ -227,9 +294,11 @@ class _Training:
 
     def __init__(self, arm, config, device, corpus):
         self.arm, self.config, self.device, self.corpus = arm, config, device, corpus
-        self.model = build(config, arm.init_seed, arm.precision, device)
+        self.model = build(config, arm.init_seed, arm.precision, device,
+                           REAL_KERNELS.get(arm.kernel, ATTENTION))
         self.opt = torch.optim.Adam(self.model.parameters(), lr=config.lr)
         self.attn = attention(arm)
+        self.amp = _Reentrant(lambda: autocast(arm, device))
         self.step, self.log = 0, {}
         self.loss_sum, self.loss_n, self.seconds = 0.0, 0, 0.0
         self.train_s = 0.0  # seconds of training updates since step 0, over every task (a timing: not in the rows)
@@ -241,7 +310,8 @@ class _Training:
         x, y = text.batch(self.corpus.train, self.step, self.config.batch, self.config.seq, self.config.data_seed)
         x, y = torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device)
         with self.attn:
-            loss = loss_of(self.model, x, y)
+            with self.amp:
+                loss = loss_of(self.model, x, y)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
         self.opt.step()
@@ -252,7 +322,7 @@ class _Training:
         self.train_s += time.perf_counter() - start
 
     def eval_loss(self):
-        with torch.no_grad(), self.attn:
+        with torch.no_grad(), self.attn, self.amp:
             return float(loss_of(self.model, self.eval_x, self.eval_y))
 
     def log_step(self, root, key):
@@ -289,7 +359,7 @@ class _Training:
 
 
 class ArmTask:
-    """point {"run": name, "until": step, "device": device} -> {"key": name, "step": reached, "log": {step:
+    """point {"run": name, "until": step, "device": device[, "gpu": index]} -> {"key": name, "step": reached, "log": {step:
     [train_loss, eval_loss, seconds]}, "train_s": seconds of all its updates so far}: arm ``name`` trained from
     its saved state (or from its init) up to update ``until``, stopping early before ``deadline``
     (time.time(); None: none) -- it stops before an update when twice the slowest update so far plus the last
@@ -301,8 +371,12 @@ class ArmTask:
 
     def __call__(self, point):
         device, until, arm = point["device"], point["until"], self.arms[point["run"]]
-        if device == "cuda":  # torch's deterministic cuBLAS needs it, in every process
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        if device == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, in every process
+            torch.backends.cuda.matmul.allow_tf32 = False  # "fp32" means fp32 (PyTorch's default, made sure)
+            torch.backends.cudnn.allow_tf32 = False
+            if point.get("gpu") is not None:  # the driver spreads the arms over the GPUs it sees
+                torch.cuda.set_device(point["gpu"])
         corpus = text.load(self.config.data)
         os.makedirs(arm_folder(self.root, arm.name), exist_ok=True)
         logged = set(self.config.logged_steps())
@@ -330,12 +404,14 @@ class ArmTask:
         return {"key": arm.name, "step": run.step, "log": run.log, "train_s": run.train_s}
 
 
-def load_snapshot(root, name, step, key):
-    saved = torch.load(snapshot_path(root, name, step), map_location="cpu", weights_only=True)
+def load_snapshot(root, name, step, key, device="cpu"):
+    """Arm ``name``'s weights at ``step`` (on ``device``: "cuda" compares them on the GPU)."""
+    saved = torch.load(snapshot_path(root, name, step), map_location=device, weights_only=True)
     if saved.get("key") != key:
         raise ValueError(f"{snapshot_path(root, name, step)!r} belongs to another configuration")
     return saved["weights"]
 
 
-__all__ = ["Arm", "LMConfig", "ArmTask", "build", "attention", "native_unavailable", "loss_of", "parameters",
-           "study_key", "read_progress", "load_snapshot", "snapshot_path", "PRECISIONS", "ATTENTION"]
+__all__ = ["Arm", "LMConfig", "ArmTask", "build", "attention", "autocast", "layer_of", "native_unavailable", "loss_of",
+           "parameters", "study_key", "read_progress", "load_snapshot", "snapshot_path", "PRECISIONS", "AUTOCAST",
+           "ATTENTION", "REAL_KERNELS"]

@@ -9,6 +9,11 @@ loss rows (one results file, appended and fsynced, keyed: never duplicated), and
 no pair needs any more. So the arms stay within a round of each other and a stop at any moment leaves
 comparable arms.
 
+GPUs. On device "cuda" the arms are spread over every GPU this process sees (arm i on GPU i mod count, each arm
+a process of its own: ``workers`` defaults to one per arm there), and the driver compares the snapshots on its
+GPU (fadev's GPU metrics). Each comparison also gives one row per layer (:func:`fadev.training.lm.layer_of`),
+``drift.attrs["layers"]``.
+
 Budget. ``budget_s``: no round starts and no update begins that would end past it (each task stops
 before an update when twice its slowest update plus a save would cross the deadline), and every arm is
 saved where it stopped; the next call continues from there. Between calls the output folder is the whole
@@ -24,7 +29,7 @@ import time
 from ..sweep.executors import execute
 from ..sweep.results import ResultsFile
 from . import lm, text
-from .tracker import _validate, drift_row, frames, loss_row, rows_of
+from .tracker import _validate, drift_rows, frames, layer_frame, loss_row, rows_of
 
 ARMS_DIR = "train_drift_arms"
 
@@ -71,18 +76,26 @@ def track_arms(config, arms, pairs, out, *, device="cpu", budget_s=None, log=Non
     os.makedirs(root, exist_ok=True)
     by_name = {a.name: a for a in arms}
     task = lm.ArmTask(config, by_name, key, root, deadline)
+    gpus = {}
+    if device == "cuda" and executor != "ray":  # Ray pins its GPU tasks itself
+        import torch
+        count = max(1, torch.cuda.device_count())
+        gpus = {a.name: i % count for i, a in enumerate(arms)}
+        if workers is None and executor == "local":
+            workers = len(arms)
     file = ResultsFile(os.path.join(out, "train_drift.jsonl"))
     try:
         rows = rows_of(file, key)
         done = {r["key"] for r in rows}
         state = {a.name: lm.read_progress(root, a.name, key) for a in arms}
-        compare(config, pairs, key, root, state, file, rows, done)
+        compare(config, pairs, key, root, state, file, rows, done, device)
         while True:
             low = min(s["step"] for s in state.values())
             if low >= config.steps or (deadline is not None and time.time() >= deadline):
                 break
             until = min(config.steps, (low // config.checkpoint_every + 1) * config.checkpoint_every)
-            points = [{"run": a.name, "until": until, "device": device} for a in arms if state[a.name]["step"] < until]
+            points = [{"run": a.name, "until": until, "device": device, **({"gpu": gpus[a.name]} if gpus else {})}
+                      for a in arms if state[a.name]["step"] < until]
             say(f"round to update {until}: {', '.join(p['run'] for p in points)}")
             before = {n: s["step"] for n, s in state.items()}
             for chunk in execute(points, task, _run_name, _one_group, executor=executor, workers=workers,
@@ -92,7 +105,7 @@ def track_arms(config, arms, pairs, out, *, device="cpu", budget_s=None, log=Non
                         raise RuntimeError(f"arm {r['run']!r} failed: {r['error']}")
                     state[r["key"]] = {"step": r["step"], "log": {int(s): v for s, v in r["log"].items()},
                                        "train_s": r["train_s"]}
-            compare(config, pairs, key, root, state, file, rows, done)
+            compare(config, pairs, key, root, state, file, rows, done, device)
             say("reached: " + ", ".join(f"{n} {s['step']} ({s['train_s'] / max(1, s['step']):.3g} s/update)"
                                         for n, s in state.items()))
             if all(state[n]["step"] == before[n] for n in state):
@@ -100,10 +113,11 @@ def track_arms(config, arms, pairs, out, *, device="cpu", budget_s=None, log=Non
     finally:
         file.close()
     drift, loss = frames(rows, key, config.steps)
+    drift.attrs["layers"] = layer_frame(rows, key, config.steps)
     return drift, loss, {n: (s["step"], s["train_s"]) for n, s in state.items()}
 
 
-def compare(config, pairs, key, root, state, file, rows, done):
+def compare(config, pairs, key, root, state, file, rows, done, device="cpu"):
     """Append the loss rows of every logged step the arms report and the drift rows of every pair both of
     whose arms have reached a logged step; delete the snapshots no missing row needs."""
     def emit(row):
@@ -122,8 +136,9 @@ def compare(config, pairs, key, root, state, file, rows, done):
                 continue
             for n in (p.a, p.b):
                 if n not in cache:
-                    cache[n] = lm.load_snapshot(root, n, step, key)
-            emit(drift_row(key, step, p, cache[p.a], cache[p.b]))
+                    cache[n] = lm.load_snapshot(root, n, step, key, "cuda" if device == "cuda" else "cpu")
+            for row in drift_rows(key, step, p, cache[p.a], cache[p.b], lm.layer_of):
+                emit(row)
     need = _snapshots_needed(config, pairs, done, key)
     for name, s in state.items():
         for step in s["log"]:

@@ -355,10 +355,22 @@ def _track(config, runs, pairs, key, file, ckpt, device, callback, log):
 
 def drift_row(key, step, pair, a, b):
     """The drift row of ``pair`` at ``step``: distances of weights ``a`` from ``b`` (modules or state dicts)."""
-    d = weights.model_distance(a, b)
-    return {"key": f"{key}/{step}/pair/{pair.name}", "config": key, "kind": "drift", "step": step, "pair": pair.name,
-            "role": pair.role, "a": pair.a, "b": pair.b, "max_abs": d["max_abs"], "wasserstein": d["wasserstein"],
-            "rmse": d["rmse"], "rel_l2": d["rel_l2"], "max_abs_tensor": d["max_abs_tensor"]}
+    return drift_rows(key, step, pair, a, b)[0]
+
+
+def drift_rows(key, step, pair, a, b, groups=None):
+    """[the drift row of ``pair`` at ``step``, then one ``kind="layer"`` row per group of ``groups(name)``
+    (fadev.weights.compare's groups; None: no layer rows)] -- one comparison of the two models."""
+    df = weights.compare(a, b, groups=groups)
+    d = df.attrs["model"]
+    rows = [{"key": f"{key}/{step}/pair/{pair.name}", "config": key, "kind": "drift", "step": step, "pair": pair.name,
+             "role": pair.role, "a": pair.a, "b": pair.b, "max_abs": d["max_abs"], "wasserstein": d["wasserstein"],
+             "rmse": d["rmse"], "rel_l2": d["rel_l2"], "max_abs_tensor": df.attrs["max_abs_tensor"]}]
+    for g in df.attrs.get("groups", ()):
+        rows.append({"key": f"{key}/{step}/layer/{pair.name}/{g['name']}", "config": key, "kind": "layer",
+                     "step": step, "pair": pair.name, "role": pair.role, "group": g["name"], "numel": g["numel"],
+                     "max_abs": g["max_abs"], "wasserstein": g["wasserstein"], "rel_l2": g["rel_l2"]})
+    return rows
 
 
 def loss_row(key, step, name, train_loss, eval_loss, seconds):
@@ -372,6 +384,12 @@ def frames(rows, key, steps):
     drift = frame(sorted((r for r in mine if r["kind"] == "drift"), key=lambda r: r["step"]))
     loss = frame(sorted((r for r in mine if r["kind"] == "loss"), key=lambda r: r["step"]))
     return drift, loss
+
+
+def layer_frame(rows, key, steps):
+    """The ``kind="layer"`` rows (:func:`drift_rows`) of configuration ``key`` up to ``steps``, sorted by step."""
+    return frame(sorted((r for r in rows if r.get("config") == key and r["kind"] == "layer" and r["step"] <= steps),
+                        key=lambda r: r["step"]))
 
 
 def rows_for(rows, key, step, pair):
