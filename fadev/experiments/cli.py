@@ -141,6 +141,9 @@ def _cmd_experiment(name, command):
             overrides[variants[0]] = chosen
             if chosen != next(iter(variants[1])):
                 shown = f"{command} --{variants[0]} {chosen}"
+        for key in getattr(exp, "SHOWN_OPTIONS", ()):  # settings that choose the study, not its size
+            if overrides.get(key) not in (None, sizes.get(key)):
+                shown += f" --{key.replace('_', '-')} {overrides[key]}"
         try:
             result = run_one(name, args.size, args.out, args.device, args.workers, args.progress,
                              run_options(args), **overrides)

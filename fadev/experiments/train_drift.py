@@ -49,6 +49,8 @@ from .common import PAPER, Finding
 NAME = "train_drift"
 TITLE = "Training drift: does flash attention change the trained weights?"
 FIGURES = ("train_drift_linear", "train_drift_log", "train_drift_loss")
+SHOWN_OPTIONS = ("kernels",)
+"""Settings named in the report's regenerate command when not the default: they choose the study."""
 EXTRA_FIGURES = ("train_drift_loglog", "train_drift_layers")
 """Drawn for ``--kernels real`` only."""
 REPRODUCE = False
