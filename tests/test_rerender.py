@@ -79,7 +79,7 @@ def test_bad_folders(tmp_path, capsys):
 def test_llama_training_folder_is_refused(tmp_path, capsys):
     """A `train-drift --model llama` folder's CSVs lack its runs, corpus and progress: rendering them as the
     digits study would describe the wrong workload, so the command says so instead."""
-    folder = copy("train-drift-llama-quick-cpu-2026-11-23", tmp_path)
+    folder = copy("train-drift-llama-quick-cpu-2026-11-25", tmp_path)
     before = (folder / "train_drift.md").read_text()
     with pytest.raises(ValueError, match="--model llama"):
         rerender.rerender(str(folder))

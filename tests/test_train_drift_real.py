@@ -31,7 +31,9 @@ def _frame(curves, roles):
     return pd.DataFrame(rows)
 
 
-ROLES = {"flash": "flash", "native": "flash", "prec": "precision", "init": "init", "control (identical runs)": "control"}
+FLASH, NATIVE = "flash (SDPA) vs baseline", "native vs baseline"
+ROLES = {"flash": "flash", FLASH: "flash", NATIVE: "flash", "prec": "precision", "init": "init",
+         "control (identical runs)": "control"}
 INIT = [1.0] * len(STEPS)
 ZERO = [0.0] * len(STEPS)
 
@@ -42,22 +44,22 @@ def _power(scale, exponent):
 
 def test_verdicts_hold_where_they_must_and_fail_where_they_must():
     # flash at 0.3x the precision drift, far below the init drift, native alike: every verdict holds
-    good = _frame({"flash": _power(3e-4, 0.5), "native": _power(4e-4, 0.5), "prec": _power(1e-3, 0.5),
+    good = _frame({FLASH: _power(3e-4, 0.5), NATIVE: _power(4e-4, 0.5), "prec": _power(1e-3, 0.5),
                    "init": INIT, "control (identical runs)": ZERO}, ROLES)
     verdicts = {f.claim: f.holds for f in real.findings(good)}
-    assert verdicts["flash: drift / bf16-vs-fp32 drift (rel_l2), apart regime"] is True
-    assert verdicts["flash: drift / init-seed drift (rel_l2), apart regime"] is True
-    assert verdicts["native / flash (rel_l2): two flash kernels drift alike"] is True
+    assert verdicts[f"{FLASH}: drift / bf16-vs-fp32 drift (rel_l2), apart regime"] is True
+    assert verdicts[f"{FLASH}: drift / init-seed drift (rel_l2), apart regime"] is True
+    assert verdicts[f"{NATIVE} / {FLASH} (rel_l2): two flash kernels drift alike"] is True
     # flash as large as the precision drift, native 5x flash, flash at 0.2 of the init drift: each fails
-    bad = _frame({"flash": _power(1e-3, 0.5), "native": _power(5e-3, 0.5), "prec": _power(1e-3, 0.5),
+    bad = _frame({FLASH: _power(1e-3, 0.5), NATIVE: _power(5e-3, 0.5), "prec": _power(1e-3, 0.5),
                   "init": [0.5] * len(STEPS), "control (identical runs)": ZERO}, ROLES)
-    bad.loc[bad["pair"] == "flash", "rel_l2"] *= 100  # 0.1..1.13: saturated (>= 0.5 x 0.5) from step 8 on
+    bad.loc[bad["pair"] == FLASH, "rel_l2"] *= 100  # 0.1..1.13: saturated (>= 0.5 x 0.5) from step 8 on
     bad_verdicts = {f.claim: (f.holds, f.ours) for f in real.findings(bad)}
-    assert bad_verdicts["flash: drift / bf16-vs-fp32 drift (rel_l2), apart regime"][0] is False
-    assert bad_verdicts["flash: drift / init-seed drift (rel_l2), apart regime"][0] is False
-    assert bad_verdicts["native / flash (rel_l2): two flash kernels drift alike"][0] is False
+    assert bad_verdicts[f"{FLASH}: drift / bf16-vs-fp32 drift (rel_l2), apart regime"][0] is False
+    assert bad_verdicts[f"{FLASH}: drift / init-seed drift (rel_l2), apart regime"][0] is False
+    assert bad_verdicts[f"{NATIVE} / {FLASH} (rel_l2): two flash kernels drift alike"][0] is False
     # only the unsaturated steps enter the apart regime: 0.1, 0.14, 0.2 at steps 1, 2, 4 (< 0.25)
-    regime = real.state(bad)["flash"]
+    regime = real.state(bad)[FLASH]
     assert [s for s in STEPS if regime[s] == "apart"] == [1, 2, 4] and regime[8] == regime[128] == "saturated"
 
 
@@ -174,3 +176,38 @@ def test_real_arms_on_the_gpu(tmp_path):
     gpu = weights.compare({k: v.cuda() for k, v in a.items()}, {k: v.cuda() for k, v in b.items()}).attrs["model"]
     assert gpu["max_abs"] == cpu["max_abs"] and gpu["wasserstein"] == pytest.approx(cpu["wasserstein"], rel=1e-14)
     assert gpu["rel_l2"] == pytest.approx(cpu["rel_l2"], rel=1e-12)
+
+
+def test_emulated_arms_verdicts_both_ways():
+    """--kernels emulated_real: the validation (emulated fa2 drifts as the real flash does) and the paper's setting
+    (paper(bf16) drifts >= 2x fa2(bf16)) hold on data made to hold them and fail on data made to fail them."""
+    fa2, paper, sdpa = ("flash fa2(bf16) vs emulated baseline", "flash paper(bf16) vs emulated baseline",
+                        "flash (SDPA) vs baseline")
+    roles = {fa2: "flash", paper: "flash", sdpa: "flash", "control (identical runs)": "control"}
+
+    def claims(curves):
+        found = {f.claim.split(" (rel_l2)")[0]: f.holds for f in real.findings(_frame(curves, roles))}
+        return found[f"{fa2} / {sdpa}"], found[f"{paper} / {fa2}"]
+
+    assert claims({fa2: _power(1e-3, 1), paper: _power(3e-3, 1), sdpa: _power(1.2e-3, 1),
+                   "control (identical runs)": ZERO}) == (True, True)
+    assert claims({fa2: _power(1e-3, 1), paper: _power(1.2e-3, 1), sdpa: _power(4e-3, 1),
+                   "control (identical runs)": ZERO}) == (False, False)
+    runs, pairs, skipped = real.runs_and_pairs("cpu", kernels="emulated_real")
+    assert [r.name for r in runs] == ["baseline", "flash", "baseline_emulated", "flash_fa2", "flash_paper",
+                                      "control_emulated"] and not skipped
+    assert {p.name for p in pairs} >= {fa2, paper, sdpa} and all(r.precision == "bf16_autocast" for r in runs)
+    with pytest.raises(ValueError, match="kernels must be"):
+        real.runs_and_pairs("cpu", kernels="emulated")
+
+
+def test_emulated_real_study_on_the_cpu(tmp_path):
+    out = str(tmp_path / "emulated")
+    assert main(["train-drift", "--model", "llama", "--kernels", "emulated_real", "--quick", "--out", out,
+                 "--steps", "6", "--log-points", "3", "--log-every", "6", "--checkpoint-every", "6"]) == 0
+    df = pd.read_csv(os.path.join(out, "train_drift.csv"))
+    last = df[df["step"] == 6].set_index("pair")["rel_l2"]
+    assert last["control (identical runs)"] == 0 and (last.drop("control (identical runs)") > 0).all()
+    report = open(os.path.join(out, "train_drift.md")).read()
+    assert "the emulated FA2 drifts from its baseline as the real flash kernel" in report and "nan" not in report
+    assert "--kernels emulated_real" in report

@@ -111,9 +111,11 @@ LLAMA_DOCS = {"hidden": "model width", "layers": "decoder blocks", "heads": "que
                       "native_BQxBKV, native_BQxBKV_again, control); pairs need both their arms",
               "data": "'stdlib' (the interpreter's standard library) or a text file or folder",
               "budget_s": "seconds of training this call may use; arms are saved where they stop, a rerun continues",
-              "kernels": "'emulated' (fadev's kernels under precision policies) or 'real' (the kernels people train "
-                         "with: eager, SDPA flash and fadev's native kernel under real bf16 autocast; its own sizes, "
-                         "fadev.experiments.train_drift_real.SIZES, where not set here)",
+              "kernels": "'emulated' (fadev's kernels under precision policies), 'real' (the kernels people train "
+                         "with: eager, SDPA flash and fadev's native kernel under real bf16 autocast) or "
+                         "'emulated_real' (fadev's emulated naive, fa2 and paper bf16 under real autocast beside the "
+                         "real eager and SDPA flash); the last two have their own sizes, "
+                         "fadev.experiments.train_drift_real.SIZES, where not set here",
               "log_points": "also log at this many steps spaced evenly on a log scale from update 1"}
 WORKLOADS = ("model", {"digits": (SIZES, SIZE_DOCS), "llama": (LLAMA_SIZES, LLAMA_DOCS)},
             "the workload: digits (8x8 images, the default) or llama (a Hugging Face Llama on bytes of real text)")
@@ -156,9 +158,9 @@ def settings(size="quick", model="digits", **overrides):
     s = dict(table_[size])
     s.update({k: v for k, v in overrides.items() if v is not None})
     if model == "llama":
-        if s["kernels"] not in ("emulated", "real"):
-            raise ValueError(f"kernels must be 'emulated' or 'real', got {s['kernels']!r}")
-        if s["kernels"] == "real":  # the real study's own sizes, where the call does not set them
+        if s["kernels"] not in ("emulated",) + real.KINDS:
+            raise ValueError(f"kernels must be one of emulated, {', '.join(real.KINDS)}, got {s['kernels']!r}")
+        if s["kernels"] in real.KINDS:  # the real study's own sizes, where the call does not set them
             s.update({k: v for k, v in real.SIZES[size].items() if overrides.get(k) is None})
     return s
 
@@ -306,7 +308,8 @@ def run_llama(size="quick", out=None, *, device="cpu", workers=None, progress=Fa
         raise ImportError(f"--model llama needs transformers: pip install 'fadev[hf]' ({e})") from None
     config = lm.LMConfig(**{f.name: s[f.name] for f in dataclasses.fields(lm.LMConfig) if f.name in s})
     head_dim = config.hidden // config.heads
-    runs, pairs, skipped = real.runs_and_pairs(device, head_dim, s["arms"]) if s["kernels"] == "real" else \
+    runs, pairs, skipped = real.runs_and_pairs(device, head_dim, s["arms"], s["kernels"]) \
+        if s["kernels"] in real.KINDS else \
         llama_runs_and_pairs(device, s["native_tiles"], s["flash_block"], head_dim=head_dim, arms=s["arms"])
     corpus = training.text.load(config.data)
     options = dict(cluster or {})
@@ -324,7 +327,7 @@ def run_llama(size="quick", out=None, *, device="cpu", workers=None, progress=Fa
         raise RuntimeError(f"budget_s={s['budget_s']}: no arm got through its first logged step; give it more time")
     drift.attrs.update(loss=loss, settings=s, runs=runs, pairs=pairs, reached=reached, skipped=skipped,
                        steps=config.steps, unit="nats per byte",
-                       intro=(real.intro if s["kernels"] == "real" else _llama_intro)(s, config, corpus))
+                       intro=(real.intro if s["kernels"] in real.KINDS else _llama_intro)(s, config, corpus))
     return drift
 
 
@@ -423,7 +426,7 @@ def figures(df, out_dir):
 
 
 def _is_real(df) -> bool:
-    return df.attrs.get("settings", {}).get("kernels") == "real"
+    return df.attrs.get("settings", {}).get("kernels") in real.KINDS
 
 
 # ------------------------------------------------------------------ report
@@ -436,6 +439,8 @@ def verdicts(drift):
     """[(flash pair, metric, ratio to precision, ratio to init, holds)] -- holds: the late-training ratio
     of flash drift to the bf16-vs-fp32 drift lies in the paper's [1/5, 1/2]."""
     out = []
+    if not (drift["role"] == "precision").any():  # nothing to hold flash's drift against
+        return out
     for metric in ("max_abs", "wasserstein"):
         for pair, refs in ratios(drift, metric).items():
             prec = refs.get("precision", (math.nan,) * 3)
@@ -457,7 +462,7 @@ def _per_step(loss, run_name, s):
 def _conclusion(drift):
     v = verdicts(drift)
     if not v:
-        return "**Verdict.** None: no flash pair among the arms run."
+        return "**Verdict.** None: no flash pair and low-precision reference pair among the arms run."
     held = [x for x in v if x[4]]
     parts = []
     for pair, metric, prec, init, holds in v:
@@ -511,12 +516,13 @@ def table(df) -> str:
         cells = [f"{_fmt(by.loc[(p.name, st), 'max_abs'])} / {_fmt(by.loc[(p.name, st), 'wasserstein'])}"
                  if (p.name, st) in by.index else "–" for st in shown]
         lines.append(f"| {report.escape(p.name)} | " + " | ".join(cells) + " |")
-    lines += ["", f"**Ratios** of flash-vs-baseline drift to the references: geometric mean over the logged steps "
-              f"in the second half of training (value at step {last} in brackets). The paper: flash's drift is "
-              "1/2..1/5 of low-precision training's (a private text-to-image model); a verdict holds when our "
-              "late-training ratio to `bf16 mixed vs fp32` lies in [0.2, 0.5].", "",
-              "| flash pair | metric | / low precision (bf16 vs fp32) | / init seed | paper 1/2..1/5 |",
-              "|---|---|---|---|---|"]
+    if verdicts(df):
+        lines += ["", f"**Ratios** of flash-vs-baseline drift to the references: geometric mean over the logged "
+                  f"steps in the second half of training (value at step {last} in brackets). The paper: flash's drift "
+                  "is 1/2..1/5 of low-precision training's (a private text-to-image model); a verdict holds when our "
+                  "late-training ratio to `bf16 mixed vs fp32` lies in [0.2, 0.5].", "",
+                  "| flash pair | metric | / low precision (bf16 vs fp32) | / init seed | paper 1/2..1/5 |",
+                  "|---|---|---|---|---|"]
     partial = _partial(df)
     for pair, metric, prec, init, holds in verdicts(df):
         verdict = "none yet (partial run)" if partial else "holds" if holds else "**does not hold**"
