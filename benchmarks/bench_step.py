@@ -1,0 +1,159 @@
+"""A training step on each attention, and fadev's host time per attention call (validate, then time).
+
+    python benchmarks/bench_step.py [--steps 20] [--arms sdpa,eager,native,fa2,paper] [--quick]
+
+The model is the training-drift study's Llama (fadev.training.lm: transformers' LlamaForCausalLM, hidden 512,
+8 layers, 8 query / 4 key-value heads, SwiGLU 1376, byte vocabulary; ``--quick``: a small one) trained on batch
+8 x 1024 bytes under ``torch.autocast(dtype=torch.bfloat16)`` with AdamW, one arm at a time on one GPU:
+
+  sdpa    attn_implementation="sdpa" (PyTorch picks its backend)
+  eager   attn_implementation="eager" (materialised)
+  native  fadev's native kernel through fadev.hf, defaults (``use(kernel="native")``)
+  fa2     fadev's emulated fa2(bf16) through fadev.hf (``use("fa2:bf16")``)
+  paper   fadev's emulated paper(bf16)
+
+Validation first: every arm's loss after the same 2 updates from the same init is finite and within 2% of
+sdpa's (the kernels differ only by rounding). Then the median wall time of ``--steps`` updates (each ended by a
+CUDA synchronize), and the ratio to sdpa's in the same run.
+
+Host time per call: fadev.hf.attention_forward + backward on a tiny problem (B 1, H 8 / 4, N 128, D 64), whose
+GPU work is a few microseconds, timed as the wall time of 200 back-to-back calls without synchronizing inside
+the loop, beside transformers' sdpa_attention_forward on the same tensors: the difference is what fadev's
+Python layer adds per call.
+"""
+import argparse
+import math
+import statistics
+import sys
+import time
+
+import torch
+
+ARMS = ("sdpa", "eager", "native", "fa2", "paper")
+
+
+def model_and_context(arm, config, device):
+    from fadev import hf
+    from fadev.training import lm
+    implementation = {"sdpa": "sdpa", "eager": "eager"}.get(arm, lm.ATTENTION)
+    model = lm.build(config, 0, "fp32", device, implementation)
+    if arm == "native":
+        ctx = hf.use(kernel="native")
+    elif arm in ("fa2", "paper"):
+        ctx = hf.use(f"{arm}:bf16")
+    else:
+        ctx = hf.use(kernel="sdpa")
+    return model, ctx
+
+
+def batches(config, n, device):
+    from fadev.training import text
+    corpus = text.load(config.data)
+    return [tuple(torch.from_numpy(t).to(device) for t in text.batch(corpus.train, s, config.batch, config.seq, 0))
+            for s in range(n)]
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def step_fn(model, ctx, opt, device):
+    from fadev.training import lm
+
+    def step(x, y):
+        with ctx:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = lm.loss_of(model, x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+def run_arm(arm, config, data, steps, device):
+    model, ctx = model_and_context(arm, config, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    step = step_fn(model, ctx, opt, device)
+    losses = [float(step(*data[i]).detach()) for i in range(2)]
+    times = []
+    for i in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        step(*data[(i + 2) % len(data)])
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    del model, opt
+    return losses[-1], statistics.median(times[1:] if len(times) > 1 else times)
+
+
+def host_us_per_call(device, calls=200):
+    """{kernel: microseconds per forward + backward call on a tiny problem} for fadev native (CUDA only), fadev
+    fa2(bf16) emulated and transformers' sdpa."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from fadev import hf
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=2, training=True)
+    q = torch.randn(1, 8, 128, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 4, 128, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+
+    def timed(fn, ctx):
+        def once():
+            with ctx:
+                out, _ = fn(module, q, k, v, None, dropout=0.0, scaling=0.125, is_causal=True)
+                out.sum().backward()
+        for _ in range(10):
+            once()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            once()
+        sync(device)
+        return (time.perf_counter() - t0) / calls * 1e6
+    out = {"native": timed(hf.attention_forward, hf.use(kernel="native"))} if device == "cuda" else {}
+    out["fa2(bf16) emulated"] = timed(hf.attention_forward, hf.use("fa2:bf16"))
+    out["transformers' sdpa"] = timed(sdpa_attention_forward, hf.use(kernel="sdpa"))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--quick", action="store_true", help="a small model (hidden 128, 2 layers, sequence 256)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a check of this program without a GPU (no native arm; CPU timings mean little)")
+    args = p.parse_args()
+    import fadev
+    from fadev.training import lm
+    if args.device == "cuda" and not (torch.cuda.is_available() and fadev.cuda_available()):
+        sys.exit("bench_step --device cuda needs a CUDA GPU, PyTorch with CUDA and fadev built with FADEV_CUDA=1")
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS or (a == "native" and args.device != "cuda")]
+    if unknown or "sdpa" not in arms:
+        sys.exit(f"--arms: choose from {', '.join(ARMS)}, sdpa included; got {args.arms!r}")
+    size = dict(hidden=128, layers=2, heads=4, kv_heads=2, ffn=344, seq=256) if args.quick else \
+        dict(hidden=512, layers=8, heads=8, kv_heads=4, ffn=1376, seq=1024)
+    config = lm.LMConfig(**size, batch=8, lr=3e-4)
+    data = batches(config, args.steps + 2, args.device)
+    results = {a: run_arm(a, config, data, args.steps, args.device) for a in arms}
+    ref_loss, ref_s = results["sdpa"]
+    bad = [a for a, (loss, _) in results.items() if not (math.isfinite(loss) and abs(loss / ref_loss - 1) <= 0.02)]
+    if bad:
+        sys.exit(f"validation failed: loss after 2 updates {({a: results[a][0] for a in bad})} vs sdpa's {ref_loss}")
+    host = host_us_per_call(args.device)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"\n{where}, torch {torch.__version__}; Llama {lm.parameters(config):,} parameters, "
+          f"batch {config.batch} x {config.seq}, bf16 autocast, AdamW; median of {args.steps} steps\n")
+    print("| attention | ms / step | / sdpa | loss after 2 updates |\n|---|---|---|---|")
+    for a, (loss, s) in results.items():
+        print(f"| {a} | {s * 1e3:.1f} | {s / ref_s:.2f} | {loss:.4f} |")
+    print("\nper attention call, forward + backward, tiny problem (wall time of 200 calls): " +
+          ", ".join(f"{k} {us:.0f} us" for k, us in host.items()))
+
+
+if __name__ == "__main__":
+    main()
