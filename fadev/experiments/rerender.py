@@ -19,6 +19,7 @@ import pandas as pd
 
 from .. import __version__, report
 from . import EXPERIMENTS, METHOD, PAPER
+from .headline import headline
 
 ATTR_TABLES = {"kernels": {"backward": "kernels_backward.csv", "tiles": "kernels_tiles.csv"},
                "train_drift": {"loss": "train_drift_loss.csv"}}
@@ -42,8 +43,8 @@ def _recorded_text(folder, names):
 
 
 def _header(text):
-    """The recorded report's first paragraph after its heading (the line on its run)."""
-    paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+    """The recorded report's first paragraph after its heading (the line on its run), its headline skipped."""
+    paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip() and not p.strip().startswith("**In short.**")]
     first = paragraphs[1] if len(paragraphs) > 1 and paragraphs[0].startswith("#") else paragraphs[0]
     return first.removeprefix("Recorded run: ")  # a report rendered again keeps the run's own line
 
@@ -145,7 +146,8 @@ def rerender(folder, out=None, size=None):
                 f"recorded run's, the findings and tables are computed from them by the current code.")
     sampled = any("n_query" in r["experiment"].SIZES[size] for r in results.values())
     report.write(out or path, results, title=title, command="python -m fadev report DIR", size=size,
-                 header=[f"Recorded run: {header}", rendered], preamble=[METHOD] if sampled else [])
+                 header=[f"Recorded run: {header}", rendered], preamble=[METHOD] if sampled else [],
+                 headline=headline(results))
     return out or path, results
 
 

@@ -27,6 +27,9 @@ NAME = "ring_dist"
 TITLE = "Ring attention on real ranks: a deep model's gradient error vs W and depth"
 FIGURES = ("ring_dist_error_vs_W", "ring_dist_error_vs_depth")
 REPRODUCE = False
+OPTIONS = ()
+"""The shared options its command takes: its ranks are its own processes (gloo, or nccl where every rank has a
+GPU): no --device, no --cluster."""
 POLICY = "fa2:bf16"
 STUDY_TIMEOUT = 1800.0
 """Collective timeout (s): rank 0 computes the fp64 reference and the simulation while the others wait at a
