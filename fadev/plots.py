@@ -55,13 +55,14 @@ def errors(df, col):
 
 def value_scale(ax, values, decades=1.0) -> str:
     """Put ``ax``'s y axis on a log scale where the positive finite ``values`` drawn on it span at least
-    ``decades`` decades (max/min >= 10**decades), else on a linear one, so a narrow range (4.0e-3 to 4.6e-3)
-    is not drawn as if it grew or fell by orders of magnitude; returns 'log' or 'linear'."""
+    ``decades`` decades (max/min >= 10**decades), else on a linear one from 0, so a narrow range (4.0e-3 to
+    4.6e-3) is not drawn as if it grew or fell by orders of magnitude; returns 'log' or 'linear'."""
     v = np.asarray(values, dtype=float)
     v = v[np.isfinite(v) & (v > 0)]
     scale = "log" if len(v) and v.max() >= v.min() * 10 ** decades else "linear"
     ax.set_yscale(scale)
-    if scale == "linear":
+    if scale == "linear" and len(v):  # from 0: a 15% change looks like 15%, not like the whole axis
+        ax.set_ylim(0, v.max() * 1.1)
         ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     return scale
 

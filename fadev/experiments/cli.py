@@ -224,7 +224,7 @@ def cmd_report(args) -> int:
         print(f"fadev report: {e}", file=sys.stderr)
         return 1
     found = [f for r in results.values() for f in r["findings"]]
-    print(f"{report.count_line(found)}; report: {path}")
+    print(f"{report.count_line(found)}; report: {', '.join(path) if isinstance(path, list) else path}")
     return 0
 
 
@@ -247,7 +247,8 @@ def add_subcommands(sub):
                                     "numbers; the recorded header, sizes lines and figures kept). Replaces DIR's "
                                     "report (report.md or NAME.md) unless --out is given.")
     rp.add_argument("dir", metavar="DIR", help="a results folder, e.g. docs/results/kernels-quick-h100-2026-11-22")
-    rp.add_argument("--out", default=None, metavar="FILE", help="write the report here instead")
+    rp.add_argument("--out", default=None, metavar="FILE",
+                    help="write the report here instead (a folder where DIR holds one report per experiment)")
     group = rp.add_mutually_exclusive_group()
     for size in ("quick", "full"):
         group.add_argument(f"--{size}", dest="size", action="store_const", const=size,

@@ -207,12 +207,12 @@ def holds_range(xs, ok, *, name="N") -> str:
     first, last = ok.index(True), len(ok) - 1 - ok[::-1].index(True)
     if not all(ok[first:last + 1]):
         return f"at {name} = " + ", ".join(str(x) for x, o in zip(xs, ok) if o)
-    if first == last:
-        return f"at {name} = {xs[first]} only"
     if last == len(xs) - 1:
         return f"for {name} >= {xs[first]}"
     if first == 0:
         return f"for {name} <= {xs[last]}"
+    if first == last:
+        return f"at {name} = {xs[first]} only"
     return f"for {xs[first]} <= {name} <= {xs[last]}"
 
 

@@ -55,8 +55,6 @@ EXTRA_FIGURES = ("train_drift_loglog", "train_drift_layers")
 """Drawn for ``--kernels real`` only."""
 REPRODUCE = False
 """Not part of ``python -m fadev reproduce``'s default set (it needs PyTorch; ``--only train_drift`` adds it)."""
-OPTIONS = ("device",)
-"""The shared options its command takes: its arms train in one process: --device picks where, no --cluster."""
 
 INTRO = (
     f"{PAPER}, Section 5 (Figures 7-8) on an open workload.\n\n"
