@@ -16,10 +16,11 @@ Environment:
 
 Like cupy's build_ext: .cu files are compiled to objects by nvcc and handed to the linker as extra
 objects; the CUDA runtime is linked statically so `import fadev` never needs libcudart. Each object is
-kept in the build directory with the hash of what made it (its source, the headers it includes, the nvcc
-command and version) and compiled again only when that hash changes. The build's configuration (CUDA or
-not, flags) is recorded there too: when it differs from the last build's, the extension is rebuilt and
-relinked, so a build never packages a `_core` made under another configuration.
+kept in build/fadev-cuda-objects/ under the hash of what made it (its source, the headers it includes, the
+nvcc command and version), so a rebuild (another `pip install -e .` included) compiles only what changed.
+The build's configuration (CUDA or not, flags) is recorded in the build directory per output file: when it
+differs from the last build's, the extension is rebuilt and relinked, so a build never packages a `_core`
+made under another configuration.
 """
 import concurrent.futures
 import glob
@@ -140,37 +141,36 @@ def object_key(cmd, src, compiler_version):
     return h.hexdigest()
 
 
-def compile_cached(jobs, build_dir, compiler_version, workers, log=print):
-    """Compile ``jobs`` ([(src, obj, cmd)]; cmd without the output path, which is appended as `-o obj`) side by
-    side on ``workers`` threads, skipping every object whose hash (:func:`object_key`, kept in obj + '.key')
-    is unchanged. Returns (objects, the sources compiled); SystemExit naming the sources that failed."""
-    todo = []
-    for src, obj, cmd in jobs:
+def compile_cached(jobs, cache_dir, compiler_version, workers, log=print):
+    """Compile ``jobs`` ([(src, cmd)]; cmd without the output, which is appended as `-o OBJECT`) side by side on
+    ``workers`` threads into ``cache_dir``, each object named by the hash of what makes it (:func:`object_key`):
+    SRC.HASH.o. An object already there is reused, so a rebuild compiles only what changed and configurations
+    that alternate (other flags, other archs) keep their objects. Written under a temporary name and renamed
+    once complete: a failed or killed compile leaves no object. Returns (objects, the sources compiled);
+    SystemExit naming the sources that failed."""
+    os.makedirs(cache_dir, exist_ok=True)
+    planned = []
+    for src, cmd in jobs:
         key = object_key(cmd, src, compiler_version)
-        try:
-            with open(obj + ".key") as fh:
-                fresh = fh.read() == key and os.path.exists(obj)
-        except OSError:
-            fresh = False
-        if not fresh:
-            todo.append((src, obj, cmd, key))
+        planned.append((src, cmd, os.path.join(cache_dir, f"{os.path.basename(src)}.{key[:20]}.o")))
+    todo = [job for job in planned if not os.path.exists(job[2])]
 
     def one(job):
-        src, obj, cmd, key = job
-        if os.path.exists(obj + ".key"):
-            os.remove(obj + ".key")
+        src, cmd, obj = job
+        tmp = f"{obj}.{os.getpid()}.tmp"
         log(" ".join(cmd + ["-o", obj]))
-        rc = subprocess.call(cmd + ["-o", obj])
+        rc = subprocess.call(cmd + ["-o", tmp])
         if rc == 0:
-            with open(obj + ".key", "w") as fh:
-                fh.write(key)
+            os.replace(tmp, obj)
+        elif os.path.exists(tmp):
+            os.remove(tmp)
         return rc
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         failed = [job[0] for job, rc in zip(todo, pool.map(one, todo)) if rc != 0]
     if failed:
         sys.exit("nvcc failed on " + ", ".join(os.path.basename(s) for s in failed))
-    return [obj for _, obj, _ in jobs], [job[0] for job in todo]
+    return [obj for _, _, obj in planned], [job[0] for job in todo]
 
 
 def build_jobs():
@@ -183,18 +183,21 @@ def build_jobs():
     return int(text)
 
 
-def config_changed(build_temp, config):
-    """Whether ``config`` differs from the one the last build recorded in build_temp: None where none is
-    recorded (a first build here), else True or False; records ``config`` for the next."""
+def config_changed(build_temp, output, config):
+    """Whether ``config`` differs from the one the last build of ``output`` (an extension's file) recorded in
+    build_temp: None where none is recorded (a first build of it here), else True or False; records ``config``
+    for the next. Kept per output, since an in-place build and a wheel's build share build_temp."""
     path = os.path.join(build_temp, "fadev-build-config.json")
     try:
         with open(path) as fh:
-            old = json.load(fh)
+            records = json.load(fh)
     except (OSError, ValueError):
-        old = None
+        records = {}
+    old = records.get(os.path.abspath(output))
+    records[os.path.abspath(output)] = config
     os.makedirs(build_temp, exist_ok=True)
     with open(path, "w") as fh:
-        json.dump(config, fh, indent=1, sort_keys=True)
+        json.dump(records, fh, indent=1, sort_keys=True)
     return None if old is None else old != config
 
 
@@ -211,12 +214,13 @@ class BuildExt(build_ext):
         config = {"cuda": with_cuda, "nvcc": nvcc if with_cuda else None, "cflags": extra_compile,
                   "ldflags": extra_link, "arch": os.environ.get("FADEV_CUDA_ARCH", "80 90") if with_cuda else None,
                   "nvcc_flags": os.environ.get("FADEV_NVCC_FLAGS", "") if with_cuda else None}
-        changed = config_changed(self.build_temp, config)
-        if changed is not False and not self.force:  # a first build here may find a _core of unknown making
-            if changed:
-                print("fadev: the build configuration changed since the last build here: rebuilding _core",
-                      file=sys.stderr, flush=True)
-            self.force = True
+        for ext in self.extensions:
+            changed = config_changed(self.build_temp, self.get_ext_fullpath(ext.name), config)
+            if changed is not False and not self.force:  # a first build here may find a _core of unknown making
+                if changed:
+                    print("fadev: the build configuration changed since the last build here: rebuilding _core",
+                          file=sys.stderr, flush=True)
+                self.force = True
         for ext in self.extensions:
             if with_cuda:
                 objects = self.compile_cuda(nvcc)
@@ -244,19 +248,18 @@ class BuildExt(build_ext):
                 flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
             return flags
 
-        build_dir = os.path.join(self.build_temp, "cuda")
-        os.makedirs(build_dir, exist_ok=True)
-        jobs = []
-        for src in sorted(glob.glob(os.path.join(ROOT, "cuda", "*.cu"))):
-            obj = os.path.join(build_dir, os.path.basename(src) + ".o")
-            jobs.append((src, obj, [nvcc, "-c", src, "-O3", "-std=c++17", "--fmad=false", "-Xcompiler", "-fPIC",
-                                    "-Xcompiler", "-ffp-contract=off", "-Xcompiler", "-fvisibility=hidden",
-                                    "-cudart", "static", *gencode(src), *os.environ.get("FADEV_NVCC_FLAGS", "").split()]))
+        # the objects live in the source tree's build/ (not build_temp, which pip's editable installs put in a
+        # temporary directory): every install from this tree reuses them
+        cache_dir = os.path.join(ROOT, "build", "fadev-cuda-objects")
+        jobs = [(src, [nvcc, "-c", src, "-O3", "-std=c++17", "--fmad=false", "-Xcompiler", "-fPIC",
+                       "-Xcompiler", "-ffp-contract=off", "-Xcompiler", "-fvisibility=hidden", "-cudart", "static",
+                       *gencode(src), *os.environ.get("FADEV_NVCC_FLAGS", "").split()])
+                for src in sorted(glob.glob(os.path.join(ROOT, "cuda", "*.cu")))]
         version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
         workers = build_jobs()
-        objects, compiled = compile_cached(jobs, build_dir, version, workers)
+        objects, compiled = compile_cached(jobs, cache_dir, version, workers)
         print(f"fadev: nvcc compiled {len(compiled)} of {len(jobs)} CUDA files ({workers} at a time; "
-              f"{len(jobs) - len(compiled)} unchanged, reused from {build_dir})", file=sys.stderr, flush=True)
+              f"{len(jobs) - len(compiled)} unchanged, reused from {cache_dir})", file=sys.stderr, flush=True)
         return objects
 
 

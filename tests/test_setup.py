@@ -62,6 +62,7 @@ args = sys.argv[1:]
 src, obj = args[args.index("-c") + 1], args[args.index("-o") + 1]
 open(sys.argv[0] + ".log", "a").write(src + "\\n")
 if "BROKEN" in open(src).read():
+    open(obj, "w").write("half an object")  # a failed compile may leave a partial output behind
     sys.exit(1)
 shutil.copy(src, obj)
 """
@@ -74,14 +75,14 @@ def test_objects_are_cached_by_source_headers_and_flags(tmp_path):
     (tmp_path / "a.cuh").write_text("// a\n")
     (tmp_path / "one.cu").write_text('#include "a.cuh"\n')
     (tmp_path / "two.cu").write_text("// no include\n")
-    out = tmp_path / "build"
-    out.mkdir()
+    cache = tmp_path / "cache"
 
     def build(flags=(), version="nvcc 13"):
-        jobs = [(str(tmp_path / s), str(out / (s + ".o")), [sys.executable, str(nvcc), "-c", str(tmp_path / s), *flags])
+        jobs = [(str(tmp_path / s), [sys.executable, str(nvcc), "-c", str(tmp_path / s), *flags])
                 for s in ("one.cu", "two.cu")]
-        objects, compiled = compile_cached(jobs, str(out), version, workers=2, log=lambda line: None)
-        assert objects == [j[1] for j in jobs] and all(os.path.exists(o) for o in objects)
+        objects, compiled = compile_cached(jobs, str(cache), version, workers=2, log=lambda line: None)
+        assert [os.path.basename(o).split(".")[0] for o in objects] == ["one", "two"]
+        assert all(os.path.exists(o) for o in objects)
         return sorted(os.path.basename(s) for s in compiled)
 
     assert build() == ["one.cu", "two.cu"]
@@ -90,20 +91,26 @@ def test_objects_are_cached_by_source_headers_and_flags(tmp_path):
     assert build() == ["one.cu"]  # only the file that includes the header
     assert build(flags=("-DX=1",)) == ["one.cu", "two.cu"]
     assert build(flags=("-DX=1",), version="nvcc 13.1") == ["one.cu", "two.cu"]
+    assert build() == []  # the first configuration's objects are still there
     (tmp_path / "two.cu").write_text("BROKEN\n")
     with pytest.raises(SystemExit, match="nvcc failed on two.cu"):
-        build(flags=("-DX=1",), version="nvcc 13.1")
-    assert not os.path.exists(out / "two.cu.o.key")  # a failed compile leaves no key: the next build retries it
+        build()
+    assert not [p for p in os.listdir(cache) if p.endswith(".tmp")]  # a failed compile leaves no object
+    with pytest.raises(SystemExit, match="nvcc failed on two.cu"):
+        build()  # and is tried again
     (tmp_path / "two.cu").write_text("// fixed\n")
-    assert build(flags=("-DX=1",), version="nvcc 13.1") == ["two.cu"]
+    assert build() == ["two.cu"]
 
 
 def test_config_record(tmp_path):
     changed = SETUP["config_changed"]
-    assert changed(str(tmp_path / "b"), {"cuda": False}) is None
-    assert changed(str(tmp_path / "b"), {"cuda": False}) is False
-    assert changed(str(tmp_path / "b"), {"cuda": True}) is True
-    assert changed(str(tmp_path / "b"), {"cuda": True}) is False
+    temp, so, other = str(tmp_path / "b"), str(tmp_path / "x.so"), str(tmp_path / "y.so")
+    assert changed(temp, so, {"cuda": False}) is None
+    assert changed(temp, so, {"cuda": False}) is False
+    assert changed(temp, other, {"cuda": True}) is None  # per output: an in-place build and a wheel's
+    assert changed(temp, so, {"cuda": False}) is False
+    assert changed(temp, so, {"cuda": True}) is True
+    assert changed(temp, so, {"cuda": True}) is False
 
 
 def _build(tree, **env):
