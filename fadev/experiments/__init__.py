@@ -12,6 +12,7 @@ One experiment = one module of this package, registered in :data:`EXPERIMENTS`. 
 ``REPRODUCE``                                   whether ``reproduce`` runs it by default
 ``OPTIONS`` (optional)                          the shared options its command takes where they work:
                                                 "device", "cluster" (default both)
+``NEEDS_TORCH`` (optional)                      what a run without PyTorch skips (the CLI says so)
 ``run(size, out, *, device, workers,            one aggregated row per configuration; raw rows in
 progress, cluster, **overrides) -> DataFrame``  out/NAME.jsonl (resumable: finished points are skipped);
                                                 ``cluster``: fadev.sweep.run's executor options or None
