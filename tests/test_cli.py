@@ -227,6 +227,11 @@ def test_terminal_notes_say_what_did_not_run(monkeypatch):
     assert cli.notes(fell, "cuda") == ["note: --device cuda ran on the CPU for kernels (fadev has no usable CUDA "
                                        "device here)"]
     assert cli.notes({"kernels": {"experiment": kernels, "ran_on": "the GPU"}}, "cuda") == []
+    fp8 = {"experiment": EXPERIMENTS["fp8"], "ran_on": EXPERIMENTS["fp8"].ran_on("cuda")}
+    assert cli.notes({**fell, "fp8": fp8}, "cuda") == [
+        "note: --device cuda ran on the CPU for kernels (fadev has no usable CUDA device here); fp8 (always: fp8 "
+        "scaling and rotation run outside the sweep engine)"]
+    assert cli.notes({**fell, "fp8": fp8}, "cpu") == []
     monkeypatch.setattr(cli.common, "torch_available", lambda: False)
     [line] = cli.notes({"kernels": {"experiment": kernels, "ran_on": "the CPU"}}, "cpu")
     assert "PyTorch is not installed" in line and kernels.NEEDS_TORCH in line and cli.TORCH_CPU in line

@@ -135,11 +135,14 @@ TORCH_CPU = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
 def notes(results, device) -> list:
     """Lines for the terminal on what a run could not do as asked: `--device cuda` that ran on the CPU (which
     experiments, why), and the checks skipped for want of PyTorch (with the command that adds it)."""
-    lines = []
-    fell = [name for name, r in results.items() if "asked for `--device" in (r.get("ran_on") or "")]
-    if device == "cuda" and fell:
-        why = re.search(r"asked for `--device cuda`: ([^)]*)\)", results[fell[0]]["ran_on"]).group(1)
-        lines.append(f"note: --device cuda ran on the CPU for {', '.join(fell)} ({why})")
+    lines, fell = [], {}
+    for name, r in results.items():
+        match = re.match(r"the CPU \((?:asked for `--device cuda`: )?([^)]*)\)", r.get("ran_on") or "")
+        if device == "cuda" and match:
+            fell.setdefault(match.group(1), []).append(name)
+    if fell:
+        lines.append("note: --device cuda ran on the CPU for " +
+                     "; ".join(f"{', '.join(names)} ({why})" for why, names in fell.items()))
     if not common.torch_available() and any(getattr(r["experiment"], "NEEDS_TORCH", "") for r in results.values()):
         skipped = "; ".join(r["experiment"].NEEDS_TORCH for r in results.values()
                             if getattr(r["experiment"], "NEEDS_TORCH", ""))
