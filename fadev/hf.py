@@ -15,7 +15,12 @@ the arguments its "sdpa" implementation would get (None where causal is enough, 
 
 Outside any ``use`` block the kernel is "sdpa" (the model then computes what ``attn_implementation="sdpa"``
 computes). ``use`` blocks nest; the choice lives in a ``contextvars.ContextVar``, so each thread (and
-asyncio task) has its own.
+asyncio task) has its own. A block with a fadev kernel in which no "fadev" attention ran warns
+(:class:`UnusedBlockWarning`).
+
+Comparing against transformers' own attention: build the reference with :func:`reference_model` (a deep copy
+with its own config). transformers writes ``attn_implementation`` into the config object it is given, so a
+reference built from the fadev model's config turns the fadev model into an sdpa one as well.
 
 Masks (kernels other than "sdpa"): None with ``is_causal`` (as transformers' sdpa integration decides
 it), an all-visible mask, or the causal mask run as one call; a padding mask is computed exactly, one
@@ -34,8 +39,10 @@ fadev's native forward and backward instead.
 from __future__ import annotations
 
 import contextvars
+import copy
 import dataclasses
 import threading
+import warnings
 
 import torch
 import torch.nn.attention
@@ -120,12 +127,51 @@ class use:  # noqa: N801 (a context manager)
 
     def __enter__(self) -> Setting:
         stack = self._tokens.__dict__.setdefault("stack", [])
-        stack.append(_CURRENT.set(self.setting))
+        stack.append((_CURRENT.set(self.setting), _RUNS.set([0])))
         return self.setting
 
-    def __exit__(self, *exc):
-        _CURRENT.reset(self._tokens.stack.pop())
+    def __exit__(self, exc_type, *exc):
+        token, runs = self._tokens.stack.pop()
+        calls = _RUNS.get()[0]
+        _CURRENT.reset(token)
+        _RUNS.reset(runs)
+        outer = _RUNS.get()
+        if outer is not None:
+            outer[0] += calls  # an enclosing block saw these calls too
+        if exc_type is None and calls == 0 and self.setting.kernel != "sdpa":
+            warnings.warn(NOT_RUN, UnusedBlockWarning, stacklevel=2)
         return False
+
+
+class UnusedBlockWarning(UserWarning):
+    """A ``use`` block with a fadev kernel in which no "fadev" attention ran."""
+
+
+NOT_RUN = ("fadev.hf.use: no attention with attn_implementation='fadev' ran in this block, so fadev computed "
+           "nothing. If a model was built as 'fadev' and a reference model from the same config, transformers wrote "
+           "the reference's attn_implementation into that shared config (from_config(config, attn_implementation="
+           "'sdpa') and set_attn_implementation('sdpa') switch every model of the config) and both models now run "
+           "sdpa: build the reference with fadev.hf.reference_model(model) instead.")
+_RUNS = contextvars.ContextVar("fadev_hf_runs", default=None)
+"""[number of attention_forward calls] of the innermost ``use`` block of this thread / task (None outside)."""
+
+
+def reference_model(model, attn_implementation="sdpa"):
+    """A twin of ``model`` (a transformers model, e.g. built with ``attn_implementation="fadev"``) with the same
+    weights and its own deep copy of the config, set to ``attn_implementation`` (default "sdpa") on the copy
+    only. The comparison recipe: ``ref = fadev.hf.reference_model(model)``, then run ``model`` inside
+    ``fadev.hf.use(...)`` and ``ref`` outside. Building the reference from the same config object instead
+    (``from_config(model.config, attn_implementation="sdpa")``, ``set_attn_implementation``) switches ``model``
+    to sdpa too, since transformers writes the choice into the config, and every comparison reads 0."""
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    if not isinstance(attn_implementation, str) or not attn_implementation:
+        raise TypeError(f"attn_implementation must be a non-empty string, got {attn_implementation!r}")
+    twin = copy.deepcopy(model)  # the config is copied with it: every submodule of the twin shares the copy
+    if twin.config is model.config:
+        raise RuntimeError("reference_model: the deep copy kept the original config object")
+    twin.set_attn_implementation(attn_implementation)
+    return twin
 
 
 # ---------------------------------------------------------------- masks
@@ -213,6 +259,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     (B, H_kv, N_kv, D) as a model's attention layer passes them; returns (attn_output (B, N_q, H, D),
     None). Computed as :func:`current` says (module docstring)."""
     setting = _CURRENT.get()
+    runs = _RUNS.get()
+    if runs is not None:
+        runs[0] += 1
     if setting.kernel == "sdpa":
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -361,4 +410,5 @@ if has_sdpa_flash_registry():
     register_sdpa_flash()
 
 __all__ = ["use", "current", "Setting", "DEFAULT", "KERNELS", "NATIVE_OPTIONS", "attention_forward", "register",
+           "reference_model", "UnusedBlockWarning",
            "register_sdpa_flash", "sdpa_flash", "has_sdpa_flash_registry"]

@@ -41,6 +41,7 @@ import sys
 import warnings
 import weakref
 
+import pandas as pd
 import torch
 import torch.nn.functional as F
 
@@ -348,14 +349,31 @@ class Monitor:
 
     def to_dataframe(self):
         """:attr:`records` as a pandas DataFrame (one row per checked call, columns :data:`COLUMNS`)."""
-        import pandas as pd
         return pd.DataFrame.from_records(self.records, columns=list(COLUMNS))
 
     def summary(self):
         """One row per layer (in the order first seen): checks, the last step checked, the largest max_abs,
-        the mean and the largest rel_rms, and the non-finite outputs seen."""
+        the mean and the largest rel_rms, and the non-finite outputs seen. A DataFrame that prints whole in a
+        terminal (every row and column, three significant digits; pandas' display limits would cut it to
+        "..."); computing on it gives plain DataFrames."""
         df = self.to_dataframe()
         table = df.groupby("layer", sort=False).agg(checks=("call", "size"), last_step=("step", "max"),
                                                     max_abs=("max_abs", "max"), mean_rel_rms=("rel_rms", "mean"),
                                                     max_rel_rms=("rel_rms", "max"), nonfinite=("nonfinite", "sum"))
-        return table
+        return Summary(table)
+
+
+
+class Summary(pd.DataFrame):
+    """A monitor's per-layer summary (:meth:`Monitor.summary`): a DataFrame whose repr and str show every row
+    and column (floats to 3 significant digits) whatever pandas' display limits; computing on it gives plain
+    DataFrames."""
+
+    @property
+    def _constructor(self):
+        return pd.DataFrame
+
+    def __repr__(self):
+        return self.to_string(float_format=lambda v: f"{v:.3g}", max_rows=None, max_cols=None, line_width=None)
+
+    __str__ = __repr__

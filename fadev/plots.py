@@ -3,7 +3,8 @@ axes, one line or bar per kernel, error bars = standard deviation over input see
 
 Figures are built without pyplot (no global state, any backend; a notebook shows one with
 ``display(fig)``): :func:`figure` makes a styled Figure and its axes grid, :func:`save` writes PNG and
-SVG, :func:`errors` and :func:`positive` prepare error bars and log-axis values. Each experiment draws
+SVG, :func:`errors` and :func:`positive` prepare error bars and log-axis values, :func:`value_scale` keeps a log axis for data
+that spans decades. Each experiment draws
 its own figures (``fadev.experiments.NAME.figures``).
 """
 from __future__ import annotations
@@ -50,6 +51,20 @@ def errors(df, col):
     """Error bars for column stem ``col``: its ``.std`` column with NaN as 0 (None without one)."""
     std = df.get(f"{col}.std")
     return None if std is None else np.nan_to_num(std.to_numpy(dtype=float))
+
+
+def value_scale(ax, values, decades=1.0) -> str:
+    """Put ``ax``'s y axis on a log scale where the positive finite ``values`` drawn on it span at least
+    ``decades`` decades (max/min >= 10**decades), else on a linear one from 0, so a narrow range (4.0e-3 to
+    4.6e-3) is not drawn as if it grew or fell by orders of magnitude; returns 'log' or 'linear'."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v) & (v > 0)]
+    scale = "log" if len(v) and v.max() >= v.min() * 10 ** decades else "linear"
+    ax.set_yscale(scale)
+    if scale == "linear" and len(v):  # from 0: a 15% change looks like 15%, not like the whole axis
+        ax.set_ylim(0, v.max() * 1.1)
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    return scale
 
 
 def positive(values):

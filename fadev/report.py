@@ -26,40 +26,48 @@ SOURCES = {"golden": "Claims of Golden et al. (arXiv 2405.02803)",
 
 
 def counts(findings) -> dict:
-    """{source: (claims that hold, claims with a verdict)} over ``findings`` for every source of
-    :data:`SOURCES` (0 of 0 where none); a finding with a verdict must name one of them."""
-    out = {src: [0, 0] for src in SOURCES}
+    """{source: (claims that hold, claims that partly hold, claims with a verdict)} over ``findings`` for every
+    source of :data:`SOURCES` (0, 0, 0 where none); a finding with a verdict must name one of them."""
+    out = {src: [0, 0, 0] for src in SOURCES}
     for f in findings:
         if f.holds is None:
             continue
         if f.source not in SOURCES:
             raise ValueError(f"finding {f.claim!r}: source must be one of {', '.join(SOURCES)}, got {f.source!r}")
         out[f.source][0] += bool(f.holds)
-        out[f.source][1] += 1
+        out[f.source][1] += bool(getattr(f, "partly", ""))
+        out[f.source][2] += 1
     return {src: tuple(v) for src, v in out.items()}
 
 
+def tally(ok, partly, n) -> str:
+    """"5 of 7 hold" or, where some claims hold on part of their range, "5 of 7 hold, 1 partly"."""
+    return f"{ok} of {n} hold" + (f", {partly} partly" if partly else "")
+
+
 def count_line(findings) -> str:
-    """One line with every source's count: "Golden et al.: 5 of 7 hold; ..." (the CLI's summary)."""
+    """One line with every source's count: "Golden et al.: 5 of 7 hold, 1 partly; ..." (the CLI's summary);
+    sources without a verdict in ``findings`` are left out ("no claim with a verdict" where none has one)."""
     names = {"golden": "Golden et al.", "fa3": "FlashAttention-3", "fadev": "fadev's checks"}
-    return "; ".join(f"{names[src]}: {ok} of {n} hold" for src, (ok, n) in counts(findings).items())
+    parts = [f"{names[src]}: {tally(*c)}" for src, c in counts(findings).items() if c[2]]
+    return "; ".join(parts) or "no claim with a verdict in this run"
 
 
 def summary(results) -> list:
-    """The summary's lines: one table per source with its count ("N of M hold"), rows per verdict."""
+    """The summary's lines: one table per source with its count ("N of M hold"), rows per verdict; a source
+    without a verdict in this run gets its heading and one line saying so."""
     found = [(name, f) for name, r in results.items() for f in r["findings"]]
-    tally = counts([f for _, f in found])
+    numbers = counts([f for _, f in found])
     lines = ["## Summary of the claims", ""]
     for src, title in SOURCES.items():
-        ok, n = tally[src]
-        lines += [f"### {title}: {ok} of {n} hold", ""]
         rows = [(name, f) for name, f in found if f.holds is not None and f.source == src]
         if not rows:
-            lines += ["(none measured in this run)", ""]
+            lines += [f"### {title}", "", "(none measured in this run)", ""]
             continue
+        lines += [f"### {title}: {tally(*numbers[src])}", ""]
         lines += ["| experiment | claim | ours | claimed | verdict |", "|---|---|---|---|---|"]
         lines += [f"| {name} | {escape(f.claim)} | {escape(f.ours)} | {escape(f.paper)} | "
-                  f"{'holds' if f.holds else '**does not hold**'} |" for name, f in rows]
+                  f"{f.verdict if f.holds else '**' + f.verdict + '**'} |" for name, f in rows]
         lines.append("")
     return lines
 
@@ -106,7 +114,8 @@ def escape(text) -> str:
     return str(text).replace("|", "\\|")
 
 
-def write(path, results, *, title, command, size="quick", device="cpu", device_note="", preamble=(), header=None):
+def write(path, results, *, title, command, size="quick", device="cpu", device_note="", preamble=(), header=None,
+          headline=()):
     """Write a Markdown report to ``path``; returns the path.
 
     ``results``: {name: {"experiment": module, "df", "figures", "findings", "seconds"}} in section order, with
@@ -116,10 +125,13 @@ def write(path, results, *, title, command, size="quick", device="cpu", device_n
     output folder); ``device``: where the run happened, as text (e.g. "CPU (asked for cuda: no GPU)");
     ``device_note``: text after it; ``preamble``: paragraphs before the summary; ``header``: paragraphs in
     place of the line on this run (version, sizes, machine, date, seconds), for a report re-rendered from a
-    recorded run. A result's optional "ran_on" (text) is printed in its section."""
+    recorded run; ``headline``: paragraphs right under the title, before the line on this run (the findings in
+    short). A result's optional "ran_on" (text) is printed in its section."""
     out_dir = os.path.dirname(os.path.abspath(path))
     total = sum(r["seconds"] for r in results.values())
     lines = [f"# {title}", ""]
+    for paragraph in headline:
+        lines += [paragraph, ""]
     if header is None:
         lines += [f"fadev {__version__}, `{size}` sizes, ran on: {device}{device_note}; {platform.machine()} "
                   f"{platform.system()}, Python {platform.python_version()}, {os.cpu_count()} CPUs; "
@@ -165,4 +177,4 @@ def _short(v):
     return str(v)
 
 
-__all__ = ["SOURCES", "counts", "count_line", "summary", "write", "section", "table", "escape"]
+__all__ = ["SOURCES", "counts", "tally", "count_line", "summary", "write", "section", "table", "escape"]

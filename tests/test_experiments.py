@@ -349,7 +349,7 @@ def test_report_renders_any_experiment(tmp_path):
     assert text.startswith("# T\n") and "Regenerate with `cmd --quick`" in text
     assert "| madeup | a claim | ours | theirs | holds |" in text and "## 1. A made-up experiment" in text
     assert "### Claims of Golden et al. (arXiv 2405.02803): 1 of 1 hold" in text
-    assert "### Claims of FlashAttention-3 (arXiv 2407.08608): 0 of 0 hold" in text
+    assert "### Claims of FlashAttention-3 (arXiv 2407.08608)\n\n(none measured in this run)" in text
     assert "| madeup | a check | ours |  | **does not hold** |" in text and ": 0 of 1 hold" in text
     assert "What it does." in text and "Sizes (`quick`): n=2." in text and "![fig.png](fig.png)" in text
     assert "| y \\| mean |" in text and "| 1 | 5.000e-01 ± 1.0e-01 |" in text and "| 2 | 2.500e-01 |" in text

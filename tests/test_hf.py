@@ -273,6 +273,7 @@ def test_use_rejects_bad_arguments(args, kwargs, error, match):
         hf.use(*args, **kwargs)
 
 
+@pytest.mark.filterwarnings("ignore::fadev.hf.UnusedBlockWarning")  # its blocks run no model, on purpose
 def test_use_nests_restores_and_is_per_thread():
     outer, inner = hf.use("golden"), hf.use("fa2:bf16", kernel="baseline")
     seen = []

@@ -261,6 +261,14 @@ def test_schedule_steps_rows_and_names():
     summary = mon.summary()
     assert list(summary.index) == ["0", "1", recs[-1]["layer"]] and list(summary["checks"]) == [3, 3, 1]
     assert summary.loc["0", "max_abs"] == max(r["max_abs"] for r in recs if r["layer"] == "0")
+    import pandas as pd
+    with pd.option_context("display.max_columns", 3, "display.max_rows", 2, "display.width", 60):
+        shown = [repr(summary), str(summary)]
+    for text in shown:  # whole in a terminal, whatever pandas' display limits: no "..." cuts
+        assert "..." not in text and all(c in text for c in summary.columns) and recs[-1]["layer"] in text
+        assert len(text.splitlines()) == 1 + len(summary) + 1  # header, index name, one line per layer
+    with pd.option_context("display.max_columns", 3):
+        assert "..." in repr(pd.DataFrame(summary))  # the plain frame is cut: the check above can fail
 
 
 def test_csv_and_tensorboard_logs(tmp_path):

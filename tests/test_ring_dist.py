@@ -1,7 +1,6 @@
 """The ring-dist study's parts in one process: the Llama-style model with a simulated ring under the fp64
 policy reproduces the exact fp64 model (and under fa2:bf16 does not); the findings' verdicts follow the data.
-The study end to end (processes, gloo) is the recorded run in docs/results/ring-dist-quick-cpu-2026-11-23."""
-import importlib.util
+The study end to end (processes, gloo) is the recorded run in docs/results/ring-dist-quick-cpu-2026-11-25."""
 
 import numpy as np
 import pandas as pd
@@ -66,7 +65,7 @@ def test_findings_follow_the_data():
 
 def test_cli_spawns_ranks_end_to_end(tmp_path, capsys):
     """`python -m fadev ring-dist --spawn 2` through the experiment CLI (the path torchrun also takes): the
-    report is written and the simulation-vs-ranks check holds; --cluster ray is refused with its reason."""
+    report is written and the simulation-vs-ranks check holds; --cluster is no option of it, and run() refuses one."""
     from fadev.__main__ import main
     out = tmp_path / "rd"
     args = ["ring-dist", "--spawn", "2", "--Ws", "1,2", "--Ls", "1", "--N", "16", "--dim", "16", "--heads", "2",
@@ -74,7 +73,22 @@ def test_cli_spawns_ranks_end_to_end(tmp_path, capsys):
     assert main(args) == 0
     report = (out / "ring_dist.md").read_text()
     assert "fadev's checks of its emulation (against real kernels, and its own invariances): 1 of 1 hold" in report
-    if importlib.util.find_spec("ray"):  # without Ray, argparse itself refuses --cluster ray (test_sweep)
-        capsys.readouterr()
-        assert main(args + ["--cluster", "ray"]) == 1
-        assert "ring-dist runs its own ranks" in capsys.readouterr().err
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:  # its command has no --cluster (its ranks are its own processes)
+        main(args + ["--cluster", "ray"])
+    assert exc.value.code == 2 and "unrecognized arguments: --cluster ray" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="ring-dist runs its own ranks"):  # and the function refuses one too
+        ring_dist.run(size="quick", out=str(tmp_path), cluster={"executor": "ray"})
+
+
+def test_figures_use_a_log_axis_only_for_values_spanning_a_decade(tmp_path):
+    """A 3.9e-3..4.6e-3 range on a log axis looks like growth: plots.value_scale draws it linear from 0, and keeps
+    a log axis where the values span a decade."""
+    from fadev import plots
+    fig, axes = plots.figure(4, 3, 1, 2)
+    narrow, wide = axes.ravel()
+    assert plots.value_scale(narrow, [3.9e-3, 4.6e-3, 0.0, float("nan")]) == "linear"
+    assert narrow.get_yscale() == "linear" and narrow.get_ylim()[0] == 0
+    assert plots.value_scale(wide, [1e-6, 1e-4]) == "log" and wide.get_yscale() == "log"
+    paths = ring_dist.figures(_df(1.0), str(tmp_path))
+    assert len(paths) == 4 and all(p.endswith((".png", ".svg")) for p in paths)

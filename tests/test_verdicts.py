@@ -36,10 +36,34 @@ def test_where_holds_errors():
 
 def test_counts_per_source():
     found = [Finding("a", "", "", True, "golden"), Finding("b", "", "", False, "golden"),
-             Finding("c", "", "", True, "fadev"), Finding("note", "")]
-    assert report.counts(found) == {"golden": (1, 2), "fa3": (0, 0), "fadev": (1, 1)}
-    assert report.count_line(found) == \
-        "Golden et al.: 1 of 2 hold; FlashAttention-3: 0 of 0 hold; fadev's checks: 1 of 1 hold"
+             Finding("c", "", "", True, "fadev"), Finding("note", ""),
+             Finding("d", "", "", False, "golden", partly="for N >= 2048")]
+    assert report.counts(found) == {"golden": (1, 1, 3), "fa3": (0, 0, 0), "fadev": (1, 0, 1)}
+    assert report.count_line(found) == "Golden et al.: 1 of 3 hold, 1 partly; fadev's checks: 1 of 1 hold"
+    assert report.count_line([Finding("note", "")]) == "no claim with a verdict in this run"
+    lines = report.summary({"x": {"findings": found}})
+    assert "### Claims of Golden et al. (arXiv 2405.02803): 1 of 3 hold, 1 partly" in lines
+    assert "### Claims of FlashAttention-3 (arXiv 2407.08608)" in lines  # no "0 of 0" where nothing was judged
+    assert "| x | d |  |  | **partly holds (for N >= 2048)** |" in lines
+
+
+def test_partly_verdict():
+    f = Finding("c", "o", "p", False, "golden", partly="for N >= 2048")
+    assert f.verdict == "partly holds (for N >= 2048)" and not f.holds
+    assert f.markdown() == "- c: o; claimed: p — **partly holds (for N >= 2048)**"
+    assert Finding("c", "o", "p", False, "golden").verdict == "does not hold"
+    for holds in (True, None):  # "partly" only where the claim does not hold on the whole range
+        with pytest.raises(ValueError, match="partly='x' needs holds=False"):
+            Finding("c", "o", "p", holds, "golden", partly="x")
+
+
+@pytest.mark.parametrize("ok, text", [
+    ([True, True, True, True], "at every N"), ([False] * 4, "nowhere"), ([False, True, True, True], "for N >= 2"),
+    ([True, True, False, False], "for N <= 2"), ([False, True, True, False], "for 2 <= N <= 4"),
+    ([False, True, False, False], "at N = 2 only"), ([True, False, True, False], "at N = 1, 4"),
+])
+def test_holds_range(ok, text):
+    assert common.holds_range([1, 2, 4, 8], ok) == text
 
 
 # ------------------------------------------------------------------ Golden et al.
@@ -76,18 +100,25 @@ def _seqlen_df(Ns, mx, ratio):
 
 
 def test_seqlen_verdicts_both_ways():
+    """Each of the three bf16 verdicts (max and std of flash - baseline grow with N; ~10x reached at long N)
+    holds, partly holds (with the range) and does not hold on data made for each."""
     Ns = [1024, 4096, 8192, 16384]
-    good = seqlen.findings(_seqlen_df(Ns, [4e-3, 2e-3, 3e-3, 8e-3], [1.9, 3.0, 6.0, 12.0]))
+    good = seqlen.findings(_seqlen_df(Ns, [2e-3, 2.5e-3, 4e-3, 8e-3], [1.9, 3.0, 6.0, 12.0]))
     assert [f.holds for f in good if f.holds is not None] == [True, True, True]
-    assert "it falls, then rises" in good[0].ours and "it rises throughout" in good[2].ours
+    assert "it rises throughout" in good[0].ours and "it rises throughout" in good[2].ours
     assert good[3].ours.endswith("holds for N >= 8192; 3x at N = 4096")
+    # the values first fall clearly (4e-3 at N = 1024, 2x the minimum): "grows" holds from the minimum on
+    part = seqlen.findings(_seqlen_df(Ns, [4e-3, 2e-3, 3e-3, 8e-3], [1.9, 8.0, 30.0, 60.0]))
+    assert [f.verdict for f in part if f.holds is not None] == ["partly holds (for N >= 4096)"] * 2 + \
+        ["partly holds (at N = 4096 only)"]
+    assert "it falls, then rises" in part[0].ours
+    assert part[3].ours.endswith("holds at N = 4096 only; 1.9x at N = 1024, 30x at N = 8192")
+    # a dip within the seeds' noise (1.2x the minimum) is no fall: holds throughout
+    assert seqlen.findings(_seqlen_df(Ns, [2.4e-3, 2e-3, 3e-3, 8e-3], [1.9, 3.0, 6.0, 12.0]))[0].holds is True
     bad = seqlen.findings(_seqlen_df(Ns, [4e-3, 3e-3, 2e-3, 1e-3], [1.9, 2.0, 2.5, 3.0]))
-    assert [f.holds for f in bad if f.holds is not None] == [False, False, False]
+    assert [(f.holds, f.partly) for f in bad if f.holds is not None] == [(False, "")] * 3
     assert "it falls throughout" in bad[0].ours and "does not hold at any N = 1024..16384 (3x at N = 16384)" \
         in bad[3].ours
-    over = seqlen.findings(_seqlen_df(Ns, [4e-3, 2e-3, 3e-3, 8e-3], [1.9, 8.0, 30.0, 60.0]))[3]
-    assert over.holds and \
-        over.ours.endswith("holds at N = 4096 only; 1.9x at N = 1024, 30x at N = 8192")
     assert seqlen.shape([1, 2, 1]) == "rises, then falls" and seqlen.shape([1, 2, 1, 2]) == "goes up and down"
     assert seqlen.shape([2, 2]) == "is flat"
 
@@ -159,9 +190,10 @@ def test_kernels_verdicts_both_ways():
     assert len(good) == 2 * len(kernels.MODELS) and all(f.holds for f in good)
     assert all(f.source == "fadev" and "holds at every N = 1024..65536" in f.ours for f in good)
     partial = [f for f in kernels.findings(_kernels_df(lambda N: 0.8 if N == 65536 else 0.9)) if f.holds is not None]
-    assert not any(f.holds for f in partial)
+    assert not any(f.holds for f in partial) and all(f.verdict == "partly holds (for N <= 4096)" for f in partial)
     assert all("holds for N <= 4096; 0.8x at N = 65536" in f.ours for f in partial)
-    assert not any(f.holds for f in kernels.findings(_kernels_df(lambda N: 1.2)) if f.holds is not None)
+    bad = [f for f in kernels.findings(_kernels_df(lambda N: 1.2)) if f.holds is not None]
+    assert bad and all(f.verdict == "does not hold" for f in bad)
     assert kernels.within(0.851) and kernels.within(1.149) and not kernels.within(0.84) and not kernels.within(1.16)
     only_emulated = _kernels_df(lambda N: 1.0)
     only_emulated = only_emulated[only_emulated["impl"].str.startswith("emulated")]

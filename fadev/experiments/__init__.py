@@ -10,6 +10,9 @@ One experiment = one module of this package, registered in :data:`EXPERIMENTS`. 
                                                 CPU; "full": paper scale), what each parameter means
 ``FIGURES``                                     the stems of its figure files
 ``REPRODUCE``                                   whether ``reproduce`` runs it by default
+``OPTIONS`` (optional)                          the shared options its command takes where they work:
+                                                "device", "cluster" (default both)
+``NEEDS_TORCH`` (optional)                      what a run without PyTorch skips (the CLI says so)
 ``run(size, out, *, device, workers,            one aggregated row per configuration; raw rows in
 progress, cluster, **overrides) -> DataFrame``  out/NAME.jsonl (resumable: finished points are skipped);
                                                 ``cluster``: fadev.sweep.run's executor options or None
@@ -47,6 +50,7 @@ from .. import report
 from . import algorithm, attribution, fp8, kernels, precision, ring, ring_dist, ring_multigpu, seqlen, train_drift
 from . import common
 from .common import METHOD, PAPER, Finding, torch_cuda
+from .headline import headline
 from .quant import hadamard, quantize, random_signs
 
 EXPERIMENTS = {m.NAME: m for m in (precision, seqlen, algorithm, attribution, kernels, fp8, ring, ring_dist, ring_multigpu,
@@ -107,7 +111,7 @@ def document(path, results, size="quick", device="cpu", command=None, title=None
                         command=command or f"python -m fadev reproduce --{size} --out DIR", size=size,
                         device=device_text,
                         device_note=" (PyTorch sees a GPU)" if torch_cuda() else "",
-                        preamble=[METHOD] if sampled else [])
+                        preamble=[METHOD] if sampled else [], headline=headline(results))
 
 
 def reproduce(size="quick", out="results", device="cpu", only=None, workers=1, progress=False, log=None,

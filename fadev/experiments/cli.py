@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
 from .. import report
 from ..sweep.cli import add_cluster_options, positive_int, run_options
-from . import EXPERIMENTS, document, reproduce, run_one
+from . import EXPERIMENTS, common, document, reproduce, run_one
 from .rerender import rerender
 
 
@@ -50,9 +51,10 @@ SIZE_HELP = {"quick": "small sizes: minutes on a laptop CPU (the default)",
                      "a GPU"}
 
 
-def _common(sp, sizes=("quick", "full")):
-    """The options every experiment command shares: --SIZE for each size, --device, --out, --workers,
-    --cluster, --gpus-per-point, --no-progress (``sizes``: {size: parameters} or names)."""
+def _common(sp, sizes=("quick", "full"), options=("device", "cluster")):
+    """The options every experiment command shares: --SIZE for each size, --out, --workers, --no-progress, and
+    where they work (``options``, an experiment's OPTIONS): --device; --cluster and --gpus-per-point.
+    ``sizes``: {size: parameters} or names."""
     group = sp.add_mutually_exclusive_group()
     for size in sizes:
         if isinstance(sizes, dict):
@@ -61,19 +63,48 @@ def _common(sp, sizes=("quick", "full")):
         else:
             text = SIZE_HELP[size]
         group.add_argument(f"--{size}", dest="size", action="store_const", const=size, help=text)
-    sp.set_defaults(size="quick")
-    sp.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="cuda: also measure PyTorch's real SDPA kernels (experiment 'kernels') where PyTorch sees "
-                         "a GPU, and run fadev's emulation on the GPU where fadev has CUDA attention kernels "
-                         "(else on the CPU; train-drift: models and attention on the GPU); default cpu")
+    sp.set_defaults(size="quick", device="cpu", cluster={"executor": "local"}, gpus_per_point=None)
+    if "device" in options:
+        sp.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: also measure PyTorch's real SDPA kernels (experiment 'kernels') where PyTorch "
+                             "sees a GPU, and run fadev's emulation on the GPU where fadev has CUDA attention kernels "
+                             "(else on the CPU, and the run says so; train-drift: models and attention on the GPU); "
+                             "default cpu")
     sp.add_argument("--out", default="results", metavar="DIR",
                     help="output folder for results (NAME.jsonl raw rows, resumable; NAME.csv tables), figures "
                          "(PNG + SVG) and the report (default: results)")
     sp.add_argument("--workers", type=positive_int, default=None,
                     help="worker processes for the sweep engine (default 1: one process, the C kernels use every "
                          "core; with --cluster: Ray's CPUs)")
-    add_cluster_options(sp)
+    if "cluster" in options:
+        add_cluster_options(sp)
     sp.add_argument("--no-progress", dest="progress", action="store_false", help="no progress output on stderr")
+
+
+def plain(text) -> str:
+    """Docstring text as a terminal reads it: Sphinx roles (:func:`x`) and double backquotes (``x``) become
+    plain `x`, whitespace is collapsed."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", text)
+    return " ".join(text.replace("``", "`").split())
+
+
+def help_text(doc, limit=700) -> str:
+    """A command's description from a module docstring: its first paragraph, then the next ones while they are
+    prose (not a list or table, not a lead-in ending in ':') and the text stays under ``limit`` characters;
+    whole sentences only, in plain text (:func:`plain`)."""
+    paragraphs = [p.strip() for p in (doc or "").strip().split("\n\n") if p.strip()]
+    if not paragraphs:
+        return ""
+    chosen = [paragraphs[0]]
+    for p in paragraphs[1:]:
+        if p[0] in "*-=|" or p.rstrip().endswith(":") or len(plain(" ".join(chosen + [p]))) > limit:
+            break
+        chosen.append(p)
+    text = plain(" ".join(chosen))
+    if text.endswith(":"):  # the first paragraph itself leads into a list: keep its whole sentences
+        cut = max(text.rfind(". ", 0, len(text) - 1), text.rfind("; ", 0, len(text) - 1))
+        text = text[:cut + 1] if cut > 0 else text[:-1] + "."
+    return text
 
 
 def _shown(v):
@@ -97,6 +128,29 @@ def _size_option(sp, key, quick, full, doc, values=None):
                     metavar="A,B,..." if isinstance(quick, tuple) else key.upper())
 
 
+TORCH_CPU = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+"""The one command that adds PyTorch's CPU build (~200 MB; `pip install torch` pulls the multi-GB CUDA build)."""
+
+
+def notes(results, device) -> list:
+    """Lines for the terminal on what a run could not do as asked: `--device cuda` that ran on the CPU (which
+    experiments, why), and the checks skipped for want of PyTorch (with the command that adds it)."""
+    lines, fell = [], {}
+    for name, r in results.items():
+        match = re.match(r"the CPU \((?:asked for `--device cuda`: )?([^)]*)\)", r.get("ran_on") or "")
+        if device == "cuda" and match:
+            fell.setdefault(match.group(1), []).append(name)
+    if fell:
+        lines.append("note: --device cuda ran on the CPU for " +
+                     "; ".join(f"{', '.join(names)} ({why})" for why, names in fell.items()))
+    if not common.torch_available() and any(getattr(r["experiment"], "NEEDS_TORCH", "") for r in results.values()):
+        skipped = "; ".join(r["experiment"].NEEDS_TORCH for r in results.values()
+                            if getattr(r["experiment"], "NEEDS_TORCH", ""))
+        lines.append(f"note: PyTorch is not installed, so this run skipped {skipped}; add it with `{TORCH_CPU}` "
+                     "and run the same command again (finished points are read back)")
+    return lines
+
+
 def cmd_reproduce(args) -> int:
     start = time.perf_counter()
     try:
@@ -109,6 +163,8 @@ def cmd_reproduce(args) -> int:
     found = [f for r in results.values() for f in r["findings"]]
     print(f"\n{report.count_line(found)}; report: {os.path.join(args.out, 'report.md')} "
           f"({time.perf_counter() - start:.0f} s)")
+    for line in notes(results, args.device):
+        print(line)
     return 0
 
 
@@ -158,6 +214,8 @@ def _cmd_experiment(name, command):
         print(f"\n{len(result['df'])} rows in {os.path.join(args.out, name + '.csv')}; figures: "
               f"{', '.join(os.path.basename(p) for p in result['figures'])}; report: {path} "
               f"({result['seconds']:.0f} s)")
+        for line in notes({name: result}, args.device):
+            print(line)
         return 0
     return cmd
 
@@ -169,7 +227,7 @@ def cmd_report(args) -> int:
         print(f"fadev report: {e}", file=sys.stderr)
         return 1
     found = [f for r in results.values() for f in r["findings"]]
-    print(f"{report.count_line(found)}; report: {path}")
+    print(f"{report.count_line(found)}; report: {', '.join(path) if isinstance(path, list) else path}")
     return 0
 
 
@@ -192,7 +250,8 @@ def add_subcommands(sub):
                                     "numbers; the recorded header, sizes lines and figures kept). Replaces DIR's "
                                     "report (report.md or NAME.md) unless --out is given.")
     rp.add_argument("dir", metavar="DIR", help="a results folder, e.g. docs/results/kernels-quick-h100-2026-11-22")
-    rp.add_argument("--out", default=None, metavar="FILE", help="write the report here instead")
+    rp.add_argument("--out", default=None, metavar="FILE",
+                    help="write the report here instead (a folder where DIR holds one report per experiment)")
     group = rp.add_mutually_exclusive_group()
     for size in ("quick", "full"):
         group.add_argument(f"--{size}", dest="size", action="store_const", const=size,
@@ -200,11 +259,12 @@ def add_subcommands(sub):
     rp.set_defaults(func=cmd_report, size=None)
     for name, exp in EXPERIMENTS.items():
         command = name.replace("_", "-")
-        doc = (exp.__doc__ or "").strip().split("\n\n")
-        ep = sub.add_parser(command, help=doc[0].split(":", 1)[-1].strip().rstrip("."),
-                            description=" ".join(" ".join(doc[:2]).split()) + " Writes DIR/" + name + ".jsonl, "
+        first = plain((exp.__doc__ or "").strip().split("\n\n")[0])
+        first = first.split(". ")[0].rstrip(".")
+        ep = sub.add_parser(command, help=first.split(": ", 1)[-1] if first.startswith("Experiment ") else first,
+                            description=help_text(exp.__doc__) + " Writes DIR/" + name + ".jsonl, "
                             f"DIR/{name}.csv, the figures and DIR/{name}.md.")
-        _common(ep, exp.SIZES)
+        _common(ep, exp.SIZES, getattr(exp, "OPTIONS", ("device", "cluster")))
         variants = _variants(exp)
         if variants:
             ep.add_argument(f"--{variants[0]}", choices=tuple(variants[1]), default=next(iter(variants[1])),

@@ -159,23 +159,61 @@ def identical(df, metric_prefix="vs_golden"):
 class Finding:
     """One claim of the report: what we measured next to what its source says, and whether it holds
     (None: a note, not a claim, or not measurable on this machine). ``source`` names whose claim a verdict
-    tests, a key of :data:`fadev.report.SOURCES` ("golden", "fa3", "fadev"); required with a verdict."""
+    tests, a key of :data:`fadev.report.SOURCES` ("golden", "fa3", "fadev"); required with a verdict.
+    ``partly``: where a claim that does not hold over the whole range measured holds on part of it, that part
+    as text ("for N >= 2048"); only with ``holds=False`` (so ``holds`` stays True only for a claim that holds
+    everywhere), the verdict reads "partly holds (for N >= 2048)"."""
 
     claim: str
     ours: str
     paper: str = ""
     holds: bool | None = None
     source: str = ""
+    partly: str = ""
 
     def __post_init__(self):
         if self.holds is not None and self.source not in report.SOURCES:
             raise ValueError(f"Finding {self.claim!r}: a verdict needs source in {', '.join(report.SOURCES)}, "
                              f"got {self.source!r}")
+        if self.partly and self.holds is not False:
+            raise ValueError(f"Finding {self.claim!r}: partly={self.partly!r} needs holds=False (the claim does "
+                             f"not hold on the whole range), got holds={self.holds!r}")
+
+    @property
+    def verdict(self) -> str | None:
+        """'holds', 'partly holds (for ...)', 'does not hold', or None (no verdict)."""
+        if self.holds is None:
+            return None
+        if self.partly:
+            return f"partly holds ({self.partly})"
+        return "holds" if self.holds else "does not hold"
 
     def markdown(self) -> str:
-        verdict = {True: "**holds**", False: "**does not hold**", None: "(no verdict)"}[self.holds]
+        verdict = f"**{self.verdict}**" if self.holds is not None else "(no verdict)"
         paper = f"; claimed: {self.paper}" if self.paper else ""
         return f"- {self.claim}: {self.ours}{paper} — {verdict}"
+
+
+def holds_range(xs, ok, *, name="N") -> str:
+    """The part of ``xs`` (ascending) where ``ok`` is true, as text: "for N >= 8192", "for N <= 1024",
+    "for 8192 <= N <= 16384", "at N = 512 only", "at N = 512, 4096" (scattered), "at every N" or "nowhere"."""
+    xs, ok = [int(x) for x in xs], [bool(o) for o in ok]
+    if len(xs) != len(ok) or not xs:
+        raise ValueError(f"xs and ok must have the same non-zero length, got {len(xs)}, {len(ok)}")
+    if all(ok):
+        return f"at every {name}"
+    if not any(ok):
+        return "nowhere"
+    first, last = ok.index(True), len(ok) - 1 - ok[::-1].index(True)
+    if not all(ok[first:last + 1]):
+        return f"at {name} = " + ", ".join(str(x) for x, o in zip(xs, ok) if o)
+    if last == len(xs) - 1:
+        return f"for {name} >= {xs[first]}"
+    if first == 0:
+        return f"for {name} <= {xs[last]}"
+    if first == last:
+        return f"at {name} = {xs[first]} only"
+    return f"for {xs[first]} <= {name} <= {xs[last]}"
 
 
 def where_holds(xs, ok, values, *, name="N", show=None) -> str:
@@ -196,18 +234,8 @@ def where_holds(xs, ok, values, *, name="N", show=None) -> str:
     if not any(ok):
         return f"does not hold at any {span} ({show(values[-1])} at {name} = {xs[-1]})"
     first, last = ok.index(True), len(ok) - 1 - ok[::-1].index(True)
-    if not all(ok[first:last + 1]):
-        text, bad = f"holds at {name} = " + ", ".join(str(x) for x, o in zip(xs, ok) if o), [ok.index(False)]
-    else:
-        bad = [first - 1, last + 1]
-        if last == len(xs) - 1:
-            text = f"holds for {name} >= {xs[first]}"
-        elif first == 0:
-            text = f"holds for {name} <= {xs[last]}"
-        elif first == last:
-            text = f"holds at {name} = {xs[first]} only"
-        else:
-            text = f"holds for {xs[first]} <= {name} <= {xs[last]}"
+    text = "holds " + holds_range(xs, ok, name=name)
+    bad = [ok.index(False)] if not all(ok[first:last + 1]) else [first - 1, last + 1]
     shown = ", ".join(f"{show(values[i])} at {name} = {xs[i]}" for i in bad if 0 <= i < len(xs))
     return f"{text}; {shown}"
 
@@ -246,6 +274,15 @@ def sweep_device(device):
         if cuda_available() and all((k, "cuda") in sweep.KERNELS for k in ("flash", "baseline")):
             return "cuda"
     return "cpu"
+
+
+def torch_available() -> bool:
+    """True when PyTorch is importable."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def torch_cuda() -> bool:

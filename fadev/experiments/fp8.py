@@ -61,6 +61,9 @@ COLUMNS = [
 
 REPRODUCE = True
 """Part of ``python -m fadev reproduce``'s default set."""
+OPTIONS = ("cluster",)
+"""The shared options its command takes: fp8 scaling runs on the CPU whatever --device says; --cluster spreads its
+points."""
 
 SIZES = {
     "quick": {"N": 4096, "n_query": 64, "D": 128, "seeds": 5},

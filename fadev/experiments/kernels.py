@@ -61,6 +61,9 @@ COLUMNS = [
 
 REPRODUCE = True
 """Part of ``python -m fadev reproduce``'s default set."""
+NEEDS_TORCH = ("kernels' backward checks (the emulated backward presets against PyTorch's autograd, on the CPU) and, "
+               "with --device cuda on a GPU, PyTorch's real SDPA kernels")
+"""What a run without PyTorch skips (the CLI says so, with the command that adds it)."""
 
 SIZES = {
     "quick": {"formats": ("fp16", "bf16"), "Ns": (256, 1024, 4096, 16384), "n_query": 64, "D": 64, "seeds": 3},
@@ -192,13 +195,14 @@ def ran_on(device) -> str:
     tiles = "; the native tile sweep on the GPU" if kernel_tiles.available(SIZES["quick"]["D"]) else \
         "; no native tile sweep (fadev has no usable CUDA device)"
     if not common.torch_cuda():
-        return f"{where}, PyTorch's kernels not run (PyTorch sees no GPU){tiles}"
+        return f"{where}, PyTorch's kernels not run ({_why_no_torch_kernels(device)}){tiles}"
     return f"{where}, PyTorch's kernels on the GPU{tiles}"
 
 
 def model_checks(df) -> list:
     """One verdict per (format, real kernel, its emulation) over every N measured for both: the
-    emulated/real RMSE ratio within ±15% at each N (:func:`within`), and where it is not."""
+    emulated/real RMSE ratio within ±15% at each N (:func:`within`): holds at every N, partly holds (and
+    where) at some, does not hold at none; the text says where it is not."""
     out = []
     for fmt, g in df.groupby("format", sort=False):
         rm = {(i, n): r for i, n, r in zip(g["impl"], g["N"], g["vs_golden.rmse.mean"])}
@@ -214,7 +218,7 @@ def model_checks(df) -> list:
                 f"({rm[(f'emulated {model}', Ns[-1])]:.2e} vs {rm[(real, Ns[-1])]:.2e} at N = {Ns[-1]}); "
                 f"{common.where_holds(Ns, ok, ratio)}",
                 f"within ±{TOLERANCE:.0%} (the emulation reproduces the kernel's error statistics)", all(ok),
-                "fadev"))
+                "fadev", partly=common.holds_range(Ns, ok) if any(ok) and not all(ok) else ""))
     return out
 
 
@@ -227,11 +231,20 @@ def findings(df, *, device="cpu") -> list:
     torch_rows = df[df["impl"].str.startswith("torch")]
     if not len(torch_rows):
         out.append(Finding("PyTorch's real SDPA kernels",
-                           "not measured: this run had no CUDA GPU visible to PyTorch (or --device cpu); the "
-                           "table holds fadev's emulations only. Run `python -m fadev kernels --device cuda` on a "
-                           "GPU machine to put them side by side."))
+                           f"not measured: {_why_no_torch_kernels(device)}; the table holds fadev's emulations "
+                           "only. They need a CUDA GPU: `python -m fadev kernels --device cuda` on a GPU machine puts "
+                           "them side by side."))
         return out + _backward_findings(df) + _tile_findings(df)
     return out + model_checks(df) + _backward_findings(df) + _tile_findings(df)
+
+
+def _why_no_torch_kernels(device):
+    """Why PyTorch's SDPA kernels were not measured, as report text."""
+    if not common.torch_available():
+        return "PyTorch is not installed"
+    if device != "cuda":
+        return "the run used --device cpu (the default)"
+    return "PyTorch sees no CUDA GPU here"
 
 
 def _backward_findings(df):
@@ -245,7 +258,7 @@ def _tile_findings(df):
 
 def table(df) -> str:
     text = report.table(df, COLUMNS)
-    if "backward" in df.attrs:
+    if "backward" in df.attrs and len(kernels_backward.ratios(df.attrs["backward"])):
         text += "\n\nBackward, mean |err| ratio emulated / real kernel:\n\n"
         text += kernels_backward.table(df.attrs["backward"])
     if "tiles" in df.attrs:

@@ -249,9 +249,16 @@ def findings(df, metric="mean_abs") -> list:
     rt = ratios(df, metric)
     if not len(rt):
         where = sorted({i for i in df["impl"] if not i.startswith("emulated")})
-        text = (f"measured on the CPU only ({', '.join(where)}): kernels no emulation models" if where else
-                "not measured: no PyTorch")
-        return [Finding("backward: emulated presets vs real kernels", text + "; run with --device cuda on a GPU.")]
+        if where:
+            text = (f"measured on the CPU only ({', '.join(where)}): kernels no emulation models; PyTorch's GPU "
+                    "backward kernels need `--device cuda` on a GPU")
+        elif _torch() is None:
+            text = ("not measured: PyTorch is not installed (the real backward is PyTorch's autograd; its math "
+                    "backend runs on the CPU). `pip install torch --index-url https://download.pytorch.org/whl/cpu` "
+                    "adds it; the same command then measures it")
+        else:
+            text = "not measured: no real backward kernel ran in this run"
+        return [Finding("backward: emulated presets vs real kernels", text)]
     out = []
     for (real, model, fmt), g in rt.groupby(["real", "model", "format"], sort=False):
         parts = [f"{gr} {g[gr].min():.3f}x-{g[gr].max():.3f}x" for gr in GRADS]

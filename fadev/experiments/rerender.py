@@ -19,6 +19,7 @@ import pandas as pd
 
 from .. import __version__, report
 from . import EXPERIMENTS, METHOD, PAPER
+from .headline import headline
 
 ATTR_TABLES = {"kernels": {"backward": "kernels_backward.csv", "tiles": "kernels_tiles.csv"},
                "train_drift": {"loss": "train_drift_loss.csv"}}
@@ -42,8 +43,8 @@ def _recorded_text(folder, names):
 
 
 def _header(text):
-    """The recorded report's first paragraph after its heading (the line on its run)."""
-    paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+    """The recorded report's first paragraph after its heading (the line on its run), its headline skipped."""
+    paragraphs = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip() and not p.strip().startswith("**In short.**")]
     first = paragraphs[1] if len(paragraphs) > 1 and paragraphs[0].startswith("#") else paragraphs[0]
     return first.removeprefix("Recorded run: ")  # a report rendered again keeps the run's own line
 
@@ -119,14 +120,43 @@ def _result(folder, name, size, device, text):
             "seconds": seconds, "sizes_text": sizes_text, "notes": notes}
 
 
-def rerender(folder, out=None, size=None):
-    """Render DIR's report again from DIR/NAME.csv of every experiment found there; writes ``out`` (default:
-    the recorded report's path, replaced) and returns (path, results). ``size``: "quick" or "full" (default:
-    as the recorded report says)."""
+def reports(folder):
+    """[(recorded report path, [experiment names])] of a results folder: DIR/report.md with every experiment
+    whose NAME.csv is there, else one DIR/NAME.md per experiment (a folder of separate runs, e.g. ring-dist and
+    ring-multigpu side by side). ValueError where there is no experiment CSV or no recorded report."""
     names = [n for n in EXPERIMENTS if os.path.exists(os.path.join(folder, f"{n}.csv"))]
     if not names:
         raise ValueError(f"report: no experiment CSV (one of {', '.join(n + '.csv' for n in EXPERIMENTS)}) in {folder}")
-    path, text = _recorded_text(folder, names)
+    if os.path.exists(os.path.join(folder, "report.md")) or len(names) == 1:
+        return [(_recorded_text(folder, names)[0], names)]
+    own = [(os.path.join(folder, f"{n}.md"), [n]) for n in names if os.path.exists(os.path.join(folder, f"{n}.md"))]
+    if len(own) != len(names):
+        raise ValueError(f"report: {folder} has no report.md and not one NAME.md per experiment CSV ({', '.join(names)})")
+    return own
+
+
+def rerender(folder, out=None, size=None):
+    """Render DIR's report again from DIR/NAME.csv of every experiment found there; writes ``out`` (default:
+    the recorded report's path, replaced) and returns (path, results). ``size``: "quick" or "full" (default:
+    as the recorded report says). A folder with one report per experiment (:func:`reports`) gets each rendered
+    again in its own file: ``out`` is then a folder (default: DIR) and the path returned is a list of paths."""
+    groups = reports(folder)
+    if len(groups) == 1:
+        return _render(folder, groups[0][0], groups[0][1], out, size)
+    paths, results = [], {}
+    for path, names in groups:
+        target = os.path.join(out, os.path.basename(path)) if out else None
+        if out:
+            os.makedirs(out, exist_ok=True)
+        done, found = _render(folder, path, names, target, size)
+        paths.append(done)
+        results.update(found)
+    return paths, results
+
+
+def _render(folder, path, names, out, size):
+    with open(path) as fh:
+        text = fh.read()
     size = size or _size(text, folder)
     if size not in ("quick", "full"):
         raise ValueError(f"size must be 'quick' or 'full', got {size!r}")
@@ -145,8 +175,9 @@ def rerender(folder, out=None, size=None):
                 f"recorded run's, the findings and tables are computed from them by the current code.")
     sampled = any("n_query" in r["experiment"].SIZES[size] for r in results.values())
     report.write(out or path, results, title=title, command="python -m fadev report DIR", size=size,
-                 header=[f"Recorded run: {header}", rendered], preamble=[METHOD] if sampled else [])
+                 header=[f"Recorded run: {header}", rendered], preamble=[METHOD] if sampled else [],
+                 headline=headline(results))
     return out or path, results
 
 
-__all__ = ["rerender", "ATTR_TABLES", "ATTR_MISSING"]
+__all__ = ["rerender", "reports", "ATTR_TABLES", "ATTR_MISSING"]

@@ -31,6 +31,9 @@ TITLE = "Ring attention: error vs ring size W (beyond the paper)"
 FIGURES = ("ring_error_vs_W",)
 REPRODUCE = False
 """Not part of ``python -m fadev reproduce``'s default set (``--only ring`` adds it)."""
+OPTIONS = ("cluster",)
+"""The shared options its command takes: its simulation runs on the CPU whatever --device says; --cluster spreads
+its points."""
 
 POLICY = "fa2:bf16"
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")

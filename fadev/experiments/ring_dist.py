@@ -27,6 +27,9 @@ NAME = "ring_dist"
 TITLE = "Ring attention on real ranks: a deep model's gradient error vs W and depth"
 FIGURES = ("ring_dist_error_vs_W", "ring_dist_error_vs_depth")
 REPRODUCE = False
+OPTIONS = ()
+"""The shared options its command takes: its ranks are its own processes (gloo, or nccl where every rank has a
+GPU): no --device, no --cluster."""
 POLICY = "fa2:bf16"
 STUDY_TIMEOUT = 1800.0
 """Collective timeout (s): rank 0 computes the fp64 reference and the simulation while the others wait at a
@@ -204,16 +207,18 @@ def figures(df, out_dir):
                                   (FIGURES[1], "L", {"W": Wmax}, "depth L (layers)")):
         fig, axes = plots.figure(10, 4, 1, 2)
         for ax, q in zip(axes.ravel(), ("grad", "loss_diff")):
+            drawn = []
             for merge in MERGES:
                 for kernel, style in zip(sorted(set(df["kernel"])), ("-o", "--s", ":^")):
                     sel = sorted(_at(rows, merge=merge, kernel=kernel, **fixed), key=lambda r: r[x])
                     xs = [r[x] for r in sel]
                     ax.plot(xs, plots.positive([r[q] for r in sel]), style, ms=3, color=MERGE_COLORS[merge],
                             label=f"{merge}, {kernel}")
+                    drawn += [r[q] for r in sel] + [r[f"pred_{q}"] for r in sel]
                 ax.plot(xs, plots.positive([r[f"pred_{q}"] for r in sel]), "x", ms=7, color=MERGE_COLORS[merge],
                         label=f"{merge} (simulation)")
             ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            plots.value_scale(ax, drawn)  # log only where the values span a decade: flat lines stay flat
             ax.set_xlabel(label)
             ax.set_ylabel(f"{'rel. L2 error of all gradients' if q == 'grad' else 'relative loss difference'}")
             ax.set_title(f"{q} vs fp64, " + ", ".join(f"{k}={v}" for k, v in fixed.items()))

@@ -37,6 +37,8 @@ NAME = "ring_multigpu"
 TITLE = "Ring attention across GPUs: error vs fp64 against W, PyTorch's context parallelism, tokens/s"
 FIGURES = ("ring_multigpu_error_vs_W", "ring_multigpu_error_vs_N", "ring_multigpu_tokens_per_s")
 REPRODUCE = False
+OPTIONS = ()
+"""The shared options its command takes: its ranks are its own processes on the GPUs: no --device, no --cluster."""
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 KERNELS = ("emulated", "sdpa", "native", "torch_cp")
 STUDY_TIMEOUT = 1800.0

@@ -88,16 +88,32 @@ def shape(values) -> str:
 
 
 def ratio_over_n(g, tiles) -> Finding:
-    """The paper's ~10x flash/baseline RMSE ratio at bf16, N by N: where it holds. Verdict: reached at
-    some N and at least 5x (half an order of magnitude) at the longest N, the paper's regime; the text says
-    where the ratio is ~10x and what it is outside that range."""
+    """The paper's ~10x flash/baseline RMSE ratio at bf16, N by N: where it holds. Verdict: holds where the
+    ratio is ~10x (:func:`order_of_magnitude`) at the longest N, the paper's regime; partly holds where it is
+    ~10x on part of the range only (e.g. reached, then left far behind: 58x at the longest N); does not hold
+    where it is ~10x nowhere. The text says where the ratio is ~10x and what it is outside that range."""
     N, ratio = g["N"].to_numpy(), g["ratio.rmse.mean"].to_numpy()
     ok = [order_of_magnitude(r) for r in ratio]
     return Finding(f"bf16: flash/baseline RMSE ratio (vs golden) over N at {tiles} tiles",
                    f"{common.fmt_ratio(ratio[0])} at N={N[0]} -> {common.fmt_ratio(ratio[-1])} at N={N[-1]} "
                    f"({shape(ratio)}); {common.where_holds(N, ok, ratio)}",
                    "~10x (\"roughly an order of magnitude more numeric deviation\") reached at long sequences",
-                   any(ok) and bool(ratio[-1] >= 5), "golden")
+                   ok[-1], "golden", partly="" if ok[-1] or not any(ok) else common.holds_range(N, ok))
+
+
+def grows(N, values, noise=1.5):
+    """The verdict on "grows with sequence length" for ``values`` over ascending ``N``: (holds, partly).
+    It grows where the longest N's value is clearly above the minimum (``noise`` times it; seed-to-seed noise
+    is ~10-20%). Where the values first fall clearly (the shortest N's value ``noise`` times the minimum or
+    more), the claim holds from the minimum on only: (False, "for N >= N_min"); where they never rise clearly
+    from the minimum: (False, "")."""
+    values = np.asarray(values, dtype=float)
+    lo = int(np.argmin(values))
+    if not values[-1] > noise * values[lo]:
+        return False, ""
+    if values[0] >= noise * values[lo]:
+        return False, f"for N >= {int(N[lo])}"
+    return True, ""
 
 
 def findings(df, *, device="cpu") -> list:
@@ -105,7 +121,6 @@ def findings(df, *, device="cpu") -> list:
     for fmt, g in df.groupby("format", sort=False):
         # the paper's sweep is at bf16; other formats are shown for contrast, without a verdict
         paper = "grows with sequence length" if fmt == "bf16" else ""
-        judge = (lambda ok: ok) if fmt == "bf16" else (lambda ok: None)
         g = g.sort_values("N")
         N = g["N"].to_numpy()
         mx = g["flash_vs_baseline.max_abs.mean"].to_numpy()
@@ -114,18 +129,24 @@ def findings(df, *, device="cpu") -> list:
         rel = g["flash_vs_baseline.rel_l2.mean"].to_numpy()
         lo, lo_sd = int(np.argmin(mx)), int(np.argmin(sd))
         tiles = f"{int(g['block_q'].iloc[0])}x{int(g['block_kv'].iloc[0])}"
-        # "grows": clearly above its minimum at the longest sequence (1.5x; seed-to-seed noise is ~10-20%)
+        judged = fmt == "bf16" and len(N) > 1
+
+        def verdict(values):
+            """(holds, source, partly) of "grows with sequence length" (:func:`grows`); none off bf16."""
+            holds, partly = grows(N, values)
+            return (holds, "golden", partly) if judged else (None, "", "")
+
         out.append(Finding(
             f"{fmt}: max |flash - baseline| vs N (fixed {tiles} tiles)",
             f"it {shape(mx)}: {mx[0]:.2e} at N={N[0]}, minimum {mx[lo]:.2e} at N={N[lo]}, {mx[-1]:.2e} at "
             f"N={N[-1]} ({mx[-1] / mx[lo]:.3g}x the minimum)",
-            paper, judge(bool(mx[-1] > 1.5 * mx[lo])) if len(mx) > 1 else None, "golden"))
+            paper, *verdict(mx)))
         out.append(Finding(
             f"{fmt}: std of flash - baseline vs N",
             f"it {shape(sd)}: {sd[0]:.2e} at N={N[0]}, minimum {sd[lo_sd]:.2e} at N={N[lo_sd]}, {sd[-1]:.2e} at "
             f"N={N[-1]} ({sd[-1] / sd[lo_sd]:.3g}x the minimum); mean of flash - baseline {mean[0]:+.1e} at "
             f"N={N[0]}, {mean[-1]:+.1e} at N={N[-1]}",
-            paper, judge(bool(sd[-1] > 1.5 * sd[lo_sd])) if len(sd) > 1 else None, "golden"))
+            paper, *verdict(sd)))
         out.append(Finding(
             f"{fmt}: relative L2 difference ||flash - baseline|| / ||baseline|| vs N",
             f"it {shape(rel)}: {rel[0]:.2e} -> {rel[-1]:.2e}, Spearman rank correlation with N "
