@@ -15,15 +15,12 @@ RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def unrenderable(folder):
-    """Why a recorded folder cannot be rendered from its CSVs (the error rerender must raise), or None: a
-    `train-drift --model llama` run (its runs, corpus and progress are not in CSVs), or a folder without an
-    experiment's CSV (a study's own CSV, e.g. the backward ratios, with its report in its README)."""
+    """Why a recorded folder cannot be rendered from its CSVs (the error rerender must raise), or None: a folder
+    without an experiment's CSV (a study's own CSV, e.g. the backward ratios, with its report in its README).
+    (`train-drift --model llama` folders render: their arms and prose are read back, tests/test_rerender.py.)"""
     names = [n for n in EXPERIMENTS if os.path.exists(os.path.join(folder, f"{n}.csv"))]
     if not names:
         return "no experiment CSV"
-    md = os.path.join(folder, "train_drift.md")
-    if names == ["train_drift"] and os.path.exists(md) and "--model llama" in open(md).read():
-        return "cannot be rendered from its CSVs alone"
     return None
 
 

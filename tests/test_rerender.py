@@ -76,12 +76,20 @@ def test_bad_folders(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 1 and "fadev report: " in capsys.readouterr().err
 
 
-def test_llama_training_folder_is_refused(tmp_path, capsys):
-    """A `train-drift --model llama` folder's CSVs lack its runs, corpus and progress: rendering them as the
-    digits study would describe the wrong workload, so the command says so instead."""
-    folder = copy("train-drift-llama-quick-cpu-2026-11-25", tmp_path)
-    before = (folder / "train_drift.md").read_text()
-    with pytest.raises(ValueError, match="--model llama"):
-        rerender.rerender(str(folder))
-    assert main(["report", str(folder)]) == 1 and "run its command again" in capsys.readouterr().err
-    assert (folder / "train_drift.md").read_text() == before
+def test_llama_training_folders_render_as_their_workload(tmp_path, capsys):
+    """A `train-drift --model llama` folder renders as the Llama study it is: its title and prose, its arms (read
+    back from the rows) and progress (from the loss CSV), the real-kernel study's regime verdicts; a record whose
+    report lost its sizes line is refused by name."""
+    folder = copy("train-drift-llama-real-h100x2-2026-11-25", tmp_path)
+    assert main(["report", str(folder)]) == 0
+    text = (folder / "train_drift.md").read_text()
+    assert text.startswith("# Training drift") and "--model llama`)" in text.split("\n", 1)[0]
+    assert "`LlamaForCausalLM`" in text and "| `native` | native fa2(bf16), bf16_autocast model, init seed 0 |" in text
+    assert "**Complete**" in text and "`native` 5000/5000" in text and "partly holds (for step <= 101)" in text
+    quick = copy("train-drift-llama-quick-cpu-2026-11-25", tmp_path)
+    assert main(["report", str(quick)]) == 0 and "`native_128x64` (the native kernel runs on CUDA only" in \
+        (quick / "train_drift.md").read_text()
+    lost = (quick / "train_drift.md").read_text().replace("Sizes (`quick`)", "Sizes")
+    (quick / "train_drift.md").write_text(lost)
+    capsys.readouterr()
+    assert main(["report", str(quick)]) == 1 and "no sizes line" in capsys.readouterr().err

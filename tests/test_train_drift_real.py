@@ -79,8 +79,20 @@ def test_regimes_noise_and_growth():
     # no apart step at all (flash under the control's noise everywhere): no verdict, and the text says why
     louder = _frame({"flash": _power(1e-4, 1.0), "prec": _power(2e-4, 1.0), "init": INIT,
                      "control (identical runs)": [1e-2] * len(STEPS)}, ROLES)
-    holds, text = real.verdict(louder, "flash", "prec", 0.2, 0.5)
-    assert holds is None and "no step where both pairs are apart" in text
+    holds, text, partly = real.verdict(louder, "flash", "prec", 0.2, 0.5)
+    assert holds is None and "no step where both pairs are apart" in text and partly == ""
+
+
+def test_a_bound_that_holds_early_partly_holds():
+    """In the band for the first four logged steps and out of it after: over the regime it fails, and the verdict
+    says where it holds ("partly holds (for step <= 8)"); out of the band everywhere: no partly."""
+    prec = _power(1e-3, 1.0)
+    flash = [p * (0.35 if s <= 8 else 0.9) for p, s in zip(prec, STEPS)]
+    frame = _frame({FLASH: flash, "prec": prec, "init": INIT, "control (identical runs)": ZERO}, ROLES)
+    found = {f.claim: f for f in real.findings(frame)}[f"{FLASH}: drift / bf16-vs-fp32 drift (rel_l2), apart regime"]
+    assert found.holds is False and found.partly == "for step <= 8" and "partly holds (for step <= 8)" in \
+        found.markdown()
+    assert real.verdict(frame, FLASH, "prec", 0.95, 2.0)[::2] == (False, "")
 
 
 def test_weights_groups_add_up_to_the_model():

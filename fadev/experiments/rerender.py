@@ -90,12 +90,14 @@ def _result(folder, name, size, device, text):
         path = os.path.join(folder, csv)
         if os.path.exists(path):
             df.attrs[key] = pd.read_csv(path)
+    intro = None
     if name == "train_drift":
-        if "--model llama" in text:  # its runs, corpus, progress and units live with the arms, not in the CSVs
-            raise ValueError(f"{folder}: a `train-drift --model llama` folder cannot be rendered from its CSVs "
-                             "alone (the digits study's text would describe it); run its command again on the "
-                             "folder: it resumes, and rewrites the report")
-        df.attrs["settings"] = exp.SIZES[size]
+        if "--model llama" in text:  # its arms and corpus live with the arms: read back from the recorded report
+            intro = _llama_attrs(folder, df, text, size)
+            notes.append("The workload's prose, the sizes and the arms skipped are read back from the recorded "
+                         "report; how far each arm got, from the loss CSV.")
+        else:
+            df.attrs["settings"] = exp.SIZES[size]
     if name == "ring" and _candidates(text):
         df.attrs["candidates"] = _candidates(text)
         notes.append("The candidate causes are read back from the recorded report's table (they were never written "
@@ -117,7 +119,50 @@ def _result(folder, name, size, device, text):
     stems = exp.FIGURES + getattr(exp, "EXTRA_FIGURES", ())  # extra: drawn only where their rows were measured
     figures = [p for stem in stems for p in sorted(glob.glob(os.path.join(folder, f"{stem}.png")))]
     return {"experiment": exp, "df": df, "figures": figures, "findings": exp.findings(df, device=device),
-            "seconds": seconds, "sizes_text": sizes_text, "notes": notes}
+            "seconds": seconds, "sizes_text": sizes_text, "notes": notes, "intro": intro}
+
+
+def _llama_attrs(folder, df, text, size):
+    """Fill ``df.attrs`` of a recorded ``train-drift --model llama`` folder as its run did (settings from the sizes
+    line, arms and pairs from the rows, progress from the loss CSV, skipped arms from the report, per-layer rows
+    from train_drift_layers.csv); returns the recorded workload prose."""
+    from . import train_drift, train_drift_real
+    from ..training import Pair
+    sizes, _ = _sizes_line(text, "train_drift")
+    if sizes is None:
+        raise ValueError(f"{folder}: the recorded report has no sizes line to render a llama run from")
+    recorded = dict(item.split("=", 1) for item in sizes.split(", "))
+    kernels = recorded.get("kernels", "emulated")
+    settings = train_drift.settings(size, "llama", kernels=kernels)
+    for key, value in recorded.items():
+        if key in settings and not isinstance(settings[key], tuple):
+            settings[key] = type(settings[key])(float(value)) if isinstance(settings[key], (int, float)) else value
+    loss = df.attrs["loss"]
+    head_dim = settings["hidden"] // settings["heads"]
+    if kernels in train_drift_real.KINDS:
+        arms = train_drift_real.runs_and_pairs("cuda", head_dim, ("all",) + train_drift_real.EXTRA, kernels)[0]
+    else:  # the CPU's arms, and the native ones (which need no GPU to describe) from their names
+        from ..training.lm import Arm
+        arms = train_drift.llama_runs_and_pairs("cpu", settings["native_tiles"], settings["flash_block"],
+                                                head_dim=head_dim)[0]
+        for name in dict.fromkeys(loss["run"]):
+            tile = re.fullmatch(r"native_(\d+)x(\d+)(?:_again)?", name)
+            if tile:
+                arms.append(Arm(name, "native", "fa2:bf16", "bf16",
+                                tiling={"block_q": int(tile.group(1)), "block_kv": int(tile.group(2))}))
+    names = list(dict.fromkeys(loss["run"]))
+    pairs = df[["pair", "a", "b", "role"]].drop_duplicates("pair")
+    skipped = re.search(r"Skipped arms: (.*)\.\n", text)
+    df.attrs.update(settings=settings, runs=[a for a in arms if a.name in names], unit="nats per byte",
+                    pairs=[Pair(*row) for row in pairs.itertuples(index=False)], steps=settings["steps"],
+                    reached={n: (int(g["step"].max()), float(g["seconds"].sum()))
+                             for n, g in loss.groupby("run", sort=False)},
+                    skipped=dict(re.findall(r"`([^`]+)` \((.*?)\)(?:; |$)", skipped.group(1))) if skipped else {})
+    layers = os.path.join(folder, "train_drift_layers.csv")
+    if os.path.exists(layers):
+        df.attrs["layers"] = pd.read_csv(layers)
+    match = re.search(r"\n## \d+\. [^\n]*\n\n(.*?)\n\nSizes \(`", text, re.S)
+    return match.group(1) if match else None
 
 
 def reports(folder):
@@ -166,6 +211,9 @@ def _render(folder, path, names, out, size):
     if len(names) == 1:
         command = names[0].replace("_", "-")
         title = f"{EXPERIMENTS[names[0]].TITLE} (`python -m fadev {command}`)"
+        recorded = text.split("\n", 1)[0].removeprefix("# ")
+        if recorded.startswith(title[:-2]):  # the recorded command named its workload (train-drift --model llama)
+            title = recorded
     else:
         title = f"Reproducing {PAPER} with fadev"
     csvs = [f"{n}.csv" for n in names] + [c for n in names for c in ATTR_TABLES.get(n, {}).values()

@@ -38,7 +38,7 @@ import math
 import numpy as np
 
 from .. import plots
-from .common import Finding, where_holds
+from .common import Finding, holds_range, where_holds
 
 SATURATED = 0.5
 """A pair is saturated once its distance is this fraction of the init-seed pair's (unrelated models)."""
@@ -240,22 +240,31 @@ def _gmean(values):
 
 
 def verdict(drift, num, den, lo, hi, metric=METRIC):
-    """(holds, text): whether num/den lies in [lo, hi] over the apart regime of the two pairs (None: no apart
-    step, so no verdict), with the regime's geometric mean and range, and where along the logged steps it holds."""
+    """(holds, text, partly): whether num/den lies in [lo, hi] over the apart regime of the two pairs (its
+    geometric mean; None: no apart step, so no verdict), with the regime's mean and range and where along the
+    logged steps it holds; ``partly`` names the apart steps where it holds when the regime as a whole fails
+    ("" otherwise)."""
     r = ratio(drift, num, den, metric)
     if not r["steps"]:
-        return None, "no logged step where both pairs have a distance"
+        return None, "no logged step where both pairs have a distance", ""
     ok = [lo <= x <= hi for x in r["ratios"]]
     where = where_holds(r["steps"], ok, r["ratios"], name="step")
     apart = [x for x, a in zip(r["ratios"], r["apart"]) if a]
     if not apart:
-        return None, f"no step where both pairs are apart (above noise, below saturation); over all steps: {where}"
+        return None, f"no step where both pairs are apart (above noise, below saturation); over all steps: {where}", ""
     steps = [s for s, a in zip(r["steps"], r["apart"]) if a]
-    inside = sum(lo <= x <= hi for x in apart)
+    inside = [lo <= x <= hi for x in apart]
     text = (f"{_gmean(apart):.3g} (geometric mean over the {len(apart)} apart steps {steps[0]}..{steps[-1]}; "
-            f"range {min(apart):.3g}..{max(apart):.3g}; {inside} of {len(apart)} inside [{lo:g}, {hi:g}]); "
+            f"range {min(apart):.3g}..{max(apart):.3g}; {sum(inside)} of {len(apart)} inside [{lo:g}, {hi:g}]); "
             f"along all logged steps: {where}")
-    return lo <= _gmean(apart) <= hi, text
+    holds = lo <= _gmean(apart) <= hi
+    partly = holds_range(steps, inside, name="step") if not holds and any(inside) else ""
+    return holds, text, partly
+
+
+def _finding(claim, judged, paper, source):
+    holds, text, partly = judged
+    return Finding(claim, text, paper, holds, source if holds is not None else "", partly=partly)
 
 
 def findings(drift):
@@ -265,27 +274,23 @@ def findings(drift):
     out = []
     for pair in flash:
         if precision:
-            holds, text = verdict(drift, pair, precision, *PAPER_BAND)
-            out.append(Finding(f"{pair}: drift / bf16-vs-fp32 drift ({METRIC}), apart regime", text,
-                               "1/2..1/5 of low-precision training's drift", holds, "golden" if holds is not None
-                               else ""))
+            out.append(_finding(f"{pair}: drift / bf16-vs-fp32 drift ({METRIC}), apart regime",
+                                verdict(drift, pair, precision, *PAPER_BAND),
+                                "1/2..1/5 of low-precision training's drift", "golden"))
         if init:
-            holds, text = verdict(drift, pair, init, 0.0, ORDER)
-            out.append(Finding(f"{pair}: drift / init-seed drift ({METRIC}), apart regime", text,
-                               "an order of magnitude below another initialisation's", holds,
-                               "golden" if holds is not None else ""))
+            out.append(_finding(f"{pair}: drift / init-seed drift ({METRIC}), apart regime",
+                                verdict(drift, pair, init, 0.0, ORDER),
+                                "an order of magnitude below another initialisation's", "golden"))
     have = set(drift["pair"])
     for num, den, claim in VALIDATION:
         if num in have and den in have:
-            holds, text = verdict(drift, num, den, *ALIKE)
-            out.append(Finding(f"{num} / {den} ({METRIC}): {claim}", text, f"within a factor {ALIKE[1]:g} of each "
-                               "other", holds, "fadev" if holds is not None else ""))
+            out.append(_finding(f"{num} / {den} ({METRIC}): {claim}", verdict(drift, num, den, *ALIKE),
+                                f"within a factor {ALIKE[1]:g} of each other", "fadev"))
     num, den, factor = PAPER_SETTING
     if num in have and den in have:
-        holds, text = verdict(drift, num, den, factor, math.inf)
-        out.append(Finding(f"{num} / {den} ({METRIC}): the paper's all-bf16 flash (~13x fa2(bf16)'s deviation per "
-                           "call at N 16k) drifts further in training", text, f"at least {factor:g}x fa2(bf16)'s drift",
-                           holds, "fadev" if holds is not None else ""))
+        out.append(_finding(f"{num} / {den} ({METRIC}): the paper's all-bf16 flash (~13x fa2(bf16)'s deviation per "
+                            "call at N 16k) drifts further in training", verdict(drift, num, den, factor, math.inf),
+                            f"at least {factor:g}x fa2(bf16)'s drift", "fadev"))
     for g in growth(drift):
         if g["role"] in ("flash", "precision", "init"):
             sat = f"saturated from step {g['saturated_at']}" if g["saturated_at"] is not None else "never saturated"
