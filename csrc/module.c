@@ -2,8 +2,9 @@
  *
  * Each function here unpacks arguments, converts arrays to contiguous native float64 (or float32)
  * with NumPy, releases the GIL around the C call and turns a fadev_status into an exception that
- * names the parameter. No arithmetic happens here. The attention entry points are rows of one table
- * (bottleneck's one-dispatcher shape): arrays in, option list, arrays out, kernel. Argument validation
+ * names the parameter. No arithmetic happens here. The attention entry points are one entry each of one
+ * dispatcher (bottleneck's shape): arrays in, the call spec (fadev._args.Call.c, parsed by module_args.c's
+ * parse_call, as module_cuda.c parses it), arrays out, kernel. Argument validation
  * that needs more than a type check is done by the Python layer (fadev/), which is what users call. */
 #include "module.h"
 
@@ -312,30 +313,23 @@ static fadev_status run_ring_backward(const double *const *in, double *const *ou
                                          &c->policy, &c->policy_backward, &c->ring);
 }
 
-#define FORWARD_TILING OPT_BLOCK_Q, OPT_BLOCK_KV, OPT_LOOP_ORDER, OPT_NORMALIZE, OPT_EXP_FORM
-#define BACKWARD_TILING OPT_BLOCK_Q, OPT_BLOCK_KV, OPT_EXP_FORM
-
 typedef struct attention_entry {
     const char *name;
-    int backward;                    /* 0: 3 arrays in, (out, lse) out; 1: 6 in, (dq, dk, dv) out */
-    unsigned char options[12];       /* after the arrays, OPT_END-terminated */
+    int backward; /* 0: 3 arrays in, (out, lse) out; 1: 6 in, (dq, dk, dv) out; then the call spec */
+    int needs;    /* what of the call spec it reads (enum call_needs) */
     attention_fn run;
 } attention_entry;
 
-enum { BASELINE, FLASH, RING, BASELINE_BACKWARD, FLASH_BACKWARD, RING_BACKWARD };
+#define POLICIES (NEEDS_POLICY | NEEDS_POLICY_BACKWARD)
 
-static const attention_entry attention_entries[] = {
-    [BASELINE] = {"baseline_attention", 0, {OPT_POLICY, OPT_SCALE, OPT_CAUSAL}, run_baseline},
-    [FLASH] = {"flash_attention", 0, {OPT_POLICY, OPT_SCALE, OPT_CAUSAL, FORWARD_TILING}, run_flash},
-    [RING] = {"ring_attention", 0, {OPT_POLICY, OPT_RING, OPT_SCALE, OPT_CAUSAL, FORWARD_TILING}, run_ring},
-    [BASELINE_BACKWARD] = {"baseline_attention_backward", 1, {OPT_POLICY, OPT_POLICY_BACKWARD, OPT_SCALE, OPT_CAUSAL},
-                           run_baseline_backward},
-    [FLASH_BACKWARD] = {"flash_attention_backward", 1,
-                        {OPT_POLICY, OPT_POLICY_BACKWARD, OPT_SCALE, OPT_CAUSAL, BACKWARD_TILING}, run_flash_backward},
-    [RING_BACKWARD] = {"ring_attention_backward", 1,
-                       {OPT_POLICY, OPT_POLICY_BACKWARD, OPT_RING, OPT_SCALE, OPT_CAUSAL, BACKWARD_TILING},
-                       run_ring_backward},
-};
+static const attention_entry baseline_entry = {"baseline_attention", 0, NEEDS_POLICY, run_baseline};
+static const attention_entry flash_entry = {"flash_attention", 0, NEEDS_POLICY, run_flash};
+static const attention_entry ring_entry = {"ring_attention", 0, NEEDS_POLICY | NEEDS_RING, run_ring};
+static const attention_entry baseline_backward_entry = {"baseline_attention_backward", 1, POLICIES,
+                                                        run_baseline_backward};
+static const attention_entry flash_backward_entry = {"flash_attention_backward", 1, POLICIES, run_flash_backward};
+static const attention_entry ring_backward_entry = {"ring_attention_backward", 1, POLICIES | NEEDS_RING,
+                                                    run_ring_backward};
 
 static const char *const array_names[6] = {"q", "k", "v", "out", "lse", "dout"};
 
@@ -372,13 +366,16 @@ static int attention_shapes(PyObject *const *a, int n, const char *what, fadev_a
     return agree;
 }
 
-/* The one dispatcher of the host-array attention entry points: arrays and options unpacked by the entry's
- * row, outputs allocated, the kernel run without the GIL, the status translated. */
+/* The one dispatcher of the host-array attention entry points: the arrays, then the call spec (parse_call), unpacked
+ * as the entry says, outputs allocated, the kernel run without the GIL, the status translated. */
 static PyObject *attention_call(const attention_entry *e, PyObject *args) {
     const int n_in = e->backward ? 6 : 3, n_out = e->backward ? 3 : 2;
     PyObject *in[6] = {NULL}, *out[3] = {NULL}, *result = NULL;
     call_options c;
-    if (!parse_options(args, n_in, e->options, &c, e->name)) return NULL;
+    if (PyTuple_GET_SIZE(args) != n_in + 1)
+        return PyErr_Format(PyExc_TypeError, "%s() takes exactly %d arguments (%zd given): %d arrays and the call spec",
+                            e->name, n_in + 1, PyTuple_GET_SIZE(args), n_in);
+    if (!parse_call(PyTuple_GET_ITEM(args, n_in), e->needs, &c, e->name)) return NULL;
     for (int x = 0; x < n_in; x++)
         if (!(in[x] = as_array(PyTuple_GET_ITEM(args, x), NPY_FLOAT64, array_names[x]))) goto done;
     if (!attention_shapes(in, n_in, e->name, &c.pr)) goto done;
@@ -400,14 +397,14 @@ done:
     return result;
 }
 
-#define ATTENTION_METHOD(fn, row) \
-    static PyObject *fn(PyObject *self, PyObject *args) { return attention_call(&attention_entries[row], args); }
-ATTENTION_METHOD(py_baseline_attention, BASELINE)
-ATTENTION_METHOD(py_flash_attention, FLASH)
-ATTENTION_METHOD(py_ring_attention, RING)
-ATTENTION_METHOD(py_baseline_attention_backward, BASELINE_BACKWARD)
-ATTENTION_METHOD(py_flash_attention_backward, FLASH_BACKWARD)
-ATTENTION_METHOD(py_ring_attention_backward, RING_BACKWARD)
+#define ATTENTION_METHOD(kernel) \
+    static PyObject *py_##kernel(PyObject *self, PyObject *args) { return attention_call(&kernel##_entry, args); }
+ATTENTION_METHOD(baseline)
+ATTENTION_METHOD(flash)
+ATTENTION_METHOD(ring)
+ATTENTION_METHOD(baseline_backward)
+ATTENTION_METHOD(flash_backward)
+ATTENTION_METHOD(ring_backward)
 
 static PyObject *py_ring_coverage(PyObject *self, PyObject *args) {
     long long seq;
@@ -490,23 +487,17 @@ static PyMethodDef core_methods[] = {
      "(auto) gives (None, 1) when they must be sorted and passed again with method 1"},
     {"ulp_error", py_ulp_error, METH_VARARGS, "ulp_error(test, ref, fmt) -> float64 array"},
     {"ulp_histogram", py_ulp_histogram, METH_VARARGS, "ulp_histogram(test, ref, fmt, max_ulp) -> (counts, n_nan)"},
-    /* attention methods */
-    {"baseline_attention", py_baseline_attention, METH_VARARGS,
-     "baseline_attention(q, k, v, policy, scale, causal) -> (out, lse); q, k, v 4-D"},
-    {"flash_attention", py_flash_attention, METH_VARARGS,
-     "flash_attention(q, k, v, policy, scale, causal, block_q, block_kv, loop_order, normalize, exp_form) -> (out, lse)"},
-    {"baseline_attention_backward", py_baseline_attention_backward, METH_VARARGS,
-     "baseline_attention_backward(q, k, v, out, lse, dout, policy, policy_backward, scale, causal) -> (dq, dk, dv)"},
-    {"flash_attention_backward", py_flash_attention_backward, METH_VARARGS,
-     "flash_attention_backward(q, k, v, out, lse, dout, policy, policy_backward, scale, causal, block_q, block_kv, "
-     "exp_form) -> (dq, dk, dv)"},
+    /* attention methods: the arrays, then the call spec (fadev._args.Call.c) */
+    {"baseline_attention", py_baseline, METH_VARARGS, "baseline_attention(q, k, v, call) -> (out, lse); q, k, v 4-D"},
+    {"flash_attention", py_flash, METH_VARARGS, "flash_attention(q, k, v, call) -> (out, lse)"},
+    {"baseline_attention_backward", py_baseline_backward, METH_VARARGS,
+     "baseline_attention_backward(q, k, v, out, lse, dout, call) -> (dq, dk, dv)"},
+    {"flash_attention_backward", py_flash_backward, METH_VARARGS,
+     "flash_attention_backward(q, k, v, out, lse, dout, call) -> (dq, dk, dv)"},
     /* ring methods */
-    {"ring_attention", py_ring_attention, METH_VARARGS,
-     "ring_attention(q, k, v, policy, ring, scale, causal, block_q, block_kv, loop_order, normalize, exp_form) "
-     "-> (out, lse)"},
-    {"ring_attention_backward", py_ring_attention_backward, METH_VARARGS,
-     "ring_attention_backward(q, k, v, out, lse, dout, policy, policy_backward, ring, scale, causal, block_q, "
-     "block_kv, exp_form) -> (dq, dk, dv)"},
+    {"ring_attention", py_ring, METH_VARARGS, "ring_attention(q, k, v, call) -> (out, lse); call with a ring"},
+    {"ring_attention_backward", py_ring_backward, METH_VARARGS,
+     "ring_attention_backward(q, k, v, out, lse, dout, call) -> (dq, dk, dv); call with a ring"},
     {"ring_coverage", py_ring_coverage, METH_VARARGS, "ring_coverage(seq, causal, ring) -> int32 (seq, seq)"},
     /* hadamard methods */
     {"hadamard", py_hadamard, METH_VARARGS, "hadamard(x, signs or None, inverse) -> rotated float64 array"},

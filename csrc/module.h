@@ -18,27 +18,21 @@ FADEV_HIDDEN PyObject *raise_status(fadev_status st, const char *what);
 FADEV_HIDDEN PyObject *raise_device_status(fadev_status st, const char *what);
 
 /* PyArg "O&" converters: Format._c -> fadev_format, Policy._c -> fadev_policy, Policy._c_backward ->
- * fadev_policy_backward, RingMerge._c -> fadev_ring_params, a device address (int) -> void *, the CUDA
- * params tuples -> fadev_attention_params, fadev_native_params. */
+ * fadev_policy_backward, RingMerge._c -> fadev_ring_params, a device address (int) -> void *, a device call's
+ * shape tuple -> fadev_attention_params' shapes, the native options -> fadev_native_params' own fields. */
 FADEV_HIDDEN int parse_format(PyObject *obj, void *out);
 FADEV_HIDDEN int parse_policy(PyObject *obj, void *out);
 FADEV_HIDDEN int parse_policy_backward(PyObject *obj, void *out);
 FADEV_HIDDEN int parse_ring(PyObject *obj, void *out);
 FADEV_HIDDEN int parse_ptr(PyObject *obj, void *out);
-FADEV_HIDDEN int parse_params(PyObject *obj, void *out);
-FADEV_HIDDEN int parse_native_params(PyObject *obj, void *out);
+FADEV_HIDDEN int parse_shape(PyObject *obj, void *out);
+FADEV_HIDDEN int parse_native(PyObject *obj, void *out);
 
 /* New reference to a C-contiguous, aligned, native-order array of `type` (copying if needed); NULL with
  * TypeError naming `name`. */
 FADEV_HIDDEN PyObject *as_array(PyObject *obj, int type, const char *name);
 /* A new array of `type` shaped like `shape_of` (its first `ndim` dimensions; -1: all). */
 FADEV_HIDDEN PyObject *new_like(PyObject *shape_of, int ndim, int type);
-
-/* The options of an attention entry point after its arrays, in this order where present. */
-enum call_option {
-    OPT_END = 0, OPT_POLICY, OPT_POLICY_BACKWARD, OPT_RING, OPT_SCALE, OPT_CAUSAL, OPT_BLOCK_Q, OPT_BLOCK_KV,
-    OPT_LOOP_ORDER, OPT_NORMALIZE, OPT_EXP_FORM
-};
 
 /* Everything a kernel reads besides its arrays. */
 typedef struct call_options {
@@ -48,10 +42,15 @@ typedef struct call_options {
     fadev_ring_params ring;
 } call_options;
 
-/* Fills c from items first.. of args as `options` (OPT_END-terminated) lists them; 0 with an exception
- * (TypeError for a wrong count, naming `what`). Shapes are left 0 for the caller. */
-FADEV_HIDDEN int parse_options(PyObject *args, Py_ssize_t first, const unsigned char *options, call_options *c,
-                               const char *what);
+/* What of the call spec a kernel reads besides scale, causal and the tiling (the rest may be None). */
+enum call_needs { NEEDS_POLICY = 1, NEEDS_POLICY_BACKWARD = 2, NEEDS_RING = 4 };
+
+/* The one call spec of every attention entry point, host (module.c) or device (module_cuda.c): the tuple
+ * fadev/_args.py's Call.c builds, (policy, policy_backward, ring, scale, causal, block_q, block_kv, loop_order,
+ * normalize, exp_form), policy / policy_backward / ring None where the kernel reads none (`needs` says which it
+ * reads: TypeError naming `what` when one of them is None). Fills c; shapes left 0 for the caller. 0 with an
+ * exception. */
+FADEV_HIDDEN int parse_call(PyObject *obj, int needs, call_options *c, const char *what);
 
 /* A fadev_deviation as the dict fadev.metrics reads. */
 FADEV_HIDDEN PyObject *deviation_dict(const fadev_deviation *dev);

@@ -118,44 +118,25 @@ int parse_ptr(PyObject *obj, void *out) {
     return 1;
 }
 
-/* The shapes (batch, heads, heads_kv, seq_q, seq_kv, dim) that lead both CUDA parameter tuples. */
-static void set_shapes(fadev_attention_params *pr, const long long s[6]) {
-    pr->batch = s[0], pr->heads = s[1], pr->heads_kv = s[2], pr->seq_q = s[3], pr->seq_kv = s[4], pr->dim = s[5];
-}
-
-/* fadev_attention_params from (batch, heads, heads_kv, seq_q, seq_kv, dim, scale, causal, block_q, block_kv,
- * loop_order, normalize, exp_form). */
-int parse_params(PyObject *obj, void *out) {
+/* The shapes of a device call: (batch, heads, heads_kv, seq_q, seq_kv, dim) into a fadev_attention_params. */
+int parse_shape(PyObject *obj, void *out) {
     fadev_attention_params *pr = (fadev_attention_params *)out;
     long long s[6];
-    int causal, block_q, block_kv, loop_order, normalize, exp_form;
-    memset(pr, 0, sizeof *pr);
-    if (!PyArg_ParseTuple(obj, "LLLLLLdpiiiii;params must be (batch, heads, heads_kv, seq_q, seq_kv, dim, scale, "
-                               "causal, block_q, block_kv, loop_order, normalize, exp_form)", &s[0], &s[1], &s[2],
-                          &s[3], &s[4], &s[5], &pr->scale, &causal, &block_q, &block_kv, &loop_order, &normalize,
-                          &exp_form))
+    if (!PyArg_ParseTuple(obj, "LLLLLL;shape must be (batch, heads, heads_kv, seq_q, seq_kv, dim)", &s[0], &s[1],
+                          &s[2], &s[3], &s[4], &s[5]))
         return 0;
-    set_shapes(pr, s);
-    pr->causal = causal, pr->block_q = block_q, pr->block_kv = block_kv;
-    pr->loop_order = loop_order, pr->normalize = normalize, pr->exp_form = exp_form;
+    pr->batch = s[0], pr->heads = s[1], pr->heads_kv = s[2], pr->seq_q = s[3], pr->seq_kv = s[4], pr->dim = s[5];
     return 1;
 }
 
-/* fadev_native_params from (batch, heads, heads_kv, seq_q, seq_kv, dim, scale, causal, block_q, block_kv, dtype,
- * deterministic, warp_rows, mma). */
-int parse_native_params(PyObject *obj, void *out) {
+/* The native kernels' own options (dtype, deterministic, warp_rows, mma) into a fadev_native_params (attn untouched). */
+int parse_native(PyObject *obj, void *out) {
     fadev_native_params *np = (fadev_native_params *)out;
-    long long s[6];
-    int causal, block_q, block_kv, dtype, deterministic, warp_rows, mma;
-    memset(np, 0, sizeof *np);
-    if (!PyArg_ParseTuple(obj, "LLLLLLdpiiipii;native params must be (batch, heads, heads_kv, seq_q, seq_kv, dim, "
-                               "scale, causal, block_q, block_kv, dtype, deterministic, warp_rows, mma)", &s[0], &s[1],
-                          &s[2], &s[3], &s[4], &s[5], &np->attn.scale, &causal, &block_q, &block_kv, &dtype,
+    int dtype, deterministic, warp_rows, mma;
+    if (!PyArg_ParseTuple(obj, "ipii;native options must be (dtype, deterministic, warp_rows, mma)", &dtype,
                           &deterministic, &warp_rows, &mma))
         return 0;
-    set_shapes(&np->attn, s);
-    np->attn.causal = causal, np->attn.block_q = block_q, np->attn.block_kv = block_kv, np->dtype = dtype;
-    np->deterministic = deterministic, np->warp_rows = warp_rows, np->mma = mma;
+    np->dtype = dtype, np->deterministic = deterministic, np->warp_rows = warp_rows, np->mma = mma;
     return 1;
 }
 
@@ -189,43 +170,37 @@ PyObject *new_like(PyObject *shape_of, int ndim, int type) {
     return PyArray_SimpleNew(ndim < 0 ? PyArray_NDIM(a) : ndim, PyArray_DIMS(a), type);
 }
 
-/* ------------------------------------------------------------ options of the attention entry points */
+/* ------------------------------------------------------------ the call spec of the attention entry points */
 
-/* One option from item; 0 with an exception. */
-static int parse_option(PyObject *item, unsigned char option, call_options *c) {
-    fadev_attention_params *pr = &c->pr;
-    int flag = 0, value = 0;
-    switch (option) {
-    case OPT_POLICY: return parse_policy(item, &c->policy);
-    case OPT_POLICY_BACKWARD: return parse_policy_backward(item, &c->policy_backward);
-    case OPT_RING: return parse_ring(item, &c->ring);
-    case OPT_SCALE: return PyArg_Parse(item, "d", &pr->scale);
-    case OPT_CAUSAL:
-        if (!PyArg_Parse(item, "p", &flag)) return 0;
-        pr->causal = flag;
-        return 1;
-    default: break;
-    }
-    if (!PyArg_Parse(item, "i", &value)) return 0;
-    int32_t *fields[] = {[OPT_BLOCK_Q] = &pr->block_q, [OPT_BLOCK_KV] = &pr->block_kv,
-                         [OPT_LOOP_ORDER] = &pr->loop_order, [OPT_NORMALIZE] = &pr->normalize,
-                         [OPT_EXP_FORM] = &pr->exp_form};
-    *fields[option] = value;
-    return 1;
+/* item (None allowed unless required) through convert; 0 with an exception. */
+static int optional(PyObject *item, int required, int (*convert)(PyObject *, void *), void *out, const char *name,
+                    const char *what) {
+    if (item != Py_None) return convert(item, out);
+    if (!required) return 1;
+    PyErr_Format(PyExc_TypeError, "%s: the call spec's %s is None, and this kernel reads it", what, name);
+    return 0;
 }
 
-int parse_options(PyObject *args, Py_ssize_t first, const unsigned char *options, call_options *c, const char *what) {
+int parse_call(PyObject *obj, int needs, call_options *c, const char *what) {
+    fadev_attention_params *pr = &c->pr;
+    PyObject *policy, *policy_backward, *ring;
+    int causal;
     memset(c, 0, sizeof *c);
-    Py_ssize_t count = 0;
-    while (options[count] != OPT_END) count++;
-    if (PyTuple_GET_SIZE(args) != first + count) {
-        PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd arguments (%zd given)", what, first + count,
-                     PyTuple_GET_SIZE(args));
+    if (!PyTuple_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: the call spec must be a tuple (fadev._args.Call.c), got %.100s", what,
+                     Py_TYPE(obj)->tp_name);
         return 0;
     }
-    for (Py_ssize_t i = 0; i < count; i++)
-        if (!parse_option(PyTuple_GET_ITEM(args, first + i), options[i], c)) return 0;
-    return 1;
+    if (!PyArg_ParseTuple(obj, "OOOdpiiiii;the call spec must be (policy, policy_backward, ring, scale, causal, "
+                               "block_q, block_kv, loop_order, normalize, exp_form) (fadev._args.Call.c)", &policy,
+                          &policy_backward, &ring, &pr->scale, &causal, &pr->block_q, &pr->block_kv, &pr->loop_order,
+                          &pr->normalize, &pr->exp_form))
+        return 0;
+    pr->causal = causal;
+    return optional(policy, needs & NEEDS_POLICY, parse_policy, &c->policy, "policy", what) &&
+           optional(policy_backward, needs & NEEDS_POLICY_BACKWARD, parse_policy_backward, &c->policy_backward,
+                    "policy_backward", what) &&
+           optional(ring, needs & NEEDS_RING, parse_ring, &c->ring, "ring", what);
 }
 
 PyObject *deviation_dict(const fadev_deviation *d) {

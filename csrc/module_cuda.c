@@ -1,12 +1,13 @@
 /* fadev._core's CUDA methods: the binding for the device-pointer entry points of fadev.h ("CUDA").
  *
  * Device memory arrives as Python ints (the address, as __cuda_array_interface__ and torch's data_ptr()
- * give it; 0 is NULL); host memory for copies as buffer objects (contiguous NumPy arrays). Shapes and
- * options arrive as tuples built by fadev/cuda.py, policies and formats as the tuples module_args.c parses.
+ * give it; 0 is NULL); host memory for copies as buffer objects (contiguous NumPy arrays). A kernel's pointers are
+ * followed by its shape tuple (batch, heads, heads_kv, seq_q, seq_kv, dim), the call spec (fadev._args.Call.c,
+ * parsed by module_args.c's parse_call as module.c parses it) and, for the native kernels, their own options.
  * The Python layer validated and allocated everything; this file only unpacks, releases the GIL around
  * each CUDA call and turns a status into an exception (raise_device_status: FADEV_ERR_CUDA -> RuntimeError
  * with CUDA's message, out of device memory (FADEV_ERR_NO_MEMORY) -> MemoryError with it, FADEV_ERR_NO_CUDA
- * -> RuntimeError). The kernels are rows of one table, run by one dispatcher. Every call is synchronous:
+ * -> RuntimeError). Each kernel is one entry, named by its method (no kernel numbers), run by one dispatcher. Every call is synchronous:
  * the C side runs on the legacy default stream and synchronises before returning. */
 #include "module.h"
 
@@ -101,45 +102,41 @@ static PyObject *py_cuda_current_device(PyObject *self, PyObject *args) {
 
 /* ------------------------------------------------------------ kernels: one table, one dispatcher */
 
-/* What follows a kernel's device pointers. */
-enum device_tail { TAIL_END = 0, TAIL_PARAMS, TAIL_POLICY, TAIL_UNUSED, TAIL_POLICY_BACKWARD, TAIL_NATIVE };
-
 typedef struct device_options {
-    fadev_attention_params pr;
-    fadev_policy policy;
-    fadev_policy_backward policy_backward;
+    call_options c;
     fadev_native_params native;
 } device_options;
 
 typedef fadev_status (*device_fn)(void *const *p, const device_options *o);
 
 typedef struct device_entry {
-    const char *name;       /* error prefix */
-    int n_ptrs;             /* device pointers first */
-    unsigned char tail[4];  /* then these, TAIL_END-terminated */
+    const char *name; /* error prefix */
+    int n_ptrs;       /* device pointers first, then the shape tuple and the call spec */
+    int needs;        /* what of the call spec it reads (enum call_needs) */
+    int native;       /* 1: then the native options (dtype, deterministic, warp_rows, mma) */
     device_fn run;
 } device_entry;
 
 static fadev_status run_baseline(void *const *p, const device_options *o) {
-    return fadev_cuda_baseline_attention(p[0], p[1], p[2], p[3], p[4], &o->pr, &o->policy);
+    return fadev_cuda_baseline_attention(p[0], p[1], p[2], p[3], p[4], &o->c.pr, &o->c.policy);
 }
 
 static fadev_status run_flash(void *const *p, const device_options *o) {
-    return fadev_cuda_flash_attention(p[0], p[1], p[2], p[3], p[4], &o->pr, &o->policy);
+    return fadev_cuda_flash_attention(p[0], p[1], p[2], p[3], p[4], &o->c.pr, &o->c.policy);
 }
 
 static fadev_status run_golden(void *const *p, const device_options *o) {
-    return fadev_cuda_golden_attention(p[0], p[1], p[2], p[3], p[4], &o->pr);
+    return fadev_cuda_golden_attention(p[0], p[1], p[2], p[3], p[4], &o->c.pr);
 }
 
 static fadev_status run_baseline_backward(void *const *p, const device_options *o) {
-    return fadev_cuda_baseline_attention_backward(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], &o->pr,
-                                                  &o->policy, &o->policy_backward);
+    return fadev_cuda_baseline_attention_backward(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], &o->c.pr,
+                                                  &o->c.policy, &o->c.policy_backward);
 }
 
 static fadev_status run_flash_backward(void *const *p, const device_options *o) {
-    return fadev_cuda_flash_attention_backward(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], &o->pr,
-                                               &o->policy, &o->policy_backward);
+    return fadev_cuda_flash_attention_backward(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], &o->c.pr,
+                                               &o->c.policy, &o->c.policy_backward);
 }
 
 static fadev_status run_native_forward(void *const *p, const device_options *o) {
@@ -150,44 +147,39 @@ static fadev_status run_native_backward(void *const *p, const device_options *o)
     return fadev_cuda_native_backward(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], &o->native);
 }
 
-/* cuda_attention's kernel argument indexes the first table, cuda_attention_backward's the second. */
-static const device_entry forward_kernels[] = {
-    {"baseline_attention (cuda)", 5, {TAIL_PARAMS, TAIL_POLICY}, run_baseline},
-    {"flash_attention (cuda)", 5, {TAIL_PARAMS, TAIL_POLICY}, run_flash},
-    {"golden_attention (cuda)", 5, {TAIL_PARAMS, TAIL_UNUSED}, run_golden},
-};
-static const device_entry backward_kernels[] = {
-    {"baseline_attention_backward (cuda)", 9, {TAIL_PARAMS, TAIL_POLICY, TAIL_POLICY_BACKWARD}, run_baseline_backward},
-    {"flash_attention_backward (cuda)", 9, {TAIL_PARAMS, TAIL_POLICY, TAIL_POLICY_BACKWARD}, run_flash_backward},
-};
-static const device_entry native_forward = {"native_attention (cuda)", 5, {TAIL_NATIVE}, run_native_forward};
-static const device_entry native_backward = {"native_attention_backward (cuda)", 10, {TAIL_NATIVE},
-                                             run_native_backward};
+#define POLICIES (NEEDS_POLICY | NEEDS_POLICY_BACKWARD)
 
-static int parse_tail(PyObject *item, unsigned char tail, device_options *o) {
-    switch (tail) {
-    case TAIL_PARAMS: return parse_params(item, &o->pr);
-    case TAIL_POLICY: return parse_policy(item, &o->policy);
-    case TAIL_POLICY_BACKWARD: return parse_policy_backward(item, &o->policy_backward);
-    case TAIL_NATIVE: return parse_native_params(item, &o->native);
-    default: return 1; /* TAIL_UNUSED: golden's policy slot (None) */
-    }
+static const device_entry baseline_entry = {"baseline_attention (cuda)", 5, NEEDS_POLICY, 0, run_baseline};
+static const device_entry flash_entry = {"flash_attention (cuda)", 5, NEEDS_POLICY, 0, run_flash};
+static const device_entry golden_entry = {"golden_attention (cuda)", 5, 0, 0, run_golden};
+static const device_entry baseline_backward_entry = {"baseline_attention_backward (cuda)", 9, POLICIES, 0,
+                                                     run_baseline_backward};
+static const device_entry flash_backward_entry = {"flash_attention_backward (cuda)", 9, POLICIES, 0,
+                                                  run_flash_backward};
+static const device_entry native_forward_entry = {"native_attention (cuda)", 5, 0, 1, run_native_forward};
+static const device_entry native_backward_entry = {"native_attention_backward (cuda)", 10, 0, 1, run_native_backward};
+
+/* The shape, the call spec and (native) the native options at items first.. of args into o; 0 with an exception. */
+static int parse_tail(const device_entry *e, PyObject *args, Py_ssize_t first, device_options *o) {
+    if (!parse_call(PyTuple_GET_ITEM(args, first + 1), e->needs, &o->c, e->name)) return 0;
+    if (!parse_shape(PyTuple_GET_ITEM(args, first), &o->c.pr)) return 0;
+    o->native.attn = o->c.pr;
+    return !e->native || parse_native(PyTuple_GET_ITEM(args, first + 2), &o->native);
 }
 
-/* The one dispatcher: items first.. of args are the entry's pointers and tail; the kernel runs without the GIL. */
-static PyObject *device_call(const device_entry *e, PyObject *args, Py_ssize_t first) {
+/* The one dispatcher: args are the entry's pointers, shape, call spec (and native options); the kernel runs without
+ * the GIL. */
+static PyObject *device_call(const device_entry *e, PyObject *args) {
     void *p[10];
     device_options o;
     memset(&o, 0, sizeof o);
-    Py_ssize_t n_tail = 0;
-    while (n_tail < 4 && e->tail[n_tail] != TAIL_END) n_tail++;
-    if (PyTuple_GET_SIZE(args) != first + e->n_ptrs + n_tail)
-        return PyErr_Format(PyExc_TypeError, "%s: expected %zd arguments, got %zd", e->name,
-                            first + e->n_ptrs + n_tail, PyTuple_GET_SIZE(args));
+    Py_ssize_t n_args = e->n_ptrs + 2 + e->native;
+    if (PyTuple_GET_SIZE(args) != n_args)
+        return PyErr_Format(PyExc_TypeError, "%s: expected %zd arguments (%d device pointers, shape, call%s), got %zd",
+                            e->name, n_args, e->n_ptrs, e->native ? ", native options" : "", PyTuple_GET_SIZE(args));
     for (int x = 0; x < e->n_ptrs; x++)
-        if (!parse_ptr(PyTuple_GET_ITEM(args, first + x), &p[x])) return NULL;
-    for (Py_ssize_t t = 0; t < n_tail; t++)
-        if (!parse_tail(PyTuple_GET_ITEM(args, first + e->n_ptrs + t), e->tail[t], &o)) return NULL;
+        if (!parse_ptr(PyTuple_GET_ITEM(args, x), &p[x])) return NULL;
+    if (!parse_tail(e, args, e->n_ptrs, &o)) return NULL;
     fadev_status st;
     Py_BEGIN_ALLOW_THREADS
     st = e->run(p, &o);
@@ -196,41 +188,15 @@ static PyObject *device_call(const device_entry *e, PyObject *args, Py_ssize_t f
     Py_RETURN_NONE;
 }
 
-/* The kernel number (item 0 of args) -> a row of table (count rows), or NULL with ValueError. */
-static const device_entry *kernel_row(PyObject *args, const device_entry *table, int count, const char *choices) {
-    int kernel;
-    if (PyTuple_GET_SIZE(args) < 1 || !PyArg_Parse(PyTuple_GET_ITEM(args, 0), "i", &kernel)) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "the kernel number is missing");
-        return NULL;
-    }
-    if (kernel < 0 || kernel >= count) {
-        PyErr_Format(PyExc_ValueError, "kernel must be %s, got %d", choices, kernel);
-        return NULL;
-    }
-    return &table[kernel];
-}
-
-/* cuda_attention(kernel, q, k, v, out, lse, params, policy or None): kernel 0 baseline, 1 flash, 2 golden
- * (no policy). lse may be 0. */
-static PyObject *py_cuda_attention(PyObject *self, PyObject *args) {
-    const device_entry *e = kernel_row(args, forward_kernels, 3, "0 (baseline), 1 (flash) or 2 (golden)");
-    return e ? device_call(e, args, 1) : NULL;
-}
-
-/* cuda_attention_backward(kernel, q, k, v, out, lse, dout, dq, dk, dv, params, policy, policy_backward):
- * kernel 0 baseline, 1 flash. */
-static PyObject *py_cuda_attention_backward(PyObject *self, PyObject *args) {
-    const device_entry *e = kernel_row(args, backward_kernels, 2, "0 (baseline) or 1 (flash)");
-    return e ? device_call(e, args, 1) : NULL;
-}
-
-/* cuda_native_forward(q, k, v, out, lse, native_params) */
-static PyObject *py_cuda_native_forward(PyObject *self, PyObject *args) { return device_call(&native_forward, args, 0); }
-
-/* cuda_native_backward(q, k, v, out, lse, dout, dq, dk, dv, workspace, native_params) */
-static PyObject *py_cuda_native_backward(PyObject *self, PyObject *args) {
-    return device_call(&native_backward, args, 0);
-}
+#define DEVICE_METHOD(kernel) \
+    static PyObject *py_cuda_##kernel(PyObject *self, PyObject *args) { return device_call(&kernel##_entry, args); }
+DEVICE_METHOD(baseline)
+DEVICE_METHOD(flash)
+DEVICE_METHOD(golden)
+DEVICE_METHOD(baseline_backward)
+DEVICE_METHOD(flash_backward)
+DEVICE_METHOD(native_forward)
+DEVICE_METHOD(native_backward)
 
 #define MAX_NATIVE_TILES 64
 
@@ -250,10 +216,14 @@ static PyObject *py_cuda_native_tiles(PyObject *self, PyObject *args) {
     return list;
 }
 
+/* cuda_native_workspace(shape, call, native) */
 static PyObject *py_cuda_native_workspace(PyObject *self, PyObject *args) {
-    fadev_native_params np;
-    if (!PyArg_ParseTuple(args, "O&", parse_native_params, &np)) return NULL;
-    return PyLong_FromSize_t(fadev_cuda_native_workspace(&np));
+    device_options o;
+    memset(&o, 0, sizeof o);
+    if (PyTuple_GET_SIZE(args) != 3)
+        return PyErr_Format(PyExc_TypeError, "native_workspace (cuda): expected (shape, call, native options)");
+    if (!parse_tail(&native_backward_entry, args, 0, &o)) return NULL;
+    return PyLong_FromSize_t(fadev_cuda_native_workspace(&o.native));
 }
 
 /* ------------------------------------------------------------ metrics */
@@ -314,12 +284,15 @@ PyMethodDef cuda_methods[] = {
     {"cuda_current_device", py_cuda_current_device, METH_NOARGS, "cuda_current_device() -> this thread's device"},
     {"cuda_pointer_device", py_cuda_pointer_device, METH_VARARGS,
      "cuda_pointer_device(ptr) -> device index owning ptr, -1 for host memory"},
-    {"cuda_attention", py_cuda_attention, METH_VARARGS,
-     "cuda_attention(kernel, q, k, v, out, lse, params, policy) with kernel 0 baseline, 1 flash, 2 golden (policy "
-     "None); params (B, H, Hkv, Nq, Nk, D, scale, causal, block_q, block_kv, loop_order, normalize, exp_form)"},
-    {"cuda_attention_backward", py_cuda_attention_backward, METH_VARARGS,
-     "cuda_attention_backward(kernel, q, k, v, out, lse, dout, dq, dk, dv, params, policy, policy_backward) with "
-     "kernel 0 baseline, 1 flash"},
+    {"cuda_baseline_attention", py_cuda_baseline, METH_VARARGS,
+     "cuda_baseline_attention(q, k, v, out, lse, shape, call); shape (B, H, Hkv, Nq, Nk, D), call fadev._args.Call.c"},
+    {"cuda_flash_attention", py_cuda_flash, METH_VARARGS, "cuda_flash_attention(q, k, v, out, lse, shape, call)"},
+    {"cuda_golden_attention", py_cuda_golden, METH_VARARGS,
+     "cuda_golden_attention(q, k, v, out, lse, shape, call); the call's policy not read"},
+    {"cuda_baseline_attention_backward", py_cuda_baseline_backward, METH_VARARGS,
+     "cuda_baseline_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, shape, call)"},
+    {"cuda_flash_attention_backward", py_cuda_flash_backward, METH_VARARGS,
+     "cuda_flash_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, shape, call)"},
     {"cuda_deviation", py_cuda_deviation, METH_VARARGS, "cuda_deviation(test, ref, n) -> dict of metrics"},
     {"cuda_wasserstein", py_cuda_wasserstein, METH_VARARGS, "cuda_wasserstein(a, n_a, b, n_b) -> w1"},
     {"cuda_ulp_error", py_cuda_ulp_error, METH_VARARGS, "cuda_ulp_error(test, ref, n, fmt, out)"},
@@ -327,11 +300,10 @@ PyMethodDef cuda_methods[] = {
      "cuda_native_tiles(dim, backward, warp_rows, mma) -> [(block_q, block_kv), ...] of the forward (backward False; "
      "warp_rows 16 or 32) or the backward (warp_rows 16 or 32); mma 1: the wgmma kernels' tiles"},
     {"cuda_native_workspace", py_cuda_native_workspace, METH_VARARGS,
-     "cuda_native_workspace(native_params) -> bytes of float32 workspace the backward needs"},
+     "cuda_native_workspace(shape, call, native) -> bytes of float32 workspace the backward needs"},
     {"cuda_native_forward", py_cuda_native_forward, METH_VARARGS,
-     "cuda_native_forward(q, k, v, out, lse, native_params); native_params (B, H, Hkv, Nq, Nk, D, scale, causal, "
-     "block_q, block_kv, dtype, deterministic, warp_rows, mma)"},
+     "cuda_native_forward(q, k, v, out, lse, shape, call, native); native (dtype, deterministic, warp_rows, mma)"},
     {"cuda_native_backward", py_cuda_native_backward, METH_VARARGS,
-     "cuda_native_backward(q, k, v, out, lse, dout, dq, dk, dv, workspace, native_params)"},
+     "cuda_native_backward(q, k, v, out, lse, dout, dq, dk, dv, workspace, shape, call, native)"},
     {NULL, NULL, 0, NULL},
 };

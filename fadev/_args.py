@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import NamedTuple
 
 import numpy as np
 
 from .formats import ROUNDING_MODES, _numeric, as_float, boolean, check_bytes
-from .policy import Policy, as_policy
+from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, Policy, as_policy
 
 MAX_DIM = 256
 INT32_MAX = 2**31 - 1
@@ -116,6 +117,49 @@ def check_policy(pol: Policy, q4, k4) -> None:
     if ROUNDING_MODES[pol.rounding] == ROUNDING_MODES["stochastic"] and max(q4.shape[2], k4.shape[2]) >= 2**21:
         raise ValueError(f"stochastic rounding needs sequence lengths < 2^21 (the counter packs them in 21 bits), "
                          f"got seq_q={q4.shape[2]}, seq_kv={k4.shape[2]}")
+
+
+class Call(NamedTuple):
+    """Everything an attention kernel reads besides its arrays, built once here by the API functions and handed
+    to a :mod:`fadev.backends` backend. :attr:`c` is the one tuple both bindings parse (module_args.c's
+    parse_call, for host arrays in module.c and device pointers in module_cuda.c alike): (policy,
+    policy_backward, ring, scale, causal, block_q, block_kv, loop_order, normalize, exp_form), None where a
+    kernel reads no policy (golden, native) or no ring. The tiling fields are 0 where a kernel reads none
+    (baseline)."""
+
+    policy: Policy | None
+    scale: float
+    causal: bool
+    block_q: int = 0
+    block_kv: int = 0
+    loop_order: int = 0
+    normalize: int = 0
+    exp_form: int = 0
+    ring: object = None
+    """The ring kernels' ring (a fadev.ring.Ring: its ``c(policy)`` is the binding's tuple)."""
+
+    @property
+    def c(self) -> tuple:
+        pol = self.policy
+        return (None if pol is None else pol._c, None if pol is None else pol._c_backward,
+                None if self.ring is None else self.ring.c(pol),
+                float(self.scale), bool(self.causal), int(self.block_q), int(self.block_kv), int(self.loop_order),
+                int(self.normalize), int(self.exp_form))
+
+
+def forward_call(pol, q4, causal, scale, block_q=None, block_kv=None, sram_bytes=None, loop_order=None,
+                 normalize=None, exp=None, ring=None) -> Call:
+    """The Call of a flash forward (tiles and choices checked; None takes the policy's)."""
+    block_q, block_kv = tiles(pol, q4.shape[3], block_q, block_kv, sram_bytes)
+    return Call(pol, scale, causal, block_q, block_kv, choice("loop_order", loop_order, LOOP_ORDERS, pol.loop_order),
+                choice("normalize", normalize, NORMALIZE, pol.normalize), choice("exp", exp, EXP_FORMS, pol.exp),
+                ring)
+
+
+def backward_call(pol, q4, causal, scale, block_q=None, block_kv=None, sram_bytes=None, exp=None, ring=None) -> Call:
+    """The Call of a flash backward (it reads no loop order or normalisation)."""
+    block_q, block_kv = tiles(pol, q4.shape[3], block_q, block_kv, sram_bytes)
+    return Call(pol, scale, causal, block_q, block_kv, exp_form=choice("exp", exp, EXP_FORMS, pol.exp), ring=ring)
 
 
 def prepare(q, k, v, policy, causal, scale, gpu=None, return_lse=False):

@@ -13,11 +13,10 @@ import numbers
 import numpy as np
 
 from . import _args
-from . import _core
+from . import backends
 from . import cuda as _cuda
 from ._args import MAX_DIM, sram_tiles
 from .formats import as_format, check_bytes, round as _round
-from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE
 
 
 def baseline_attention(q, k, v, policy, *, causal=False, scale=None, return_lse=False, device=None):
@@ -31,7 +30,7 @@ def baseline_attention(q, k, v, policy, *, causal=False, scale=None, return_lse=
     """
     gpu = _cuda.route(device, q=q, k=k, v=v)
     q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu, return_lse)
-    out, lse = (gpu or _core).baseline_attention(q4, k4, v4, pol._c, scale, causal)
+    out, lse = backends.of(gpu).forward("baseline", q4, k4, v4, _args.Call(pol, scale, causal))
     return _args.unshape_forward(out, lse, rank, return_lse)
 
 
@@ -45,7 +44,8 @@ def golden_attention(q, k, v, *, causal=False, scale=None, return_lse=False, dev
         return baseline_attention(q, k, v, "golden", causal=causal, scale=scale, return_lse=return_lse)
     q4, k4, v4, rank = _args.qkv(q, k, v, gpu)
     _args.boolean(return_lse, "return_lse")
-    out, lse = gpu.golden_attention(q4, k4, v4, _args.scale_of(scale, q4.shape[3]), _args.causal_of(causal))
+    call = _args.Call(None, _args.scale_of(scale, q4.shape[3]), _args.causal_of(causal))
+    out, lse = backends.of(gpu).forward("golden", q4, k4, v4, call)
     return _args.unshape_forward(out, lse, rank, return_lse)
 
 
@@ -63,11 +63,8 @@ def flash_attention(q, k, v, policy, *, causal=False, scale=None, block_q=None, 
     """
     gpu = _cuda.route(device, q=q, k=k, v=v)
     q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu, return_lse)
-    block_q, block_kv = _args.tiles(pol, q4.shape[3], block_q, block_kv, sram_bytes)
-    choices = (_args.choice("loop_order", loop_order, LOOP_ORDERS, pol.loop_order),
-               _args.choice("normalize", normalize, NORMALIZE, pol.normalize),
-               _args.choice("exp", exp, EXP_FORMS, pol.exp))
-    out, lse = (gpu or _core).flash_attention(q4, k4, v4, pol._c, scale, causal, block_q, block_kv, *choices)
+    call = _args.forward_call(pol, q4, causal, scale, block_q, block_kv, sram_bytes, loop_order, normalize, exp)
+    out, lse = backends.of(gpu).forward("flash", q4, k4, v4, call)
     return _args.unshape_forward(out, lse, rank, return_lse)
 
 

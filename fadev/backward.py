@@ -13,9 +13,8 @@ so do query rows that see no key.
 from __future__ import annotations
 
 from . import _args
-from . import _core
+from . import backends
 from . import cuda as _cuda
-from .policy import EXP_FORMS
 
 
 def baseline_attention_backward(q, k, v, out, lse, dout, policy, *, causal=False, scale=None, device=None):
@@ -26,8 +25,7 @@ def baseline_attention_backward(q, k, v, out, lse, dout, policy, *, causal=False
     gpu = _cuda.route(device, q=q, k=k, v=v, out=out, lse=lse, dout=dout)
     q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
     out4, lse3, dout4 = _args.saved(q4, out, lse, dout, rank, gpu)
-    grads = (gpu or _core).baseline_attention_backward(q4, k4, v4, out4, lse3, dout4, pol._c, pol._c_backward, scale,
-                                                       causal)
+    grads = backends.of(gpu).backward("baseline", q4, k4, v4, out4, lse3, dout4, _args.Call(pol, scale, causal))
     return _args.unshape_grads(grads, rank)
 
 
@@ -41,10 +39,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, policy, *, causal=False, s
     gpu = _cuda.route(device, q=q, k=k, v=v, out=out, lse=lse, dout=dout)
     q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
     out4, lse3, dout4 = _args.saved(q4, out, lse, dout, rank, gpu)
-    block_q, block_kv = _args.tiles(pol, q4.shape[3], block_q, block_kv, sram_bytes)
-    exp_form = _args.choice("exp", exp, EXP_FORMS, pol.exp)
-    grads = (gpu or _core).flash_attention_backward(q4, k4, v4, out4, lse3, dout4, pol._c, pol._c_backward, scale,
-                                                    causal, block_q, block_kv, exp_form)
+    call = _args.backward_call(pol, q4, causal, scale, block_q, block_kv, sram_bytes, exp)
+    grads = backends.of(gpu).backward("flash", q4, k4, v4, out4, lse3, dout4, call)
     return _args.unshape_grads(grads, rank)
 
 

@@ -289,17 +289,17 @@ def _contiguous(shape, strides, itemsize) -> bool:
     return True
 
 
-def _params(q, k, scale, causal, block_q=0, block_kv=0, loop_order=0, normalize=0, exp_form=0):
-    """The attention params tuple module_cuda.c parses, from 4-D q (B, H, Nq, D) and k (B, Hkv, Nk, D)."""
+def _shape(q, k) -> tuple:
+    """A device call's shape tuple (batch, heads, heads_kv, seq_q, seq_kv, dim) from 4-D q and k."""
     (b, h, nq, d), (_, hkv, nk, _) = q.shape, k.shape
-    return (b, h, hkv, nq, nk, d, float(scale), bool(causal), block_q, block_kv, loop_order, normalize, exp_form)
+    return (b, h, hkv, nq, nk, d)
 
 
 class _Gpu:
     """One call on CUDA device ``index``: inputs become device operands (:meth:`operand`), results are
     allocated like the first CUDA input (:meth:`empty`) and handed back in its kind (:meth:`result`).
-    Its methods take the arguments of fadev._core's CPU methods of the same name, so the API modules
-    call ``(gpu or _core).flash_attention(...)``."""
+    Its attention methods take what fadev._core's CPU methods of the same name take -- the arrays, then the
+    call spec (:attr:`fadev._args.Call.c`) -- so :mod:`fadev.backends` runs either the same way."""
 
     def __init__(self, index, first):
         self.index = index
@@ -425,36 +425,33 @@ class _Gpu:
 
     # -------------------------------------------------------------- emulated and golden attention
 
-    def _forward(self, kernel, q, k, v, policy_c, params):
+    def _forward(self, kernel, q, k, v, call):
         out, lse = self.empty(q.shape), self.empty(q.shape[:3])
         self._before()
-        _core.cuda_attention(kernel, q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, params, policy_c)
+        getattr(_core, f"cuda_{kernel}_attention")(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, _shape(q, k), call)
         return self.result(out), self.result(lse)
 
-    def baseline_attention(self, q, k, v, policy_c, scale, causal):
-        return self._forward(0, q, k, v, policy_c, _params(q, k, scale, causal))
+    def baseline_attention(self, q, k, v, call):
+        return self._forward("baseline", q, k, v, call)
 
-    def flash_attention(self, q, k, v, policy_c, scale, causal, block_q, block_kv, loop_order, normalize, exp_form):
-        return self._forward(1, q, k, v, policy_c, _params(q, k, scale, causal, block_q, block_kv, loop_order,
-                                                           normalize, exp_form))
+    def flash_attention(self, q, k, v, call):
+        return self._forward("flash", q, k, v, call)
 
-    def golden_attention(self, q, k, v, scale, causal):
-        return self._forward(2, q, k, v, None, _params(q, k, scale, causal))
+    def golden_attention(self, q, k, v, call):
+        return self._forward("golden", q, k, v, call)
 
-    def _backward(self, kernel, q, k, v, out, lse, dout, policy_c, policy_backward_c, params):
+    def _backward(self, kernel, q, k, v, out, lse, dout, call):
         dq, dk, dv = self.empty(q.shape), self.empty(k.shape), self.empty(v.shape)
         self._before()
-        _core.cuda_attention_backward(kernel, q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, dout.ptr, dq.ptr, dk.ptr, dv.ptr,
-                                      params, policy_c, policy_backward_c)
+        getattr(_core, f"cuda_{kernel}_attention_backward")(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, dout.ptr, dq.ptr,
+                                                            dk.ptr, dv.ptr, _shape(q, k), call)
         return self.result(dq), self.result(dk), self.result(dv)
 
-    def baseline_attention_backward(self, q, k, v, out, lse, dout, policy_c, policy_backward_c, scale, causal):
-        return self._backward(0, q, k, v, out, lse, dout, policy_c, policy_backward_c, _params(q, k, scale, causal))
+    def baseline_attention_backward(self, q, k, v, out, lse, dout, call):
+        return self._backward("baseline", q, k, v, out, lse, dout, call)
 
-    def flash_attention_backward(self, q, k, v, out, lse, dout, policy_c, policy_backward_c, scale, causal, block_q,
-                                 block_kv, exp_form):
-        params = _params(q, k, scale, causal, block_q, block_kv, exp_form=exp_form)
-        return self._backward(1, q, k, v, out, lse, dout, policy_c, policy_backward_c, params)
+    def flash_attention_backward(self, q, k, v, out, lse, dout, call):
+        return self._backward("flash", q, k, v, out, lse, dout, call)
 
     # -------------------------------------------------------------- metrics
 
@@ -476,18 +473,19 @@ class _Gpu:
 
     # -------------------------------------------------------------- native kernels
 
-    def native_forward(self, q, k, v, params):
+    def native_forward(self, q, k, v, call, native):
         out, lse = self.empty(q.shape, q.dtype), self.empty(q.shape[:3], np.float32)
         self._before()
-        _core.cuda_native_forward(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, params)
+        _core.cuda_native_forward(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, _shape(q, k), call, native)
         return self.result(out, widen=True), self.result(lse, widen=True)
 
-    def native_backward(self, q, k, v, out, lse, dout, params):
+    def native_backward(self, q, k, v, out, lse, dout, call, native):
         dq, dk, dv = self.empty(q.shape, q.dtype), self.empty(k.shape, k.dtype), self.empty(v.shape, v.dtype)
-        workspace = self.empty((max(1, -(-_core.cuda_native_workspace(params) // 4)),), np.float32)
+        shape = _shape(q, k)
+        workspace = self.empty((max(1, -(-_core.cuda_native_workspace(shape, call, native) // 4)),), np.float32)
         self._before()
         _core.cuda_native_backward(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, dout.ptr, dq.ptr, dk.ptr, dv.ptr,
-                                   workspace.ptr, params)
+                                   workspace.ptr, shape, call, native)
         return tuple(self.result(g, widen=True) for g in (dq, dk, dv))
 
 

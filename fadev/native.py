@@ -12,6 +12,7 @@ import numpy as np
 
 from . import _args
 from . import _core
+from . import backends
 from .cuda import element_type, is_cuda_array, no_gpu, route
 from .formats import _numeric, round as _round
 
@@ -90,9 +91,8 @@ def _params(q4, k4, causal, scale, block_q, block_kv, code, backward=False, dete
                                                                " (warp_rows=32)") + (" (mma='wgmma')" if mma == "wgmma" else "")
         raise ValueError(f"block_q, block_kv: ({block_q!r}, {block_kv!r}) is not a native {direction} tile for head "
                          f"dim {dim}; supported: {tiles}")
-    (b, h, nq, d), (_, hkv, nk, _) = q4.shape, k4.shape
-    return (b, h, hkv, nq, nk, d, _args.scale_of(scale, d), _args.causal_of(causal), fits[0][0], fits[0][1], code,
-            deterministic, warp_rows, MMA.index(mma))
+    call = _args.Call(None, _args.scale_of(scale, dim), _args.causal_of(causal), fits[0][0], fits[0][1])
+    return call, (code, deterministic, warp_rows, MMA.index(mma))
 
 
 def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_kv=None, warp_rows=16, mma="sync",
@@ -115,8 +115,8 @@ def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k
     gpu = route("cuda", q=q, k=k, v=v)
     q, k, v = (_host(x, n, code) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     q4, k4, v4, rank = _args.qkv(q, k, v, gpu, _NP_DTYPES[code])
-    out, lse = gpu.native_forward(q4, k4, v4, _params(q4, k4, causal, scale, block_q, block_kv, code,
-                                                      warp_rows=rows, mma=mma))
+    call, options = _params(q4, k4, causal, scale, block_q, block_kv, code, warp_rows=rows, mma=mma)
+    out, lse = backends.Native(gpu, options).forward("native", q4, k4, v4, call)
     return _args.unshape_forward(out, lse, rank, return_lse)
 
 
@@ -141,9 +141,10 @@ def native_attention_backward(q, k, v, out, lse, dout, *, causal=False, scale=No
                                                          (dout, "dout")))
     q4, k4, v4, rank = _args.qkv(q, k, v, gpu, _NP_DTYPES[code])
     out4, lse3, dout4 = _args.saved(q4, out, lse, dout, rank, gpu, _NP_DTYPES[code], np.float32)
-    params = _params(q4, k4, causal, scale, block_q, block_kv, code, backward=True, deterministic=deterministic,
-                     warp_rows=rows, mma=mma)
-    return _args.unshape_grads(gpu.native_backward(q4, k4, v4, out4, lse3, dout4, params), rank)
+    call, options = _params(q4, k4, causal, scale, block_q, block_kv, code, backward=True,
+                            deterministic=deterministic, warp_rows=rows, mma=mma)
+    grads = backends.Native(gpu, options).backward("native", q4, k4, v4, out4, lse3, dout4, call)
+    return _args.unshape_grads(grads, rank)
 
 
 __all__ = ["native_attention", "native_attention_backward", "native_tiles", "DTYPES", "MMA"]

@@ -28,15 +28,16 @@ Format fields take a format name or one of the policy-relative tokens: "acc" (fp
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
 from . import _args
 from . import _core
+from . import backends
 from . import cuda as _cuda
-from . import ring_steps as _steps
 from .formats import as_format, boolean, formats
-from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, Policy
+from .policy import Policy
 
 LAYOUTS = ("contiguous", "zigzag", "striped")
 MERGES = ("lowp_partials", "fp32_partials", "lowp_running", "allgather")
@@ -117,7 +118,23 @@ def _ring_args(q4, k4, world_size, layout, merge):
     if N % parts:
         raise ValueError(f"world_size: layout {layout!r} needs N divisible by {'2 * ' if layout == 'zigzag' else ''}"
                          f"world_size = {parts}, got N={N}, world_size={world_size}")
-    return world_size, merge
+    return world_size, layout, merge
+
+
+class Ring(NamedTuple):
+    """A ring as a kernel call reads it (:class:`fadev._args.Call`'s ``ring``)."""
+
+    world_size: int
+    layout: str
+    merge: RingMerge
+
+    def c(self, policy: Policy) -> tuple:
+        """The binding's ring tuple (csrc/fadev.h's fadev_ring_params) under ``policy``."""
+        return self.merge._c(policy, self.world_size, self.layout)
+
+    def host(self, policy: Policy) -> tuple:
+        """(formats, world_size, layout, allgather): what :mod:`fadev.ring_steps` takes."""
+        return self.merge.resolve(policy), self.world_size, self.layout, self.merge.allgather
 
 
 def ring_attention(q, k, v, policy, *, world_size, layout="contiguous", merge="lowp_partials", causal=False,
@@ -133,17 +150,9 @@ def ring_attention(q, k, v, policy, *, world_size, layout="contiguous", merge="l
     flash kernel and the merge on the host (:mod:`fadev.ring_steps`), the same bits as the CPU."""
     gpu = _cuda.route(device, q=q, k=k, v=v)
     q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu, return_lse)
-    world_size, mg = _ring_args(q4, k4, world_size, layout, merge)
-    tiles = _args.tiles(pol, q4.shape[3], block_q, block_kv)
-    choices = (_args.choice("loop_order", loop_order, LOOP_ORDERS, pol.loop_order),
-               _args.choice("normalize", normalize, NORMALIZE, pol.normalize),
-               _args.choice("exp", exp, EXP_FORMS, pol.exp))
-    ring_c = mg._c(pol, world_size, layout)
-    if gpu is None:
-        out, lse = _core.ring_attention(q4, k4, v4, pol._c, ring_c, scale, causal, *tiles, *choices)
-    else:
-        ring = (mg.resolve(pol), world_size, layout, mg.allgather, causal)
-        out, lse = _steps.forward_on_gpu(gpu, q4, k4, v4, pol, ring, scale, tiles, choices)
+    ring = Ring(*_ring_args(q4, k4, world_size, layout, merge))
+    call = _args.forward_call(pol, q4, causal, scale, block_q, block_kv, None, loop_order, normalize, exp, ring)
+    out, lse = backends.of(gpu).forward("ring", q4, k4, v4, call)
     return _args.unshape_forward(out, lse, rank, return_lse)
 
 
@@ -155,17 +164,10 @@ def ring_attention_backward(q, k, v, out, lse, dout, policy, *, world_size, layo
     ``device`` as :func:`ring_attention`'s (the pieces' flash backward on the GPU, the sums on the host)."""
     gpu = _cuda.route(device, q=q, k=k, v=v, out=out, lse=lse, dout=dout)
     q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
-    world_size, mg = _ring_args(q4, k4, world_size, layout, merge)
+    ring = Ring(*_ring_args(q4, k4, world_size, layout, merge))
     out4, lse3, dout4 = _args.saved(q4, out, lse, dout, rank, gpu)
-    tiles = _args.tiles(pol, q4.shape[3], block_q, block_kv)
-    exp_form = _args.choice("exp", exp, EXP_FORMS, pol.exp)
-    ring_c = mg._c(pol, world_size, layout)
-    if gpu is None:
-        grads = _core.ring_attention_backward(q4, k4, v4, out4, lse3, dout4, pol._c, pol._c_backward, ring_c, scale,
-                                              causal, *tiles, exp_form)
-    else:
-        ring = (mg.resolve(pol), world_size, layout, mg.allgather, causal)
-        grads = _steps.backward_on_gpu(gpu, q4, k4, v4, out4, lse3, dout4, pol, ring, scale, tiles, exp_form)
+    call = _args.backward_call(pol, q4, causal, scale, block_q, block_kv, None, exp, ring)
+    grads = backends.of(gpu).backward("ring", q4, k4, v4, out4, lse3, dout4, call)
     return _args.unshape_grads(grads, rank)
 
 
@@ -175,8 +177,8 @@ def ring_coverage(seq, *, world_size, layout="contiguous", causal=False, allgath
     seq = _args.positive_int(seq, "seq", limit=8192)
     q4 = np.zeros((1, 1, int(seq), 1))
     merge = "allgather" if boolean(allgather, "allgather") else "lowp_partials"
-    world_size, mg = _ring_args(q4, q4, world_size, layout, merge)
-    return _core.ring_coverage(seq, _args.causal_of(causal), mg._c(Policy.golden(), world_size, layout))
+    ring = Ring(*_ring_args(q4, q4, world_size, layout, merge))
+    return _core.ring_coverage(seq, _args.causal_of(causal), ring.c(Policy.golden()))
 
 
 __all__ = ["ring_attention", "ring_attention_backward", "ring_coverage", "RingMerge", "LAYOUTS", "MERGES"]

@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from . import _core
+from ._args import Call
 from .cuda import DeviceArray, route
 from .formats import round as _round
 
@@ -189,55 +190,54 @@ def backward(q, k, v, out, lse, dout, pol, fmts, world_size, layout, allgather, 
     return _round(aq, pol.grad), _round(ak, pol.grad), _round(av, pol.grad)
 
 
-# ---------------------------------------------------------------- the pieces on the GPU
+# ---------------------------------------------------------------- the pieces' kernels
 
 def _upload(*arrays):
     return [DeviceArray.from_numpy(np.ascontiguousarray(a)) for a in arrays]
 
 
+def _pieces(kernel, load, call):
+    """(flash, flash_backward) as :func:`forward` and :func:`backward` take them: ``kernel``'s flash_attention and
+    flash_attention_backward (fadev._core's, or a fadev.cuda._Gpu's: the arrays, then the call spec) on the
+    piece's arrays (through ``load``), with ``call`` (a fadev._args.Call) given the piece's policy and causal."""
+    def flash(q, k, v, policy, causal):
+        return kernel.flash_attention(*load(q, k, v), call._replace(policy=policy, causal=causal).c)
+
+    def flash_backward(q, k, v, out, lse, dout, policy, causal):
+        return kernel.flash_attention_backward(*load(q, k, v, out, lse, dout),
+                                               call._replace(policy=policy, causal=causal).c)
+    return flash, flash_backward
+
+
+def cpu_pieces(call):
+    """The CPU's flash kernels per piece (what ring.c calls)."""
+    return _pieces(_core, lambda *arrays: arrays, call)
+
+
+def gpu_pieces(call):
+    """The GPU's emulated flash kernels per piece: NumPy in, NumPy out (the merge runs on the host)."""
+    return _pieces(route("cuda"), _upload, call)
+
+
+def _call(scale, tiles, choices=(0, 0, 0), exp_form=None):
+    return Call(None, scale, False, *tiles, *choices[:2], choices[2] if exp_form is None else exp_form)
+
+
 def gpu_flash(scale, tiles, choices):
-    """The GPU's emulated flash kernel as :func:`forward`'s ``flash``: NumPy in, NumPy out (the merge runs
-    on the host)."""
-    kernel = route("cuda")
-    return lambda q, k, v, policy, piece_causal: kernel.flash_attention(*_upload(q, k, v), policy._c, scale,
-                                                                        piece_causal, *tiles, *choices)
+    """:func:`gpu_pieces`' forward from the scale, (block_q, block_kv) and (loop_order, normalize, exp_form)."""
+    return gpu_pieces(_call(scale, tiles, choices))[0]
 
 
 def gpu_flash_backward(scale, tiles, exp_form):
-    """The GPU's emulated flash backward as :func:`backward`'s ``flash_backward`` (as :func:`gpu_flash`)."""
-    kernel = route("cuda")
-    return lambda q, k, v, out, lse, dout, policy, piece_causal: kernel.flash_attention_backward(
-        *_upload(q, k, v, out, lse, dout), policy._c, policy._c_backward, scale, piece_causal, *tiles, exp_form)
-
-
-def forward_on_gpu(gpu, q4, k4, v4, pol, ring, scale, tiles, choices):
-    """The ring forward with every piece on the GPU's emulated flash kernel: device operands in (``gpu``: the
-    call's fadev.cuda._Gpu), the caller's kind of arrays out. ``ring``: (fmts, world_size, layout,
-    allgather, causal), as :func:`forward` takes them."""
-    flash = gpu_flash(scale, tiles, choices)
-    fmts, world_size, layout, allgather, causal = ring
-    q, k, v = (gpu.to_host(x) for x in (q4, k4, v4))
-    out, lse = forward(q, k, v, pol, fmts, world_size, layout, allgather, causal, flash)
-    return gpu.from_host(out), gpu.from_host(lse)
-
-
-def backward_on_gpu(gpu, q4, k4, v4, out4, lse3, dout4, pol, ring, scale, tiles, exp_form):
-    """The ring backward with every piece on the GPU's emulated flash backward kernel (as
-    :func:`forward_on_gpu`)."""
-    flash_backward = gpu_flash_backward(scale, tiles, exp_form)
-    fmts, world_size, layout, allgather, causal = ring
-    host = [gpu.to_host(x) for x in (q4, k4, v4, out4, lse3, dout4)]
-    grads = backward(*host, pol, fmts, world_size, layout, allgather, causal, flash_backward)
-    return tuple(gpu.from_host(g) for g in grads)
+    """:func:`gpu_pieces`' backward (as :func:`gpu_flash`)."""
+    return gpu_pieces(_call(scale, tiles, exp_form=exp_form))[1]
 
 
 def cpu_flash(scale, tiles, choices):
-    """The CPU's flash kernel as :func:`forward`'s ``flash`` (what ring.c calls per piece): for tests."""
-    return lambda q, k, v, policy, piece_causal: _core.flash_attention(q, k, v, policy._c, scale, piece_causal, *tiles,
-                                                                       *choices)
+    """:func:`cpu_pieces`' forward (as :func:`gpu_flash`)."""
+    return cpu_pieces(_call(scale, tiles, choices))[0]
 
 
 def cpu_flash_backward(scale, tiles, exp_form):
-    """The CPU's flash backward as :func:`backward`'s ``flash_backward``: for tests."""
-    return lambda q, k, v, out, lse, dout, policy, piece_causal: _core.flash_attention_backward(
-        q, k, v, out, lse, dout, policy._c, policy._c_backward, scale, piece_causal, *tiles, exp_form)
+    """:func:`cpu_pieces`' backward (as :func:`gpu_flash`)."""
+    return cpu_pieces(_call(scale, tiles, exp_form=exp_form))[1]

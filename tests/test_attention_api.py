@@ -126,25 +126,32 @@ def test_binding_errors(qkv):
     pol = Policy.golden()._c
     core = fadev._core
     with pytest.raises(ValueError, match="flash_attention: invalid argument"):
-        core.flash_attention(q, k, v, pol, 0.25, False, 0, 16, 0, 0, 0)
+        core.flash_attention(q, k, v, (pol, None, None, 0.25, False, 0, 16, 0, 0, 0))
     with pytest.raises(ValueError, match="flash_attention: invalid argument"):
-        core.flash_attention(q, k, v, pol, 0.25, False, 8, 16, 2, 0, 0)
+        core.flash_attention(q, k, v, (pol, None, None, 0.25, False, 8, 16, 2, 0, 0))
     with pytest.raises(ValueError, match="baseline_attention: invalid argument"):
-        core.baseline_attention(q, k, v, pol, math.nan, False)
+        core.baseline_attention(q, k, v, (pol, None, None, math.nan, False, 0, 0, 0, 0, 0))
     with pytest.raises(ValueError, match="baseline_attention: shape mismatch"):
-        core.baseline_attention(q[:, :3], k, v, pol, 0.25, False)
+        core.baseline_attention(q[:, :3], k, v, (pol, None, None, 0.25, False, 0, 0, 0, 0, 0))
     with pytest.raises(ValueError, match="baseline_attention: shapes do not agree"):
-        core.baseline_attention(q, k[..., :4], v[..., :4], pol, 0.25, False)
+        core.baseline_attention(q, k[..., :4], v[..., :4], (pol, None, None, 0.25, False, 0, 0, 0, 0, 0))
     with pytest.raises(ValueError, match="must be 4-D"):
-        core.baseline_attention(q[0], k[0], v[0], pol, 0.25, False)
+        core.baseline_attention(q[0], k[0], v[0], (pol, None, None, 0.25, False, 0, 0, 0, 0, 0))
     with pytest.raises(ValueError, match="invalid rounding mode"):
-        core.baseline_attention(q, k, v, pol[:13] + (9, 0), 0.25, False)
+        core.baseline_attention(q, k, v, (pol[:13] + (9, 0), None, None, 0.25, False, 0, 0, 0, 0, 0))
     with pytest.raises(ValueError, match="fmt: invalid format parameters"):
-        core.baseline_attention(q, k, v, ((0, -1, 1, 1, 1, 0, 0.0),) + pol[1:], 0.25, False)
+        bad = ((0, -1, 1, 1, 1, 0, 0.0),) + pol[1:]
+        core.baseline_attention(q, k, v, (bad, None, None, 0.25, False, 0, 0, 0, 0, 0))
     with pytest.raises(TypeError, match="policy must be a tuple of 13 format tuples"):
-        core.baseline_attention(q, k, v, pol[:14], 0.25, False)
+        core.baseline_attention(q, k, v, (pol[:14], None, None, 0.25, False, 0, 0, 0, 0, 0))
     with pytest.raises(TypeError, match="q: expected a real numeric array"):
-        core.baseline_attention(object(), k, v, pol, 0.25, False)
+        core.baseline_attention(object(), k, v, (pol, None, None, 0.25, False, 0, 0, 0, 0, 0))
+    with pytest.raises(TypeError, match="baseline_attention: the call spec's policy is None"):
+        core.baseline_attention(q, k, v, (None, None, None, 0.25, False, 0, 0, 0, 0, 0))
+    with pytest.raises(TypeError, match="flash_attention_backward: the call spec's policy_backward is None"):
+        core.flash_attention_backward(q, k, v, q, q[..., 0], q, (pol, None, None, 0.25, False, 8, 8, 0, 0, 0))
+    with pytest.raises(TypeError, match="call spec must be a tuple"):
+        core.flash_attention(q, k, v, [pol])
 
 
 class Format(ctypes.Structure):

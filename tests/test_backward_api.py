@@ -89,29 +89,34 @@ def test_binding_errors(case):
     pol = Policy.golden()
     fc, bc = pol._c, pol._c_backward
     core = fadev._core
+
+    def spec(policy, policy_backward, *tiling):  # fadev._args.Call.c
+        return (policy, policy_backward, None, 0.25, False) + tiling
+
     args = (q, k, v, out, lse, dout)
     with pytest.raises(TypeError, match="policy_backward must be a tuple of 11 format tuples and a flag"):
-        core.baseline_attention_backward(*args, fc, bc[:11], 0.25, False)
+        core.baseline_attention_backward(*args, spec(fc, bc[:11], 0, 0, 0, 0, 0))
     with pytest.raises(ValueError, match="fmt: invalid format parameters"):
-        core.baseline_attention_backward(*args, fc, ((0, -1, 1, 1, 1, 0, 0.0),) + bc[1:], 0.25, False)
+        core.baseline_attention_backward(*args, spec(fc, ((0, -1, 1, 1, 1, 0, 0.0),) + bc[1:], 0, 0, 0, 0, 0))
     with pytest.raises(TypeError, match="policy must be a tuple of 13 format tuples"):
-        core.flash_attention_backward(*args, bc, bc, 0.25, False, 4, 4, 0)
+        core.flash_attention_backward(*args, spec(bc, bc, 4, 4, 0, 0, 0))
     with pytest.raises(ValueError, match="baseline_attention_backward: lse must be 3-D, got 4-D"):
-        core.baseline_attention_backward(q, k, v, out, out, dout, fc, bc, 0.25, False)
+        core.baseline_attention_backward(q, k, v, out, out, dout, spec(fc, bc, 0, 0, 0, 0, 0))
     with pytest.raises(ValueError, match="flash_attention_backward: shapes do not agree.*lse \\(2, 4, 8\\)"):
-        core.flash_attention_backward(q, k, v, out, lse[..., :8], dout, fc, bc, 0.25, False, 4, 4, 0)
+        core.flash_attention_backward(q, k, v, out, lse[..., :8], dout, spec(fc, bc, 4, 4, 0, 0, 0))
     with pytest.raises(ValueError, match="baseline_attention_backward: shapes do not agree"):
-        core.baseline_attention_backward(q, k, v, out, lse, dout[:1], fc, bc, 0.25, False)
+        core.baseline_attention_backward(q, k, v, out, lse, dout[:1], spec(fc, bc, 0, 0, 0, 0, 0))
     with pytest.raises(ValueError, match="flash_attention_backward: invalid argument"):
-        core.flash_attention_backward(*args, fc, bc, 0.25, False, 0, 4, 0)
+        core.flash_attention_backward(*args, spec(fc, bc, 0, 4, 0, 0, 0))
     with pytest.raises(ValueError, match="flash_attention_backward: invalid argument"):
-        core.flash_attention_backward(*args, fc, bc, 0.25, False, 4, 4, 2)
+        core.flash_attention_backward(*args, spec(fc, bc, 4, 4, 0, 0, 2))
     with pytest.raises(ValueError, match="baseline_attention_backward: shape mismatch"):
-        core.baseline_attention_backward(q[:, :3], k, v, out[:, :3], lse[:, :3], dout[:, :3], fc, bc, 0.25, False)
+        core.baseline_attention_backward(q[:, :3], k, v, out[:, :3], lse[:, :3], dout[:, :3],
+                                         spec(fc, bc, 0, 0, 0, 0, 0))
     with pytest.raises(ValueError, match="invalid rounding mode"):
-        core.baseline_attention_backward(*args, fc[:13] + (9, 0), bc, 0.25, False)
+        core.baseline_attention_backward(*args, spec(fc[:13] + (9, 0), bc, 0, 0, 0, 0, 0))
     with pytest.raises(TypeError, match="dout: expected a real numeric array"):
-        core.baseline_attention_backward(q, k, v, out, lse, object(), fc, bc, 0.25, False)
+        core.baseline_attention_backward(q, k, v, out, lse, object(), spec(fc, bc, 0, 0, 0, 0, 0))
 
 
 class Format(ctypes.Structure):

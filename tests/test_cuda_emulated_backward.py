@@ -222,16 +222,18 @@ def test_validation_errors_before_any_device_work():
     qd, kd, vd, dd = (DeviceArray.from_numpy(x) for x in (q, k, v, dout))
     lse = DeviceArray((1, 3, 8))
     dq, dk, dv = DeviceArray(q.shape), DeviceArray(k.shape), DeviceArray(v.shape)
-    params = (1, 3, 2, 8, 8, 4, 0.5, False, 4, 4, 0, 0, 0)  # 3 heads over 2 K/V heads
+    shape = (1, 3, 2, 8, 8, 4)  # 3 heads over 2 K/V heads
+    call = (pol._c, pol._c_backward, None, 0.5, False, 4, 4, 0, 0, 0)  # fadev._args.Call.c
     args = (qd.ptr, kd.ptr, vd.ptr, qd.ptr, lse.ptr, dd.ptr, dq.ptr, dk.ptr, dv.ptr)
-    for kernel in (0, 1):
+    for kernel in (_core.cuda_baseline_attention_backward, _core.cuda_flash_attention_backward):
         with pytest.raises(ValueError, match="cuda"):
-            _core.cuda_attention_backward(kernel, *args, params, pol._c, pol._c_backward)
-    good = (1, 3, 1, 8, 8, 4, 0.5, False, 0, 4, 0, 0, 0)  # block_q = 0: flash refuses, baseline ignores it
+            kernel(*args, shape, call)
+    good = (1, 3, 1, 8, 8, 4)
+    zero_block_q = call[:5] + (0,) + call[6:]  # block_q = 0: flash refuses, baseline ignores it
     with pytest.raises(ValueError, match="cuda"):
-        _core.cuda_attention_backward(1, *args, good, pol._c, pol._c_backward)
+        _core.cuda_flash_attention_backward(*args, good, zero_block_q)
     with pytest.raises(ValueError, match="cuda"):
-        _core.cuda_attention_backward(0, *args[:6], 0, dk.ptr, dv.ptr, good, pol._c, pol._c_backward)
+        _core.cuda_baseline_attention_backward(*args[:6], 0, dk.ptr, dv.ptr, good, zero_block_q)
 
 
 @pytest.mark.skipif(fadev.cuda_available(), reason="checks the error without a GPU")

@@ -128,7 +128,8 @@ def test_gpu_golden_torch(d, offset):
 
 
 def _params(b=1, h=2, hkv=1, nq=8, nk=8, d=64, scale=0.125, causal=False):
-    return (b, h, hkv, nq, nk, d, scale, causal, 0, 0, 0, 0, 0)
+    """(shape, call spec) of a golden device call (fadev._args.Call.c; golden reads no policy)."""
+    return (b, h, hkv, nq, nk, d), (None, None, None, scale, causal, 0, 0, 0, 0, 0)
 
 
 @pytest.mark.skipif(not _core.cuda_info()["compiled"], reason="fadev was built without CUDA")
@@ -148,6 +149,6 @@ def test_cuda_golden_rejects_bad_arguments():
     }
     for name, (error, message, params) in bad.items():
         with pytest.raises(error, match=message):
-            _core.cuda_attention(2, p, p, p, p, 0, params, None)
+            _core.cuda_golden_attention(p, p, p, p, 0, *params)
     with pytest.raises(ValueError, match="invalid argument"):  # NULL q
-        _core.cuda_attention(2, 0, p, p, p, 0, _params(), None)
+        _core.cuda_golden_attention(0, p, p, p, 0, *_params())

@@ -208,9 +208,10 @@ def test_host_memory_is_not_taken_for_device_memory():
     with pytest.raises(ValueError, match="fadev sees 1 CUDA device|make cuda:1 current first"):
         fadev.flash_attention(q, k, v, "golden", device="cuda:1")
     # a NULL pointer reaches the C entry point, which refuses it: its status becomes a ValueError
-    params = (1, 1, 1, 2, 2, 4, 0.5, False, 0, 0, 0, 0, 0)  # B, H, Hkv, Nq, Nk, D, scale, causal, flash fields
+    shape = (1, 1, 1, 2, 2, 4)  # B, H, Hkv, Nq, Nk, D
+    call = (Policy.golden()._c, None, None, 0.5, False, 0, 0, 0, 0, 0)  # fadev._args.Call.c
     with pytest.raises(ValueError, match=r"baseline_attention \(cuda\): invalid argument"):
-        fadev._core.cuda_attention(0, 0, 0, 0, 0, 0, params, Policy.golden()._c)
+        fadev._core.cuda_baseline_attention(0, 0, 0, 0, 0, shape, call)
 
 
 @pytest.mark.gpu

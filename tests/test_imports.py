@@ -3,8 +3,8 @@ every module's module-level and function-level ``import`` / ``from`` statements,
 never imports a higher one; the library layers import fadev modules at module level only (no function-local
 import dodging a cycle); ``import fadev`` does not import torch, and ``fadev.torch`` is a lazy submodule.
 
-Layers, lowest first: _core -> formats -> policy -> _args -> cuda -> {attention, backward, ring, ring_steps,
-native, metrics} -> fadev (the package namespace, __init__) -> {torch, torch_native, monitor, hf, weights, sweep,
+Layers, lowest first: _core -> formats -> policy -> _args -> cuda -> ring_steps -> backends -> {attention,
+backward, ring, native, metrics} -> fadev (the package namespace, __init__) -> {torch, torch_native, monitor, hf, weights, sweep,
 experiments, training, report, plots, ...} -> __main__. A top-level module not named here belongs to the
 applications layer.
 """
@@ -19,8 +19,8 @@ from helpers import find_cycle
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fadev"
 
-LAYERS = [("_core",), ("formats",), ("policy",), ("_args",), ("cuda",),
-          ("attention", "backward", "ring", "ring_steps", "native", "metrics"), ("",)]
+LAYERS = [("_core",), ("formats",), ("policy",), ("_args",), ("cuda",), ("ring_steps",), ("backends",),
+          ("attention", "backward", "ring", "native", "metrics"), ("",)]
 APPLICATIONS, MAIN = len(LAYERS), len(LAYERS) + 1
 LIBRARY = ({name for layer in LAYERS for name in layer if name}
            | {"torch", "torch_native", "monitor", "hf", "weights"})  # module-level imports only

@@ -168,12 +168,14 @@ def test_errors_name_the_parameter():
     pol = fadev.as_policy("golden")
     bad = RingMerge()._c(pol, 5, "contiguous")
     with pytest.raises(ValueError, match="ring_attention"):
-        fadev._core.ring_attention(q[None], k[None], v[None], pol._c, bad, 1.0, False, 4, 4, 0, 0, 0)
+        fadev._core.ring_attention(q[None], k[None], v[None], (pol._c, None, bad, 1.0, False, 4, 4, 0, 0, 0))
     with pytest.raises(ValueError, match="ring_coverage"):
         fadev._core.ring_coverage(12, False, bad)
     with pytest.raises(ValueError, match="ring_attention_backward"):
-        fadev._core.ring_attention_backward(q[None], k[None], v[None], q[None], lse[None], dout[None], pol._c,
-                                            pol._c_backward, bad, 1.0, False, 4, 4, 0)
+        fadev._core.ring_attention_backward(q[None], k[None], v[None], q[None], lse[None], dout[None],
+                                            (pol._c, pol._c_backward, bad, 1.0, False, 4, 4, 0, 0, 0))
+    with pytest.raises(TypeError, match="ring"):  # a ring kernel without its ring
+        fadev._core.ring_attention(q[None], k[None], v[None], (pol._c, None, None, 1.0, False, 4, 4, 0, 0, 0))
 
 
 def test_cli_smoke(tmp_path):
