@@ -16,7 +16,7 @@ from .formats import (Format, as_format, custom_format, formats, from_bits, from
 from .formats import integer as _integer
 from .metrics import (Comparison, UlpHistogram, compare, max_abs, max_rel, mean_abs, mean_diff, rel_l2, rmse,
                       std_diff, ulp_error, ulp_histogram, wasserstein)
-from .policy import STAGES, Policy, as_policy
+from .policy import PRESETS, STAGES, Policy, as_policy
 from .attention import baseline_attention, flash_attention, golden_attention, random_qkv
 from .backward import baseline_attention_backward, flash_attention_backward
 from .ring import RingMerge, ring_attention, ring_attention_backward, ring_coverage
@@ -61,7 +61,7 @@ __all__ = ["Format", "as_format", "custom_format", "formats", "round", "to_bits"
            "from_ml_dtypes", "ulp", "get_num_threads", "set_num_threads", "cuda_available", "cuda_info"]
 __all__ += ["Comparison", "compare", "max_abs", "mean_diff", "std_diff", "mean_abs", "rmse", "rel_l2", "max_rel",
             "wasserstein", "ulp_error", "ulp_histogram", "UlpHistogram"]
-__all__ += ["Policy", "as_policy", "STAGES", "baseline_attention", "flash_attention", "random_qkv"]
+__all__ += ["Policy", "as_policy", "STAGES", "PRESETS", "baseline_attention", "flash_attention", "random_qkv"]
 __all__ += ["baseline_attention_backward", "flash_attention_backward"]
 __all__ += ["RingMerge", "ring_attention", "ring_attention_backward", "ring_coverage"]
 __all__ += ["golden_attention", "DeviceArray", "native_attention", "native_attention_backward", "native_tiles"]

@@ -55,6 +55,9 @@ BACKWARD_STAGE_DOCS = {
 _BACKWARD_DEFAULTS = {"bwd_p": "p", "dsoft_p": "dsoft", "dp_acc": "pv_acc", "dp": "score", "delta_acc": "sum_acc", "dsoft": "softmax",
                       "ds": "p", "grad_acc": "pv_acc", "dq_acc": "out_acc", "dkv_acc": "out_acc", "grad": "out"}
 
+PRESETS = ("golden", "paper", "naive", "fa2", "fa1", "efficient", "cudnn", "torch_math")
+"""The one list of preset names (each a Policy classmethod; every one but golden takes a format): Policy.preset,
+policy strings, the sweep's ``policy`` parameter and the tests read it."""
 LOOP_ORDERS = ("q_outer", "kv_outer")
 NORMALIZE = ("deferred", "eager")
 EXP_FORMS = ("exp", "exp2")
@@ -285,17 +288,15 @@ class Policy:
     @classmethod
     def preset(cls, name: str, fmt=None) -> "Policy":
         """A preset by name: ``Policy.preset("fa2", "bf16")``, or ``Policy.preset("golden")``."""
-        makers = {"golden": cls.golden, "paper": cls.paper, "naive": cls.naive, "fa2": cls.fa2, "fa1": cls.fa1,
-                  "efficient": cls.efficient, "cudnn": cls.cudnn, "torch_math": cls.torch_math}
-        if not isinstance(name, str) or name not in makers:
-            raise ValueError(f"preset: unknown preset {name!r}; known: {', '.join(makers)}")
+        if not isinstance(name, str) or name not in PRESETS:
+            raise ValueError(f"preset: unknown preset {name!r}; known: {', '.join(PRESETS)}")
         if name == "golden":
             if fmt is not None:
                 raise ValueError(f"fmt: preset 'golden' is all fp64 and takes no format, got {fmt!r}")
             return cls.golden()
         if fmt is None:
             raise ValueError(f"preset {name!r} needs a format, e.g. Policy.preset({name!r}, 'bf16')")
-        return makers[name](fmt)
+        return getattr(cls, name)(fmt)
 
 
 _POLICY_TEXT = re.compile(r"\s*(\w+)\s*(?::\s*(\w+)|\(\s*(\w+)\s*\))?\s*")

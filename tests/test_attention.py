@@ -17,7 +17,7 @@ from fadev.policy import STAGES, Policy
 from helpers import make_qkv, numpy_attention, rel_err
 
 FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp32", "tf32")
-PRESETS = ("paper", "naive", "fa2", "fa1", "efficient", "cudnn", "torch_math")
+PRESETS = tuple(p for p in fadev.PRESETS if p != "golden")  # the presets that take a format
 HEAD_LAYOUTS = ((1, 1), (2, 1), (2, 2), (3, 1), (4, 2))  # (H, Hkv): grouped-query when Hkv < H
 
 

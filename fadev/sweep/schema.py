@@ -15,7 +15,7 @@ import numpy as np
 from .. import cuda_available
 from ..attention import DISTRIBUTIONS, MAX_DIM, baseline_attention, flash_attention
 from ..formats import ROUNDING_MODES, Format, as_format, formats
-from ..policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, STAGES, Policy, as_policy
+from ..policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, PRESETS, STAGES, Policy, as_policy
 
 MAX_SEQ = 2**20
 """Largest N / N_kv a sweep accepts (stochastic rounding allows < 2^21)."""
@@ -25,8 +25,9 @@ _REF_FIELDS = ("policy", "rounding", "rounding_seed") + _FLASH_ONLY
 
 PARAMS = {
     "kernel": ("flash", "test run's kernel: 'flash' or 'baseline'"),
-    "policy": ("paper:bf16", "test run's policy preset: 'golden' or 'PRESET:FORMAT' (paper, naive, fa2, fa1, "
-                             "torch_math; e.g. 'fa2:bf16'); stage overrides as 'stage.NAME'"),
+    "policy": ("paper:bf16", f"test run's policy preset: 'golden' or 'PRESET:FORMAT' "
+                             f"({', '.join(p for p in PRESETS if p != 'golden')}; e.g. 'fa2:bf16'); stage overrides "
+                             f"as 'stage.NAME'"),
     "rounding": (None, "rounding mode 'rne', 'rtz' or 'stochastic' (None: the preset's, rne)"),
     "rounding_seed": (None, "stochastic-rounding seed (None: the point's seed); None unless rounding is stochastic"),
     "block_q": (None, "flash: query block Br (None: the policy's); None for baseline"),
@@ -66,7 +67,6 @@ PARAMS = {
 {stage: format}) and ``tag.NAME`` (a free label: str, int, float or bool)."""
 
 _PREFIXES = ("stage.", "ref_stage.", "tag.")
-PRESETS = ("golden", "paper", "naive", "fa2", "fa1", "efficient", "cudnn", "torch_math")
 METRICS = ("max_abs", "mean_diff", "std_diff", "mean_abs", "rmse", "rel_l2", "max_rel", "wasserstein")
 """The float metrics of each compared pair (rows also hold the counts n, n_nan, n_inf)."""
 
