@@ -35,12 +35,13 @@ import torch
 import torch.distributed as dist
 
 from . import _args, native
+from .backends import subset
 from . import ring_steps as _steps
 from .formats import round as _round
 from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, as_policy
 from .ring import LAYOUTS, as_merge
 
-KERNELS = ("emulated", "native", "sdpa")
+KERNELS = subset("emulated", "native", "sdpa")
 _WIRE = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

@@ -51,6 +51,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from . import _args
+from .backends import subset
 from .cuda import device_count, no_gpu
 from .formats import boolean, integer
 from .native import MMA, native_attention as _native_forward, native_attention_backward as _native_backward
@@ -58,7 +59,7 @@ from .policy import Policy
 from .torch import _Kernel, attention as _emulated, autocast_inputs
 from .torch_native import check as _native_check, native_attention
 
-KERNELS = ("sdpa", "flash", "baseline", "native")
+KERNELS = subset("sdpa", "flash", "baseline", "native")
 NATIVE_OPTIONS = ("block_q", "block_kv", "backward_block_q", "backward_block_kv", "deterministic", "mma")
 """Keyword arguments ``use(kernel="native", ...)`` takes: those of :func:`fadev.torch_native.native_attention`."""
 NAME = "fadev"

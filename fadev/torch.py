@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _args
+from .backends import subset
 from ._args import MAX_DIM
 from .attention import baseline_attention, flash_attention
 from .backward import baseline_attention_backward, flash_attention_backward
@@ -50,7 +51,7 @@ from .metrics import compare
 from .monitor import LayerNames, Monitor
 from .policy import Policy, as_policy
 
-KERNELS = ("flash", "baseline")
+KERNELS = subset("flash", "baseline")
 FLASH_TILING = ("block_q", "block_kv", "sram_bytes", "loop_order", "normalize", "exp")
 """Keyword arguments ``**tiling`` may hold (flash only): those of :func:`fadev.flash_attention`."""
 

@@ -149,3 +149,16 @@ def test_unknown_attributes_still_raise():
     import fadev
     with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
         fadev.no_such_thing  # noqa: B018
+
+
+def test_one_kernel_vocabulary():
+    """Every module's kernel choices are names of fadev.backends.KERNELS; subset refuses any other."""
+    import fadev.backends as backends
+    import fadev.distributed
+    import fadev.hf
+    import fadev.sweep.schema
+    import fadev.torch
+    for choices in (fadev.torch.KERNELS, fadev.hf.KERNELS, fadev.distributed.KERNELS, fadev.sweep.schema._KERNELS):
+        assert set(choices) <= set(backends.KERNELS), choices
+    with pytest.raises(ValueError, match="emulation"):
+        backends.subset("flash", "emulation")

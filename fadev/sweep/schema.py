@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import cuda_available
 from ..attention import DISTRIBUTIONS, MAX_DIM, baseline_attention, flash_attention
+from ..backends import subset
 from ..formats import ROUNDING_MODES, Format, as_format, formats
 from ..policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, PRESETS, STAGES, Policy, as_policy
 
@@ -67,6 +68,7 @@ PARAMS = {
 {stage: format}) and ``tag.NAME`` (a free label: str, int, float or bool)."""
 
 _PREFIXES = ("stage.", "ref_stage.", "tag.")
+_KERNELS = subset("flash", "baseline")
 METRICS = ("max_abs", "mean_diff", "std_diff", "mean_abs", "rmse", "rel_l2", "max_rel", "wasserstein")
 """The float metrics of each compared pair (rows also hold the counts n, n_nan, n_inf)."""
 
@@ -186,13 +188,13 @@ def _tag(v):
 
 _TILE = _int(1, 2**31 - 1)
 _CHECKS = {
-    "kernel": _choice("flash", "baseline"), "policy": _policy, "rounding": _rounding,
+    "kernel": _choice(*_KERNELS), "policy": _policy, "rounding": _rounding,
     "rounding_seed": _int(0, 2**64 - 1), "block_q": _TILE, "block_kv": _TILE, "sram_bytes": _TILE,
     "loop_order": _choice(*LOOP_ORDERS), "normalize": _choice(*NORMALIZE), "exp": _choice(*EXP_FORMS),
     "causal": _bool, "scale": _scale, "batch": _int(1, 2**16), "heads": _int(1, 2**16), "heads_kv": _int(1, 2**16),
     "N": _int(1, MAX_SEQ), "N_kv": _int(1, MAX_SEQ), "D": _int(1, MAX_DIM), "dist": _choice(*DISTRIBUTIONS),
     "seed": _int(0, 2**63 - 1), "input_fmt": lambda v: v if v == "policy" else _fmt(v),
-    "device": _choice("cpu", "cuda"), "golden": _bool, "lse": _bool, "ref_kernel": _choice("flash", "baseline"),
+    "device": _choice("cpu", "cuda"), "golden": _bool, "lse": _bool, "ref_kernel": _choice(*_KERNELS),
 }
 for _f in _REF_FIELDS:
     _CHECKS["ref_" + _f] = _CHECKS[_f]

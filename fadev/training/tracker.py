@@ -46,6 +46,7 @@ import torch
 
 from .. import torch as fatorch
 from .. import weights
+from ..backends import subset
 from ..policy import as_policy
 from ..sweep.results import ResultsFile, frame
 from . import digits
@@ -62,7 +63,7 @@ class RunSpec:
     value) pairs, e.g. (("block_q", 16), ("block_kv", 16)). A subclass may allow other kernels and
     precisions (the class attributes below; fadev.training.lm.Arm)."""
 
-    KERNELS: typing.ClassVar[tuple] = ("flash", "baseline")
+    KERNELS: typing.ClassVar[tuple] = subset("flash", "baseline")
     PRECISIONS: typing.ClassVar[tuple] = tuple(digits.PRECISIONS)
     TILED: typing.ClassVar[tuple] = ("flash",)
     """Kernels that take a tiling."""
