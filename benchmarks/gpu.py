@@ -12,7 +12,6 @@ Prints one table (Markdown) with three parts:
 Needs torch with CUDA and a fadev built with FADEV_CUDA=1.
 """
 import argparse
-import math
 import sys
 import time
 
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fadev
+from fadev.monitor import reference_attention
 
 
 def cuda_seconds(fn, repeat=5, window=5e-3):
@@ -84,12 +84,8 @@ def emulated_rows(quick):
 
 
 def golden_fp64(q, k, v, causal):
-    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    if causal:
-        n_q, n_k = s.shape[-2:]
-        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=s.device).tril(n_k - n_q)
-        s = s.masked_fill(~mask, float("-inf"))
-    return torch.softmax(s, -1) @ v.double()
+    """fadev's fp64 reference attention (bottom-right causal, as the kernels)."""
+    return reference_attention(q, k, v, is_causal=causal, align="bottom_right")
 
 
 def native_rows(quick, backward=True):

@@ -45,7 +45,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from .formats import integer
+from . import _args
+from .formats import boolean, integer
 
 _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)  # torch >= 2.3
 
@@ -83,7 +84,7 @@ def _reference(q, k, v, positions, mask, scale):
     f64 = torch.float64
     k = k.to(f64)
     scores = _per_head(q.to(f64), k.transpose(-1, -2)) * scale
-    if positions is not None:  # causal, top-left: query i sees keys j <= i
+    if positions is not None:  # causal: query at position i sees keys j <= i
         seen = torch.arange(k.shape[-2], device=scores.device) <= positions[:, None]
         scores = scores.masked_fill(~seen, -math.inf)
     if mask is not None:
@@ -93,6 +94,26 @@ def _reference(q, k, v, positions, mask, scale):
     total = weights.sum(-1, keepdim=True)
     out = _per_head(weights, v.to(f64))
     return torch.where(total > 0, out / torch.where(total > 0, total, 1.0), 0.0)
+
+
+def reference_attention(query, key, value, *, attn_mask=None, is_causal=False, scale=None, align="top_left"):
+    """fadev's one fp64 reference attention for torch tensors: softmax(scale q k^T + mask) v in float64 on the
+    inputs' device, differentiable, as ``scaled_dot_product_attention(query, key, value, attn_mask, 0.0,
+    is_causal, scale, enable_gqa=True)`` defines it. ``attn_mask``: boolean (True: the key is seen) or
+    additive. ``is_causal`` with ``align="top_left"`` (SDPA's: query i sees keys j <= i) or "bottom_right"
+    (fadev's kernels and FlashAttention's: j <= i + N_kv - N_q). Grouped-query heads read K/V head
+    h // (H / H_kv); a row that sees no key gives 0. :func:`reference_rows` computes some rows of it in
+    bounded memory (the monitor's check); experiments, benchmarks and tests call this one."""
+    _args.choice("align", align, ("top_left", "bottom_right"))
+    if query.dim() == 2:
+        return reference_attention(query[None], key[None], value[None], attn_mask=attn_mask, is_causal=is_causal,
+                                   scale=scale, align=align)[0]
+    nq, nk = query.shape[-2], key.shape[-2]
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    positions = None
+    if boolean(is_causal, "is_causal"):
+        positions = torch.arange(nq, device=query.device) + (nk - nq if align == "bottom_right" else 0)
+    return _reference(query, key, value, positions, attn_mask, scale)
 
 
 def reference_rows(query, key, value, rows, attn_mask=None, is_causal=False, scale=None):

@@ -6,7 +6,6 @@ attention layer's output has the bits of fadev.torch.attention on the same input
 of the same model run through transformers' sdpa attention under fadev.torch.patch_sdpa. The kernel
 choice (use, nesting, threads, the default), refusals that name their argument, and what can be tested
 of the native kernel and the SDPA flash registration without a GPU."""
-import math
 import threading
 
 import pytest
@@ -18,7 +17,7 @@ import fadev  # noqa: E402
 import fadev.hf as hf  # noqa: E402
 import fadev.torch_native as tn  # noqa: E402
 from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig  # noqa: E402
-from transformers.integrations.sdpa_attention import repeat_kv  # noqa: E402
+from fadev.monitor import reference_attention  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask  # noqa: E402
 
 N, VOCAB = 12, 300
@@ -32,19 +31,11 @@ def _config(**extra):
 
 
 def _reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Plain float64 softmax(q k^T scaling + mask) v (eager's structure; eager itself rounds the softmax to
-    float32); a query that sees no key gets 0, as SDPA gives."""
-    groups = query.shape[1] // key.shape[1]
-    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    scores = query @ key.transpose(2, 3) * scaling
-    if attention_mask is not None:
-        blocked = attention_mask[:, :, :, :key.shape[-2]] != 0
-        scores = scores.masked_fill(blocked, -math.inf)
-        none = blocked.all(-1, keepdim=True)
-        probs = torch.softmax(scores.masked_fill(none, 0.0), dim=-1).masked_fill(none, 0.0)
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    return (probs @ value).transpose(1, 2).contiguous(), None
+    """fadev's fp64 reference softmax(q k^T scaling + mask) v (fadev.monitor.reference_attention; eager itself
+    rounds the softmax to float32); a query that sees no key gets 0, as SDPA gives."""
+    seen = None if attention_mask is None else attention_mask[:, :, :, :key.shape[-2]] == 0
+    out = reference_attention(query, key, value, attn_mask=seen, scale=scaling)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register("fp64_reference", _reference_attention)

@@ -18,6 +18,7 @@ from torch import nn
 import fadev
 import fadev.monitor
 import fadev.torch as ft
+import helpers
 from fadev.monitor import COLUMNS, METRICS, Monitor, _sampled_rows, reference_rows
 
 F64 = torch.float64
@@ -393,3 +394,28 @@ def test_on_cuda_exact_bf16_and_unchanged():
     assert len(recs) == 3 and all(r["dtype"] == "bfloat16" for r in recs)
     # bf16 attention against float64: bf16's rounding (u = 2^-8), far from float64's
     assert all(2.0 ** -16 < r["rel_rms"] < 2.0 ** -6 for r in recs), recs
+
+
+def test_reference_attention_is_plain_fp64_attention(rng):
+    """fadev.monitor.reference_attention against the tests' independent NumPy reference (bottom-right causal,
+    grouped-query, fewer queries than keys) and torch's fp64 autograd gradients; top-left alignment differs
+    from bottom-right when N_q < N_kv (so the alignment is really applied), a boolean mask drops keys."""
+    from fadev.monitor import reference_attention
+    q, k, v = (rng.standard_normal(s) for s in ((1, 4, 5, 8), (1, 2, 9, 8), (1, 2, 9, 8)))
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    for causal in (False, True):
+        want, _ = helpers.numpy_attention(q, k, v, causal=causal)
+        got = reference_attention(tq, tk, tv, is_causal=causal, align="bottom_right")
+        assert np.allclose(got.detach().numpy(), want, rtol=1e-13, atol=1e-14)
+    dout = rng.standard_normal(q.shape)
+    got.backward(torch.tensor(dout))
+    for g, w in zip((tq.grad, tk.grad, tv.grad), helpers.numpy_grads(q, k, v, dout, causal=True)):
+        assert np.allclose(g.numpy(), w, rtol=1e-12, atol=1e-13)
+    top = reference_attention(tq, tk, tv, is_causal=True).detach().numpy()
+    assert not np.allclose(top, want)
+    seen = torch.ones(5, 9, dtype=torch.bool)
+    seen[:, 4:] = False
+    masked = reference_attention(tq, tk, tv, attn_mask=seen).detach().numpy()
+    assert np.allclose(masked, helpers.numpy_attention(q, k[:, :, :4], v[:, :, :4])[0], rtol=1e-13, atol=1e-14)
+    with pytest.raises(ValueError, match="align"):
+        reference_attention(tq, tk, tv, align="centre")

@@ -15,6 +15,7 @@ import math
 import numpy as np
 import torch
 
+from ..monitor import reference_attention
 from ..ring import as_merge, ring_attention, ring_attention_backward
 
 KINDS = {"wq": "attn", "wk": "attn", "wv": "attn", "wo": "attn", "w1": "mlp", "w2": "mlp", "w3": "mlp",
@@ -92,13 +93,8 @@ def loss(params, cfg, tokens, targets, pos, attn, total):
 
 
 def exact_attention(q, k, v):
-    """Causal softmax attention in fp64 (grouped-query: K/V heads repeated)."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    n = q.shape[2]
-    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), -math.inf)
-    return torch.softmax(s, -1) @ v
+    """Causal softmax attention in fp64 (grouped-query): fadev's one reference, fadev.monitor.reference_attention."""
+    return reference_attention(q, k, v, is_causal=True)
 
 
 class _SimulatedRing(torch.autograd.Function):
