@@ -52,14 +52,43 @@ def positive_int(value, name, limit=INT32_MAX) -> int:
     return int(value)
 
 
+def _rank_of(shape, name):
+    if len(shape) not in (2, 3, 4):
+        raise ValueError(f"{name}: expected a 2-D (N, D), 3-D (H, N, D) or 4-D (B, H, N, D) array, "
+                         f"got shape {tuple(shape)}")
+    if 0 in shape:
+        raise ValueError(f"{name}: every dimension must be >= 1, got shape {tuple(shape)}")
+
+
 def _unconverted(x, name, gpu, dtype):
     arr = gpu.operand(x, name, dtype) if gpu else _numeric(x, name)
-    if arr.ndim not in (2, 3, 4):
-        raise ValueError(f"{name}: expected a 2-D (N, D), 3-D (H, N, D) or 4-D (B, H, N, D) array, "
-                         f"got shape {arr.shape}")
-    if 0 in arr.shape:
-        raise ValueError(f"{name}: every dimension must be >= 1, got shape {arr.shape}")
+    _rank_of(arr.shape, name)
     return arr
+
+
+def shapes(q_shape, k_shape, v_shape) -> tuple:
+    """The one shape checker of fadev's (q, k, v) convention, on shapes alone (no array is read or copied):
+    each 2-, 3- or 4-D with no empty axis, one rank, k and v one shape, q's head dim (<= MAX_DIM) and batch,
+    q's heads a multiple of k's (grouped-query). Returns the three shapes as 4-D (B, H, N, D) tuples."""
+    for shape, name in ((q_shape, "q"), (k_shape, "k"), (v_shape, "v")):
+        _rank_of(tuple(shape), name)
+    q, k, v = tuple(q_shape), tuple(k_shape), tuple(v_shape)
+    if not len(q) == len(k) == len(v):
+        raise ValueError(f"q, k, v must have the same rank, got q {len(q)}-D, k {len(k)}-D, v {len(v)}-D")
+    if k != v:
+        raise ValueError(f"k and v must have the same shape, got k {k} and v {v}")
+    q4, k4 = ((1,) * (4 - len(q)) + q, (1,) * (4 - len(k)) + k)
+    B, H, _, D = q4
+    if k4[3] != D:
+        raise ValueError(f"k: head dim {k4[3]} does not match q's head dim {D}")
+    if D > MAX_DIM:
+        raise ValueError(f"q: head dim D must be <= {MAX_DIM}, got {D}")
+    if k4[0] != B:
+        raise ValueError(f"k: batch {k4[0]} does not match q's batch {B}")
+    if H % k4[1] != 0:
+        raise ValueError(f"q has {H} heads, not a multiple of k/v's {k4[1]} heads (grouped-query needs "
+                         f"heads % heads_kv == 0)")
+    return q4, k4, k4
 
 
 def operand(x, name, gpu=None, dtype=np.float64):
@@ -74,27 +103,43 @@ def qkv(q, k, v, gpu=None, dtype=np.float64):
     original rank. K/V may have fewer heads (grouped-query) and another length. On the host the memory
     the call needs (the kernel's copies of q, k, v, out and lse) is checked before anything is copied."""
     q, k, v = (_unconverted(x, n, gpu, dtype) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    if not q.ndim == k.ndim == v.ndim:
-        raise ValueError(f"q, k, v must have the same rank, got q {q.ndim}-D, k {k.ndim}-D, v {v.ndim}-D")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got k {k.shape} and v {v.shape}")
     rank = q.ndim
-    q4, k4, v4 = (t.reshape((1,) * (4 - rank) + t.shape) for t in (q, k, v))
-    B, H, _, D = q4.shape
-    if k4.shape[3] != D:
-        raise ValueError(f"k: head dim {k4.shape[3]} does not match q's head dim {D}")
-    if D > MAX_DIM:
-        raise ValueError(f"q: head dim D must be <= {MAX_DIM}, got {D}")
-    if k4.shape[0] != B:
-        raise ValueError(f"k: batch {k4.shape[0]} does not match q's batch {B}")
-    if H % k4.shape[1] != 0:
-        raise ValueError(f"q has {H} heads, not a multiple of k/v's {k4.shape[1]} heads (grouped-query needs "
-                         f"heads % heads_kv == 0)")
+    q4, k4, v4 = (t.reshape(s) for t, s in zip((q, k, v), shapes(q.shape, k.shape, v.shape)))
+    D = q4.shape[3]
     if gpu is None:
         check_bytes("q, k, v", 8 * (3 * (q.size + k.size + v.size) + q.size + q.size // D),
                     f"q {q.shape}, k {k.shape}, v {v.shape} as float64 with the kernel's copies and results")
         q4, k4, v4 = (as_float(t, n, contiguous=True) for t, n in ((q4, "q"), (k4, "k"), (v4, "v")))
     return q4, k4, v4, rank
+
+
+def sdpa_shapes(q_shape, k_shape, v_shape, is_causal, enable_gqa) -> None:
+    """The one shape checker of ``scaled_dot_product_attention``'s convention (query, key, value; the torch
+    bridges fadev.torch and fadev.torch_native): one rank >= 2, key and value one shape, query's head dim
+    and batch dims, grouped-query heads only with ``enable_gqa``, ``is_causal`` only with equal lengths
+    (SDPA aligns the mask top-left, fadev bottom-right)."""
+    q, k, v = tuple(q_shape), tuple(k_shape), tuple(v_shape)
+    if len(q) < 2 or not len(q) == len(k) == len(v):
+        raise ValueError(f"query, key and value must have the same rank >= 2 ((N, D), (H, N, D) or (..., H, N, D)),"
+                         f" got shapes {q}, {k}, {v}")
+    if k != v:
+        raise ValueError(f"key and value must have the same shape (fadev needs value's head dim = key's), got "
+                         f"{k} and {v}")
+    if q[-1] != k[-1]:
+        raise ValueError(f"query's head dim {q[-1]} does not match key's {k[-1]}")
+    if q[:-3] != k[:-3]:
+        raise ValueError(f"query's batch dims {q[:-3]} differ from key's {k[:-3]} (fadev does not broadcast them)")
+    enable_gqa = boolean(enable_gqa, "enable_gqa")
+    if len(q) >= 3 and q[-3] != k[-3]:
+        if not enable_gqa:
+            raise ValueError(f"query has {q[-3]} heads but key/value have {k[-3]}; pass enable_gqa=True for "
+                             f"grouped-query attention")
+        if q[-3] % k[-3]:
+            raise ValueError(f"grouped-query attention needs query heads ({q[-3]}) to be a multiple of key/value "
+                             f"heads ({k[-3]})")
+    if boolean(is_causal, "is_causal") and q[-2] != k[-2]:
+        raise ValueError(f"is_causal with {q[-2]} queries and {k[-2]} keys: SDPA's causal mask is aligned top-left, "
+                         f"fadev's bottom-right; they agree only for equal lengths")
 
 
 def scale_of(scale, dim) -> float:

@@ -412,20 +412,20 @@ def ring_attention(q, k, v, policy, *, layout="zigzag", merge="lowp_partials", c
     pol, mg = as_policy(policy, "policy"), as_merge(merge)
     comm = _Comm(group, q.device)
     rank = q.dim()
-    q4, k4, v4, _ = _args.qkv(*(np.zeros(t.shape) for t in (q, k, v)))  # shape checks only
-    q4t, k4t, v4t = (t.reshape(s.shape) for t, s in ((q, q4), (k, k4), (v, v4)))
-    n = q4.shape[2]
-    if k4.shape[2] != n:
-        raise ValueError(f"k: ring attention needs this rank's seq_kv == seq_q, got {k4.shape[2]} and {n}")
+    q4, k4, v4 = _args.shapes(q.shape, k.shape, v.shape)  # the 4-D shapes, checked (no copy)
+    q4t, k4t, v4t = (t.reshape(s) for t, s in ((q, q4), (k, k4), (v, v4)))
+    n = q4[2]
+    if k4[2] != n:
+        raise ValueError(f"k: ring attention needs this rank's seq_kv == seq_q, got {k4[2]} and {n}")
     if layout == "zigzag" and n % 2:
         raise ValueError(f"q: layout 'zigzag' needs an even number of rows per rank, got {n}")
-    comm.check_same(q4.shape + k4.shape + (LAYOUTS.index(layout), int(bool(causal)), int(mg.allgather)),
+    comm.check_same(q4 + k4 + (LAYOUTS.index(layout), int(bool(causal)), int(mg.allgather)),
                     "shapes (q, k) or options (layout, causal, allgather)")
-    tiles = _args.tiles(pol, q4.shape[3], block_q, block_kv)
+    tiles = _args.tiles(pol, q4[3], block_q, block_kv)
     choices = (_args.choice("loop_order", loop_order, LOOP_ORDERS, pol.loop_order),
                _args.choice("normalize", normalize, NORMALIZE, pol.normalize),
                _args.choice("exp", exp, EXP_FORMS, pol.exp))
-    scale = _args.scale_of(scale, q4.shape[3])
+    scale = _args.scale_of(scale, q4[3])
     flash, flash_backward, ops = _kernels(kernel, pol, scale, tiles, choices, choices[2], q.device)
     cfg = _Config(pol, mg.resolve(pol), layout, bool(mg.allgather), _args.causal_of(causal), flash, flash_backward,
                   ops)

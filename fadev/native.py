@@ -74,9 +74,11 @@ def _host(x, name, code):
     return _round(_numeric(x, name), DTYPES[code]).astype(_NP_DTYPES[code])
 
 
-def _params(q4, k4, causal, scale, block_q, block_kv, code, backward=False, deterministic=False, warp_rows=16,
-            mma="sync"):
-    dim = q4.shape[3]
+def fit_tile(dim, block_q=None, block_kv=None, *, backward=False, warp_rows=16, mma="sync",
+             names="block_q, block_kv") -> tuple:
+    """The one tile fitter of the native kernels: the (block_q, block_kv) they run for head dim ``dim``, the
+    first of :func:`native_tiles` matching the given entries (None matches any). ValueError naming ``names``
+    and the supported tiles when none does (``mma`` or ``warp_rows`` when they leave no tile at that head dim)."""
     tiles = native_tiles(dim, backward=backward, warp_rows=warp_rows, mma=mma)
     if not tiles and mma == "wgmma" and native_tiles(dim, backward=backward):
         raise ValueError(f"mma: the wgmma {'backward' if backward else 'forward'} has no tile at head dim {dim}")
@@ -88,10 +90,19 @@ def _params(q4, k4, causal, scale, block_q, block_kv, code, backward=False, dete
     fits = [t for t in tiles if block_q in (None, t[0]) and block_kv in (None, t[1])]
     if not fits:
         direction = ("backward" if backward else "forward") + ("" if warp_rows == 16 or mma == "wgmma" else
-                                                               " (warp_rows=32)") + (" (mma='wgmma')" if mma == "wgmma" else "")
-        raise ValueError(f"block_q, block_kv: ({block_q!r}, {block_kv!r}) is not a native {direction} tile for head "
-                         f"dim {dim}; supported: {tiles}")
-    call = _args.Call(None, _args.scale_of(scale, dim), _args.causal_of(causal), fits[0][0], fits[0][1])
+                                                               " (warp_rows=32)")
+        direction += " (mma='wgmma')" if mma == "wgmma" else ""
+        raise ValueError(f"{names}: ({block_q!r}, {block_kv!r}) is not a native {direction} tile for head dim {dim}; "
+                         f"supported: {tiles}")
+    return fits[0]
+
+
+def _params(q4, causal, scale, block_q, block_kv, code, backward=False, deterministic=False, warp_rows=16,
+            mma="sync"):
+    """The call spec and the native options (dtype code, deterministic, warp_rows, mma code) of a native call."""
+    dim = q4.shape[3]
+    tile = fit_tile(dim, block_q, block_kv, backward=backward, warp_rows=warp_rows, mma=mma)
+    call = _args.Call(None, _args.scale_of(scale, dim), _args.causal_of(causal), *tile)
     return call, (code, deterministic, warp_rows, MMA.index(mma))
 
 
@@ -115,7 +126,7 @@ def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k
     gpu = route("cuda", q=q, k=k, v=v)
     q, k, v = (_host(x, n, code) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     q4, k4, v4, rank = _args.qkv(q, k, v, gpu, _NP_DTYPES[code])
-    call, options = _params(q4, k4, causal, scale, block_q, block_kv, code, warp_rows=rows, mma=mma)
+    call, options = _params(q4, causal, scale, block_q, block_kv, code, warp_rows=rows, mma=mma)
     out, lse = backends.Native(gpu, options).forward("native", q4, k4, v4, call)
     return _args.unshape_forward(out, lse, rank, return_lse)
 
@@ -141,7 +152,7 @@ def native_attention_backward(q, k, v, out, lse, dout, *, causal=False, scale=No
                                                          (dout, "dout")))
     q4, k4, v4, rank = _args.qkv(q, k, v, gpu, _NP_DTYPES[code])
     out4, lse3, dout4 = _args.saved(q4, out, lse, dout, rank, gpu, _NP_DTYPES[code], np.float32)
-    call, options = _params(q4, k4, causal, scale, block_q, block_kv, code, backward=True,
+    call, options = _params(q4, causal, scale, block_q, block_kv, code, backward=True,
                             deterministic=deterministic, warp_rows=rows, mma=mma)
     grads = backends.Native(gpu, options).backward("native", q4, k4, v4, out4, lse3, dout4, call)
     return _args.unshape_grads(grads, rank)

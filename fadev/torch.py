@@ -254,29 +254,7 @@ def _validate(q, k, v, is_causal, enable_gqa):
         raise TypeError(f"query, key and value must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.device == k.device == v.device:
         raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.dim() < 2 or not q.dim() == k.dim() == v.dim():
-        raise ValueError(f"query, key and value must have the same rank >= 2 ((N, D), (H, N, D) or (..., H, N, D)),"
-                         f" got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"key and value must have the same shape (fadev needs value's head dim = key's), got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"query's head dim {q.shape[-1]} does not match key's {k.shape[-1]}")
-    if q.shape[:-3] != k.shape[:-3]:
-        raise ValueError(f"query's batch dims {tuple(q.shape[:-3])} differ from key's {tuple(k.shape[:-3])} "
-                         f"(fadev does not broadcast them)")
-    enable_gqa = boolean(enable_gqa, "enable_gqa")
-    if q.dim() >= 3 and q.shape[-3] != k.shape[-3]:
-        hq, hk = q.shape[-3], k.shape[-3]
-        if not enable_gqa:
-            raise ValueError(f"query has {hq} heads but key/value have {hk}; pass enable_gqa=True for "
-                             f"grouped-query attention")
-        if hq % hk:
-            raise ValueError(f"grouped-query attention needs query heads ({hq}) to be a multiple of key/value "
-                             f"heads ({hk})")
-    if boolean(is_causal, "is_causal") and q.shape[-2] != k.shape[-2]:
-        raise ValueError(f"is_causal with {q.shape[-2]} queries and {k.shape[-2]} keys: SDPA's causal mask is "
-                         f"aligned top-left, fadev's bottom-right; they agree only for equal lengths")
+    _args.sdpa_shapes(q.shape, k.shape, v.shape, is_causal, enable_gqa)
 
 
 def attention(q, k, v, policy, kernel="flash", is_causal=False, scale=None, enable_gqa=False, **tiling):

@@ -18,7 +18,8 @@ import torch
 from .cuda import device_count, no_gpu
 from .formats import boolean
 from . import _args
-from .native import MMA, native_attention as _forward, native_attention_backward as _backward, native_tiles
+from .native import MMA, fit_tile, native_tiles
+from .native import native_attention as _forward, native_attention_backward as _backward
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -44,16 +45,6 @@ class _NativeFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def _tile(dim, block_q, block_kv, backward, names, mma="sync"):
-    tiles = native_tiles(dim, backward=backward, mma="sync" if backward else mma)
-    fits = [t for t in tiles if block_q in (None, t[0]) and block_kv in (None, t[1])]
-    if not fits:
-        raise ValueError(f"{names}: ({block_q!r}, {block_kv!r}) is not a native {'backward' if backward else 'forward'}"
-                         f"{'' if backward or mma == 'sync' else ' (mma=' + repr(mma) + ')'} tile for head dim {dim}; "
-                         f"supported: {tiles}")
-    return fits[0]
-
-
 def check(q, k, v, is_causal, scale, enable_gqa, block_q=None, block_kv=None, backward_block_q=None,
           backward_block_kv=None, mma="sync"):
     """Every check :func:`native_attention` makes before calling the kernel; the forward's and the
@@ -76,19 +67,7 @@ def check(q, k, v, is_causal, scale, enable_gqa, block_q=None, block_kv=None, ba
         raise TypeError(f"query, key and value must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.device == k.device == v.device:
         raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"key and value must have query's batch and head dim and one shape, got query "
-                         f"{tuple(q.shape)}, key {tuple(k.shape)}, value {tuple(v.shape)}")
-    if q.shape[1] != k.shape[1]:
-        if not boolean(enable_gqa, "enable_gqa"):
-            raise ValueError(f"query has {q.shape[1]} heads but key/value have {k.shape[1]}; pass enable_gqa=True "
-                             f"for grouped-query attention")
-        if q.shape[1] % k.shape[1]:
-            raise ValueError(f"enable_gqa: query heads ({q.shape[1]}) must be a multiple of key/value heads "
-                             f"({k.shape[1]})")
-    if boolean(is_causal, "is_causal") and q.shape[2] != k.shape[2]:
-        raise ValueError(f"is_causal with {q.shape[2]} queries and {k.shape[2]} keys: SDPA's causal mask is aligned "
-                         f"top-left, the native kernel's bottom-right; they agree only for equal lengths")
+    _args.sdpa_shapes(q.shape, k.shape, v.shape, is_causal, enable_gqa)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     if not device_count():
@@ -97,10 +76,11 @@ def check(q, k, v, is_causal, scale, enable_gqa, block_q=None, block_kv=None, ba
     if not native_tiles(dim):
         raise ValueError(f"query: the native kernel has no tiles for head dim {dim} (supported: those "
                          f"fadev.native_tiles lists, 64 and 128)")
-    forward = _tile(dim, block_q, block_kv, False, "block_q, block_kv", mma)
+    forward = fit_tile(dim, block_q, block_kv, mma=mma)
     if backward_block_q is None and backward_block_kv is None and forward in native_tiles(dim, backward=True):
         return forward, forward
-    return forward, _tile(dim, backward_block_q, backward_block_kv, True, "backward_block_q, backward_block_kv")
+    return forward, fit_tile(dim, backward_block_q, backward_block_kv, backward=True,
+                             names="backward_block_q, backward_block_kv")
 
 
 def native_attention(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, block_q=None, block_kv=None,
