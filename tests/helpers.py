@@ -52,6 +52,16 @@ def same_bits(a, b, *, nan) -> bool:
     return a.shape == b.shape and not bits_differ(a, b, nan=nan).any()
 
 
+def identical(a, b) -> bool:
+    """Results of one code path, or of paths promised to be the same: every bit, NaN payloads included."""
+    return same_bits(a, b, nan="exact")
+
+
+def identical_but_nan(a, b) -> bool:
+    """The GPU (or a Python twin) against the CPU: every bit, but any NaN equals any NaN."""
+    return same_bits(a, b, nan="any")
+
+
 def count_differing(a, b, *, nan) -> int:
     """How many elements of a and b differ in bits under the NaN rule ``nan`` (shapes must match)."""
     return int(bits_differ(a, b, nan=nan).sum())

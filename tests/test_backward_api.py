@@ -10,15 +10,11 @@ import pytest
 
 import fadev
 import helpers
+from helpers import identical as same_bits
 from fadev import Policy
 from helpers import rel_err, torch_grads as torch_attention_grads
 
 BACKWARDS = [fadev.baseline_attention_backward, fadev.flash_attention_backward]
-
-
-def same_bits(a, b):
-    """Results of paths promised to be the same: every bit, NaN payloads included."""
-    return helpers.same_bits(a, b, nan="exact")
 
 
 def problem(shape, heads_kv=None, seq_kv=None, policy="golden", causal=False, seed=0, dist="normal", **forward):

@@ -8,6 +8,7 @@ import pytest
 
 import fadev
 import helpers
+from helpers import identical as _same_bits
 from fadev import _core
 from helpers import needs_gpu
 
@@ -37,11 +38,6 @@ def _inputs(n=10**6, seed=0):
     x = np.concatenate(parts)
     rng.shuffle(x)
     return x
-
-
-def _same_bits(a, b):
-    """Every bit, NaN payloads included."""
-    return helpers.same_bits(a, b, nan="exact")
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ import pytest
 import fadev
 import fadev.cuda as fc
 import helpers
+from helpers import identical_but_nan as same_bits
 from fadev import Policy
 from helpers import needs_gpu
 
@@ -25,11 +26,6 @@ needs_torch = pytest.mark.skipif(torch is None, reason="needs torch")
 needs_torch_cuda = pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="needs torch with CUDA")
 
 NO_GPU = r"fadev has no usable GPU: fadev was built with(out CUDA|\ CUDA, but no CUDA device is visible)"
-
-
-def same_bits(a, b):
-    """The GPU against the CPU: every bit, but any NaN equals any NaN (the kernels' NaN payloads may differ)."""
-    return helpers.same_bits(a, b, nan="any")
 
 
 def host(x):

@@ -20,6 +20,7 @@ from torch.nn.modules import module as torch_module
 import fadev
 import fadev.torch as ft
 import helpers
+from helpers import identical as same_bits
 from fadev import Policy
 
 F64 = torch.float64
@@ -38,11 +39,6 @@ def tensors(shape, heads_kv=None, seq_kv=None, seed=0, dtype=F64, requires_grad=
 
 def np64(t):
     return t.detach().to(F64).numpy()
-
-
-def same_bits(a, b):
-    """The bridge promises the NumPy API's results: every bit, NaN payloads included."""
-    return helpers.same_bits(a, b, nan="exact")
 
 
 def direct(kernel, q, k, v, policy, causal=False, **tiling):
