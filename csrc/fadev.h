@@ -264,6 +264,13 @@ fadev_status fadev_ring_attention_backward(const double *q, const double *k, con
                                            double *dv, const fadev_attention_params *params,
                                            const fadev_policy *policy, const fadev_policy_backward *policy_backward,
                                            const fadev_ring_params *ring);
+/* The ring's merge of one piece into `rows` running rows, exactly as fadev_ring_attention merges (ring.c, top
+ * comment): out (rows x dim), lse and seen (rows) are a rank's running state, updated in place; ob (rows x dim) and
+ * lb (rows) the piece's out and lse. Reads ring->partial_lse, merge, running_out and running_lse. A row whose lb
+ * rounds to -inf is left as it is; a row not yet seen takes the piece; a seen one is merged by the sigmoid /
+ * log-sigmoid update. FADEV_ERR_INVALID_ARGUMENT for NULL arrays or dim < 1. */
+fadev_status fadev_ring_merge(double *out, double *lse, unsigned char *seen, const double *ob, const double *lb,
+                              int64_t rows, int64_t dim, const fadev_ring_params *ring);
 /* count[i * seq + j] = how many ring pieces compute the pair (query i, key j) (seq x seq int32). */
 fadev_status fadev_ring_coverage(int64_t seq, int causal, const fadev_ring_params *ring, int32_t *count);
 

@@ -426,6 +426,44 @@ static PyObject *py_ring_coverage(PyObject *self, PyObject *args) {
     return count;
 }
 
+/* ring_merge(out, lse, seen, ob, lb, (partial_lse, merge, running_out, running_lse)) -> (out, lse, seen): ring.c's
+ * merge of one piece (ob rows x D, lb rows) into copies of a rank's running rows (out rows x D, lse and seen rows;
+ * seen as uint8). */
+static PyObject *py_ring_merge(PyObject *self, PyObject *args) {
+    PyObject *obj[5], *a[5] = {NULL}, *result = NULL;
+    fadev_ring_params rp;
+    memset(&rp, 0, sizeof rp);
+    static const char *const names[5] = {"out", "lse", "seen", "ob", "lb"};
+    if (!PyArg_ParseTuple(args, "OOOOO(O&O&O&O&);formats must be (partial_lse, merge, running_out, running_lse)",
+                          &obj[0], &obj[1], &obj[2], &obj[3], &obj[4], parse_format, &rp.partial_lse, parse_format,
+                          &rp.merge, parse_format, &rp.running_out, parse_format, &rp.running_lse))
+        return NULL;
+    for (int x = 0; x < 5; x++)
+        if (!(a[x] = as_array(obj[x], x == 2 ? NPY_UINT8 : NPY_FLOAT64, names[x]))) goto done;
+    const int ndim = PyArray_NDIM((PyArrayObject *)a[0]);
+    const int64_t dim = ndim ? (int64_t)PyArray_DIM((PyArrayObject *)a[0], ndim - 1) : 0;
+    const int64_t rows = dim ? (int64_t)SIZE(a[0]) / dim : 0;
+    if (dim < 1 || SIZE(a[3]) != SIZE(a[0]) || (int64_t)SIZE(a[1]) != rows || (int64_t)SIZE(a[2]) != rows ||
+        (int64_t)SIZE(a[4]) != rows) {
+        PyErr_Format(PyExc_ValueError, "ring_merge: out and ob must be (rows, D) alike, lse, seen and lb hold rows");
+        goto done;
+    }
+    for (int x = 0; x < 3; x++) { /* the results: fresh copies (as_array may have returned the caller's array) */
+        PyObject *copy = PyArray_NewCopy((PyArrayObject *)a[x], NPY_CORDER);
+        Py_SETREF(a[x], copy);
+        if (!copy) goto done;
+    }
+    fadev_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fadev_ring_merge(DATA(a[0]), DATA(a[1]), DATA(a[2]), DATA(a[3]), DATA(a[4]), rows, dim, &rp);
+    Py_END_ALLOW_THREADS
+    if (st != FADEV_OK) raise_status(st, "ring_merge");
+    else result = PyTuple_Pack(3, a[0], a[1], a[2]);
+done:
+    for (int x = 0; x < 5; x++) Py_XDECREF(a[x]);
+    return result;
+}
+
 /* ------------------------------------------------------------ hadamard */
 
 typedef struct hadamard_options {
@@ -498,6 +536,8 @@ static PyMethodDef core_methods[] = {
     {"ring_attention", py_ring, METH_VARARGS, "ring_attention(q, k, v, call) -> (out, lse); call with a ring"},
     {"ring_attention_backward", py_ring_backward, METH_VARARGS,
      "ring_attention_backward(q, k, v, out, lse, dout, call) -> (dq, dk, dv); call with a ring"},
+    {"ring_merge", py_ring_merge, METH_VARARGS,
+     "ring_merge(out, lse, seen, ob, lb, (partial_lse, merge, running_out, running_lse)) -> (out, lse, seen uint8)"},
     {"ring_coverage", py_ring_coverage, METH_VARARGS, "ring_coverage(seq, causal, ring) -> int32 (seq, seq)"},
     /* hadamard methods */
     {"hadamard", py_hadamard, METH_VARARGS, "hadamard(x, signs or None, inverse) -> rotated float64 array"},

@@ -171,6 +171,34 @@ typedef struct ring_buf {
     ring_piece *pc;
 } ring_buf;
 
+/* One row of the merge (fadev_ring_merge). */
+static void merge_row(double *O, double *L, unsigned char *seen, const double *ob, double lb_piece, int64_t D,
+                      const fadev_ring_params *ring) {
+    const double lb = rne(lb_piece, &ring->partial_lse);
+    if (lb == -INFINITY) return; /* no visible key (cannot happen with the ring's pieces) */
+    if (!*seen) {
+        for (int64_t d = 0; d < D; d++) O[d] = rne(ob[d], &ring->running_out);
+        *L = rne(lb, &ring->running_lse);
+        *seen = 1;
+        return;
+    }
+    const fadev_format *m = &ring->merge;
+    const double gt = rne(sigmoid(rne(lb - *L, m)), m);
+    for (int64_t d = 0; d < D; d++) {
+        double diff = rne(O[d] - ob[d], m);
+        O[d] = rne(rne(O[d] - rne(gt * diff, m), m), &ring->running_out);
+    }
+    const double ls = rne(logsigmoid(rne(*L - lb, m)), m);
+    *L = rne(rne(*L - ls, m), &ring->running_lse);
+}
+
+fadev_status fadev_ring_merge(double *out, double *lse, unsigned char *seen, const double *ob, const double *lb,
+                              int64_t rows, int64_t dim, const fadev_ring_params *ring) {
+    if (!out || !lse || !seen || !ob || !lb || !ring || dim < 1 || rows < 0) return FADEV_ERR_INVALID_ARGUMENT;
+    for (int64_t a = 0; a < rows; a++) merge_row(out + a * dim, &lse[a], &seen[a], ob + a * dim, lb[a], dim, ring);
+    return FADEV_OK;
+}
+
 static void buf_free(ring_buf *b) {
     free(b->q), free(b->k), free(b->v), free(b->o), free(b->l), free(b->go), free(b->gq), free(b->gk), free(b->gv);
     free(b->qrows), free(b->krows), free(b->pc);
@@ -248,23 +276,7 @@ fadev_status fadev_ring_attention(const double *q, const double *k, const double
                             seen[row] = 1;
                             continue;
                         }
-                        const double lb = rne(b.l[bh * p->q_n + a], &ring->partial_lse);
-                        if (lb == -INFINITY) continue; /* no visible key (cannot happen with these pieces) */
-                        if (!seen[row]) {
-                            for (int64_t d = 0; d < D; d++) O[d] = rne(ob[d], &ring->running_out);
-                            run_l[row] = rne(lb, &ring->running_lse);
-                            seen[row] = 1;
-                            continue;
-                        }
-                        const fadev_format *m = &ring->merge;
-                        const double L = run_l[row];
-                        const double gt = rne(sigmoid(rne(lb - L, m)), m);
-                        for (int64_t d = 0; d < D; d++) {
-                            double diff = rne(O[d] - ob[d], m);
-                            O[d] = rne(rne(O[d] - rne(gt * diff, m), m), &ring->running_out);
-                        }
-                        const double ls = rne(logsigmoid(rne(L - lb, m)), m);
-                        run_l[row] = rne(rne(L - ls, m), &ring->running_lse);
+                        merge_row(O, &run_l[row], &seen[row], ob, b.l[bh * p->q_n + a], D, ring);
                     }
             }
         }

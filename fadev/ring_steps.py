@@ -1,16 +1,14 @@
-"""Ring attention composed step by step: csrc/ring.c's pieces, merge and gradient sums, in NumPy.
+"""Ring attention composed step by step: csrc/ring.c's pieces, merge and gradient sums, from Python.
 
 csrc/ring.c runs a whole ring on the CPU in one C call. To run a ring's steps on another kernel (the
 GPU's emulated flash kernels), :func:`forward` and :func:`backward` walk the same (step, rank, piece)
 list in the same order (ring.c's top comment is the specification) and call a given flash function per
-piece; every merge and accumulation operation is done in fp64 and rounded nearest-even to its format,
-as ring.c does (sigmoid and log-sigmoid through the C library's exp / log1p, as ring.c calls them). With
+piece; the merge is ring.c's own (fadev._core.ring_merge), every accumulation is done in fp64 and rounded
+nearest-even to its format, as ring.c does. With
 the CPU's flash kernel they reproduce ring.c bit for bit (tests/test_ring.py); the GPU's emulated flash
 kernels give the CPU's bits, so the ring on the GPU does too.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -62,21 +60,6 @@ def _rows(N, W, layout, r, piece):
     return qrows, krows
 
 
-def _sigmoid(x):
-    e = math.exp(-abs(x))  # ring.c's exp(-x) for x >= 0, exp(x) below: the same value
-    return 1.0 / (1.0 + e) if x >= 0 else e / (1.0 + e)
-
-
-def _logsigmoid(x):
-    t = math.log1p(math.exp(-abs(x)))
-    return -t if x >= 0 else x - t
-
-
-def _each(fn, x):
-    """fn on every element (math's exp / log1p are the C library's, as ring.c's; NumPy's may differ)."""
-    return np.array([fn(float(e)) for e in x.ravel()], dtype=np.float64).reshape(x.shape)
-
-
 def _steps(N, W, layout, allgather, causal):
     """(rank, step, pieces) in ring.c's order: steps outer, ranks inner (allgather: one step)."""
     for s in range(1 if allgather else W):
@@ -85,40 +68,34 @@ def _steps(N, W, layout, allgather, causal):
 
 
 class NumpyOps:
-    """The array operations of a rank's merge and sums on host fp64 NumPy arrays (ring.c's arithmetic bit for
-    bit). fadev.distributed has a torch twin for device-resident pieces (its ``TorchOps``)."""
+    """The array operations of a rank's merge and sums on host fp64 NumPy arrays: the merge is ring.c's own
+    (fadev._core.ring_merge, the C core's one ring engine), the sums fadev.formats.round's. fadev.distributed
+    has a torch twin for device-resident pieces (its ``TorchOps``), which runs :func:`merge_formula`."""
 
     round = staticmethod(_round)
     where = staticmethod(np.where)
 
     @staticmethod
-    def sigmoid(x):
-        return _each(_sigmoid, x)
-
-    @staticmethod
-    def logsigmoid(x):
-        return _each(_logsigmoid, x)
-
-    @staticmethod
-    def quiet():
-        return np.errstate(all="ignore")
+    def merge(out, lse, seen, ob, lb, fmts):
+        """ring.c's merge of a piece into copies of running rows: (out, lse, seen)."""
+        o, l, s = _core.ring_merge(out, lse, seen, ob, lb, tuple(fmts[f]._c for f in _MERGE_FORMATS))
+        return o.reshape(out.shape), l.reshape(lse.shape), s.reshape(seen.shape).astype(bool)
 
     @staticmethod
     def zeros(shape, dtype=None, like=None):
         return np.zeros(shape, dtype=dtype or np.float64)
 
 
-def merge_piece(state, rows, ob, lb, fmts, ops=NumpyOps):
-    """Merge one piece's (out, lse) into a rank's running ``state`` = [out, lse, seen] (arrays, rows on axis
-    2; ``rows`` indexes them) as ring.c does: the piece's lse rounded to partial_lse, the first piece of a
-    row stored, later ones merged by the sigmoid / log-sigmoid update in ``merge``. ``ops``: the arrays'
-    operations (:class:`NumpyOps`, or fadev.distributed's torch ones)."""
+_MERGE_FORMATS = ("partial_lse", "merge", "running_out", "running_lse")
+
+
+def merge_formula(O, L, was, ob, lb, fmts, ops):
+    """ring.c's merge written over an array-operations object ``ops`` (round, where, sigmoid, logsigmoid,
+    quiet): the twin that fadev.distributed's TorchOps runs on the device (tests/test_distributed.py holds it
+    to ring.c's bits on random merges). Returns the new (out, lse, seen) of the rows."""
     m = fmts["merge"]
-    out, run_l, seen = state
     lb = ops.round(lb, fmts["partial_lse"])
     live = lb != -np.inf  # a row with no visible key (cannot happen with these pieces)
-    was = seen[:, :, rows]
-    O, L = out[:, :, rows], run_l[:, :, rows]
     new_O, new_L = ops.round(ob, fmts["running_out"]), ops.round(lb, fmts["running_lse"])
     both = live & was
     if both.any():
@@ -129,9 +106,18 @@ def merge_piece(state, rows, ob, lb, fmts, ops=NumpyOps):
             ls = ops.round(ops.logsigmoid(ops.round(L - lb, m)), m)
             merged_L = ops.round(ops.round(L - ls, m), fmts["running_lse"])
         new_O, new_L = ops.where(was[..., None], merged_O, new_O), ops.where(was, merged_L, new_L)
-    out[:, :, rows] = ops.where(live[..., None], new_O, O)
-    run_l[:, :, rows] = ops.where(live, new_L, L)
-    seen[:, :, rows] = was | live
+    return ops.where(live[..., None], new_O, O), ops.where(live, new_L, L), was | live
+
+
+def merge_piece(state, rows, ob, lb, fmts, ops=NumpyOps):
+    """Merge one piece's (out, lse) into a rank's running ``state`` = [out, lse, seen] (arrays, rows on axis
+    2; ``rows`` indexes them) as ring.c does: the piece's lse rounded to partial_lse, the first piece of a
+    row stored, later ones merged by the sigmoid / log-sigmoid update in ``merge``. ``ops``: the arrays'
+    operations (:class:`NumpyOps`: ring.c's merge itself; fadev.distributed's torch ones: :func:`merge_formula`)."""
+    out, run_l, seen = state
+    merge = getattr(ops, "merge", None)
+    args = (out[:, :, rows], run_l[:, :, rows], seen[:, :, rows], ob, lb, fmts)
+    out[:, :, rows], run_l[:, :, rows], seen[:, :, rows] = merge(*args) if merge else merge_formula(*args, ops)
 
 
 def new_state(q_shape, ops=NumpyOps, like=None):

@@ -170,6 +170,11 @@ def test_errors_name_the_parameter():
     with pytest.raises(ValueError, match="ring_attention_backward"):
         fadev._core.ring_attention_backward(q[None], k[None], v[None], q[None], lse[None], dout[None],
                                             (pol._c, pol._c_backward, bad, 1.0, False, 4, 4, 0, 0, 0))
+    fmts = tuple(fadev.formats["fp32"]._c for _ in range(4))
+    with pytest.raises(ValueError, match="ring_merge: out and ob must be"):  # ring.c's merge, bound for ring_steps
+        fadev._core.ring_merge(np.zeros((2, 4)), np.zeros(3), np.zeros(2), np.zeros((2, 4)), np.zeros(2), fmts)
+    with pytest.raises(TypeError, match="formats must be"):
+        fadev._core.ring_merge(np.zeros((2, 4)), np.zeros(2), np.zeros(2), np.zeros((2, 4)), np.zeros(2), fmts[:3])
     with pytest.raises(TypeError, match="ring"):  # a ring kernel without its ring
         fadev._core.ring_attention(q[None], k[None], v[None], (pol._c, None, None, 1.0, False, 4, 4, 0, 0, 0))
 
