@@ -334,18 +334,16 @@ def _forward(q, k, v, cfg, comm):
 def _backward(q, k, v, out, lse, dout, cfg, comm):
     """(dq, dk, dv) fp64 working arrays of this rank; out, lse, dout: this rank's rows, likewise."""
     f, n, dev, ops = cfg.fmts, q.shape[2], q.device, cfg.ops
-    T, A = f["dkv_transport"], f["dkv_acc"]
+    T = f["dkv_transport"]
     qh = ops.load(q)
     piece_pol = cfg.pol.replace(grad=f["partial_grad"])
     aq = ops.zeros(qh.shape, like=q)
 
     def run(s, kh, vh, ak, av):
         for qr, kr, c in _local_pieces(cfg, comm, n, s):
-            gq, gk, gv = cfg.flash_backward(qh[:, :, qr], kh[:, :, kr], vh[:, :, kr], out[:, :, qr], lse[:, :, qr],
-                                            dout[:, :, qr], piece_pol, c)
-            aq[:, :, qr] = ops.round(aq[:, :, qr] + gq, f["dq_acc"])
-            ak[:, :, kr] = ops.round(ak[:, :, kr] + gk, A)
-            av[:, :, kr] = ops.round(av[:, :, kr] + gv, A)
+            grads = cfg.flash_backward(qh[:, :, qr], kh[:, :, kr], vh[:, :, kr], out[:, :, qr], lse[:, :, qr],
+                                       dout[:, :, qr], piece_pol, c)
+            _steps.accumulate_piece((aq, ak, av), qr, kr, grads, f, ops)
 
     if cfg.allgather:
         kh, vh = _gathered(comm, cfg, k, v)

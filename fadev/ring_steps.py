@@ -135,6 +135,15 @@ def finish(state, pol, allgather, ops=NumpyOps):
     return out, run_l
 
 
+def accumulate_piece(sums, qrows, krows, grads, fmts, ops=NumpyOps):
+    """A piece's gradients (dq, dk, dv) added into a rank's running ``sums`` (dq, dk, dv; rows on axis 2) as
+    ring.c adds them: dq rows ``qrows`` in ``dq_acc``, dk and dv rows ``krows`` in ``dkv_acc`` (fp64 sum, one
+    nearest-even rounding each). ``ops`` as :func:`merge_piece`'s."""
+    for acc, rows, g, fmt in zip(sums, (qrows, krows, krows), grads, (fmts["dq_acc"], fmts["dkv_acc"],
+                                                                       fmts["dkv_acc"])):
+        acc[:, :, rows] = ops.round(acc[:, :, rows] + g, fmt)
+
+
 def forward(q, k, v, pol, fmts, world_size, layout, allgather, causal, flash):
     """(out, lse) of the ring forward on 4-D float64 q, k, v; ``flash(q, k, v, policy, causal)`` -> (out,
     lse) runs one piece; ``fmts``: RingMerge.resolve(pol)."""
@@ -156,18 +165,16 @@ def backward(q, k, v, out, lse, dout, pol, fmts, world_size, layout, allgather, 
     """(dq, dk, dv) of the ring backward; ``flash_backward(q, k, v, out, lse, dout, policy, causal)`` ->
     (dq, dk, dv) runs one piece."""
     N, W = q.shape[2], world_size
-    T, A = fmts["dkv_transport"], fmts["dkv_acc"]
+    T = fmts["dkv_transport"]
     aq, ak, av = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     piece_pol = pol.replace(grad=fmts["partial_grad"])
     for r, s, pcs in _steps(N, W, layout, allgather, causal):
         lk, lv = (np.zeros(k.shape), np.zeros(v.shape)) if allgather else (ak, av)
         for pc in pcs:
             qrows, krows = _rows(N, W, layout, r, pc)
-            gq, gk, gv = flash_backward(q[:, :, qrows], k[:, :, krows], v[:, :, krows], out[:, :, qrows],
-                                        lse[:, :, qrows], dout[:, :, qrows], piece_pol, pc[5])
-            aq[:, :, qrows] = _round(aq[:, :, qrows] + gq, fmts["dq_acc"])
-            lk[:, :, krows] = _round(lk[:, :, krows] + gk, A)
-            lv[:, :, krows] = _round(lv[:, :, krows] + gv, A)
+            grads = flash_backward(q[:, :, qrows], k[:, :, krows], v[:, :, krows], out[:, :, qrows],
+                                   lse[:, :, qrows], dout[:, :, qrows], piece_pol, pc[5])
+            accumulate_piece((aq, lk, lv), qrows, krows, grads, fmts)
         if allgather:  # this rank's share of the reduce-scatter
             ak[...] = _round(ak + _round(lk, T), T)
             av[...] = _round(av + _round(lv, T), T)
