@@ -58,7 +58,7 @@ def timed(name, size, workers, cluster, out):
     if os.path.exists(out):
         shutil.rmtree(out)
     start = time.perf_counter()
-    experiments.run(name, size, out, workers=workers, cluster=cluster)
+    experiments.run(name, size=size, out=out, workers=workers, cluster=cluster)
     seconds = time.perf_counter() - start
     return seconds, sweep.load(os.path.join(out, f"{name}.jsonl"))
 

@@ -153,7 +153,8 @@ def native_rows(quick, backward=True):
                 for label, kw in variants_b:
                     for bq, bkv in fadev.native_tiles(D, backward=True, **kw):
                         t = cuda_seconds(lambda: fadev.native_attention_backward(
-                            q, k, v, out, lse, dout, causal=causal, block_q=bq, block_kv=bkv, **kw))
+                            q, k, v, out, lse, dout, causal=causal, block_q=bq, block_kv=bkv, deterministic=False,
+                            **kw))
                         if label not in best_b or t < best_b[label][0]:
                             best_b[label] = (t, bq, bkv, kw)
                 fastest = min(best_b, key=lambda w: best_b[w][0])

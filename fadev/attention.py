@@ -71,7 +71,7 @@ def flash_attention(q, k, v, policy, *, causal=False, scale=None, block_q=None, 
 DISTRIBUTIONS = ("normal", "uniform", "outlier")
 
 
-def random_qkv(shape, dist="normal", seed=0, fmt=None, heads_kv=None, seq_kv=None):
+def random_qkv(shape, *, dist="normal", seed=0, fmt=None, heads_kv=None, seq_kv=None):
     """Reproducible random (q, k, v) float64 arrays; q has ``shape`` ((N, D), (H, N, D) or (B, H, N, D)).
 
     k and v have ``heads_kv`` heads (default: q's; needs a heads axis) and ``seq_kv`` rows (default: q's).

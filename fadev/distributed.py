@@ -49,9 +49,9 @@ def _positions(n, world_size, rank, layout):
     return _steps.positions(n * world_size, world_size, layout, rank, np.arange(n))
 
 
-def shard(x, world_size, rank, layout="zigzag"):
+def shard(x, world_size, rank, *, layout="contiguous"):
     """Rank ``rank``'s rows of the sequence axis (-2) of ``x`` (torch tensor or NumPy array) under
-    ``layout`` ("contiguous", "zigzag": N divisible by 2W, "striped")."""
+    ``layout`` ("contiguous", the default as in fadev.ring_attention; "zigzag": N divisible by 2W; "striped")."""
     world_size = _args.positive_int(world_size, "world_size")
     _args.choice("layout", layout, LAYOUTS)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -68,7 +68,7 @@ def shard(x, world_size, rank, layout="zigzag"):
     return np.take(x, rows, axis=-2)
 
 
-def unshard(parts, layout="zigzag"):
+def unshard(parts, *, layout="contiguous"):
     """The full sequence from every rank's shard (``parts`` in rank order), inverse of :func:`shard`."""
     _args.choice("layout", layout, LAYOUTS)
     W = len(parts)
@@ -270,7 +270,7 @@ def _native_pieces(scale, dtype):
 
     def flash_backward(q, k, v, out, lse, dout, policy, causal):
         grads = native.native_attention_backward(*cast(q, k, v, out), lse.to(torch.float32).contiguous(),
-                                                 *cast(dout), causal=causal, scale=scale)
+                                                 *cast(dout), causal=causal, scale=scale, deterministic=False)
         return tuple(g.to(torch.float64) for g in grads)
     return flash, flash_backward
 
@@ -304,7 +304,7 @@ def _local_pieces(cfg, comm, n, s):
 
 def _gathered(comm, cfg, *tensors):
     """The full K/V (global order, fp64 working arrays) from every rank's shard."""
-    return [cfg.ops.load(unshard(comm.all_gather(t), cfg.layout)) for t in tensors]
+    return [cfg.ops.load(unshard(comm.all_gather(t), layout=cfg.layout)) for t in tensors]
 
 
 def _forward(q, k, v, cfg, comm):
@@ -351,7 +351,7 @@ def _backward(q, k, v, out, lse, dout, cfg, comm):
         run(0, kh, vh, lk, lv)
         sums = []
         for local in (lk, lv):
-            mine = ops.stack([shard(local, comm.size, j, cfg.layout) for j in range(comm.size)])
+            mine = ops.stack([shard(local, comm.size, j, layout=cfg.layout) for j in range(comm.size)])
             got = ops.load(comm.all_to_all(_wire(mine, T, dev, ops)))
             total = ops.zeros(got.shape[1:], like=q)
             for j in range(comm.size):  # from +0, ranks ascending, as the simulation sums (-0 + +0 is +0)
@@ -389,7 +389,7 @@ class _RingFunction(torch.autograd.Function):
         return tuple(ctx.cfg.ops.result(g, t.device).to(t.dtype) for g, t in zip(grads, (q, k, v))) + (None, None)
 
 
-def ring_attention(q, k, v, policy, *, layout="zigzag", merge="lowp_partials", causal=False, scale=None,
+def ring_attention(q, k, v, policy, *, layout="contiguous", merge="lowp_partials", causal=False, scale=None,
                    kernel="emulated", group=None, block_q=None, block_kv=None, loop_order=None, normalize=None,
                    exp=None, return_lse=False):
     """This rank's output of ring attention over the ranks of ``group`` (default: the whole world).

@@ -161,7 +161,7 @@ def as_format(fmt, name: str = "fmt") -> Format:
     raise TypeError(f"{name}: expected a fadev.Format or a format name, got {type(fmt).__name__}")
 
 
-def custom_format(precision, emin, emax, subnormals=True, has_inf=True, overflow=None, largest=None, name=None):
+def custom_format(precision, emin, emax, *, subnormals=True, has_inf=True, overflow=None, largest=None, name=None):
     """A format from its parameters, e.g. ``custom_format(5, -30, 31)``."""
     if overflow is None:
         overflow = "inf" if boolean(has_inf, "has_inf") else "nan"
@@ -230,7 +230,7 @@ def as_float(x, name="x", dtype=np.float64, contiguous=False):
                           f"shape {arr.shape}") from None
 
 
-def round(x, fmt, mode: str = "rne", seed: int = 0, stream: int = 0):  # noqa: A001 (numeric rounding)
+def round(x, fmt, mode: str = "rne", *, seed: int = 0, stream: int = 0):  # noqa: A001 (numeric rounding)
     """Round ``x`` to ``fmt``; returns a float64 array of values exactly representable in ``fmt``.
 
     ``mode``: "rne" (nearest, ties to even), "rtz" (toward zero), "stochastic" (up with probability

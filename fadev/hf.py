@@ -233,7 +233,7 @@ def _compute(setting, q, k, v, causal, scale, gqa):
     tiling = dict(setting.tiling)
     if setting.kernel == "native":
         return native_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa, **tiling)
-    return _emulated(q, k, v, setting.policy, setting.kernel, is_causal=causal, scale=scale, enable_gqa=gqa, **tiling)
+    return _emulated(q, k, v, setting.policy, kernel=setting.kernel, is_causal=causal, scale=scale, enable_gqa=gqa, **tiling)
 
 
 def _masked(setting, q, k, v, mask, scale, gqa):

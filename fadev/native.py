@@ -132,11 +132,12 @@ def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k
 
 
 def native_attention_backward(q, k, v, out, lse, dout, *, causal=False, scale=None, block_q=None, block_kv=None,
-                              warp_rows=16, mma="sync", deterministic=False, dtype=None):
+                              warp_rows=16, mma="sync", deterministic=True, dtype=None):
     """Gradients (dq, dk, dv) by the native FlashAttention-2-style backward (cuda/native_backward.cu): P
-    recomputed from the forward's ``lse`` (float32), dq accumulated in fp32: by atomic adds from the key
-    tiles, or with ``deterministic=True`` by a separate pass over the K/V tiles in key order
-    (cuda/native_backward_dq.cu; no atomics, the same bits on every run). (``block_q``, ``block_kv``) is
+    recomputed from the forward's ``lse`` (float32), dq accumulated in fp32: with ``deterministic=True`` (the
+    default, as :func:`fadev.torch_native.native_attention`'s) by a separate pass over the K/V tiles in key order
+    (cuda/native_backward_dq.cu; no atomics, the same bits on every run), with False by atomic adds from the key
+    tiles (FlashAttention-2's way). (``block_q``, ``block_kv``) is
     one of ``native_tiles(D, backward=True, warp_rows=warp_rows)`` (default: its first), the backward's own
     lists; ``warp_rows`` 32 gives each warp 32 keys (the same bits as 16, another speed). ``out`` and
     ``lse`` as :func:`native_attention` returned them; arguments and result kinds as that function's.

@@ -257,7 +257,7 @@ def _validate(q, k, v, is_causal, enable_gqa):
     _args.sdpa_shapes(q.shape, k.shape, v.shape, is_causal, enable_gqa)
 
 
-def attention(q, k, v, policy, kernel="flash", is_causal=False, scale=None, enable_gqa=False, **tiling):
+def attention(q, k, v, policy, *, kernel="flash", is_causal=False, scale=None, enable_gqa=False, **tiling):
     """softmax(scale q k^T) v by fadev's C kernels under ``policy``, differentiable (torch.autograd).
 
     Shapes and arguments follow ``torch.nn.functional.scaled_dot_product_attention``: q (..., H, N, D)

@@ -36,7 +36,7 @@ def small(W):
 
 def run_rank(rank, W, layout, merge, causal, tensors, group, kernel="emulated"):
     """This rank's (out, lse, dq, dk, dv) as NumPy arrays."""
-    q, k, v, dout = (fd.shard(x, W, rank, layout) for x in tensors)
+    q, k, v, dout = (fd.shard(x, W, rank, layout=layout) for x in tensors)
     qs, ks, vs = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
     out, lse = fd.ring_attention(qs, ks, vs, POLICY, layout=layout, merge=merge, causal=causal, group=group,
                                  kernel=kernel, return_lse=True)
@@ -94,7 +94,7 @@ def simulated(W, layout, merge, causal, tensors, policy=POLICY):
 def gathered(ranks, W, key, layout):
     parts = [ranks[r][f"{key}-{name}"] for r in range(W) for name in ("out", "lse", "dq", "dk", "dv")]
     per = [parts[i::5] for i in range(5)]
-    return [fd.unshard(p, layout) if i != 1 else fd.unshard([x[..., None] for x in p], layout)[..., 0]
+    return [fd.unshard(p, layout=layout) if i != 1 else fd.unshard([x[..., None] for x in p], layout=layout)[..., 0]
             for i, p in enumerate(per)]
 
 
@@ -145,24 +145,24 @@ def test_a_failing_rank_ends_every_rank(ranks):
 @pytest.mark.parametrize("layout", fadev.ring.LAYOUTS)
 def test_shard_unshard_round_trip(layout):
     x = np.arange(2 * 24 * 3, dtype=np.float64).reshape(2, 24, 3)
-    parts = [fd.shard(x, 3, r, layout) for r in range(3)]
-    assert np.array_equal(fd.unshard(parts, layout), x)
+    parts = [fd.shard(x, 3, r, layout=layout) for r in range(3)]
+    assert np.array_equal(fd.unshard(parts, layout=layout), x)
     want = fadev.ring_steps.positions(24, 3, layout, 1, np.arange(8))
     assert np.array_equal(parts[1][0, :, 0], x[0, want, 0])
     t = torch.tensor(x)
-    assert torch.equal(fd.unshard([fd.shard(t, 3, r, layout) for r in range(3)], layout), t)
+    assert torch.equal(fd.unshard([fd.shard(t, 3, r, layout=layout) for r in range(3)], layout=layout), t)
 
 
 def test_bad_arguments_raise():
     x = np.zeros((1, 10, 4))
     with pytest.raises(ValueError, match="N divisible by 4"):
-        fd.shard(x, 2, 0, "zigzag")
+        fd.shard(x, 2, 0, layout="zigzag")
     with pytest.raises(ValueError, match="rank"):
-        fd.shard(x, 2, 2, "contiguous")
+        fd.shard(x, 2, 2, layout="contiguous")
     with pytest.raises(ValueError, match="layout"):
-        fd.shard(x, 2, 0, "spiral")
+        fd.shard(x, 2, 0, layout="spiral")
     with pytest.raises(ValueError, match="parts"):
-        fd.unshard([np.zeros((4, 2)), np.zeros((3, 2))], "contiguous")
+        fd.unshard([np.zeros((4, 2)), np.zeros((3, 2))], layout="contiguous")
     q = torch.zeros(4, 8)
     with pytest.raises(RuntimeError, match="init_process_group"):
         fd.ring_attention(q, q, q, POLICY)
@@ -195,14 +195,14 @@ def gpu_ring_worker(rank, world):
     for layout, merge in [("zigzag", "lowp_partials"), ("contiguous", "fp32_partials"), ("striped", "lowp_running"),
                           ("zigzag", "allgather")]:
         full = [torch.tensor(x, device="cuda") for x in tensors]
-        q, k, v, dout = (fd.shard(t, world, rank, layout) for t in full)
+        q, k, v, dout = (fd.shard(t, world, rank, layout=layout) for t in full)
         x = [t.clone().requires_grad_(True) for t in (q, k, v)]
         out = fd.ring_attention(*x, POLICY, layout=layout, merge=merge, causal=True)
         out.backward(dout)
         want = simulated(world, layout, merge, True, tensors)
         for name, g, w in zip(("out", "dq", "dk", "dv"), (out, x[0].grad, x[1].grad, x[2].grad),
                               want[:1] + want[2:]):
-            w = fd.shard(w, world, rank, layout)
+            w = fd.shard(w, world, rank, layout=layout)
             assert np.array_equal(g.detach().cpu().numpy().view(np.int64), w.view(np.int64)), \
                 f"{name} {layout} {merge} rank {rank}"
 
@@ -224,7 +224,7 @@ def gpu_worker(rank, world, kernel):
                 assert rel_err(g, o) <= 2 * rel_err(w, o), f"{name} {layout} {merge}"
             else:
                 assert abs(fadev.rel_l2(g, o) / fadev.rel_l2(w, o) - 1) <= 0.15, f"{name} {layout} {merge}"
-        assert torch.equal(fd.unshard([fd.shard(q, 2, r, layout) for r in range(2)], layout), q)
+        assert torch.equal(fd.unshard([fd.shard(q, 2, r, layout=layout) for r in range(2)], layout=layout), q)
 
 
 @pytest.mark.parametrize("merge", ["lowp_partials", "fp32_partials", "lowp_running"])
@@ -255,7 +255,7 @@ def test_torch_merge_twin_matches_numpy(merge):
 def fp16_zero_worker(rank, world, outdir):
     tensors = list(inputs(11, 1, 2, 2, 8 * world, 8))
     tensors[3] = tensors[3] * 1e-7  # dK / dV underflow fp16: many of them round to -0 or +0
-    q, k, v, dout = (fd.shard(x, world, rank, "zigzag") for x in tensors)
+    q, k, v, dout = (fd.shard(x, world, rank, layout="zigzag") for x in tensors)
     x = [torch.tensor(t, requires_grad=True) for t in (q, k, v)]
     out = fd.ring_attention(*x, "fa2:fp16", layout="zigzag", merge="allgather", causal=True)
     out.backward(torch.tensor(dout))
@@ -273,5 +273,5 @@ def test_allgather_sums_signed_zeros_as_the_simulation(tmp_path, world):
     got = [np.load(tmp_path / f"rank{r}.npz") for r in range(world)]
     for i, name in ((3, "dk"), (4, "dv")):
         assert (want[i] == 0).any() and not np.signbit(want[i][want[i] == 0]).any()  # the case is exercised
-        mine = fd.unshard([g[name] for g in got], "zigzag")
+        mine = fd.unshard([g[name] for g in got], layout="zigzag")
         assert np.array_equal(mine.view(np.int64), want[i].view(np.int64)), name

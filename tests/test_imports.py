@@ -162,3 +162,27 @@ def test_one_kernel_vocabulary():
         assert set(choices) <= set(backends.KERNELS), choices
     with pytest.raises(ValueError, match="emulation"):
         backends.subset("flash", "emulation")
+
+
+def test_public_options_are_keyword_only_with_one_default_per_concept():
+    """Options after the data arguments are keyword-only, and one concept has one default everywhere (the
+    ring layout, the native backward's determinism)."""
+    import inspect
+
+    import fadev
+    import fadev.distributed as fd
+    import fadev.experiments as fe
+    import fadev.torch as ft
+    import fadev.torch_native as tn
+
+    def params(fn):
+        return inspect.signature(fn).parameters
+
+    cases = {fadev.random_qkv: "dist", fadev.round: "seed", fadev.custom_format: "subnormals", fd.shard: "layout",
+             fd.unshard: "layout", fe.run: "size", fe.run_one: "size", ft.attention: "kernel"}
+    for fn, option in cases.items():
+        assert params(fn)[option].kind is inspect.Parameter.KEYWORD_ONLY, (fn.__qualname__, option)
+    layouts = {params(fn)["layout"].default for fn in (fadev.ring_attention, fd.ring_attention, fd.shard, fd.unshard)}
+    assert layouts == {"contiguous"}
+    assert params(fadev.native_attention_backward)["deterministic"].default is True
+    assert params(tn.native_attention)["deterministic"].default is True

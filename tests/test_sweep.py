@@ -162,7 +162,7 @@ def test_evaluate_equals_direct_calls():
              "ref_kernel": "baseline", "ref_policy": "naive:bf16", "lse": True, "causal": True, "N": 24, "N_kv": 20,
              "D": 8, "heads": 4, "heads_kv": 2, "dist": "outlier", "seed": 3}
     row = sweep.evaluate(point)
-    q, k, v = fadev.random_qkv((1, 4, 24, 8), "outlier", seed=3, fmt="fp16", heads_kv=2, seq_kv=20)
+    q, k, v = fadev.random_qkv((1, 4, 24, 8), dist="outlier", seed=3, fmt="fp16", heads_kv=2, seq_kv=20)
     pol = fadev.Policy.paper("fp16").replace(p="fp32")
     out, lse = fadev.flash_attention(q, k, v, pol, block_kv=8, loop_order="kv_outer", causal=True, return_lse=True)
     ref, ref_lse = fadev.baseline_attention(q, k, v, "naive:bf16", causal=True, return_lse=True)

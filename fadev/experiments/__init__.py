@@ -64,7 +64,7 @@ def _experiment(name):
     return EXPERIMENTS[name]
 
 
-def run(name, size="quick", out=None, device="cpu", workers=1, progress=False, cluster=None, **overrides):
+def run(name, *, size="quick", out=None, device="cpu", workers=1, progress=False, cluster=None, **overrides):
     """Run one experiment by name; returns its DataFrame (see the module's ``run``). ``cluster``: the
     executor options of :func:`fadev.sweep.run` (e.g. {"executor": "ray", "address": "auto"}), None: local."""
     return _experiment(name).run(size, out, device=device, workers=workers, progress=progress, cluster=cluster,
@@ -76,7 +76,7 @@ def findings(name, df, device="cpu"):
     return _experiment(name).findings(df, device=device)
 
 
-def run_one(name, size="quick", out="results", device="cpu", workers=1, progress=False, cluster=None,
+def run_one(name, *, size="quick", out="results", device="cpu", workers=1, progress=False, cluster=None,
             **overrides) -> dict:
     """Run one experiment and write out/NAME.csv and its figures; returns {"experiment", "sizes", "df",
     "figures", "findings", "seconds", "ran_on", "intro"} (a result for :func:`document`; sizes: the parameters
@@ -129,7 +129,8 @@ def reproduce(size="quick", out="results", device="cpu", only=None, workers=1, p
     for name in names:
         if log:
             log(f"[{name}] {EXPERIMENTS[name].TITLE} ({size}) ...")
-        results[name] = run_one(name, size, out, device, workers, progress, cluster)
+        results[name] = run_one(name, size=size, out=out, device=device, workers=workers, progress=progress,
+                                cluster=cluster)
         if log:
             r = results[name]
             log(f"[{name}] done in {r['seconds']:.1f} s: {len(r['df'])} rows, {len(r['figures'])} figure files")

@@ -201,8 +201,8 @@ def _cmd_experiment(name, command):
             if overrides.get(key) not in (None, sizes.get(key)):
                 shown += f" --{key.replace('_', '-')} {overrides[key]}"
         try:
-            result = run_one(name, args.size, args.out, args.device, args.workers, args.progress,
-                             run_options(args), **overrides)
+            result = run_one(name, size=args.size, out=args.out, device=args.device, workers=args.workers,
+                             progress=args.progress, cluster=run_options(args), **overrides)
         except (OSError, ValueError, RuntimeError, ImportError) as e:
             print(f"fadev {command}: {e}", file=sys.stderr)
             return 1

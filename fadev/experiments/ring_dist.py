@@ -104,8 +104,8 @@ def _study(rank, world, cfg, path):
                                           llama.simulated_attention(POLICY, W, layout, merge), N)
                 for kernel in cfg["kernels"]:
                     if rank < W:
-                        pos = fd.shard(full_pos[:, None], W, rank, layout)[:, 0]
-                        tk, tg = (fd.shard(t[..., None], W, rank, layout)[..., 0] for t in (tokens, targets))
+                        pos = fd.shard(full_pos[:, None], W, rank, layout=layout)[:, 0]
+                        tk, tg = (fd.shard(t[..., None], W, rank, layout=layout)[..., 0] for t in (tokens, targets))
 
                         def attn(q, k, v):
                             return fd.ring_attention(q, k, v, POLICY, layout=layout, merge=merge, causal=True,

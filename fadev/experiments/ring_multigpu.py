@@ -208,8 +208,8 @@ def _bit_exact(got, tensors_np, W, rank, layout, merge, fmt, device):
     kw = dict(world_size=W, layout=layout, merge=merge, causal=True, device=device)
     out, lse = ring_attention(q, k, v, f"fa2:{fmt}", return_lse=True, **kw)
     grads = ring_attention_backward(q, k, v, out, lse, dout, f"fa2:{fmt}", **kw)
-    want = [fd.shard(np.asarray(a), W, rank, layout) for a in (out, lse[..., None])]
-    want = [want[0], want[1][..., 0]] + [fd.shard(np.asarray(g), W, rank, layout) for g in grads]
+    want = [fd.shard(np.asarray(a), W, rank, layout=layout) for a in (out, lse[..., None])]
+    want = [want[0], want[1][..., 0]] + [fd.shard(np.asarray(g), W, rank, layout=layout) for g in grads]
     return all(np.array_equal(g.detach().cpu().numpy().astype(np.float64).view(np.int64),
                               np.asarray(w, dtype=np.float64).view(np.int64)) for g, w in zip(got, want))
 
@@ -276,10 +276,10 @@ def _study(rank, world, cfg, path):
                         got = _cp_run(full, W, fmt, _mesh(W, world, g) if W > 1 else None)
                         got, ref_part = (got if rank == 0 else [None] * 5), ref
                     else:
-                        shards = [fd.shard(t, W, rank, layout) for t in full]
+                        shards = [fd.shard(t, W, rank, layout=layout) for t in full]
                         got = _fadev_run(shards, layout, merge, kernel, fmt, g)
-                        ref_part = [fd.shard(ref[1][..., None], W, rank, layout)[..., 0] if i == 1 else
-                                    fd.shard(r, W, rank, layout) for i, r in enumerate(ref)]
+                        ref_part = [fd.shard(ref[1][..., None], W, rank, layout=layout)[..., 0] if i == 1 else
+                                    fd.shard(r, W, rank, layout=layout) for i, r in enumerate(ref)]
                     row["seconds"] = time.perf_counter() - start
 
                     def total(t, op=dist.ReduceOp.SUM):
@@ -311,7 +311,7 @@ def _speed(rank, world, cfg, groups, dev, cuda, write):
             for kernel in kernels:
                 times = []
                 if rank < W:
-                    shards = [fd.shard(t, W, rank, "zigzag") for t in full]
+                    shards = [fd.shard(t, W, rank, layout="zigzag") for t in full]
                     for _ in range(cfg["reps"] + 1):
                         dist.barrier(group=groups[W])
                         if cuda:
