@@ -1,6 +1,7 @@
 """Distances between the weights of two models: one row per tensor, plus a model-level row.
 
-``fadev.weights.compare(a, b)`` takes two ``torch.nn.Module`` objects (their ``state_dict()``) or two
+``fadev.weights.compare(a, b)`` (in ``fadev.compare(test, ref)``'s order: ``a`` is the weights under test, ``b`` the
+reference the relative metrics divide by) takes two ``torch.nn.Module`` objects (their ``state_dict()``) or two
 mappings name -> tensor (torch tensors of any floating, integer or bool dtype on any device, or NumPy
 arrays, ml_dtypes' bfloat16 included) and returns a pandas DataFrame, one row per tensor in ``a``'s key
 order, then one final row named ``"__model__"``:
@@ -121,7 +122,8 @@ def _aggregate(rows, sq_diff, sq_ref, name):
 
 
 def compare(a, b, *, groups=None):
-    """Per-tensor and model-level distances between the weights ``a`` and ``b`` (module docstring):
+    """Per-tensor and model-level distances of the weights ``a`` from the reference ``b`` (``fadev.compare(test,
+    ref)``'s order; module docstring):
     a DataFrame with columns name, numel, max_abs, wasserstein, rmse, rel_l2, one row per tensor and a
     final ``"__model__"`` row; ``df.attrs["model"]`` holds that row as a dict, ``df.attrs["groups"]`` the
     aggregates of each group of ``groups(name)`` (a callable; None: no groups)."""
