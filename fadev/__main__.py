@@ -79,8 +79,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def dashed(argv) -> list:
+    """``argv`` with every long option's name in fadev's one flag style, dashes (``--log_every`` ->
+    ``--log-every``, ``--gpus_per_point=2`` -> ``--gpus-per-point=2``): underscores are accepted as aliases.
+    Values, positional arguments and everything after ``--`` are left as they are."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + list(argv[i:])
+        if arg.startswith("--"):
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(dashed(sys.argv[1:] if argv is None else argv))
     return args.func(args)
 
 

@@ -77,7 +77,22 @@ def test_help_documents_every_option(capsys):
             assert action.help, (name, action.dest)
     for name, mod in EXPERIMENTS.items():  # every size and every size parameter can be chosen on the command line
         opts = {o for a in subs[name.replace("_", "-")]._actions for o in a.option_strings}
-        assert {f"--{k}" for k in mod.SIZES["quick"]} | {f"--{size}" for size in mod.SIZES} <= opts
+        assert {f"--{k.replace('_', '-')}" for k in mod.SIZES["quick"]} | {f"--{size}" for size in mod.SIZES} <= opts
+        assert not any("_" in o for o in opts), (name, opts)  # one flag style: dashes
+
+
+def test_flags_with_underscores_are_aliases():
+    """fadev's flags are spelled with dashes; the underscore spelling of a long option is read as the same flag
+    (values, positionals and what follows -- untouched), and an unknown flag is still an error either way."""
+    from fadev.__main__ import dashed
+    assert dashed(["seqlen", "--n_query", "8", "--gpus_per_point=0.5", "--out", "a_b", "--", "--x_y"]) == \
+        ["seqlen", "--n-query", "8", "--gpus-per-point=0.5", "--out", "a_b", "--", "--x_y"]
+    parser = build_parser()
+    a = parser.parse_args(dashed(["seqlen", "--n_query", "8"]))
+    b = parser.parse_args(["seqlen", "--n-query", "8"])
+    assert a.n_query == b.n_query == 8
+    with pytest.raises(SystemExit):
+        main(["seqlen", "--n_queries", "8"])
 
 
 def _check_figure(path):

@@ -112,9 +112,10 @@ def _shown(v):
 
 
 def _size_option(sp, key, quick, full, doc, values=None):
-    """--KEY (and --KEY-WITH-DASHES) overriding one size parameter, typed from its quick value; ``values``: the
-    help's text of the defaults (default: the quick and full values)."""
-    names = [f"--{key}"] + ([f"--{key.replace('_', '-')}"] if "_" in key else [])
+    """--KEY-WITH-DASHES overriding one size parameter KEY, typed from its quick value (the spelling with
+    underscores is accepted too: fadev.__main__.dashed); ``values``: the help's text of the defaults (default:
+    the quick and full values)."""
+    names = [f"--{key.replace('_', '-')}"]
     help_text = f"{doc} ({values or f'quick: {_shown(quick)}; full: {_shown(full)}'})"
     if isinstance(quick, bool):
         sp.add_argument(*names, dest=key, action=argparse.BooleanOptionalAction, default=None, help=help_text)
