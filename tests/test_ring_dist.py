@@ -92,3 +92,17 @@ def test_figures_use_a_log_axis_only_for_values_spanning_a_decade(tmp_path):
     assert plots.value_scale(wide, [1e-6, 1e-4]) == "log" and wide.get_yscale() == "log"
     paths = ring_dist.figures(_df(1.0), str(tmp_path))
     assert len(paths) == 4 and all(p.endswith((".png", ".svg")) for p in paths)
+
+
+def test_spawn_cuts_the_sizes_ring_sizes(monkeypatch):
+    """`ring-dist --spawn 2 --quick` runs the quick ring sizes that fit 2 processes (W = 1, 2); ring sizes
+    chosen explicitly are kept, and one above the world is still refused before anything is spawned."""
+    from fadev.experiments import common, ring_dist
+    monkeypatch.delenv("RANK", raising=False)
+    cfg = ring_dist.fit_ring_sizes(common.sizes(ring_dist.SIZES, "quick", {"spawn": 2}), {"spawn": 2})
+    assert cfg["Ws"] == (1, 2) and ring_dist.check_world(cfg) == 2
+    assert ring_dist.fit_ring_sizes(common.sizes(ring_dist.SIZES, "quick"), {})["Ws"] == ring_dist.SIZES["quick"]["Ws"]
+    chosen = {"spawn": 2, "Ws": (1, 2, 4)}
+    cfg = ring_dist.fit_ring_sizes(common.sizes(ring_dist.SIZES, "quick", chosen), chosen)
+    with pytest.raises(ValueError, match=r"^Ws: ring sizes \[4\] exceed the 2 processes"):
+        ring_dist.check_world(cfg)

@@ -131,7 +131,8 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
     if cluster and cluster.get("executor", "local") != "local":
         raise ValueError("cluster: ring-dist runs its own ranks (--spawn or torchrun), not a sweep on a cluster")
 
-    return run_ranks(_study, common.sizes(SIZES, size, overrides), out, NAME, STUDY_TIMEOUT)
+    return run_ranks(_study, fit_ring_sizes(common.sizes(SIZES, size, overrides), overrides), out, NAME,
+                     STUDY_TIMEOUT)
 
 
 def run_ranks(study, cfg, out, name, timeout):
@@ -166,9 +167,23 @@ def ran_on(device):
     return f"{world} processes on the CPU, gloo"
 
 
+def world_of(cfg) -> int:
+    """The number of processes a study runs on: torchrun's world, else cfg["spawn"]."""
+    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else cfg["spawn"]
+
+
+def fit_ring_sizes(cfg, overrides) -> dict:
+    """``cfg`` with the size's ring sizes cut to the processes given (``--spawn 2 --quick`` runs W = 1, 2), unless
+    the ring sizes were chosen too (``Ws`` in ``overrides``: then a size above the world stays an error)."""
+    if (overrides or {}).get("Ws") is None:
+        world = world_of(cfg)
+        cfg = dict(cfg, Ws=tuple(W for W in cfg["Ws"] if W <= world))
+    return cfg
+
+
 def check_world(cfg):
-    """The number of processes (torchrun's world, else cfg["spawn"]); ValueError when a ring size exceeds it."""
-    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else cfg["spawn"]
+    """The number of processes (:func:`world_of`); ValueError when a ring size exceeds it."""
+    world = world_of(cfg)
     too_big = [W for W in cfg["Ws"] if W > world]
     if too_big:
         raise ValueError(f"Ws: ring sizes {too_big} exceed the {world} processes (--spawn or torchrun's world)")

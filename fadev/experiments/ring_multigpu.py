@@ -29,7 +29,7 @@ from ..attention import random_qkv
 from ..ring import LAYOUTS, MERGES, RingMerge
 from . import common
 from .common import Finding
-from .ring_dist import ran_on, run_ranks
+from .ring_dist import fit_ring_sizes, ran_on, run_ranks
 
 __all__ = ["run", "findings", "table", "figures", "ran_on", "reference"]
 
@@ -338,7 +338,7 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
     and speed rows, column ``phase``). Its ranks are its own processes: ``cluster`` must be None or local."""
     if cluster and cluster.get("executor", "local") != "local":
         raise ValueError("cluster: ring-multigpu runs its own ranks (--spawn or torchrun), not a sweep on a cluster")
-    cfg = common.sizes(SIZES, size, overrides)
+    cfg = fit_ring_sizes(common.sizes(SIZES, size, overrides), overrides)
     bad = [k for k in cfg["kernels"] if k not in KERNELS]
     if bad:
         raise ValueError(f"kernels: unknown {bad}; known: {', '.join(KERNELS)}")
