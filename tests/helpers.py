@@ -14,6 +14,7 @@ grouped-query and the bottom-right causal mask; a row that sees no key gives out
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import time
 
@@ -176,6 +177,28 @@ def torch_grads(q, k, v, dout, causal=False, scale=None):
     out = (torch.softmax(s, dim=-1) * ~empty) @ vv
     out.backward(torch.tensor(dout, dtype=torch.float64))
     return tuple(t.grad.numpy() for t in (tq, tk, tv))
+
+
+# ---------------------------------------------------------------- the C API's structs (fadev.h), for ctypes calls
+
+
+class Format(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int32) for n in ("precision", "emin", "emax", "subnormals", "has_inf", "overflow")] + \
+        [("largest", ctypes.c_double)]
+
+
+class CPolicy(ctypes.Structure):
+    _fields_ = [(f"f{i}", Format) for i in range(13)] + [("rounding", ctypes.c_int32), ("seed", ctypes.c_uint64)]
+
+
+class CPolicyBackward(ctypes.Structure):
+    _fields_ = [(f"f{i}", Format) for i in range(11)] + [("ds_scaled", ctypes.c_int32)]
+
+
+class Params(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_int64) for n in ("batch", "heads", "heads_kv", "seq_q", "seq_kv", "dim")] + \
+        [("scale", ctypes.c_double)] + \
+        [(n, ctypes.c_int32) for n in ("causal", "block_q", "block_kv", "loop_order", "normalize", "exp_form")]
 
 
 # ---------------------------------------------------------------- sweep executors (module-level: Ray and Dask

@@ -11,6 +11,7 @@ import pytest
 import fadev
 import helpers
 from helpers import identical as same_bits
+from helpers import CPolicy, Format, Params
 from fadev import Policy
 from fadev.attention import sram_tiles
 from helpers import numpy_attention, rel_err
@@ -149,20 +150,6 @@ def test_binding_errors(qkv):
     with pytest.raises(TypeError, match="call spec must be a tuple"):
         core.flash_attention(q, k, v, [pol])
 
-
-class Format(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int32) for n in ("precision", "emin", "emax", "subnormals", "has_inf", "overflow")] + \
-        [("largest", ctypes.c_double)]
-
-
-class CPolicy(ctypes.Structure):
-    _fields_ = [(f"f{i}", Format) for i in range(13)] + [("rounding", ctypes.c_int32), ("seed", ctypes.c_uint64)]
-
-
-class Params(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int64) for n in ("batch", "heads", "heads_kv", "seq_q", "seq_kv", "dim")] + \
-        [("scale", ctypes.c_double)] + \
-        [(n, ctypes.c_int32) for n in ("causal", "block_q", "block_kv", "loop_order", "normalize", "exp_form")]
 
 
 def c_status(fn_name, policy=None, **changes):

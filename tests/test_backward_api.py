@@ -11,6 +11,7 @@ import pytest
 import fadev
 import helpers
 from helpers import identical as same_bits
+from helpers import CPolicy, CPolicyBackward, Format, Params
 from fadev import Policy
 from helpers import rel_err, torch_grads as torch_attention_grads
 
@@ -114,24 +115,6 @@ def test_binding_errors(case):
     with pytest.raises(TypeError, match="dout: expected a real numeric array"):
         core.baseline_attention_backward(q, k, v, out, lse, object(), spec(fc, bc, 0, 0, 0, 0, 0))
 
-
-class Format(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int32) for n in ("precision", "emin", "emax", "subnormals", "has_inf", "overflow")] + \
-        [("largest", ctypes.c_double)]
-
-
-class CPolicy(ctypes.Structure):
-    _fields_ = [(f"f{i}", Format) for i in range(13)] + [("rounding", ctypes.c_int32), ("seed", ctypes.c_uint64)]
-
-
-class CPolicyBackward(ctypes.Structure):
-    _fields_ = [(f"f{i}", Format) for i in range(11)] + [("ds_scaled", ctypes.c_int32)]
-
-
-class Params(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int64) for n in ("batch", "heads", "heads_kv", "seq_q", "seq_kv", "dim")] + \
-        [("scale", ctypes.c_double)] + \
-        [(n, ctypes.c_int32) for n in ("causal", "block_q", "block_kv", "loop_order", "normalize", "exp_form")]
 
 
 def c_status(fn_name, policy=None, backward_precision=None, **changes):
