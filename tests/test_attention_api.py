@@ -385,3 +385,22 @@ def test_every_entry_point_has_keyword_only_options_in_one_order(name):
     assert keywords == [k for k in ORDER if k in keywords], keywords
     assert ("dtype" if name.startswith("native") else "device") in keywords
     assert "causal" in keywords and "scale" in keywords
+
+
+def test_backends_share_one_call_spec(qkv):
+    """fadev.backends: the call spec built once in _args runs the same kernel on the CPU backend and on the GPU
+    backend's code path (here over fadev._core, whose methods take what fadev.cuda._Gpu's take); golden is
+    the baseline under the golden policy on the CPU, and differs from fa2(bf16)."""
+    from fadev import _args, backends
+    q, k, v = qkv
+    pol = Policy.fa2("bf16")
+    call = _args.forward_call(pol, q, False, 0.25, 16, 16)
+    out, lse = backends.CPU.forward("flash", q, k, v, call)
+    want = fadev.flash_attention(q, k, v, pol, scale=0.25, block_q=16, block_kv=16, return_lse=True)
+    assert same_bits(out, want[0]) and same_bits(lse, want[1])
+    assert same_bits(backends.Gpu(fadev._core).forward("flash", q, k, v, call)[0], out)
+    golden = backends.CPU.forward("golden", q, k, v, call._replace(policy=None))[0]
+    assert same_bits(golden, fadev.golden_attention(q, k, v, scale=0.25))
+    assert not same_bits(golden, out)
+    flash_piece = backends.CPU.pieces(call)[0]
+    assert same_bits(flash_piece(q, k, v, pol, False)[0], out)
