@@ -28,6 +28,8 @@ KERNELS = {
     "native": "fadev's fp16 / bf16 tensor-core kernels (GPU; fixed arithmetic, no policy)",
     "sdpa": "PyTorch's scaled_dot_product_attention (torch's own kernels; fixed arithmetic, no policy)",
     "emulated": "a ring's pieces by the policy's flash kernel in fadev's emulation (CPU core or GPU; ring.c's bits)",
+    "eager": "transformers' materialised attention (torch matmuls and softmax in the model's dtype; no policy)",
+    "sdpa_flash": "PyTorch's scaled_dot_product_attention with its flash backend forced (no policy)",
 }
 """The one kernel vocabulary: every ``kernel=`` option of fadev (fadev.torch, fadev.hf, fadev.distributed, the
 sweep) takes names from it; each lists the subset it runs (:func:`subset`)."""

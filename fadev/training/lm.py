@@ -59,6 +59,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import hf as fahf
+from ..backends import subset
 from ..native import native_tiles
 from . import digits, text
 from .tracker import RunSpec, config_key, deterministic, save_atomic
@@ -82,7 +83,7 @@ class Arm(RunSpec):
     block_kv for flash and native; ``precision`` "fp32", "bf16" (emulated mixed precision) or "bf16_autocast"
     (real autocast; module docstring)."""
 
-    KERNELS: typing.ClassVar[tuple] = ("baseline", "flash", "native", "eager", "sdpa_flash")
+    KERNELS: typing.ClassVar[tuple] = subset("baseline", "flash", "native", "eager", "sdpa_flash")
     PRECISIONS: typing.ClassVar[tuple] = tuple(PRECISIONS)
     TILED: typing.ClassVar[tuple] = ("flash", "native")
 
