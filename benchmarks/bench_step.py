@@ -135,8 +135,8 @@ def main():
     unknown = [a for a in arms if a not in ARMS or (a == "native" and args.device != "cuda")]
     if unknown or "sdpa" not in arms:
         sys.exit(f"--arms: choose from {', '.join(ARMS)}, sdpa included; got {args.arms!r}")
-    size = dict(hidden=128, layers=2, heads=4, kv_heads=2, ffn=344, seq=256) if args.quick else \
-        dict(hidden=512, layers=8, heads=8, kv_heads=4, ffn=1376, seq=1024)
+    size = dict(hidden=128, layers=2, heads=4, heads_kv=2, ffn=344, seq=256) if args.quick else \
+        dict(hidden=512, layers=8, heads=8, heads_kv=4, ffn=1376, seq=1024)
     config = lm.LMConfig(**size, batch=8, lr=3e-4)
     data = batches(config, args.steps + 2, args.device)
     results = {a: run_arm(a, config, data, args.steps, args.device) for a in arms}

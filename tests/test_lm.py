@@ -17,9 +17,9 @@ from fadev.__main__ import main  # noqa: E402
 from fadev.experiments.train_drift import check_device, llama_runs_and_pairs, settings  # noqa: E402
 from fadev.training import Pair, lm, lm_track, text  # noqa: E402
 
-TINY = lm.LMConfig(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64, seq=16, batch=2, lr=1e-2, steps=6, log_every=2,
+TINY = lm.LMConfig(hidden=32, layers=1, heads=2, heads_kv=1, ffn=64, seq=16, batch=2, lr=1e-2, steps=6, log_every=2,
                    checkpoint_every=3, eval_windows=2)
-TINY_CLI = ["--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--ffn", "64", "--seq", "16",
+TINY_CLI = ["--hidden", "32", "--layers", "1", "--heads", "2", "--heads-kv", "1", "--ffn", "64", "--seq", "16",
             "--batch", "2", "--eval-windows", "2"]
 BASE = lm.Arm("base", "baseline", "naive:bf16", "bf16")
 FLASH = lm.Arm("flash", "flash", "fa2:bf16", "bf16", tiling={"block_q": 8, "block_kv": 8})
@@ -87,8 +87,8 @@ def test_bad_data_is_refused_by_name(tmp_path, capsys):
     (tmp_path / "short.txt").write_bytes(b"abc")
     with pytest.raises(ValueError, match="data: the training split .* fewer than one window"):
         text.check(text.load(str(tmp_path / "short.txt")), 16)
-    with pytest.raises(ValueError, match="kv_heads"):
-        lm.LMConfig(heads=4, kv_heads=3)
+    with pytest.raises(ValueError, match="heads_kv"):
+        lm.LMConfig(heads=4, heads_kv=3)
     with pytest.raises(ValueError, match="kernel must be"):
         lm.Arm("x", kernel="ring")
     with pytest.raises(ValueError, match="precision must be one of fp32, bf16"):
@@ -201,7 +201,7 @@ def test_llama_arms_and_sizes():
         llama_runs_and_pairs("cpu", arms=("baseline", "nope"))
     full = settings("full", "llama")
     assert full["seq"] == 1024 and full["steps"] >= 5000
-    assert lm.parameters(lm.LMConfig(**{k: full[k] for k in ("hidden", "layers", "heads", "kv_heads", "ffn")})) >= 25e6
+    assert lm.parameters(lm.LMConfig(**{k: full[k] for k in ("hidden", "layers", "heads", "heads_kv", "ffn")})) >= 25e6
     with pytest.raises(ValueError, match="unknown setting.*--model llama"):
         settings("quick", "llama", width=3)
 
@@ -213,7 +213,7 @@ def test_llama_arms_on_the_gpu(tmp_path):
     cores): the emulated control stays exactly 0 and a resumed emulated arm has the uninterrupted bits; the
     native arms train and drift from the baseline."""
     check_device("cuda")
-    config = lm.LMConfig(hidden=128, layers=1, heads=2, kv_heads=1, ffn=64, seq=128, batch=2, lr=1e-2, steps=4,
+    config = lm.LMConfig(hidden=128, layers=1, heads=2, heads_kv=1, ffn=64, seq=128, batch=2, lr=1e-2, steps=4,
                          log_every=2, checkpoint_every=2, eval_windows=2)
     runs, pairs, skipped = llama_runs_and_pairs("cuda", ("128x64", "64x64"), 64, head_dim=64)
     assert not skipped and {"native_128x64", "native_64x64", "native_128x64_again"} <= {r.name for r in runs}

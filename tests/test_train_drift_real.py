@@ -136,12 +136,14 @@ def test_arms_and_settings():
     with pytest.raises(ValueError, match="unknown arm.*nope"):
         real.runs_and_pairs("cpu", arms=("all", "nope"))
     full = train_drift.settings("full", "llama", kernels="real")
-    assert (full["hidden"], full["layers"], full["heads"], full["kv_heads"], full["seq"], full["batch"]) == \
+    assert (full["hidden"], full["layers"], full["heads"], full["heads_kv"], full["seq"], full["batch"]) == \
         (512, 8, 8, 4, 1024, 8) and full["steps"] >= 5000 and full["log_points"] > 0
-    assert lm.parameters(lm.LMConfig(**{k: full[k] for k in ("hidden", "layers", "heads", "kv_heads", "ffn")})) > 23e6
+    assert lm.parameters(lm.LMConfig(**{k: full[k] for k in ("hidden", "layers", "heads", "heads_kv", "ffn")})) > 23e6
     assert train_drift.settings("full", "llama", kernels="real", steps=7)["steps"] == 7  # the call's value wins
     with pytest.raises(ValueError, match="kernels must be"):
         train_drift.settings("quick", "llama", kernels="fast")
+    with pytest.warns(DeprecationWarning, match="heads_kv"):  # the old spelling still works
+        assert train_drift.settings("quick", "llama", kv_heads=2)["heads_kv"] == 2
 
 
 def test_quick_real_study_on_the_cpu(tmp_path, capsys):
@@ -170,7 +172,7 @@ def test_real_arms_on_the_gpu(tmp_path):
     exactly 0 (deterministic kernels and cuBLAS), the flash kernels move the weights, and the GPU distances equal
     the CPU's (exact max and Wasserstein; sums within rounding)."""
     train_drift.check_device("cuda")
-    config = lm.LMConfig(hidden=128, layers=2, heads=2, kv_heads=1, ffn=64, seq=256, batch=2, lr=1e-3, steps=4,
+    config = lm.LMConfig(hidden=128, layers=2, heads=2, heads_kv=1, ffn=64, seq=256, batch=2, lr=1e-3, steps=4,
                          log_every=2, log_points=3, checkpoint_every=4, eval_windows=2)
     runs, pairs, skipped = real.runs_and_pairs("cuda", 64, ("all", "flash_again", "native_again"))
     assert not skipped

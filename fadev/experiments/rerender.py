@@ -132,6 +132,8 @@ def _llama_attrs(folder, df, text, size):
     if sizes is None:
         raise ValueError(f"{folder}: the recorded report has no sizes line to render a llama run from")
     recorded = dict(item.split("=", 1) for item in sizes.split(", "))
+    if "kv_heads" in recorded:  # recorded before the setting was spelled heads_kv
+        recorded["heads_kv"] = recorded.pop("kv_heads")
     kernels = recorded.get("kernels", "emulated")
     settings = train_drift.settings(size, "llama", kernels=kernels)
     for key, value in recorded.items():

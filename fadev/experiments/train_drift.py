@@ -39,6 +39,7 @@ import dataclasses
 import math
 import os
 import tempfile
+import warnings
 
 import numpy as np
 
@@ -89,18 +90,18 @@ SIZE_DOCS = {"width": "model width", "heads": "attention heads", "layers": "tran
              "flash_block": "flash block_q = block_kv", "fp16": "also an fp16 mixed-precision run"}
 
 LLAMA_SIZES = {
-    "quick": {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 4, "ffn": 344, "seq": 64, "batch": 8, "lr": 1e-3,
+    "quick": {"hidden": 128, "layers": 4, "heads": 4, "heads_kv": 4, "ffn": 344, "seq": 64, "batch": 8, "lr": 1e-3,
               "steps": 100, "log_every": 10, "checkpoint_every": 50, "eval_windows": 16, "flash_block": 16,
               "native_tiles": ("128x64", "64x64"), "arms": ("all",), "data": "stdlib", "budget_s": math.inf,
               "kernels": "emulated", "log_points": 0},
-    "full": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 8, "ffn": 1376, "seq": 1024, "batch": 8, "lr": 3e-4,
+    "full": {"hidden": 512, "layers": 8, "heads": 8, "heads_kv": 8, "ffn": 1376, "seq": 1024, "batch": 8, "lr": 3e-4,
              "steps": 5000, "log_every": 250, "checkpoint_every": 250, "eval_windows": 32, "flash_block": 64,
              "native_tiles": ("128x64", "64x64"), "arms": ("all",), "data": "stdlib", "budget_s": math.inf,
              "kernels": "emulated", "log_points": 0},
 }
 """``--model llama``: quick ~0.86M parameters (CPU), full ~25.6M parameters at sequence 1024 (GPU)."""
 LLAMA_DOCS = {"hidden": "model width", "layers": "decoder blocks", "heads": "query heads",
-              "kv_heads": "key/value heads (grouped-query when fewer)", "ffn": "SwiGLU width",
+              "heads_kv": "key/value heads (grouped-query when fewer)", "ffn": "SwiGLU width",
               "seq": "bytes per training window", "batch": "windows per update", "lr": "Adam learning rate",
               "steps": "optimizer updates per arm",
               "log_every": "log weights, losses and distances every so many updates",
@@ -148,6 +149,12 @@ def settings(size="quick", model="digits", **overrides):
     """The size's settings of ``model`` with ``overrides`` (None values ignored); ValueError for unknown names."""
     if model not in WORKLOADS[1]:
         raise ValueError(f"model must be one of {', '.join(WORKLOADS[1])}, got {model!r}")
+    if "kv_heads" in overrides:  # the spelling before fadev settled on heads_kv (fadev.sweep's, the API's)
+        warnings.warn("kv_heads is now heads_kv", DeprecationWarning, stacklevel=2)
+        overrides = dict(overrides)
+        old = overrides.pop("kv_heads")
+        if overrides.get("heads_kv") is None:
+            overrides["heads_kv"] = old
     table_ = WORKLOADS[1][model][0]
     if size not in table_:
         raise ValueError(f"size must be 'quick' or 'full', got {size!r}")
@@ -271,7 +278,7 @@ def _llama_intro(s, config, corpus):
         f"{PAPER}, Section 5 (Figures 7-8) at scale, in the ecosystem people train in.\n\n"
         f"**Workload.** A byte-level causal language model, Hugging Face transformers' `LlamaForCausalLM` built from "
         f"a `LlamaConfig` with random init ({lm.parameters(config):,} parameters: {config.layers} blocks, width "
-        f"{config.hidden}, {config.heads} query / {config.kv_heads} key-value heads, SwiGLU {config.ffn}; vocabulary "
+        f"{config.hidden}, {config.heads} query / {config.heads_kv} key-value heads, SwiGLU {config.ffn}; vocabulary "
         f"256 bytes + BOS/EOS/pad), trained with Adam (lr {config.lr}) on windows of {config.seq} bytes, "
         f"{config.batch} per update, drawn from `{corpus.source}` ({len(corpus.train_files)} training files, "
         f"{len(corpus.train) / 1e6:.1f} M tokens; {len(corpus.held_out_files)} held-out files, "

@@ -54,9 +54,9 @@ METRIC = "rel_l2"
 """The distance the verdicts read (relative L2 of the whole model's weights); max |Δw| and W1 are shown too."""
 
 SIZES = {
-    "quick": {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "ffn": 172, "seq": 64, "batch": 4, "lr": 1e-3,
+    "quick": {"hidden": 64, "layers": 2, "heads": 4, "heads_kv": 2, "ffn": 172, "seq": 64, "batch": 4, "lr": 1e-3,
               "steps": 24, "log_every": 12, "log_points": 5, "checkpoint_every": 24, "eval_windows": 4},
-    "full": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4, "ffn": 1376, "seq": 1024, "batch": 8, "lr": 3e-4,
+    "full": {"hidden": 512, "layers": 8, "heads": 8, "heads_kv": 4, "ffn": 1376, "seq": 1024, "batch": 8, "lr": 3e-4,
              "steps": 5000, "log_every": 500, "log_points": 25, "checkpoint_every": 5000, "eval_windows": 32},
 }
 """The sizes ``--kernels real`` uses where the command line does not set them: quick is a toy for the CPU (CI),
@@ -141,7 +141,7 @@ def intro(s, config, corpus):
         f"{PAPER}, Section 5 (Figures 7-8), asked of the kernels people train with.\n\n"
         f"**Workload.** A byte-level causal language model, Hugging Face transformers' `LlamaForCausalLM` built from "
         f"a `LlamaConfig` with random init ({training.lm.parameters(config):,} parameters: {config.layers} blocks, "
-        f"width {config.hidden}, {config.heads} query / {config.kv_heads} key-value heads, SwiGLU {config.ffn}; "
+        f"width {config.hidden}, {config.heads} query / {config.heads_kv} key-value heads, SwiGLU {config.ffn}; "
         f"vocabulary 256 bytes + BOS/EOS/pad), trained with Adam (lr {config.lr}, no schedule) on windows of "
         f"{config.seq} bytes, {config.batch} per update, drawn from `{corpus.source}` ({len(corpus.train_files)} "
         f"training files, {len(corpus.train) / 1e6:.1f} M tokens; {len(corpus.held_out_files)} held-out files, "

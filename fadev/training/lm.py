@@ -91,7 +91,7 @@ class Arm(RunSpec):
 @dataclasses.dataclass(frozen=True)
 class LMConfig:
     """Model and training settings shared by every arm: a Llama of ``layers`` blocks, width ``hidden``,
-    ``heads`` query and ``kv_heads`` key/value heads, SwiGLU width ``ffn``; ``batch`` windows of ``seq``
+    ``heads`` query and ``heads_kv`` key/value heads, SwiGLU width ``ffn``; ``batch`` windows of ``seq``
     bytes per update, Adam with ``lr`` (no schedule, no weight decay) for ``steps`` updates; weights and
     losses logged every ``log_every`` updates (and at 0 and ``steps``) with the held-out loss over
     ``eval_windows`` windows, and at ``log_points`` steps spaced evenly on a log scale from update 1 (0: none):
@@ -101,7 +101,7 @@ class LMConfig:
     hidden: int = 128
     layers: int = 4
     heads: int = 4
-    kv_heads: int = 4
+    heads_kv: int = 4
     ffn: int = 344
     seq: int = 64
     batch: int = 8
@@ -115,15 +115,15 @@ class LMConfig:
     log_points: int = 0
 
     def __post_init__(self):
-        for f in ("hidden", "layers", "heads", "kv_heads", "ffn", "seq", "batch", "steps", "log_every",
+        for f in ("hidden", "layers", "heads", "heads_kv", "ffn", "seq", "batch", "steps", "log_every",
                   "checkpoint_every", "eval_windows"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f} must be a positive int, got {v!r}")
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.heads % self.heads_kv:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of heads_kv ({self.heads_kv})")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         for f in ("data_seed", "log_points"):
@@ -142,7 +142,7 @@ class LMConfig:
 
 def parameters(config: LMConfig) -> int:
     """The model's parameter count (embeddings and lm_head untied)."""
-    h, kv = config.hidden, config.hidden // config.heads * config.kv_heads
+    h, kv = config.hidden, config.hidden // config.heads * config.heads_kv
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * config.ffn + 2 * h
     return config.layers * per_layer + 2 * text.VOCAB * h + h
 
@@ -164,7 +164,7 @@ def build(config: LMConfig, init_seed: int, precision: str, device="cpu", attn_i
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     cfg = LlamaConfig(vocab_size=text.VOCAB, hidden_size=config.hidden, intermediate_size=config.ffn,
                       num_hidden_layers=config.layers, num_attention_heads=config.heads,
-                      num_key_value_heads=config.kv_heads, max_position_embeddings=config.seq,
+                      num_key_value_heads=config.heads_kv, max_position_embeddings=config.seq,
                       bos_token_id=text.BOS, eos_token_id=text.EOS, pad_token_id=text.PAD, tie_word_embeddings=False,
                       attention_dropout=0.0, use_cache=False)
     torch.manual_seed(init_seed)
