@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 
 import fadev.hf as hf  # noqa: E402
 import fadev.torch_native as tn  # noqa: E402
+from fadev.monitor import reference_attention  # noqa: E402
 from test_cuda_native import _assert_within, _errors, _golden, _inputs  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
@@ -242,9 +243,7 @@ def test_native_padding_mask_flash_rule():
         out, _ = hf.attention_forward(Module(), q, k, v, mask, scaling=d ** -0.5)
     out = out.transpose(1, 2)
     kr, vr = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
-    scores = (q.double() @ kr.double().transpose(-1, -2) * d ** -0.5).masked_fill(~mask, -math.inf)
-    none = ~mask.any(-1, keepdim=True)
-    gold = torch.softmax(scores.masked_fill(none, 0.0), -1).masked_fill(none, 0.0) @ vr.double()
+    gold = reference_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=d ** -0.5)
     naive = torch.softmax((q @ kr.transpose(-1, -2) * d ** -0.5).masked_fill(~mask, -math.inf), -1) @ vr  # bf16
     seeing = mask.any(-1).expand(b, h, n)
     assert not out[~seeing].any()
