@@ -250,6 +250,22 @@ def tiles(pol: Policy, dim, block_q=None, block_kv=None, sram_bytes=None):
             positive_int(pol.block_kv if block_kv is None else block_kv, "block_kv"))
 
 
+def check_tiling(block_q=None, block_kv=None, sram_bytes=None, loop_order=None, normalize=None, exp=None):
+    """The values of a flash tiling (``**tiling`` of fadev.torch.attention and fadev.hf.use) checked before
+    any head dim is known: tiles and ``sram_bytes`` positive integers or None (``sram_bytes`` not with
+    explicit tiles), the string options one of their choices or None. ValueError naming the argument."""
+    for name, value in (("block_q", block_q), ("block_kv", block_kv), ("sram_bytes", sram_bytes)):
+        if value is not None:
+            positive_int(value, name)
+    if sram_bytes is not None and (block_q is not None or block_kv is not None):
+        raise ValueError(f"sram_bytes={sram_bytes!r} derives block_q and block_kv; do not pass them too "
+                         f"(got block_q={block_q!r}, block_kv={block_kv!r})")
+    for name, value, allowed in (("loop_order", loop_order, LOOP_ORDERS), ("normalize", normalize, NORMALIZE),
+                                 ("exp", exp, EXP_FORMS)):
+        if value is not None:
+            choice(name, value, allowed)
+
+
 def unshape_forward(out, lse, rank, return_lse):
     """A forward's (out, lse) from 4-D / 3-D back to the caller's rank: ``out`` or ``(out, lse)``."""
     out = out.reshape(out.shape[4 - rank:])

@@ -27,22 +27,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
+import numbers
 import os
 import socket
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from . import _args, native
 from .backends import subset
 from . import ring_steps as _steps
-from .formats import round as _round
+from .formats import boolean, round as _round
 from .policy import EXP_FORMS, LOOP_ORDERS, NORMALIZE, as_policy
 from .ring import LAYOUTS, as_merge
 
 KERNELS = subset("emulated", "native", "sdpa")
 _WIRE = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = tuple(_WIRE.values())
+"""The tensor dtypes ring_attention takes (as fadev.torch.attention)."""
 
 
 def _positions(n, world_size, rank, layout):
@@ -405,8 +410,11 @@ def ring_attention(q, k, v, policy, *, layout="contiguous", merge="lowp_partials
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor (this rank's shard), got {type(t).__name__}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{name}: dtype must be one of float64, float32, float16, bfloat16, got {t.dtype}")
     _args.choice("kernel", kernel, KERNELS)
     _args.choice("layout", layout, LAYOUTS)
+    return_lse = boolean(return_lse, "return_lse")
     pol, mg = as_policy(policy, "policy"), as_merge(merge)
     comm = _Comm(group, q.device)
     rank = q.dim()
@@ -417,7 +425,8 @@ def ring_attention(q, k, v, policy, *, layout="contiguous", merge="lowp_partials
         raise ValueError(f"k: ring attention needs this rank's seq_kv == seq_q, got {k4[2]} and {n}")
     if layout == "zigzag" and n % 2:
         raise ValueError(f"q: layout 'zigzag' needs an even number of rows per rank, got {n}")
-    comm.check_same(q4 + k4 + (LAYOUTS.index(layout), int(bool(causal)), int(mg.allgather)),
+    causal = _args.causal_of(causal)
+    comm.check_same(q4 + k4 + (LAYOUTS.index(layout), int(causal), int(mg.allgather)),
                     "shapes (q, k) or options (layout, causal, allgather)")
     tiles = _args.tiles(pol, q4[3], block_q, block_kv)
     choices = (_args.choice("loop_order", loop_order, LOOP_ORDERS, pol.loop_order),
@@ -425,8 +434,7 @@ def ring_attention(q, k, v, policy, *, layout="contiguous", merge="lowp_partials
                _args.choice("exp", exp, EXP_FORMS, pol.exp))
     scale = _args.scale_of(scale, q4[3])
     flash, flash_backward, ops = _kernels(kernel, pol, scale, tiles, choices, choices[2], q.device)
-    cfg = _Config(pol, mg.resolve(pol), layout, bool(mg.allgather), _args.causal_of(causal), flash, flash_backward,
-                  ops)
+    cfg = _Config(pol, mg.resolve(pol), layout, bool(mg.allgather), causal, flash, flash_backward, ops)
     out, lse = _RingFunction.apply(q4t, k4t, v4t, cfg, comm)
     out = out.reshape(out.shape[4 - rank:])
     return (out, lse.reshape(lse.shape[4 - rank:])) if return_lse else out
@@ -434,9 +442,17 @@ def ring_attention(q, k, v, policy, *, layout="contiguous", merge="lowp_partials
 
 # ---------------------------------------------------------------- launching W local ranks
 
+def timeout_seconds(timeout, name="timeout"):
+    """``timeout`` as float seconds (a finite number > 0); ValueError naming ``name`` otherwise."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 < timeout < math.inf:
+        raise ValueError(f"{name} must be a number of seconds > 0, got {timeout!r}")
+    return float(timeout)
+
+
 def init(backend=None, timeout=60.0):
     """Join the process group from torchrun's environment (env://): gloo on CPU, nccl with CUDA; every
-    collective times out after ``timeout`` seconds, so a dead or failing rank ends the others."""
+    collective times out after ``timeout`` seconds, so a dead, stalled or failing rank ends the others."""
+    timeout = timeout_seconds(timeout)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -459,14 +475,56 @@ def free_port():
         return s.getsockname()[1]
 
 
-def spawn(fn, world_size, *args, backend="gloo", timeout=60.0):
+class RankError(RuntimeError):
+    """A rank of :func:`spawn` raised or died. ``str()`` is one line (the rank and its error, or how it
+    died); ``rank`` is its number, ``details`` the rank's whole traceback (or the exit status)."""
+
+    def __init__(self, message, rank, details):
+        super().__init__(message)
+        self.rank, self.details = rank, details
+
+
+def _error_line(trace):
+    """The exception of a formatted traceback as one line ("Type: message")."""
+    lines = trace.rstrip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith(" ")]
+    tail = lines[frames[-1] + 1:] if frames and frames[-1] + 1 < len(lines) else lines[-1:]
+    return " ".join(line.strip() for line in tail if line.strip())
+
+
+def _rank_error(e, timeout):
+    if isinstance(e, mp.ProcessExitedException):
+        how = f"signal {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
+        return RankError(f"rank {e.error_index} died ({how}); the other ranks were stopped", e.error_index, str(e))
+    line = _error_line(str(e))
+    if "timed out" in line.lower() or "timeout" in line.lower():
+        line += (f" (a collective waited more than the {timeout:g} s timeout: another rank stalled or died; "
+                 f"raise the timeout if a rank legitimately works that long)")
+    return RankError(f"rank {e.error_index} failed: {line}", e.error_index, str(e))
+
+
+def spawn(fn, world_size, *args, backend="gloo", timeout=60.0, grace=3.0):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new local processes joined in a process
-    group on 127.0.0.1 (``fn`` must be importable: a module-level function). If any rank raises, the others
-    are ended and torch.multiprocessing.ProcessRaisedException carries that rank's traceback."""
+    group on 127.0.0.1 (``fn`` must be importable: a module-level function). Every collective times out
+    after ``timeout`` seconds. If any rank raises or dies, the others get ``grace`` seconds to end, then
+    SIGTERM, ``grace`` more, then SIGKILL (a stopped or stuck rank too), and :class:`RankError` says in one
+    line which rank and why (its traceback in ``details``). Interrupted (Ctrl-C), every rank is killed."""
     world_size = _args.positive_int(world_size, "world_size", limit=256)
-    import torch.multiprocessing as mp
-    mp.start_processes(_entry, args=(fn, world_size, free_port(), backend, timeout, args), nprocs=world_size,
-                       join=True, start_method="spawn")
+    timeout, grace = timeout_seconds(timeout), timeout_seconds(grace, "grace")
+    ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), backend, timeout, args), nprocs=world_size,
+                             join=False, start_method="spawn")
+    try:
+        while not ctx.join(grace_period=grace):
+            pass
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        raise _rank_error(e, timeout) from e
+    except BaseException:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        raise
 
 
-__all__ = ["ring_attention", "shard", "unshard", "init", "spawn", "free_port", "KERNELS", "TorchOps"]
+__all__ = ["ring_attention", "shard", "unshard", "init", "spawn", "free_port", "RankError", "KERNELS", "DTYPES",
+           "TorchOps"]

@@ -96,7 +96,7 @@ def _setting(policy, kernel, tiling) -> Setting:
         elif name == "mma":
             _args.choice(name, value, MMA)
         elif value is not None:
-            integer(value, name)
+            _args.positive_int(integer(value, name), name)
     return Setting(kernel, None, tuple(sorted(tiling.items())))
 
 
@@ -254,11 +254,29 @@ def _masked(setting, q, k, v, mask, scale, gqa):
     return torch.stack(rows)
 
 
+def _check_qkv(query, key, value):
+    """ValueError / TypeError naming the argument unless query (B, H, N_q, D), key and value (B, H_kv, N_kv, D)
+    are 4-D tensors as a model's attention layer passes them, H a multiple of H_kv."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D (batch, heads, seq, head_dim) tensor, got shape {tuple(t.shape)}")
+    (b, h, _, d), (bk, hk, nk, dk) = query.shape, key.shape
+    if value.shape[:3] != key.shape[:3]:
+        raise ValueError(f"value: shape {tuple(value.shape)} does not match key's {tuple(key.shape)} in batch, "
+                         f"heads and sequence")
+    if bk != b or dk != d or hk < 1 or h % hk:
+        raise ValueError(f"key: shape {tuple(key.shape)} does not fit query {tuple(query.shape)} (same batch and "
+                         f"head dim, query heads a multiple of key heads)")
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                       **kwargs):
     """The "fadev" entry of transformers' AttentionInterface: query (B, H, N_q, D), key and value
     (B, H_kv, N_kv, D) as a model's attention layer passes them; returns (attn_output (B, N_q, H, D),
     None). Computed as :func:`current` says (module docstring)."""
+    _check_qkv(query, key, value)
     setting = _CURRENT.get()
     runs = _RUNS.get()
     if runs is not None:

@@ -177,6 +177,7 @@ def _check_kernel(kernel, tiling):
         raise TypeError(f"unknown tiling argument(s) {', '.join(unknown)}; flash takes {', '.join(FLASH_TILING)}")
     if kernel == "baseline" and tiling:
         raise ValueError(f"kernel='baseline' has no tiling, got {', '.join(sorted(tiling))}")
+    _args.check_tiling(**tiling)
 
 
 @dataclasses.dataclass(frozen=True)

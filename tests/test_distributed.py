@@ -13,8 +13,6 @@ import fadev
 from helpers import needs_gpu, rel_err
 
 torch = pytest.importorskip("torch")
-import torch.multiprocessing as tmp  # noqa: E402
-
 from fadev import distributed as fd  # noqa: E402
 
 POLICY = "fa2:bf16"
@@ -78,8 +76,8 @@ def ranks(tmp_path_factory):
     found = Ranks()
     try:
         fd.spawn(worker, max(WORLDS), outdir, timeout=60)
-    except tmp.ProcessRaisedException as e:
-        found.failure = str(e)
+    except fd.RankError as e:
+        found.failure = e
     found += [dict(np.load(os.path.join(outdir, f"rank{r}.npz"))) for r in range(max(WORLDS))]
     return found
 
@@ -138,8 +136,10 @@ def test_mismatched_shapes_raise_on_every_rank(ranks):
 
 def test_a_failing_rank_ends_every_rank(ranks):
     """The last rank raised while the others waited for it in ring_attention's first collective: spawn
-    ended them and raised that rank's error (the fixture would hang here otherwise)."""
-    assert ranks.failure is not None and "rank 3 gives up" in ranks.failure
+    ended them and raised that rank's error, in one line, its traceback kept (the fixture would hang here
+    otherwise)."""
+    assert str(ranks.failure) == "rank 3 failed: RuntimeError: rank 3 gives up"
+    assert ranks.failure.rank == 3 and "Traceback" in ranks.failure.details and "in worker" in ranks.failure.details
 
 
 @pytest.mark.parametrize("layout", fadev.ring.LAYOUTS)

@@ -129,7 +129,8 @@ def findings(df, *, device="cpu") -> list:
     shrink = all(a > b for a, b in pairs) if pairs else None
     out.append(Finding(
         "flash vs baseline difference shrinks with more significand bits (Fig 3)",
-        "max |flash - baseline|: " + ", ".join(f"{f} {v:.2e}" for f, v in zip(order, fb)),
+        "max |flash - baseline|: " + (", ".join(f"{f} {v:.2e}" for f, v in zip(order, fb))
+                                      or "no format but fp64 / fp8 in this run"),
         "deviation decreases as mantissa bits increase", shrink, "golden"))
     wider = [f for f in ("fp32", "fp64") if f in by.index]
     for f in wider:
@@ -196,8 +197,9 @@ def fig_precision_vs_golden(df):
     ax.bar(x + w / 2, base, w, yerr=plots.errors(df, "baseline_vs_golden.rmse"), capsize=2,
            color=plots.COLORS["baseline"], label="baseline, naive(F)")
     ax.set_yscale("log")
-    top = np.nanmax(np.concatenate([flash, base]))
-    ax.set_ylim(top=top * 30)
+    both = np.concatenate([flash, base])
+    if np.isfinite(both).any():  # else every deviation is 0 (positive() makes them NaN): nothing to scale
+        ax.set_ylim(top=np.nanmax(both) * 30)
     for xi, f, b, ratio in zip(x, flash, base, df["ratio.rmse.mean"]):
         if np.isfinite(ratio):
             ax.text(xi, np.nanmax([f, b]) * 2.2, f"{ratio:.3g}×", ha="center", fontsize=8.5)

@@ -31,9 +31,10 @@ OPTIONS = ()
 """The shared options its command takes: its ranks are its own processes (gloo, or nccl where every rank has a
 GPU): no --device, no --cluster."""
 POLICY = "fa2:bf16"
-STUDY_TIMEOUT = 1800.0
-"""Collective timeout (s): rank 0 computes the fp64 reference and the simulation while the others wait at a
-barrier. A rank raising still ends the others at once (spawn's join, torchrun's agent)."""
+TIMEOUT_DOC = ("collective timeout (s): a rank waiting longer in one collective (another rank stalled or died) "
+               "ends the study with a one-line error; rank 0 computes the fp64 reference while the others wait")
+"""The ``timeout`` size (``--timeout``): a rank raising or dying still ends the others at once (spawn, torchrun's
+agent); a stalled one ends them after it."""
 MERGE_COLORS = {"lowp_partials": "#d62728", "fp32_partials": "#1f77b4", "lowp_running": "#ff7f0e",
                 "allgather": "#2ca02c"}
 
@@ -48,15 +49,15 @@ INTRO = (
 
 SIZES = {
     "quick": {"spawn": 4, "Ws": (1, 2, 4), "Ls": (1, 2, 4), "N": 64, "dim": 64, "heads": 4, "heads_kv": 2,
-              "layout": "zigzag", "kernels": ("emulated", "sdpa")},
+              "layout": "zigzag", "kernels": ("emulated", "sdpa"), "timeout": 300.0},
     "full": {"spawn": 8, "Ws": (1, 2, 4, 8), "Ls": (1, 4, 16, 32), "N": 512, "dim": 128, "heads": 8, "heads_kv": 2,
-             "layout": "zigzag", "kernels": ("emulated", "sdpa")},
+             "layout": "zigzag", "kernels": ("emulated", "sdpa"), "timeout": 1800.0},
 }
 SIZE_DOCS = {"spawn": "local processes to spawn (ignored under torchrun, whose world is used)",
              "Ws": "ring sizes W (each at most the number of processes)", "Ls": "model depths L (layers)",
              "N": "tokens in the batch (the sequence)", "dim": "model width", "heads": "query heads",
              "heads_kv": "key/value heads (grouped-query)", "layout": "sequence layout over the ranks",
-             "kernels": "per-piece kernels (emulated, sdpa)"}
+             "kernels": "per-piece kernels (emulated, sdpa)", "timeout": TIMEOUT_DOC}
 
 
 def _rel(test, ref):
@@ -131,22 +132,23 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
     if cluster and cluster.get("executor", "local") != "local":
         raise ValueError("cluster: ring-dist runs its own ranks (--spawn or torchrun), not a sweep on a cluster")
 
-    return run_ranks(_study, fit_ring_sizes(common.sizes(SIZES, size, overrides), overrides), out, NAME,
-                     STUDY_TIMEOUT)
+    return run_ranks(_study, fit_ring_sizes(common.sizes(SIZES, size, overrides), overrides), out, NAME)
 
 
-def run_ranks(study, cfg, out, name, timeout):
+def run_ranks(study, cfg, out, name):
     """The rows (a DataFrame) of ``study`` launched on its ranks (:func:`launch`): the world checked first, then
     out/NAME.jsonl started afresh (a study on ranks is not resumable) and read back once rank 0 wrote it."""
     import pandas as pd
 
+    from .. import distributed as fd
     check_world(cfg)  # before the old results are removed
+    fd.timeout_seconds(cfg["timeout"])
     out = out or "results"
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"{name}.jsonl")
     if os.path.exists(path):
         os.remove(path)
-    launch(study, cfg, path, timeout)
+    launch(study, cfg, path, cfg["timeout"])
     with open(path) as f:
         return pd.DataFrame([json.loads(line) for line in f])
 

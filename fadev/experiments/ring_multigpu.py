@@ -29,7 +29,7 @@ from ..attention import random_qkv
 from ..ring import LAYOUTS, MERGES, RingMerge
 from . import common
 from .common import Finding
-from .ring_dist import fit_ring_sizes, ran_on, run_ranks
+from .ring_dist import TIMEOUT_DOC, fit_ring_sizes, ran_on, run_ranks
 
 __all__ = ["run", "findings", "table", "figures", "ran_on", "reference"]
 
@@ -41,7 +41,6 @@ OPTIONS = ()
 """The shared options its command takes: its ranks are its own processes on the GPUs: no --device, no --cluster."""
 QUANTITIES = ("out", "lse", "dq", "dk", "dv")
 KERNELS = ("emulated", "sdpa", "native", "torch_cp")
-STUDY_TIMEOUT = 1800.0
 MERGE_COLORS = {"lowp_partials": "#d62728", "fp32_partials": "#1f77b4", "lowp_running": "#ff7f0e",
                 "allgather": "#2ca02c", "torch_cp": "#7f7f7f"}
 REAL_ALLGATHER = RingMerge.preset("allgather").replace(partial_grad="grad")
@@ -71,11 +70,11 @@ SIZES = {
     "quick": {"spawn": 2, "Ws": (1, 2), "Ns": (256,), "long_Ns": (), "fmts": ("bf16", "fp16"),
               "dists": ("normal", "outlier"), "layouts": ("zigzag", "contiguous"),
               "kernels": ("emulated", "sdpa"), "heads": 2, "dim": 64, "emu_max_N": 4096, "speed_Ns": (512,),
-              "reps": 2, "chunk": 1024},
+              "reps": 2, "chunk": 1024, "timeout": 300.0},
     "full": {"spawn": 8, "Ws": (1, 2, 4, 8), "Ns": (4096, 16384), "long_Ns": (131072,), "fmts": ("bf16", "fp16"),
              "dists": ("normal", "outlier"), "layouts": ("zigzag", "contiguous"),
              "kernels": ("emulated", "sdpa", "native", "torch_cp"), "heads": 2, "dim": 128, "emu_max_N": 4096,
-             "speed_Ns": (16384, 131072), "reps": 3, "chunk": 1024},
+             "speed_Ns": (16384, 131072), "reps": 3, "chunk": 1024, "timeout": 1800.0},
 }
 SIZE_DOCS = {"spawn": "local processes to spawn (ignored under torchrun, whose world is used)",
              "Ws": "ring sizes W (each at most the number of processes)",
@@ -85,7 +84,7 @@ SIZE_DOCS = {"spawn": "local processes to spawn (ignored under torchrun, whose w
              "layouts": "sequence layouts over the ranks", "kernels": f"per-piece kernels ({', '.join(KERNELS)})",
              "heads": "heads H", "dim": "head dimension D", "emu_max_N": "largest N the emulated kernel runs at",
              "speed_Ns": "N of the speed rows", "reps": "timed repeats of each speed row",
-             "chunk": "query rows per block of the fp64 reference"}
+             "chunk": "query rows per block of the fp64 reference", "timeout": TIMEOUT_DOC}
 
 
 # ---------------------------------------------------------------- the fp64 answer
@@ -354,7 +353,7 @@ def run(size="quick", out=None, *, device="cpu", workers=1, progress=False, clus
     gpu_kernels = [k for k in cfg["kernels"] if k in ("native", "torch_cp")]
     if gpu_kernels and not torch.cuda.is_available():
         raise ValueError(f"kernels: {', '.join(gpu_kernels)} run on CUDA GPUs only; PyTorch sees none here")
-    return run_ranks(_study, cfg, out, NAME, STUDY_TIMEOUT)
+    return run_ranks(_study, cfg, out, NAME)
 
 
 # ---------------------------------------------------------------- report

@@ -17,11 +17,22 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import os
+import socket
+import threading
+import time
+from concurrent.futures.process import BrokenProcessPool
 
 from .. import __version__, set_num_threads
 
 MAX_RETRIES = 3
 """Retries of a chunk whose worker died (Ray's ``max_retries``; resubmissions on other executors)."""
+
+DRIVER_POLL_S = 0.5
+"""How often a local pool worker checks that its driver is alive (it exits when the driver is gone)."""
+
+CONNECT_TIMEOUT_S = 5.0
+"""How long a Ray address given as HOST:PORT may take to accept a connection before the sweep gives up."""
 
 RAY_INSTALL = "pip install 'fadev[ray]' (or pip install ray)"
 
@@ -49,8 +60,18 @@ def _ray_chunk(fn, key, points):
     return evaluate_chunk(fn, key, points)
 
 
-def _worker_init():
+def _worker_init(driver):
     set_num_threads(1)
+    threading.Thread(target=_exit_without, args=(driver,), name="fadev-driver-watch", daemon=True).start()
+
+
+def _exit_without(driver):
+    """End this pool worker once its driver (process ``driver``) is gone: a driver killed with SIGKILL
+    cannot shut its pool down, whose workers (and with them multiprocessing's resource tracker) would
+    otherwise wait for work forever. Checked every DRIVER_POLL_S seconds."""
+    while os.getppid() == driver:
+        time.sleep(DRIVER_POLL_S)
+    os._exit(1)
 
 
 def import_ray():
@@ -74,11 +95,40 @@ def check(executor, workers, address, gpus_per_point):
         raise ValueError(f"workers must be a positive integer, got {workers!r}")
     if address is not None and executor != "ray":
         raise ValueError(f"address applies to executor='ray' only, got address={address!r} with executor={executor!r}")
+    if address is not None:
+        _host_port(address)
     if gpus_per_point is not None:
         if executor != "ray":
             raise ValueError(f"gpus_per_point applies to executor='ray' only, got {gpus_per_point!r}")
         if isinstance(gpus_per_point, bool) or not isinstance(gpus_per_point, (int, float)) or not gpus_per_point > 0:
             raise ValueError(f"gpus_per_point must be a number > 0 (a fraction shares a GPU), got {gpus_per_point!r}")
+
+
+def _host_port(address):
+    """(host, port) of a Ray address "HOST:PORT" or "ray://HOST:PORT", None for "auto"; TypeError /
+    ValueError naming address otherwise."""
+    if not isinstance(address, str):
+        raise TypeError(f"address must be a string (auto, HOST:PORT or ray://HOST:PORT), got "
+                        f"{type(address).__name__} {address!r}")
+    if address == "auto":
+        return None
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address must be auto, HOST:PORT or ray://HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _check_reachable(address):
+    """ConnectionError naming address, within CONNECT_TIMEOUT_S, when nothing listens at a Ray address
+    (ray.init itself would retry for minutes)."""
+    where = _host_port(address) if address is not None else None
+    if where is None:
+        return
+    try:
+        socket.create_connection(where, timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise ConnectionError(f"address {address!r}: no Ray cluster answers there ({e or type(e).__name__}); start "
+                              f"one with `ray start --head` or give the address it printed") from None
 
 
 def chunks(points, workers, group):
@@ -108,7 +158,8 @@ def execute(points, fn, key, group, *, executor="local", workers=None, address=N
             yield evaluate_chunk(fn, key, [p])
     elif executor == "local":
         ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                                                    initargs=(os.getpid(),)) as pool:
             yield from _on_executor(pool, chunks(points, workers, group), fn, key)
     else:
         yield from _on_executor(executor, chunks(points, workers or 4, group), fn, key)
@@ -124,7 +175,7 @@ def _on_executor(pool, parts, fn, key):
                 part, tries = futures.pop(fut)
                 try:
                     yield fut.result()
-                except concurrent.futures.process.BrokenProcessPool as e:
+                except BrokenProcessPool as e:
                     raise RuntimeError("a sweep worker process died (killed, out of memory, or the calling script "
                                        "lacks the `if __name__ == '__main__':` guard that spawned workers need "
                                        "to import it safely)") from e
@@ -146,6 +197,7 @@ def _on_ray(points, fn, key, group, workers, address, gpus_per_point):
     """One Ray task per chunk; rows come back to the driver with ray.wait as tasks finish."""
     ray = import_ray()
     if not ray.is_initialized():
+        _check_reachable(address)
         ray.init(address=address, num_cpus=workers if address is None else None, log_to_driver=False)
     if workers is None:
         workers = max(1, int(ray.cluster_resources().get("CPU", 1)))

@@ -21,6 +21,8 @@ TEXT_COLUMNS = {"key", "kernel", "policy", "rounding", "loop_order", "normalize"
 
 
 def _file_kind(path):
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path: a results file is a str or os.PathLike path, got {type(path).__name__} {path!r}")
     ext = os.path.splitext(str(path))[1].lower()
     if ext in (".jsonl", ".ndjson", ".json"):
         return "jsonl"
@@ -212,9 +214,11 @@ def frame(rows):
 
 
 def load(path):
-    """Results of a sweep (.jsonl or .csv; .parquet with pyarrow) as a pandas DataFrame, one row per line
-    in file order; a partial last line (a sweep killed mid-write) is ignored. Integer columns stay
-    integers (pandas' nullable Int64 where a value is missing), missing values are None/NaN/<NA>."""
+    """Results of a sweep (.jsonl or .csv; .parquet with pyarrow) as a pandas DataFrame, one row per point
+    in file order; a partial last line (a sweep killed mid-write) is ignored. A key that appears on several
+    lines (a file appended to twice, files concatenated) is one row: its last line's, at its first place, as
+    a rerun reads the file, so :func:`aggregate` counts it once. Integer columns stay integers (pandas'
+    nullable Int64 where a value is missing), missing values are None/NaN/<NA>."""
     import pandas as pd
     kind = _file_kind(path)
     if kind == "parquet":
@@ -222,7 +226,8 @@ def load(path):
         return pd.read_parquet(path)
     with open(path, "rb") as fh:
         rows, header, _good = _parse(fh.read(), kind, path)
-    return frame(_typed_rows(rows, header, kind))
+    rows = _typed_rows(rows, header, kind)
+    return frame(list({r["key"]: r for r in rows}.values()))
 
 
 def _need_pyarrow(what):

@@ -3,6 +3,8 @@ finished points skipped on a rerun, points spread over an executor (:func:`run`,
 :func:`aggregate` (mean/std/count over seeds) of the rows."""
 from __future__ import annotations
 
+import os
+
 from .evaluation import _input_fmt, evaluate
 from .executors import check, execute
 from .results import ResultsFile, frame
@@ -54,6 +56,9 @@ def drive(points, fn, key, out, *, group=None, progress=True, desc="sweep", **op
     module-level functions (picklable) for executors in other processes."""
     check(options.get("executor", "local"), options.get("workers"), options.get("address"),
           options.get("gpus_per_point"))
+    if out is not None and not isinstance(out, (str, os.PathLike)):
+        raise TypeError(f"out must be the path of a .jsonl or .csv results file (or None), got {type(out).__name__} "
+                        f"{out!r}")
     file = ResultsFile(out) if out is not None else None
     try:
         done = {}
