@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import pandas as pd
 import scipy.linalg
 
 import fadev
@@ -143,6 +144,18 @@ def test_precision_flash_worse_than_baseline_and_shrinks_with_bits():
     fp32 = next(f for f in found if f.claim == "at fp32")
     assert ("closer" in fp32.ours) == (df.loc["fp32", "flash_vs_golden.rmse.mean"] <
                                         df.loc["fp32", "baseline_vs_golden.rmse.mean"])
+
+
+def test_precision_where_every_deviation_is_zero(tmp_path, capsys):
+    """One key per query row: every output is v exactly, every deviation 0 (no positive value for the log
+    axes): the report and both figures are still written."""
+    from fadev.__main__ import main
+    out = tmp_path / "zero"
+    assert main(["precision", "--formats", "fp64,bf16", "--N", "1", "--n-query", "2", "--D", "2", "--block-q", "1",
+                 "--block-kv", "1", "--seeds", "1", "--out", str(out), "--no-progress"]) == 0
+    df = pd.read_csv(out / "precision.csv")
+    assert (df["flash_vs_golden.rmse.mean"] == 0).all() and (df["baseline_vs_golden.rmse.mean"] == 0).all()
+    assert (out / "precision.md").exists() and (out / "fig4_precision_vs_golden.png").stat().st_size > 0
 
 
 def test_precision_headline_claim_at_quick_sizes():
@@ -351,6 +364,9 @@ def test_report_renders_any_experiment(tmp_path):
     assert "### Claims of Golden et al. (arXiv 2405.02803): 1 of 1 hold" in text
     assert "### Claims of FlashAttention-3 (arXiv 2407.08608)\n\n(none measured in this run)" in text
     assert "| madeup | a check | ours |  | **does not hold** |" in text and ": 0 of 1 hold" in text
+    findings = text.split("Findings:\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert findings == ["- a claim: ours; claimed: theirs — **holds**", "- a note: text — (no verdict)",
+                        "- a check: ours — **does not hold**"]
     assert "What it does." in text and "Sizes (`quick`): n=2." in text and "![fig.png](fig.png)" in text
     assert "| y \\| mean |" in text and "| 1 | 5.000e-01 ± 1.0e-01 |" in text and "| 2 | 2.500e-01 |" in text
     import ast

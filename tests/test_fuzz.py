@@ -6,11 +6,20 @@ strings, absurd sizes built with np.broadcast_to so nothing real is allocated) m
 ValueError or MemoryError whose message names the argument -- never crash, hang or be accepted.
 Kernel results are also checked bit-identical across thread counts.
 
+The scale paths are fuzzed the same way: fadev.distributed (ring_attention on a one-rank gloo group, shard,
+unshard), fadev.hf (use, attention_forward) and the sweep executors (their options; chunks on an executor
+that loses futures and points that raise: every point gets exactly one row, failed where it must be).
+
 Bounded in time: few examples per test, no deadline (CI runs this under ASan/UBSan too), derandomized
-and without an example database so that every run tries the same examples.
+and without an example database so that every run tries the same examples. FADEV_FUZZ_EXAMPLES=n runs n
+examples per test instead (a longer local run); FADEV_FUZZ_REPORT=1 prints the calls made per surface and
+their outcomes (returned, or the exception type) at the end of the module (with pytest -s).
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import os
 import re
 
 import ml_dtypes
@@ -22,8 +31,11 @@ from hypothesis import strategies as st
 import fadev
 from fadev.attention import sram_tiles
 
-FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+EXAMPLES = int(os.environ.get("FADEV_FUZZ_EXAMPLES", 0))
+FUZZ = settings(max_examples=EXAMPLES or 100, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                       HealthCheck.function_scoped_fixture])
+SCALE = settings(FUZZ, max_examples=EXAMPLES or 25)  # the scale paths: each call costs more (torch, threads)
 ERRORS = (TypeError, ValueError, MemoryError)
 FORMATS = tuple(fadev.formats)
 PRESETS = tuple(p for p in fadev.PRESETS if p != "golden")  # the presets that take a format
@@ -34,10 +46,32 @@ def names(message, name) -> bool:
     return re.search(rf"(?<!\w){re.escape(name)}(?!\w)", message) is not None
 
 
+OUTCOMES = collections.Counter()
+"""(surface, outcome) -> calls: outcome "returned" or the exception's type (FADEV_FUZZ_REPORT)."""
+
+
+def surface(fn) -> str:
+    module = getattr(fn, "__module__", None) or ""
+    return next((m for m in ("fadev.distributed", "fadev.hf", "fadev.sweep") if module.startswith(m)), "kernels")
+
+
+def called(fn, n=1):
+    OUTCOMES[surface(fn), "returned"] += n
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _outcome_report():
+    yield
+    if os.environ.get("FADEV_FUZZ_REPORT"):
+        for (where, outcome), n in sorted(OUTCOMES.items()):
+            print(f"fuzz: {where:18} {outcome:22} {n}")
+
+
 def rejects(arg, fn, /, *args, **kwargs):
     """fn(*args, **kwargs) raises TypeError/ValueError/MemoryError whose message names ``arg``."""
     with pytest.raises(ERRORS) as info:
         fn(*args, **kwargs)
+    OUTCOMES[surface(fn), type(info.value).__name__] += 1
     assert names(str(info.value), arg), f"{arg!r} not named in {type(info.value).__name__}: {info.value}"
 
 

@@ -167,7 +167,7 @@ def test_cli_report_and_a_budget_that_stops_the_run(tmp_path, capsys):
     assert main(args + ["--steps", "2"]) == 0
     report = open(os.path.join(out, "train_drift.md")).read()
     assert "**Complete**" in report and "`native_128x64` (the native kernel runs on CUDA only" in report
-    assert "partial run" not in report and "— **holds**" in report or "— **does not hold**" in report
+    assert "partial run" not in report and ("— **holds**" in report or "— **does not hold**" in report)
     assert "exactly 0 at every logged step" in report and "train-drift --model llama --quick" in report
     rows = [json.loads(line) for line in open(os.path.join(out, "train_drift.jsonl"))]
     assert sum(r["kind"] != "layer" for r in rows) == 3 * (5 + 6)  # steps 0, 1, 2 x (5 pairs + 6 arms)

@@ -98,6 +98,19 @@ def test_failed_point_on_ray_is_a_row_then_retried(address, tmp_path):
     assert {k: r["vs_golden.rel_l2"] for k, r in rows.items()} == {r["key"]: r["vs_golden.rel_l2"] for r in on_disk}
 
 
+def test_a_chunk_whose_worker_keeps_dying_becomes_failed_rows(address, tmp_path):
+    """A point whose Ray worker process dies every time: Ray retries its task MAX_RETRIES times, then the
+    point is a failed row naming Ray's error (not dropped), and the other points' rows are intact."""
+    import faulty
+    pts = {sweep.point_key(p): p for p in sweep.validate(sweep.expand({"seed": [0, 1]}, base=BASE))}
+    dying = next(iter(pts))
+    rows = sweep.drive({dying: pts[dying]}, faulty.dying_point, sweep.point_key, tmp_path / "r.jsonl",
+                       executor="ray", workers=1, progress=False)
+    assert list(rows) == [dying] and rows[dying]["error"].startswith("WorkerCrashedError: "), rows
+    rows = sweep.drive(pts, sweep.evaluate, sweep.point_key, tmp_path / "r.jsonl", executor="ray", progress=False)
+    assert sorted(rows) == sorted(pts) and all(r.get("error") is None for r in rows.values())
+
+
 def test_workers_bounds_the_tasks_in_flight(address):
     """workers=1 on a 2-CPU Ray instance: one task at a time, so the points' time windows never overlap
     (with workers=2 they may); the share of the cluster a sweep was given, not all of it."""

@@ -91,6 +91,14 @@ def test_precision_verdicts(ratio, fb, ten, shrink):
     assert "2x closer" in next(f for f in found if f.claim == "at fp32").ours
 
 
+@pytest.mark.parametrize("fb", [{"bf16": 5e-3}, {"fp16": 3e-4, "tf32": 1e-3}, {"fp64": 0.0}])
+def test_precision_shrinks_has_no_verdict_with_one_precision(fb):
+    """One significand width (tf32 and fp16 share p = 11; fp64 is left out): nothing to shrink across."""
+    found = precision.findings(_precision_df(10.0, fb))
+    shrink = [f for f in found if f.claim.startswith("flash vs baseline difference shrinks")]
+    assert len(shrink) == 1 and shrink[0].holds is None
+
+
 def _seqlen_df(Ns, mx, ratio):
     n = len(Ns)
     return pd.DataFrame({
