@@ -1,9 +1,11 @@
 """Where a sweep's points run: chunks of points handed to an executor, rows handed back to the one writer
 (the driver, :func:`fadev.sweep.run`) as each chunk finishes.
 
-* ``"local"``: the calling process (``workers=1``), else a pool of ``workers`` spawned processes;
+* ``"local"``: the calling process (``workers=1``), else a pool of ``workers`` spawned processes, which
+  exit when the driver is gone (a driver killed with SIGKILL leaves no worker or resource tracker behind);
 * ``"ray"``: one Ray task per chunk (``ray.init(address=address)`` unless Ray is already initialised:
-  None starts a local instance, "auto" or "ray://host:port" joins a cluster); points on device "cuda"
+  None starts a local instance, "auto", "host:port" or "ray://host:port" joins a cluster, whose address
+  must accept a connection within :data:`CONNECT_TIMEOUT_S`, else ConnectionError); points on device "cuda"
   ask for ``gpus_per_point`` GPUs (default 1; a fraction lets several tasks share a GPU). A task whose
   worker or node dies is retried by Ray, at most :data:`MAX_RETRIES` times;
 * any ``concurrent.futures.Executor`` (Dask's ``client.get_executor()``, ...): a chunk whose future fails
