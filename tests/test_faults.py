@@ -47,13 +47,17 @@ def _session(sid):
 
 
 def _run_bounded(args, limit, cwd):
-    """Run a Python child in its own session; (returncode, stderr, seconds). The test fails past ``limit``
-    seconds (the whole session killed first, so nothing outlives the test)."""
+    """Run a Python child in its own session; (returncode, stderr, seconds, pids of its session left once it
+    ended). The test fails past ``limit`` seconds (the whole session killed first: nothing outlives the test)."""
     start = time.monotonic()
     child = subprocess.Popen([sys.executable, *args], env=_env(), cwd=str(cwd), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    left = []
     try:
         _, err = child.communicate(timeout=limit)
+        settle = time.monotonic() + 5  # multiprocessing's resource tracker ends once it reads EOF
+        while (left := _session(child.pid)) and time.monotonic() < settle:
+            time.sleep(0.05)
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
         child.communicate()
@@ -61,7 +65,7 @@ def _run_bounded(args, limit, cwd):
     finally:
         for pid in _session(child.pid):
             os.kill(pid, signal.SIGKILL)
-    return child.returncode, err, time.monotonic() - start
+    return child.returncode, err, time.monotonic() - start, left
 
 
 # ---------------------------------------------------------------- ranks
@@ -86,15 +90,38 @@ def test_a_stalled_or_dead_rank_ends_the_cli_in_one_line(tmp_path, fault):
             sys.exit(main(["ring-dist", "--spawn", "2", "--Ws", "1,2", "--Ls", "1", "--timeout", "2", "--out", "rd",
                            "--no-progress"]))
     """))
-    code, err, seconds = _run_bounded([str(script)], 90, tmp_path)
+    code, err, seconds, left = _run_bounded([str(script)], 90, tmp_path)
     ours = [line for line in err.splitlines() if line.startswith("fadev ring-dist:")]
-    assert code == 1 and "Traceback" not in err and len(ours) == 1, err
+    assert code == 1 and "Traceback" not in err and len(ours) == 1 and not left, (err, left)
     if fault == "stalled":
         assert ours[0].startswith("fadev ring-dist: rank 0 failed: RuntimeError:") and "2 s timeout" in ours[0]
         assert seconds < 45, seconds
     else:
         assert ours[0] == "fadev ring-dist: rank 1 died (signal SIGKILL); the other ranks were stopped", ours
         assert seconds < 30, seconds
+
+
+@pytest.mark.parametrize("fault", ["stop", "kill"])
+def test_spawn_ends_every_rank_within_its_grace(tmp_path, fault):
+    """fadev.distributed.spawn (timeout 1 s, grace 0.5 s): rank 1 stops or dies before its ring call, rank 0's
+    ring waits for it: RankError within seconds (the timeout, two graces and the start of 2 processes; not
+    torch's 30 s wait for a SIGTERM that a stopped process never handles), no rank left."""
+    script = tmp_path / "spawn.py"
+    script.write_text(textwrap.dedent(f"""
+        import faulty
+        from fadev import distributed as fd
+        if __name__ == "__main__":
+            try:
+                fd.spawn(faulty.ring_with_a_fault, 2, {fault!r}, timeout=1, grace=0.5)
+            except fd.RankError as e:
+                raise SystemExit(f"RankError: {{e}} (rank {{e.rank}})")
+    """))
+    code, err, seconds, left = _run_bounded([str(script)], 90, tmp_path)
+    last = err.strip().splitlines()[-1]
+    want = ("RankError: rank 0 failed: RuntimeError: " if fault == "stop" else
+            "RankError: rank 1 died (signal SIGKILL); the other ranks were stopped (rank 1)")
+    assert code == 1 and last.startswith(want) and not left, (err, left)
+    assert seconds < 25, seconds
 
 
 def test_timeouts_are_checked(tmp_path, capsys):
@@ -184,11 +211,13 @@ def test_a_chunk_whose_retries_run_out_becomes_failed_rows(fails):
         assert errors == ["ConnectionResetError: worker lost"] * len(pts)
 
 
-def test_ray_address_errors_are_fast_and_clear():
+def test_ray_address_errors_are_fast_and_clear(monkeypatch):
     pytest.importorskip("ray")
     pts = sweep.expand(base={"N": 8, "D": 4})
-    with pytest.raises(TypeError, match=r"^address must be a string .* got int 5"):
-        sweep.run(pts, executor="ray", address=5)
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "ray", None)  # checked before Ray is imported, before any file is opened
+        with pytest.raises(TypeError, match=r"^address must be a string .* got int 5"):
+            sweep.run(pts, executor="ray", address=5)
     for bad in ("nonsense", "host:port", "127.0.0.1:0", "ray://:10001", ""):
         with pytest.raises(ValueError, match="address must be auto, HOST:PORT or ray://HOST:PORT"):
             sweep.run(pts, executor="ray", address=bad)
