@@ -27,9 +27,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import logging
 import math
 import numbers
 import os
+import pickle
 import socket
 
 import numpy as np
@@ -492,15 +494,37 @@ def _error_line(trace):
     return " ".join(line.strip() for line in tail if line.strip())
 
 
-def _rank_error(e, timeout):
+_KNOCK_ON = ("connection closed by peer", "connection reset by peer", "timed out", "timeout")
+
+
+def _raised(ctx):
+    """[(knock-on, when, rank, traceback)] of the ranks that raised (torch's error file of each): knock-on
+    when the error is one a rank gets because another failed (a closed connection, a collective timed out)."""
+    found = []
+    for rank, path in enumerate(ctx.error_files):
+        try:
+            when = os.stat(path).st_mtime_ns
+            with open(path, "rb") as fh:
+                trace = pickle.load(fh)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            continue
+        line = _error_line(trace).lower()
+        found.append((any(w in line for w in _KNOCK_ON), when, rank, trace))
+    return found
+
+
+def _rank_error(e, ctx, timeout):
+    """The RankError of torch's exception: a rank that died, or the rank that raised first among those that
+    raised for a reason of their own (else the first of all: torch reports whichever it noticed first)."""
     if isinstance(e, mp.ProcessExitedException):
         how = f"signal {e.signal_name}" if e.signal_name else f"exit code {e.exit_code}"
         return RankError(f"rank {e.error_index} died ({how}); the other ranks were stopped", e.error_index, str(e))
-    line = _error_line(str(e))
-    if "timed out" in line.lower() or "timeout" in line.lower():
+    _, _, rank, trace = min(_raised(ctx) or [(False, 0, e.error_index, str(e))])
+    line = _error_line(trace)
+    if any(w in line.lower() for w in _KNOCK_ON[2:]):
         line += (f" (a collective waited more than the {timeout:g} s timeout: another rank stalled or died; "
                  f"raise the timeout if a rank legitimately works that long)")
-    return RankError(f"rank {e.error_index} failed: {line}", e.error_index, str(e))
+    return RankError(f"rank {rank} failed: {line}", rank, trace)
 
 
 def spawn(fn, world_size, *args, backend="gloo", timeout=60.0, grace=3.0):
@@ -513,17 +537,22 @@ def spawn(fn, world_size, *args, backend="gloo", timeout=60.0, grace=3.0):
     timeout, grace = timeout_seconds(timeout), timeout_seconds(grace, "grace")
     ctx = mp.start_processes(_entry, args=(fn, world_size, free_port(), backend, timeout, args), nprocs=world_size,
                              join=False, start_method="spawn")
+    log = logging.getLogger("torch.multiprocessing.spawn")
+    level = log.level
+    log.setLevel(logging.ERROR)  # not its warnings as it ends the other ranks: RankError says what happened
     try:
         while not ctx.join(grace_period=grace):
             pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        raise _rank_error(e, timeout) from e
+        raise _rank_error(e, ctx, timeout) from e
     except BaseException:
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
             p.join()
         raise
+    finally:
+        log.setLevel(level)
 
 
 __all__ = ["ring_attention", "shard", "unshard", "init", "spawn", "free_port", "RankError", "KERNELS", "DTYPES",

@@ -76,8 +76,8 @@ pytest.importorskip("torch")
 @pytest.mark.parametrize("fault", ["stalled", "dying"])
 def test_a_stalled_or_dead_rank_ends_the_cli_in_one_line(tmp_path, fault):
     """`fadev ring-dist --spawn 2 --timeout 2` whose rank 1 stops (or dies) while rank 0 waits for it at a
-    barrier: the command ends well within a minute (the collective timeout, then spawn's grace), exit 1, one
-    line naming the rank, no traceback, no rank left running. Bounded only if distributed.init passes its
+    barrier: the command ends well within a minute (the collective timeout, then spawn's grace), exit 1, its
+    whole stderr one line naming the rank (no traceback, no warning), no rank left running. Bounded only if distributed.init passes its
     timeout on (the default would wait 30 minutes)."""
     script = tmp_path / "cli.py"
     script.write_text(textwrap.dedent(f"""
@@ -91,8 +91,8 @@ def test_a_stalled_or_dead_rank_ends_the_cli_in_one_line(tmp_path, fault):
                            "--no-progress"]))
     """))
     code, err, seconds, left = _run_bounded([str(script)], 90, tmp_path)
-    ours = [line for line in err.splitlines() if line.startswith("fadev ring-dist:")]
-    assert code == 1 and "Traceback" not in err and len(ours) == 1 and not left, (err, left)
+    ours = err.strip().splitlines()
+    assert code == 1 and len(ours) == 1 and ours[0].startswith("fadev ring-dist: ") and not left, (err, left)
     if fault == "stalled":
         assert ours[0].startswith("fadev ring-dist: rank 0 failed: RuntimeError:") and "2 s timeout" in ours[0]
         assert seconds < 45, seconds
@@ -122,6 +122,35 @@ def test_spawn_ends_every_rank_within_its_grace(tmp_path, fault):
             "RankError: rank 1 died (signal SIGKILL); the other ranks were stopped (rank 1)")
     assert code == 1 and last.startswith(want) and not left, (err, left)
     assert seconds < 25, seconds
+
+
+def _trace(error):
+    return f'Traceback (most recent call last):\n  File "x.py", line 1, in f\n    g()\n{error}\n'
+
+
+def test_rank_error_names_the_cause_not_its_knock_on_effects(tmp_path):
+    """Several ranks raised (torch reports whichever it noticed first): the one-line error names the rank
+    that failed for a reason of its own, even if a knock-on error (a closed connection, a timeout) was
+    written first; with knock-on errors only, the earliest."""
+    import pickle
+    import torch.multiprocessing as mp
+    from fadev import distributed as fd
+    errors = {1: "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4", 2: "KeyError: 'w'",
+              3: "RuntimeError: Timed out waiting 2000ms for recv operation to complete"}
+    ctx = type("Ctx", (), {"error_files": [str(tmp_path / f"rank{r}") for r in range(4)]})()
+    for r, when in ((1, 100), (2, 300), (3, 200)):
+        with open(ctx.error_files[r], "wb") as fh:
+            pickle.dump(_trace(errors[r]), fh)
+        os.utime(ctx.error_files[r], ns=(when, when))
+    noticed = mp.ProcessRaisedException("-- Process 1 terminated with the following error:\n" + _trace(errors[1]), 1, 9)
+    e = fd._rank_error(noticed, ctx, 2.0)
+    assert (str(e), e.rank, e.details) == ("rank 2 failed: KeyError: 'w'", 2, _trace(errors[2]))
+    os.remove(ctx.error_files[2])
+    e = fd._rank_error(noticed, ctx, 2.0)
+    assert str(e).startswith("rank 1 failed: RuntimeError: [pair.cc:553] Connection closed by peer") and e.rank == 1
+    os.remove(ctx.error_files[1])
+    assert str(fd._rank_error(noticed, ctx, 2.0)) == f"rank 3 failed: {errors[3]} (a collective waited more than " \
+        "the 2 s timeout: another rank stalled or died; raise the timeout if a rank legitimately works that long)"
 
 
 def test_timeouts_are_checked(tmp_path, capsys):
