@@ -146,6 +146,7 @@ def test_precision_flash_worse_than_baseline_and_shrinks_with_bits():
                                         df.loc["fp32", "baseline_vs_golden.rmse.mean"])
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # no 0 / 0 on the way
 def test_precision_where_every_deviation_is_zero(tmp_path, capsys):
     """One key per query row: every output is v exactly, every deviation 0 (no positive value for the log
     axes): the report and both figures are still written."""
@@ -156,6 +157,8 @@ def test_precision_where_every_deviation_is_zero(tmp_path, capsys):
     df = pd.read_csv(out / "precision.csv")
     assert (df["flash_vs_golden.rmse.mean"] == 0).all() and (df["baseline_vs_golden.rmse.mean"] == 0).all()
     assert (out / "precision.md").exists() and (out / "fig4_precision_vs_golden.png").stat().st_size > 0
+    headline = [line for line in capsys.readouterr().out.splitlines() if line.startswith("- flash vs golden at bf16")]
+    assert len(headline) == 1 and "n/a" in headline[0] and headline[0].endswith("(no verdict)")  # no ratio of 0s
 
 
 def test_precision_headline_claim_at_quick_sizes():

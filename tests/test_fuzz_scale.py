@@ -139,6 +139,7 @@ class Full:
     is_causal = False
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # UnusedBlockWarning: these blocks run no attention on purpose
 @SCALE
 @given(st.sampled_from(("flash", "baseline", "native", "sdpa")), st.data())
 def test_hf_use(kernel, data):

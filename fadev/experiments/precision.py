@@ -118,9 +118,9 @@ def findings(df, *, device="cpu") -> list:
             f"{common.fmt_ratio(ratio)} the baseline's deviation in RMSE (the mean over {int(r['ratio.rmse.count'])} "
             f"seeds of each seed's flash/baseline ratio, ± {r['ratio.rmse.std']:.2g}); in max |d|: "
             f"{common.fmt_ratio(r['ratio.max_abs.mean'])} (mean of the per-seed ratios), "
-            f"{common.fmt_ratio(fmax / bmax)} (ratio of the seed means {fmax:.2e} vs {bmax:.2e})",
-            "~10x (\"roughly an order of magnitude more numeric deviation\")", order_of_magnitude(ratio),
-            "golden"))
+            f"{common.fmt_ratio(fmax / bmax if bmax else np.nan)} (ratio of the seed means {fmax:.2e} vs {bmax:.2e})",
+            "~10x (\"roughly an order of magnitude more numeric deviation\")",
+            order_of_magnitude(ratio) if np.isfinite(ratio) else None, "golden"))  # NaN: baseline exact, no ratio
     order = [f for f in common.FORMAT_ORDER if f in by.index and f != "fp64" and not f.startswith("fp8")]
     fb = [by.loc[f, "flash_vs_baseline.max_abs.mean"] for f in order]
     # tf32 and fp16 share p = 11: compare strictly across distinct precisions only
