@@ -93,35 +93,32 @@ def test_a_stalled_or_dead_rank_ends_the_cli_in_one_line(tmp_path, fault):
     code, err, seconds, left = _run_bounded([str(script)], 90, tmp_path)
     ours = err.strip().splitlines()
     assert code == 1 and len(ours) == 1 and ours[0].startswith("fadev ring-dist: ") and not left, (err, left)
-    if fault == "stalled":
+    if fault == "stalled":  # about 15 s here (2 processes start, a 2 s timeout, 2 x 3 s of grace)
         assert ours[0].startswith("fadev ring-dist: rank 0 failed: RuntimeError:") and "2 s timeout" in ours[0]
-        assert seconds < 45, seconds
     else:
         assert ours[0] == "fadev ring-dist: rank 1 died (signal SIGKILL); the other ranks were stopped", ours
-        assert seconds < 30, seconds
 
 
-@pytest.mark.parametrize("fault", ["stop", "kill"])
-def test_spawn_ends_every_rank_within_its_grace(tmp_path, fault):
-    """fadev.distributed.spawn (timeout 1 s, grace 0.5 s): rank 1 stops or dies before its ring call, rank 0's
-    ring waits for it: RankError within seconds (the timeout, two graces and the start of 2 processes; not
-    torch's 30 s wait for a SIGTERM that a stopped process never handles), no rank left."""
-    script = tmp_path / "spawn.py"
-    script.write_text(textwrap.dedent(f"""
-        import faulty
-        from fadev import distributed as fd
-        if __name__ == "__main__":
-            try:
-                fd.spawn(faulty.ring_with_a_fault, 2, {fault!r}, timeout=1, grace=0.5)
-            except fd.RankError as e:
-                raise SystemExit(f"RankError: {{e}} (rank {{e.rank}})")
-    """))
-    code, err, seconds, left = _run_bounded([str(script)], 90, tmp_path)
-    last = err.strip().splitlines()[-1]
-    want = ("RankError: rank 0 failed: RuntimeError: " if fault == "stop" else
-            "RankError: rank 1 died (signal SIGKILL); the other ranks were stopped (rank 1)")
-    assert code == 1 and last.startswith(want) and not left, (err, left)
-    assert seconds < 25, seconds
+def test_spawn_ends_every_rank_within_its_grace(tmp_path):
+    """fadev.distributed.spawn (timeout 1 s, grace 0.5 s): rank 1 dies, or stops, before its ring call while
+    rank 0's ring waits for it: RankError, no rank left. The stopped rank costs about the timeout and two
+    graces more than the dead one (not torch's 30 s wait for a SIGTERM a stopped process never handles)."""
+    seconds = {}
+    for fault, want in (("kill", "RankError: rank 1 died (signal SIGKILL); the other ranks were stopped (rank 1)"),
+                        ("stop", "RankError: rank 0 failed: RuntimeError: ")):
+        script = tmp_path / f"{fault}.py"
+        script.write_text(textwrap.dedent(f"""
+            import faulty
+            from fadev import distributed as fd
+            if __name__ == "__main__":
+                try:
+                    fd.spawn(faulty.ring_with_a_fault, 2, {fault!r}, timeout=1, grace=0.5)
+                except fd.RankError as e:
+                    raise SystemExit(f"RankError: {{e}} (rank {{e.rank}})")
+        """))
+        code, err, seconds[fault], left = _run_bounded([str(script)], 90, tmp_path)
+        assert code == 1 and err.strip().splitlines()[-1].startswith(want) and not left, (err, left)
+    assert seconds["stop"] - seconds["kill"] < 15, seconds  # 1 + 2 x 0.5 s, and noise
 
 
 def _trace(error):
