@@ -77,8 +77,8 @@ pytest.importorskip("torch")
 def test_a_stalled_or_dead_rank_ends_the_cli_in_one_line(tmp_path, fault):
     """`fadev ring-dist --spawn 2 --timeout 2` whose rank 1 stops (or dies) while rank 0 waits for it at a
     barrier: the command ends well within a minute (the collective timeout, then spawn's grace), exit 1, its
-    whole stderr one line naming the rank (no traceback, no warning), no rank left running. Bounded only if distributed.init passes its
-    timeout on (the default would wait 30 minutes)."""
+    whole stderr one line naming the rank (no traceback, no warning), no rank left running. Bounded (90 s
+    here) only if distributed.init passes its timeout on (the default would wait 30 minutes)."""
     script = tmp_path / "cli.py"
     script.write_text(textwrap.dedent(f"""
         import sys

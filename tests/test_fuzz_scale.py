@@ -95,18 +95,19 @@ def test_distributed_ring_invalid(one_rank, arg, data):
 def test_shard_unshard(world, layout, per, data):
     n = 2 * world * per
     x = np.arange(2 * n * 3, dtype=np.float64).reshape(2, n, 3)
-    parts = [fd.shard(x, world, r, layout) for r in range(world)]
-    assert np.array_equal(fd.unshard(parts, layout), x)
+    parts = [fd.shard(x, world, r, layout=layout) for r in range(world)]
+    assert np.array_equal(fd.unshard(parts, layout=layout), x)
     t = torch.tensor(x)
-    assert torch.equal(fd.unshard([fd.shard(t, world, r, layout) for r in range(world)], layout), t)
+    assert torch.equal(fd.unshard([fd.shard(t, world, r, layout=layout) for r in range(world)], layout=layout), t)
     called(fd.shard, 2 * world)
     called(fd.unshard, 2)
-    rejects("rank", fd.shard, x, world, data.draw(st.sampled_from([world, -1, 2.5, True, "0", None])), layout)
-    rejects("world_size", fd.shard, x, data.draw(NON_INTS.filter(lambda w: w is not None) | st.just(0)), 0, layout)
-    rejects("layout", fd.shard, x, world, 0, data.draw(st.sampled_from(["spiral", None, 2])))
-    rejects("x", fd.shard, data.draw(st.sampled_from([x[0, :, 0], x[:, :-1]])), 2, 0, layout)  # 1-D; N odd
-    rejects("parts", fd.unshard, [x, x[..., :1]], layout)
-    rejects("layout", fd.unshard, parts, "spiral")
+    rejects("rank", fd.shard, x, world, data.draw(st.sampled_from([world, -1, 2.5, True, "0", None])), layout=layout)
+    bad_world = data.draw(NON_INTS.filter(lambda w: w is not None) | st.just(0))
+    rejects("world_size", fd.shard, x, bad_world, 0, layout=layout)
+    rejects("layout", fd.shard, x, world, 0, layout=data.draw(st.sampled_from(["spiral", None, 2])))
+    rejects("x", fd.shard, data.draw(st.sampled_from([x[0, :, 0], x[:, :-1]])), 2, 0, layout=layout)  # 1-D; N odd
+    rejects("parts", fd.unshard, [x, x[..., :1]], layout=layout)
+    rejects("layout", fd.unshard, parts, layout="spiral")
 
 
 # ---------------------------------------------------------------- fadev.hf
@@ -266,6 +267,7 @@ EXECUTOR_ARGS = {
 @given(st.sampled_from(sorted(EXECUTOR_ARGS)), st.data())
 def test_executor_options_invalid(arg, data):
     from fadev import sweep
-    options = {"executor": "ray" if arg in ("address", "gpus_per_point") else "local", arg: data.draw(EXECUTOR_ARGS[arg])}
+    options = {"executor": "ray" if arg in ("address", "gpus_per_point") else "local",
+               arg: data.draw(EXECUTOR_ARGS[arg])}
     out = options.pop("out", None)
     rejects(arg, sweep.drive, {"p0": {"i": 0, "fails": False}}, _row, _key, out, progress=False, **options)
