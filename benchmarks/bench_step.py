@@ -1,6 +1,8 @@
 """A training step on each attention, and fadev's host time per attention call (validate, then time).
 
-    python benchmarks/bench_step.py [--steps 20] [--arms sdpa,eager,native,fa2,paper] [--quick]
+    python benchmarks/bench_step.py [--steps 20] [--arms sdpa,eager,native,fa2,paper] [--quick] [--device cpu]
+
+(fadev importable: an installed build, or PYTHONPATH=. for an in-place one.)
 
 The model is the training-drift study's Llama (fadev.training.lm: transformers' LlamaForCausalLM, hidden 512,
 8 layers, 8 query / 4 key-value heads, SwiGLU 1376, byte vocabulary; ``--quick``: a small one) trained on batch
