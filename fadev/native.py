@@ -5,6 +5,7 @@ fixed), so their options start at ``causal``.
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 import ml_dtypes
@@ -44,15 +45,24 @@ def native_tiles(dim, *, backward=False, warp_rows=16, mma="sync") -> list:
     ``warp_rows`` not read)."""
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
         raise ValueError(f"dim must be a positive integer, got {dim!r}")
-    _args.boolean(backward, "backward")
-    rows = _warp_rows(warp_rows)
-    code = _args.choice("mma", mma, MMA)
-    if not _core.cuda_info()["compiled"]:
+    tiles = _tiles(int(dim), bool(_args.boolean(backward, "backward")), _warp_rows(warp_rows),
+                   _args.choice("mma", mma, MMA))
+    if tiles is None:
         raise no_gpu("native_tiles")
+    return list(tiles)
+
+
+@functools.lru_cache(maxsize=None)
+def _tiles(dim, backward, rows, code):
+    """The build's tile list (a constant of the compiled kernels), asked of the binding once per argument set:
+    every native call fits its tiles, and ``_core.cuda_info()`` queries every device's properties (about 0.1 ms
+    each), which made the tile look-ups most of a native call's host time. None: built without CUDA."""
+    if not _core.cuda_info()["compiled"]:
+        return None
     try:
-        return [tuple(t) for t in _core.cuda_native_tiles(int(dim), backward, rows, code)]
+        return tuple(tuple(t) for t in _core.cuda_native_tiles(dim, backward, rows, code))
     except ValueError:  # FADEV_ERR_INVALID_ARGUMENT: a head dim without tiles
-        return []
+        return ()
 
 
 def _dtype_code(dtype, q) -> int:

@@ -333,3 +333,22 @@ def test_native_invalid_arguments(kwargs, shapes):
     k = torch.randn(*ks, device="cuda", dtype=torch.float16)
     with pytest.raises(ValueError):
         fadev.native_attention(q, k, k, **kwargs)
+
+
+def test_tile_lists_are_asked_of_the_build_once(monkeypatch):
+    """The tile lists are constants of the build: asked of the binding once per argument set (a native call
+    fits its tiles several times, and each look-up used to query every device's properties), and a caller
+    that edits the list it got does not edit the next caller's."""
+    import fadev.native as native
+    native._tiles.cache_clear()
+    calls = []
+    real = native._core.cuda_native_tiles
+    monkeypatch.setattr(native._core, "cuda_native_tiles", lambda *a: calls.append(a) or real(*a))
+    first = fadev.native_tiles(64)
+    first.clear()
+    assert fadev.native_tiles(64) and fadev.native_tiles(64, backward=True) and len(calls) == 2
+    q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
+    import fadev.torch_native as tn
+    tn.native_attention(q, q, q, is_causal=True).float().sum()
+    assert len(calls) == 2  # the call fitted its tiles from the cache
+    native._tiles.cache_clear()
