@@ -54,9 +54,10 @@ def native_tiles(dim, *, backward=False, warp_rows=16, mma="sync") -> list:
 
 @functools.lru_cache(maxsize=None)
 def _tiles(dim, backward, rows, code):
-    """The build's tile list (a constant of the compiled kernels), asked of the binding once per argument set:
-    every native call fits its tiles, and ``_core.cuda_info()`` queries every device's properties (about 0.1 ms
-    each), which made the tile look-ups most of a native call's host time. None: built without CUDA."""
+    """The build's tile list (a constant of the compiled kernels), asked of the binding once per argument set
+    (issue 25: what is constant is computed once, not per call). A native forward + backward looked it up five
+    times; measured on an H100 (benchmarks/README.md) that cost little -- ``_core.cuda_info()`` takes ~6 us --
+    so the native call's host time lies elsewhere. None: built without CUDA."""
     if not _core.cuda_info()["compiled"]:
         return None
     try:

@@ -337,8 +337,7 @@ def test_native_invalid_arguments(kwargs, shapes):
 
 def test_tile_lists_are_asked_of_the_build_once(monkeypatch):
     """The tile lists are constants of the build: asked of the binding once per argument set (a native call
-    fits its tiles several times, and each look-up used to query every device's properties), and a caller
-    that edits the list it got does not edit the next caller's."""
+    fits its tiles several times), and a caller that edits the list it got does not edit the next caller's."""
     import fadev.native as native
     native._tiles.cache_clear()
     calls = []
