@@ -334,7 +334,8 @@ def run_llama(size="quick", out=None, *, device="cpu", workers=None, progress=Fa
         raise RuntimeError(f"budget_s={s['budget_s']}: no arm got through its first logged step; give it more time")
     drift.attrs.update(loss=loss, settings=s, runs=runs, pairs=pairs, reached=reached, skipped=skipped,
                        steps=config.steps, unit="nats per byte",
-                       intro=(real.intro if s["kernels"] in real.KINDS else _llama_intro)(s, config, corpus))
+                       intro=real.intro(s, config, corpus, device) if s["kernels"] in real.KINDS else
+                       _llama_intro(s, config, corpus))
     return drift
 
 
