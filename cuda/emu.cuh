@@ -77,7 +77,7 @@ __device__ __forceinline__ double emu_mac(const att_stage &acc_stage, double acc
 struct emu_inputs {
     device_buffer<double> q, k, v;
     device_buffer<float> qf, kf, vf;
-    device_buffer<emu_mag> kmag, vmag;
+    device_buffer<emu_mag> qmag, kmag, vmag;
 };
 fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const double *k, const double *v,
                          const fadev_attention_params *params, const fadev_policy *policy, int exp2);
@@ -87,5 +87,14 @@ static inline unsigned emu_blocks(size_t n, unsigned threads) {
     size_t b = (n + threads - 1) / threads;
     return (unsigned)(b > 1u << 30 ? 1u << 30 : (b ? b : 1));
 }
+
+/* 1 if every rounded input (q, k, v) is finite: the magnitudes emu_prepare recorded, read back. */
+fadev_status emu_inputs_finite(const emu_ctx *cx, const emu_inputs *store, int *finite);
+
+/* The forward's fast path (emu_forward_fast.cu): whether it applies to this plan and policy (inputs finite, fp32
+ * FMA chains exact, the intermediate values fp32 values; FADEV_EMU_GENERIC=1 in the environment turns it off),
+ * and the launch. Same bits as the generic kernels. */
+int emu_fast_forward_ok(const emu_ctx &cx, const fadev_policy *pol, int finite);
+fadev_status emu_fast_forward(const emu_ctx &cx, double *out, double *lse, int baseline);
 
 #endif /* FADEV_EMU_CUH */

@@ -339,6 +339,11 @@ fadev_status run_forward(const double *q, const double *k, const double *v, doub
     emu_ctx cx;
     emu_inputs store;
     FADEV_TRY(emu_prepare(&cx, &store, q, k, v, params, policy, flash && params->exp_form == FADEV_EXP2));
+    if (cx.qk_float && cx.pv_float) { /* the fast path (emu_forward_fast.cu), when the data allow it */
+        int finite = 0;
+        FADEV_TRY(emu_inputs_finite(&cx, &store, &finite));
+        if (emu_fast_forward_ok(cx, policy, finite)) return emu_fast_forward(cx, out, lse, !flash);
+    }
     fwd_args a;
     a.cx = cx;
     a.out = out;

@@ -2,6 +2,8 @@
  * V = R_input(v) element-wise with the CPU's counters (events 0, 1, 2: stream id + 32 * head, index (row, d, 0)),
  * fp32 copies where the float tier may be used, and per K/V head the smallest nonzero and largest magnitude
  * and whether every value is finite (mag_add's rules), which decide that tier exactly as att_init does. */
+#include <stdlib.h>
+
 #include "emu.cuh"
 
 /* One launch per tensor: blockIdx.y is the head; each thread walks a stride of that head's rows x D values
@@ -39,9 +41,12 @@ static fadev_status round_tensor(const double *src, device_buffer<double> &dst, 
     if (want_float) FADEV_TRY(dstf.alloc(n, "emulated attention: fp32 inputs"));
     if (mag) {
         FADEV_TRY(mag->alloc((size_t)heads, "emulated attention: magnitudes"));
-        emu_mag init = {0x7FF0000000000000ull, 0, 1};
-        for (int64_t h = 0; h < heads; h++)
-            CUDA_TRY(cudaMemcpy(mag->ptr + h, &init, sizeof init, cudaMemcpyHostToDevice));
+        emu_mag *init = (emu_mag *)malloc((size_t)heads * sizeof(emu_mag));
+        if (!init) return FADEV_ERR_NO_MEMORY;
+        for (int64_t h = 0; h < heads; h++) init[h] = emu_mag{0x7FF0000000000000ull, 0, 1};
+        const cudaError_t err = cudaMemcpy(mag->ptr, init, (size_t)heads * sizeof(emu_mag), cudaMemcpyHostToDevice);
+        free(init);
+        if (err != cudaSuccess) return fadev_cuda_fail(err, "emulated attention: magnitudes");
     }
     const unsigned threads = 256;
     unsigned per_head = emu_blocks((size_t)(rows * dim), threads);
@@ -60,7 +65,7 @@ fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const 
     memset(cx, 0, sizeof *cx);
     att_plan_init(cx, params, pol, exp2); /* the stages and constants of att_init */
     const int64_t B = params->batch, D = params->dim;
-    FADEV_TRY(round_tensor(q, store->q, store->qf, cx->qk_float, nullptr, B * params->heads, params->seq_q, D,
+    FADEV_TRY(round_tensor(q, store->q, store->qf, cx->qk_float, &store->qmag, B * params->heads, params->seq_q, D,
                            cx->input, ATT_IN_Q));
     FADEV_TRY(round_tensor(k, store->k, store->kf, cx->qk_float, &store->kmag, B * params->heads_kv, params->seq_kv, D,
                            cx->input, ATT_IN_K));
@@ -69,5 +74,27 @@ fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const 
     cx->q = store->q.ptr, cx->k = store->k.ptr, cx->v = store->v.ptr;
     cx->qf = store->qf.ptr, cx->kf = store->kf.ptr, cx->vf = store->vf.ptr;
     cx->kmag = store->kmag.ptr, cx->vmag = store->vmag.ptr;
+    return FADEV_OK;
+}
+
+fadev_status emu_inputs_finite(const emu_ctx *cx, const emu_inputs *store, int *finite) {
+    const int64_t hq = cx->pr.batch * cx->pr.heads, hk = cx->pr.batch * cx->pr.heads_kv;
+    *finite = 0;
+    if (!store->qmag.ptr || !store->kmag.ptr || !store->vmag.ptr) return FADEV_OK;
+    emu_mag *host = (emu_mag *)malloc((size_t)(hq + 2 * hk) * sizeof(emu_mag));
+    if (!host) return FADEV_ERR_NO_MEMORY;
+    cudaError_t err = cudaMemcpy(host, store->qmag.ptr, (size_t)hq * sizeof(emu_mag), cudaMemcpyDeviceToHost);
+    if (err == cudaSuccess)
+        err = cudaMemcpy(host + hq, store->kmag.ptr, (size_t)hk * sizeof(emu_mag), cudaMemcpyDeviceToHost);
+    if (err == cudaSuccess)
+        err = cudaMemcpy(host + hq + hk, store->vmag.ptr, (size_t)hk * sizeof(emu_mag), cudaMemcpyDeviceToHost);
+    if (err != cudaSuccess) {
+        free(host);
+        return fadev_cuda_fail(err, "emulated attention: reading the input magnitudes");
+    }
+    int ok = 1;
+    for (int64_t h = 0; h < hq + 2 * hk; h++) ok &= host[h].finite != 0;
+    free(host);
+    *finite = ok;
     return FADEV_OK;
 }

@@ -1,0 +1,426 @@
+/* The emulated forward's fast path (baseline and flash), bit-identical to emu_forward.cu's generic kernels and so
+ * to csrc/baseline.c and csrc/flash.c. emu_forward.cu takes it when emu_fast_forward_ok() holds: the score and
+ * P.V accumulators are fp32 under nearest-even and their factors have at most 24 significant bits together
+ * (the plan's qk_float and pv_float: bf16, fp16, fp8 inputs and P), every rounded input is finite, the scores,
+ * softmax terms, P and the running O are fp32 values (their stages lie inside fp32), and D <= 128.
+ *
+ * Why the bits are the same (docs/numerics.md, "The fp32 FMA path"). The spec's accumulation step is
+ * R32(R64(a + x)), a an fp32 value, x = q k the exact product (at most 24 significant bits). fmaf(q, k, a)
+ * is R32(a + x). If a + x is an fp64 value, R64 is the identity. Otherwise the two summands' bits span more than
+ * 53 positions: with at most 24 bits each, the smaller one S lies below the larger one L's last bit by more
+ * than 6 positions, |S| < ulp(L) / 64, and L is an fp32 value (a, or x, which then lies in fp32's range: a
+ * finite fp32 a cannot be smaller than ulp(x) / 64 unless it is 0, and a = 0 is exact). Then a + x and
+ * R64(a + x) both lie within ulp32(L) / 64 of L, away from any fp32 midpoint, and both round to L. So one fp32
+ * FMA per term gives the spec's bits for every finite a, q, k, subnormal or overflowing products included; the
+ * chains keep the spec's order (t ascending for scores, keys ascending for P.V), so no sum is reassociated.
+ * Where a stage is fp32 under nearest-even, an operation on two fp32 values (c * acc, s - m, rowsum + e) is done
+ * in fp32: R32(R64(a op b)) = R32(a op b) by the double-rounding theorem (53 >= 2 * 24 + 2); every other rounding
+ * event is emu_round on the fp64 value, as in the generic kernels, and exp, exp2, log are CUDA's fp64 functions.
+ *
+ * Schedule (a CTA: 64 query rows of one head, 256 threads, register-blocked):
+ *   scores of a subtile of up to 128 keys: warp w owns rows 8w..8w+7, lane L keys L, L+32, L+64, L+96; each thread
+ *     runs its 8 x 4 fp32 FMA chains over t ascending, Q resident in shared memory ([D][64]), K staged in slices
+ *     of 32 along t; the scores go to shared memory S[key][row] and the row maxima are reduced by warp shuffles;
+ *   softmax terms: element-wise over S (all threads), then a thread per row runs the row sum's chain over keys
+ *     ascending (flash: and P = R_p(e) in place);
+ *   P.V: a thread owns 4 rows x D/16 columns of the block's P.V chains (registers, across subtiles) and the running
+ *     O (registers); V is staged in slices of 32 keys, P read as float4 from S;
+ *   a flash block of at most 128 keys is one subtile, its scores computed once; a larger block (and the baseline,
+ *   whose one block is every key) computes its scores again in each pass (the same events, the same values). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "emu.cuh"
+
+namespace {
+
+constexpr int BM = 64;       /* query rows per CTA */
+constexpr int KT = 128;      /* keys per score subtile */
+constexpr int NT = 256;      /* threads per CTA */
+constexpr int TS = 32;       /* slice of t staged for the scores */
+constexpr int JS = 32;       /* slice of keys staged for P.V */
+constexpr int SP = BM + 4;   /* pitch of S[key][row] (float4 reads of 4 rows) */
+constexpr int KP = KT + 1;   /* pitch of K[t][key] */
+constexpr int MAXD = 128;
+constexpr unsigned FULL = 0xFFFFFFFFu;
+
+struct fast_args {
+    emu_ctx cx;
+    double *out, *lse;
+    int64_t block_kv; /* flash: clamped to seq_kv; baseline: seq_kv */
+    int64_t tiles;    /* CTAs per head */
+    int baseline;
+};
+
+/* Per-row state in shared memory. */
+struct rows_view {
+    double *m, *mnew, *l, *rsum, *factor, *lnew;
+    int *nv, *seen;
+};
+
+struct smem_t {
+    float *q;  /* [D][BM] */
+    float *kv; /* K slice [TS][KP] or V slice [JS][D] */
+    float *s;  /* [KT][SP] */
+    rows_view rows;
+};
+
+__host__ __device__ size_t smem_bytes(int64_t D) {
+    const size_t kv = (size_t)(TS * KP > JS * MAXD ? TS * KP : JS * MAXD);
+    return ((size_t)D * BM + kv + (size_t)KT * SP) * sizeof(float) + (size_t)BM * (6 * sizeof(double) + 2 * sizeof(int));
+}
+
+__device__ smem_t carve(int64_t D, char *base) {
+    smem_t sm;
+    double *rd = (double *)base;
+    sm.rows.m = rd, sm.rows.mnew = rd + BM, sm.rows.l = rd + 2 * BM, sm.rows.rsum = rd + 3 * BM;
+    sm.rows.factor = rd + 4 * BM, sm.rows.lnew = rd + 5 * BM;
+    int *ri = (int *)(rd + 6 * BM);
+    sm.rows.nv = ri, sm.rows.seen = ri + BM;
+    float *f = (float *)(ri + 2 * BM);
+    sm.q = f;
+    sm.kv = f + D * BM;
+    sm.s = sm.kv + (TS * KP > JS * MAXD ? TS * KP : JS * MAXD);
+    return sm;
+}
+
+/* One rounding event, as emu_round, with the general path (other formats, stochastic rounding) kept out of line:
+ * the kernel's register blocks must not pay for fadev_round_one's registers. */
+__device__ __noinline__ double round_slow(const att_stage *st, double x, uint64_t stream, uint64_t idx) {
+    return att_round_general(st, x, stream, idx);
+}
+__device__ __forceinline__ double rnd(const att_stage &st, double x, uint64_t stream, uint64_t idx) {
+    double y;
+    if (att_round_fast(&st, x, &y)) return y;
+    return round_slow(&st, x, stream, idx);
+}
+
+/* R_softmax(a - b) for an fp32 value a and b a maximum of fp32 values (or -inf): in fp32 when the stage is fp32
+ * nearest-even (double rounding is innocuous), else the fp64 difference through the event. */
+__device__ __forceinline__ float r_sub(const att_stage &st, float a, double b, uint64_t stream, uint64_t idx) {
+    if (st.kind == ATT_F32) return __fsub_rn(a, (float)b);
+    return (float)rnd(st, (double)a - b, stream, idx);
+}
+
+/* Scores of the subtile's keys kb0 .. kb0 + kn - 1 of the block starting at key jb0 (kn <= KT) for the CTA's rows,
+ * into S[key][row]; a row's keys beyond its visible count are written but never read. With `track`, the rows'
+ * maxima over their visible keys are folded into mnew. Begins with a barrier; ends without one. */
+__device__ void scores(const fast_args &a, const smem_t &sm, int64_t bh, int64_t bhk, int64_t i0, int64_t jb0,
+                       int kb0, int kn, int track) {
+    const emu_ctx &cx = a.cx;
+    const int64_t D = cx.pr.dim, Nk = cx.pr.seq_kv;
+    const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
+    float acc[8][4];
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) acc[r][c] = 0.f;
+    const float *kh = cx.kf + (bhk * Nk + jb0 + kb0) * D;
+    for (int64_t t0 = 0; t0 < D; t0 += TS) {
+        const int tn = (int)(D - t0 < TS ? D - t0 : TS);
+        __syncthreads(); /* the previous slice, V slice or S is consumed */
+        for (int e = tid; e < TS * KT; e += NT) {
+            const int tt = e % TS, key = e / TS;
+            sm.kv[tt * KP + key] = tt < tn && key < kn ? kh[key * D + t0 + tt] : 0.f;
+        }
+        __syncthreads();
+        const float *qs = sm.q + t0 * BM + w * 8;
+        for (int tt = 0; tt < tn; tt++) {
+            const float4 qa = *(const float4 *)(qs + tt * BM), qb = *(const float4 *)(qs + tt * BM + 4);
+            const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+            float kv[4];
+#pragma unroll
+            for (int c = 0; c < 4; c++) kv[c] = sm.kv[tt * KP + lane + 32 * c];
+#pragma unroll
+            for (int r = 0; r < 8; r++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) acc[r][c] = fmaf(qv[r], kv[c], acc[r][c]);
+        }
+    }
+    /* s = R_score(c R_score(acc)): acc is an fp32 value, so for an fp32 stage the inner rounding is the identity
+     * and the product c * acc is rounded once in fp32 */
+    const uint64_t s4 = ATT_STREAM(ATT_SCORE_DOT, bh), s5 = ATT_STREAM(ATT_SCORE_SCALED, bh);
+    const float cf = (float)cx.c;
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const int row = w * 8 + r;
+        const int64_t i = i0 + row;
+        const int vis = sm.rows.nv[row];
+        double mx = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int key = lane + 32 * c;
+            if (key >= kn) continue;
+            const int64_t j = jb0 + kb0 + key;
+            float s;
+            if (cx.score.kind == ATT_F32) {
+                s = __fmul_rn(cf, acc[r][c]);
+            } else {
+                const uint64_t idx = ATT_INDEX(i, j, 0);
+                s = (float)rnd(cx.score, cx.c * rnd(cx.score, (double)acc[r][c], s4, idx), s5, idx);
+            }
+            sm.s[key * SP + row] = s;
+            if (track && kb0 + key < vis) mx = att_max(mx, (double)s);
+        }
+        if (track) {
+#pragma unroll
+            for (int off = 16; off; off >>= 1) mx = att_max(mx, __shfl_xor_sync(FULL, mx, off));
+            if (lane == 0) sm.rows.mnew[row] = att_max(sm.rows.mnew[row], mx);
+        }
+    }
+}
+
+/* The softmax terms of the subtile, element-wise (every thread): e = R_softmax(E(R_softmax(s - m_new))) in
+ * place of s, or with `divide` (the baseline's second pass) P = R_p(e / l). Ends with a barrier. */
+__device__ void softmax_terms(const fast_args &a, const smem_t &sm, int64_t bh, int64_t i0, int64_t jb0, int kb0,
+                              int kn, int divide) {
+    const emu_ctx &cx = a.cx;
+    const uint64_t s6 = ATT_STREAM(ATT_SOFTMAX_SUB, bh), s7 = ATT_STREAM(ATT_SOFTMAX_EXP, bh);
+    const uint64_t s16 = ATT_STREAM(ATT_P, bh);
+    __syncthreads(); /* S and mnew are written */
+    for (int e = threadIdx.x; e < kn * BM; e += NT) {
+        const int row = e % BM, key = e / BM;
+        if (kb0 + key >= sm.rows.nv[row]) continue;
+        const uint64_t idx = ATT_INDEX(i0 + row, jb0 + kb0 + key, 0);
+        float *at = sm.s + key * SP + row;
+        const float x = r_sub(cx.softmax, *at, sm.rows.mnew[row], s6, idx);
+        const double ex = rnd(cx.softmax, emu_exp(cx.exp2, (double)x), s7, idx);
+        *at = (float)(divide ? rnd(cx.p, ex / sm.rows.l[row], s16, idx) : ex);
+    }
+    __syncthreads();
+}
+
+/* A thread per row: the row sum's chain rsum = R_sum_acc(rsum + e) over the subtile's visible keys ascending,
+ * and with `to_p` (flash) P = R_p(e) in place of e. Ends with a barrier. */
+__device__ void row_sums(const fast_args &a, const smem_t &sm, int64_t bh, int64_t i0, int64_t jb0, int kb0, int kn,
+                         int to_p) {
+    const emu_ctx &cx = a.cx;
+    const int row = threadIdx.x;
+    if (row < BM) {
+        const int vis = sm.rows.nv[row] - kb0, n = vis < kn ? vis : kn;
+        const int64_t i = i0 + row;
+        const uint64_t s8 = ATT_STREAM(ATT_SUM_ACC, bh), s16 = ATT_STREAM(ATT_P, bh);
+        double rs = sm.rows.rsum[row];
+        float rsf = (float)rs;
+        for (int key = 0; key < n; key++) {
+            float *at = sm.s + key * SP + row;
+            const float e = *at;
+            const uint64_t idx = ATT_INDEX(i, jb0 + kb0 + key, 0);
+            if (cx.sum_acc.kind == ATT_F32) rsf = __fadd_rn(rsf, e);
+            else rs = rnd(cx.sum_acc, rs + (double)e, s8, idx);
+            if (to_p) *at = (float)rnd(cx.p, (double)e, s16, idx);
+        }
+        if (n > 0) sm.rows.rsum[row] = cx.sum_acc.kind == ATT_F32 ? (double)rsf : rs;
+    }
+    __syncthreads();
+}
+
+/* P.V of the subtile added onto the block's chains pv (thread: rows 4g..4g+3, columns tx + 16c), V staged in
+ * slices of JS keys; a term enters only where the row sees the key. */
+template <int DC>
+__device__ void pv_terms(const fast_args &a, const smem_t &sm, int64_t bhk, int64_t jb0, int kb0, int kn,
+                         int64_t nvmin, const int nvr[4], float pv[4][DC]) {
+    const emu_ctx &cx = a.cx;
+    const int64_t D = cx.pr.dim, Nk = cx.pr.seq_kv;
+    const int tid = threadIdx.x, g = tid >> 4, tx = tid & 15;
+    const float *vh = cx.vf + (bhk * Nk + jb0 + kb0) * D;
+    for (int js = 0; js < kn; js += JS) {
+        const int jn = kn - js < JS ? kn - js : JS;
+        __syncthreads(); /* the previous V slice is consumed */
+        for (int e = tid; e < JS * D; e += NT) {
+            const int jj = (int)(e / D);
+            sm.kv[e] = jj < jn ? vh[(js + jj) * D + e % D] : 0.f;
+        }
+        __syncthreads();
+        const int full = kb0 + js + jn <= nvmin; /* every row sees every key of the slice */
+        for (int jj = 0; jj < jn; jj++) {
+            const float4 p4 = *(const float4 *)(sm.s + (js + jj) * SP + g * 4);
+            const float pr[4] = {p4.x, p4.y, p4.z, p4.w};
+            const int kb = kb0 + js + jj;
+#pragma unroll
+            for (int c = 0; c < DC; c++) {
+                const int d = tx + 16 * c;
+                if (d >= D) break;
+                const float vv = sm.kv[jj * D + d];
+#pragma unroll
+                for (int r = 0; r < 4; r++)
+                    if (full || kb < nvr[r]) pv[r][c] = fmaf(pr[r], vv, pv[r][c]);
+            }
+        }
+    }
+}
+
+/* DC: P.V columns per thread (D <= 16 DC). */
+template <int DC> __global__ void __launch_bounds__(NT, 2) fast_kernel(const __grid_constant__ fast_args a) {
+    extern __shared__ __align__(16) char smem[];
+    const emu_ctx &cx = a.cx;
+    const int tid = threadIdx.x, g = tid >> 4, tx = tid & 15;
+    const int64_t cta = blockIdx.x, bh = cta / a.tiles, i0 = (cta % a.tiles) * BM;
+    const int64_t D = cx.pr.dim, Nq = cx.pr.seq_q, Nk = cx.pr.seq_kv, bhk = emu_kv_head(cx, bh);
+    const int here = (int)(Nq - i0 < BM ? Nq - i0 : BM); /* valid rows of the CTA */
+    const smem_t sm = carve(D, smem);
+    const rows_view &rw = sm.rows;
+    for (int e = tid; e < D * BM; e += NT) {
+        const int t = (int)(e % D), row = (int)(e / D);
+        sm.q[t * BM + row] = row < here ? cx.qf[(bh * Nq + i0 + row) * D + t] : 0.f;
+    }
+    if (tid < BM) rw.m[tid] = -INFINITY, rw.l[tid] = 0, rw.seen[tid] = 0;
+    const int eager = cx.pr.normalize == FADEV_EAGER, kv_outer = cx.pr.loop_order == FADEV_KV_OUTER;
+    float o[4][DC], pv[4][DC];
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int c = 0; c < DC; c++) o[r][c] = 0.f;
+    const int64_t bkv = a.block_kv;
+    for (int64_t jb = 0, jb0 = 0; jb0 < Nk; jb++, jb0 += bkv) {
+        const int64_t n = bkv < Nk - jb0 ? bkv : Nk - jb0;
+        const int64_t nvmax = emu_visible(cx.pr, i0 + here - 1, jb0, n), nvmin = emu_visible(cx.pr, i0, jb0, n);
+        if (nvmax == 0) {
+            if (cx.pr.causal) break; /* later blocks are masked too, for every row */
+            continue;
+        }
+        __syncthreads(); /* the previous block's readers of the row state are done */
+        if (tid < BM) {
+            rw.nv[tid] = tid < here ? (int)emu_visible(cx.pr, i0 + tid, jb0, n) : 0;
+            rw.mnew[tid] = rw.m[tid], rw.rsum[tid] = 0;
+        }
+        __syncthreads();
+        int nvr[4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) nvr[r] = rw.nv[g * 4 + r];
+        const int nsub = (int)((nvmax + KT - 1) / KT), once = nsub == 1;
+        /* the maxima (and, for a single subtile, the scores kept for what follows) */
+        for (int sub = 0; sub < nsub; sub++)
+            scores(a, sm, bh, bhk, i0, jb0, sub * KT, (int)(nvmax - sub * KT < KT ? nvmax - sub * KT : KT), 1);
+        if (a.baseline) { /* the baseline's row sums and l, before any P */
+            for (int sub = 0; sub < nsub; sub++) {
+                const int kn = (int)(nvmax - sub * KT < KT ? nvmax - sub * KT : KT);
+                if (!once) scores(a, sm, bh, bhk, i0, jb0, sub * KT, kn, 0);
+                softmax_terms(a, sm, bh, i0, jb0, sub * KT, kn, 0);
+                row_sums(a, sm, bh, i0, jb0, sub * KT, kn, 0);
+            }
+            if (tid < BM && rw.nv[tid] > 0)
+                rw.l[tid] = rnd(cx.stats, rw.rsum[tid], ATT_STREAM(ATT_STATS_AL, bh), ATT_INDEX(i0 + tid, 0, 0));
+        }
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int c = 0; c < DC; c++) pv[r][c] = 0.f;
+        for (int sub = 0; sub < nsub; sub++) {
+            const int kn = (int)(nvmax - sub * KT < KT ? nvmax - sub * KT : KT);
+            if (!once || a.baseline) scores(a, sm, bh, bhk, i0, jb0, sub * KT, kn, 0);
+            softmax_terms(a, sm, bh, i0, jb0, sub * KT, kn, a.baseline);
+            if (!a.baseline) row_sums(a, sm, bh, i0, jb0, sub * KT, kn, 1);
+            pv_terms(a, sm, bhk, jb0, sub * KT, kn, nvmin, nvr, pv);
+        }
+        if (a.baseline) { /* out = R_out(pv), l and m as the forward's */
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+#pragma unroll
+                for (int c = 0; c < DC; c++) o[r][c] = pv[r][c];
+            if (tid < BM && rw.nv[tid] > 0) rw.seen[tid] = 1, rw.m[tid] = rw.mnew[tid];
+            break;
+        }
+        /* 4-5: the statistics of the rows that see a key of the block (row_softmax) */
+        if (tid < BM && rw.nv[tid] > 0) {
+            const int64_t i = i0 + tid;
+            const uint64_t idx = ATT_INDEX(i, jb, 0);
+            const double m = rw.m[tid], m_new = rw.mnew[tid];
+            double alpha = 0;
+            if (m != -INFINITY) {
+                const double diff = rnd(cx.rescale, m - m_new, ATT_STREAM(ATT_RESCALE_DIFF, bh), idx);
+                alpha = rnd(cx.rescale, emu_exp(cx.exp2, diff), ATT_STREAM(ATT_RESCALE_ALPHA, bh), idx);
+            }
+            const double a_l = rnd(cx.stats, alpha * rw.l[tid], ATT_STREAM(ATT_STATS_AL, bh), idx);
+            const double rs = rnd(cx.stats, rw.rsum[tid], ATT_STREAM(ATT_STATS_ROWSUM, bh), idx);
+            rw.lnew[tid] = rnd(cx.stats, a_l + rs, ATT_STREAM(ATT_STATS_LNEW, bh), idx);
+            rw.factor[tid] = eager ? a_l : alpha;
+        }
+        __syncthreads();
+        /* 7 (and 9): O from pv (row_update) */
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const int row = g * 4 + r;
+            if (nvr[r] == 0) continue;
+            const int64_t i = i0 + row;
+            const double factor = rw.factor[row], l_new = rw.lnew[row];
+            const att_stage &oa = cx.out_acc;
+#pragma unroll
+            for (int c = 0; c < DC; c++) {
+                const int d = tx + 16 * c;
+                if (d >= D) break;
+                const uint64_t idx = ATT_INDEX(i, jb, d);
+                const double scaled = rnd(oa, factor * (double)o[r][c], ATT_STREAM(ATT_OUT_ACC_AO, bh), idx);
+                const double part = rnd(oa, (double)pv[r][c], ATT_STREAM(ATT_OUT_ACC_PV, bh), idx);
+                double o_new = rnd(oa, scaled + part, ATT_STREAM(ATT_OUT_ACC_SUM, bh), idx);
+                if (eager) o_new = rnd(oa, o_new / l_new, ATT_STREAM(ATT_OUT_ACC_DIV, bh), idx);
+                if (kv_outer) o_new = rnd(cx.state_out, o_new, ATT_STREAM(ATT_STATE_OUT, bh), idx);
+                o[r][c] = (float)o_new;
+            }
+        }
+        if (tid < BM && rw.nv[tid] > 0) {
+            double l = rw.lnew[tid];
+            if (kv_outer) l = rnd(cx.state_stats, l, ATT_STREAM(ATT_STATE_STATS, bh), ATT_INDEX(i0 + tid, jb, 0));
+            rw.m[tid] = rw.mnew[tid], rw.l[tid] = l, rw.seen[tid] = 1;
+        }
+    }
+    __syncthreads();
+    /* out and lse (write_row): rows that saw no key get 0 and -inf */
+    const int divide = !a.baseline && !eager;
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const int row = g * 4 + r;
+        if (row >= here) break;
+        const int64_t i = i0 + row;
+        double *out = a.out + (bh * Nq + i) * D;
+        const int seen = rw.seen[row];
+        const double l = rw.l[row];
+#pragma unroll
+        for (int c = 0; c < DC; c++) {
+            const int d = tx + 16 * c;
+            if (d >= D) break;
+            const double x = o[r][c];
+            out[d] = seen ? rnd(cx.out, divide ? x / l : x, ATT_STREAM(ATT_OUT, bh), ATT_INDEX(i, d, 0)) : 0.0;
+        }
+    }
+    if (a.lse && tid < here) {
+        const int64_t i = i0 + tid;
+        double lse = -INFINITY;
+        if (rw.seen[tid]) {
+            const uint64_t idx = ATT_INDEX(i, 0, 0), s13 = ATT_STREAM(ATT_STATS_LSE, bh);
+            const double log_l = rnd(cx.stats, log(rw.l[tid]), ATT_STREAM(ATT_STATS_LOG, bh), idx);
+            double m = rw.m[tid];
+            if (cx.exp2) m = rnd(cx.stats, m * cx.c2, s13, ATT_INDEX(i, 0, 1));
+            lse = rnd(cx.stats, m + log_l, s13, idx);
+        }
+        a.lse[bh * Nq + i] = lse;
+    }
+}
+
+} // namespace
+
+int emu_fast_forward_ok(const emu_ctx &cx, const fadev_policy *pol, int finite) {
+    const char *generic = getenv("FADEV_EMU_GENERIC"); /* tests: the generic kernels, to compare the two paths */
+    if (generic && *generic && strcmp(generic, "0") != 0) return 0;
+    const int kv_outer = cx.pr.loop_order == FADEV_KV_OUTER;
+    return finite && cx.qk_float && cx.pv_float && cx.pr.dim <= MAXD && att_inside_fp32(&pol->score) &&
+           att_inside_fp32(&pol->softmax) && att_inside_fp32(&pol->p) && att_inside_fp32(&pol->out_acc) &&
+           (!kv_outer || att_inside_fp32(&pol->state_out));
+}
+
+fadev_status emu_fast_forward(const emu_ctx &cx, double *out, double *lse, int baseline) {
+    fast_args a;
+    a.cx = cx;
+    a.out = out, a.lse = lse;
+    a.baseline = baseline;
+    a.tiles = (cx.pr.seq_q + BM - 1) / BM;
+    a.block_kv = baseline || cx.pr.block_kv > cx.pr.seq_kv ? cx.pr.seq_kv : cx.pr.block_kv;
+    const int64_t ctas = cx.pr.batch * cx.pr.heads * a.tiles;
+    if (ctas >= (int64_t)1 << 31) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "emulated attention: grid too large");
+    const size_t smem = smem_bytes(cx.pr.dim);
+    const void *kernel = cx.pr.dim <= 64 ? (const void *)fast_kernel<4> : (const void *)fast_kernel<8>;
+    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    if (cx.pr.dim <= 64) fast_kernel<4><<<(unsigned)ctas, NT, smem>>>(a);
+    else fast_kernel<8><<<(unsigned)ctas, NT, smem>>>(a);
+    return fadev_cuda_finish(baseline ? "emulated baseline attention" : "emulated flash attention");
+}

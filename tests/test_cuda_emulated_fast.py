@@ -1,0 +1,110 @@
+"""The emulated kernels' fast paths on the GPU (fp32 FMA chains, register-blocked: cuda/emu_forward_fast.cu and
+the backward's) against the generic GPU kernels (FADEV_EMU_GENERIC=1) and the C core, bit for bit.
+
+The fast path is taken where the policy allows it (fp32 nearest-even accumulators, factors of <= 12 bits) and
+every rounded input is finite. The shapes here stress what the fast path does differently: odd N and D (partial
+register tiles and slices), causal masks that cut through tiles, Nq != Nk, grouped-query heads, every tile from
+16 to 256 (one subtile, several, and recomputed scores), D up to 128 (both column widths), products that
+underflow fp32's normals or overflow fp32 (inputs large in bf16 range: inf and NaN scores), and non-finite
+inputs (which must leave the fast path: same bits either way). NaN payloads are not compared.
+
+Skipped without a CUDA device, as in CI.
+"""
+import numpy as np
+import pytest
+
+import fadev
+import helpers
+from fadev.policy import Policy
+from helpers import make_inputs, make_qkv, needs_gpu
+
+pytestmark = [pytest.mark.gpu, needs_gpu]
+
+
+def differing(a, b):
+    return helpers.count_differing(a, b, nan="any")
+
+
+def forward(kind, q, k, v, policy, monkeypatch, generic, **kw):
+    fn = fadev.flash_attention if kind == "flash" else fadev.baseline_attention
+    monkeypatch.setenv("FADEV_EMU_GENERIC", "1" if generic else "0")
+    return fn(q, k, v, policy, return_lse=True, device="cuda", **kw)
+
+
+def assert_fast_is_generic(kind, q, k, v, policy, monkeypatch, cpu=False, **kw):
+    fo, fl = forward(kind, q, k, v, policy, monkeypatch, False, **kw)
+    go, gl = forward(kind, q, k, v, policy, monkeypatch, True, **kw)
+    where = f"{kind} {policy} {kw} q{q.shape} k{k.shape}"
+    assert differing(fo, go) == 0 and differing(fl, gl) == 0, f"{where}: the fast path differs from the generic"
+    if cpu:
+        fn = fadev.flash_attention if kind == "flash" else fadev.baseline_attention
+        co, cl = fn(q, k, v, policy, return_lse=True, **kw)
+        assert differing(fo, co) == 0 and differing(fl, cl) == 0, f"{where}: the fast path differs from the CPU"
+
+
+@pytest.mark.parametrize("kind", ["flash", "baseline"])
+@pytest.mark.parametrize("preset", ["fa2", "paper", "naive"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_presets_fast_is_generic_and_cpu(kind, preset, fmt, monkeypatch):
+    q, k, v = make_qkv(21, 1, 2, 2, 131, 173, 64, spread=2.0)
+    assert_fast_is_generic(kind, q, k, v, Policy.preset(preset, fmt), monkeypatch, cpu=True, causal=True)
+
+
+@pytest.mark.parametrize("block_kv", [16, 32, 63, 64, 128, 129, 200, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiles_fast_is_generic(block_kv, causal, monkeypatch):
+    q, k, v = make_qkv(22, 1, 2, 1, 150, 411, 40)
+    assert_fast_is_generic("flash", q, k, v, Policy.fa2("bf16"), monkeypatch, causal=causal, block_kv=block_kv)
+
+
+@pytest.mark.parametrize("D", [1, 17, 33, 64, 65, 100, 128])
+def test_head_dims_fast_is_generic(D, monkeypatch):
+    q, k, v = make_qkv(23, 1, 1, 1, 70, 90, D)
+    for kind in ("flash", "baseline"):
+        assert_fast_is_generic(kind, q, k, v, Policy.paper("bf16"), monkeypatch, causal=True)
+        assert_fast_is_generic(kind, q, k, v, Policy.fa2("fp16"), monkeypatch, causal=False)
+
+
+@pytest.mark.parametrize("Nq,Nk", [(1, 1), (65, 1), (1, 300), (77, 200), (200, 77), (257, 130)])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1)])
+def test_shapes_causal_gqa_fast_is_generic(Nq, Nk, heads, monkeypatch):
+    q, k, v = make_qkv(24, 2, heads[0], heads[1], Nq, Nk, 24)
+    for kind in ("flash", "baseline"):
+        assert_fast_is_generic(kind, q, k, v, Policy.naive("bf16"), monkeypatch, causal=True, block_kv=64)
+
+
+@pytest.mark.parametrize("case", ["underflow", "overflow", "nonfinite", "subnormal_inputs"])
+def test_extreme_values_fast_is_generic(case, monkeypatch):
+    """Products below fp32's normals (the generic kernels' float tier does not apply there: the fast path's FMA
+    must still give the fp64-then-round bits), scores past fp32's range (inf - inf: NaN rows), non-finite
+    inputs (the fast path steps aside) and subnormal inputs."""
+    q, k, v = make_qkv(25, 1, 2, 2, 96, 96, 32)
+    if case == "underflow":
+        k = k * 1e-20
+        v[0, 1] *= 1e-30
+    elif case == "overflow":
+        q[0, 0, :8] *= 1e30
+        k[0, 0, :8] *= 1e15
+    elif case == "nonfinite":
+        q[0, 0, 3, 2] = np.nan
+        v[0, 1, 7, 0] = np.inf
+    else:
+        q[0, 1] *= 1e-40
+        v[0, 0, ::3] *= 1e-39
+    for kind in ("flash", "baseline"):
+        for policy in (Policy.fa2("bf16"), Policy.paper("bf16"), Policy.fa2("fp16")):
+            assert_fast_is_generic(kind, q, k, v, policy, monkeypatch, cpu=True, causal=False)
+
+
+@pytest.mark.parametrize("options", [dict(loop_order="kv_outer"), dict(normalize="eager"), dict(exp="exp2")])
+def test_flash_options_fast_is_generic(options, monkeypatch):
+    q, k, v = make_qkv(26, 1, 2, 2, 100, 100, 64)
+    assert_fast_is_generic("flash", q, k, v, Policy.fa2("bf16"), monkeypatch, causal=True, block_kv=32, **options)
+
+
+def test_stochastic_elementwise_stages_fast_is_generic(monkeypatch):
+    """Stochastic rounding makes every stage general: the fast path must not apply (same bits either way)."""
+    q, k, v = make_qkv(27, 1, 2, 2, 64, 64, 32)
+    pol = Policy.fa2("bf16").replace(rounding="stochastic", seed=5)
+    assert_fast_is_generic("flash", q, k, v, pol, monkeypatch, cpu=True)
+
