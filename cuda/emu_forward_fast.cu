@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cuda_fp16.h>
+
 #include "emu.cuh"
 
 namespace {
@@ -50,7 +52,12 @@ struct fast_args {
     int64_t block_kv; /* flash: clamped to seq_kv; baseline: seq_kv */
     int64_t tiles;    /* CTAs per head */
     int baseline;
+    int p_kind;       /* how R_p rounds an fp32 value (flt_kind) */
 };
+
+/* How a stage rounds an fp32 value: the event on its fp64 value, the identity (an fp32 stage), or IEEE bf16 / fp16
+ * nearest-even done on the fp32 encoding (the same value: the same format, subnormals, ties and overflow). */
+enum flt_kind { FLT_EVENT = 0, FLT_F32 = 1, FLT_BF16 = 2, FLT_F16 = 3 };
 
 /* Per-row state in shared memory. */
 struct rows_view {
@@ -61,13 +68,14 @@ struct rows_view {
 struct smem_t {
     float *q;  /* [D][BM] */
     float *kv; /* K slice [TS][KP] or V slice [JS][D] */
-    float *s;  /* [KT][SP] */
+    float *s;  /* [KT][SP]: scores, then the softmax terms e */
+    float *p;  /* [KT][SP]: P */
     rows_view rows;
 };
 
 __host__ __device__ size_t smem_bytes(int64_t D) {
     const size_t kv = (size_t)(TS * KP > JS * MAXD ? TS * KP : JS * MAXD);
-    return ((size_t)D * BM + kv + (size_t)KT * SP) * sizeof(float) + (size_t)BM * (6 * sizeof(double) + 2 * sizeof(int));
+    return ((size_t)D * BM + kv + 2 * (size_t)KT * SP) * sizeof(float) + (size_t)BM * (6 * sizeof(double) + 2 * sizeof(int));
 }
 
 __device__ smem_t carve(int64_t D, char *base) {
@@ -81,6 +89,7 @@ __device__ smem_t carve(int64_t D, char *base) {
     sm.q = f;
     sm.kv = f + D * BM;
     sm.s = sm.kv + (TS * KP > JS * MAXD ? TS * KP : JS * MAXD);
+    sm.p = sm.s + KT * SP;
     return sm;
 }
 
@@ -95,46 +104,58 @@ __device__ __forceinline__ double rnd(const att_stage &st, double x, uint64_t st
     return round_slow(&st, x, stream, idx);
 }
 
-/* R_softmax(a - b) for an fp32 value a and b a maximum of fp32 values (or -inf): in fp32 when the stage is fp32
- * nearest-even (double rounding is innocuous), else the fp64 difference through the event. */
-__device__ __forceinline__ float r_sub(const att_stage &st, float a, double b, uint64_t stream, uint64_t idx) {
-    if (st.kind == ATT_F32) return __fsub_rn(a, (float)b);
-    return (float)rnd(st, (double)a - b, stream, idx);
+/* R(x) of an fp32 value x for a stage of kind fk (flt_kind). */
+__device__ __forceinline__ float r_flt(const att_stage &st, int fk, float x, uint64_t stream, uint64_t idx) {
+    if (fk == FLT_F32 || x != x) return x; /* NaN stays NaN (payloads are not part of the spec) */
+    if (fk == FLT_BF16) {
+        const unsigned u = __float_as_uint(x);
+        return __uint_as_float((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+    }
+    if (fk == FLT_F16) return __half2float(__float2half_rn(x));
+    return (float)rnd(st, (double)x, stream, idx);
 }
 
-/* Scores of the subtile's keys kb0 .. kb0 + kn - 1 of the block starting at key jb0 (kn <= KT) for the CTA's rows,
- * into S[key][row]; a row's keys beyond its visible count are written but never read. With `track`, the rows'
- * maxima over their visible keys are folded into mnew. Begins with a barrier; ends without one. */
-__device__ void scores(const fast_args &a, const smem_t &sm, int64_t bh, int64_t bhk, int64_t i0, int64_t jb0,
-                       int kb0, int kn, int track) {
+/* R(x) of an fp64 value for a stage whose values are fp32 values. */
+__device__ __forceinline__ float r_dbl(const att_stage &st, double x, uint64_t stream, uint64_t idx) {
+    if (st.kind == ATT_F32) return __double2float_rn(x);
+    return (float)rnd(st, x, stream, idx);
+}
+
+/* Scores of the subtile's keys kb0 .. kb0 + kn - 1 of the block starting at key jb0 (kn <= 32 CN) for the CTA's
+ * rows, into S[key][row]; a row's keys beyond its visible count are written but never read. With `track`, the
+ * rows' maxima over their visible keys are folded into mnew. Begins with a barrier; ends without one. */
+template <int CN>
+__device__ void scores_cn(const fast_args &a, const smem_t &sm, int64_t bh, int64_t bhk, int64_t i0, int64_t jb0,
+                          int kb0, int kn, int track) {
     const emu_ctx &cx = a.cx;
     const int64_t D = cx.pr.dim, Nk = cx.pr.seq_kv;
     const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
-    float acc[8][4];
+    float acc[8][CN];
 #pragma unroll
     for (int r = 0; r < 8; r++)
 #pragma unroll
-        for (int c = 0; c < 4; c++) acc[r][c] = 0.f;
+        for (int c = 0; c < CN; c++) acc[r][c] = 0.f;
     const float *kh = cx.kf + (bhk * Nk + jb0 + kb0) * D;
     for (int64_t t0 = 0; t0 < D; t0 += TS) {
         const int tn = (int)(D - t0 < TS ? D - t0 : TS);
         __syncthreads(); /* the previous slice, V slice or S is consumed */
-        for (int e = tid; e < TS * KT; e += NT) {
+        for (int e = tid; e < TS * 32 * CN; e += NT) {
             const int tt = e % TS, key = e / TS;
             sm.kv[tt * KP + key] = tt < tn && key < kn ? kh[key * D + t0 + tt] : 0.f;
         }
         __syncthreads();
         const float *qs = sm.q + t0 * BM + w * 8;
+#pragma unroll 4
         for (int tt = 0; tt < tn; tt++) {
             const float4 qa = *(const float4 *)(qs + tt * BM), qb = *(const float4 *)(qs + tt * BM + 4);
             const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-            float kv[4];
+            float kv[CN];
 #pragma unroll
-            for (int c = 0; c < 4; c++) kv[c] = sm.kv[tt * KP + lane + 32 * c];
+            for (int c = 0; c < CN; c++) kv[c] = sm.kv[tt * KP + lane + 32 * c];
 #pragma unroll
             for (int r = 0; r < 8; r++)
 #pragma unroll
-                for (int c = 0; c < 4; c++) acc[r][c] = fmaf(qv[r], kv[c], acc[r][c]);
+                for (int c = 0; c < CN; c++) acc[r][c] = fmaf(qv[r], kv[c], acc[r][c]);
         }
     }
     /* s = R_score(c R_score(acc)): acc is an fp32 value, so for an fp32 stage the inner rounding is the identity
@@ -144,73 +165,94 @@ __device__ void scores(const fast_args &a, const smem_t &sm, int64_t bh, int64_t
 #pragma unroll
     for (int r = 0; r < 8; r++) {
         const int row = w * 8 + r;
-        const int64_t i = i0 + row;
-        const int vis = sm.rows.nv[row];
-        double mx = -INFINITY;
+        const int vis = sm.rows.nv[row] - kb0;
+        float mx = -INFINITY;
+        int nan = 0;
 #pragma unroll
-        for (int c = 0; c < 4; c++) {
+        for (int c = 0; c < CN; c++) {
             const int key = lane + 32 * c;
             if (key >= kn) continue;
-            const int64_t j = jb0 + kb0 + key;
             float s;
             if (cx.score.kind == ATT_F32) {
                 s = __fmul_rn(cf, acc[r][c]);
             } else {
-                const uint64_t idx = ATT_INDEX(i, j, 0);
+                const uint64_t idx = ATT_INDEX(i0 + row, jb0 + kb0 + key, 0);
                 s = (float)rnd(cx.score, cx.c * rnd(cx.score, (double)acc[r][c], s4, idx), s5, idx);
             }
             sm.s[key * SP + row] = s;
-            if (track && kb0 + key < vis) mx = att_max(mx, (double)s);
+            if (key < vis) nan |= s != s, mx = fmaxf(mx, s);
         }
+        /* The spec's running maximum att_max(m, s): any order gives its value and a NaN makes it NaN; only a zero's
+         * sign may differ, which no later value depends on (exp(+-0) = 1; lse = m + log l is 0 + log l). */
         if (track) {
 #pragma unroll
-            for (int off = 16; off; off >>= 1) mx = att_max(mx, __shfl_xor_sync(FULL, mx, off));
-            if (lane == 0) sm.rows.mnew[row] = att_max(sm.rows.mnew[row], mx);
+            for (int off = 16; off; off >>= 1) {
+                mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, off));
+                nan |= __shfl_xor_sync(FULL, nan, off);
+            }
+            const double sub = nan ? (double)NAN : (double)mx;
+            if (lane == 0) sm.rows.mnew[row] = att_max(sm.rows.mnew[row], sub);
         }
     }
 }
 
-/* The softmax terms of the subtile, element-wise (every thread): e = R_softmax(E(R_softmax(s - m_new))) in
- * place of s, or with `divide` (the baseline's second pass) P = R_p(e / l). Ends with a barrier. */
+__device__ __forceinline__ void scores(const fast_args &a, const smem_t &sm, int64_t bh, int64_t bhk, int64_t i0,
+                                       int64_t jb0, int kb0, int kn, int track) {
+    if (kn <= 32) scores_cn<1>(a, sm, bh, bhk, i0, jb0, kb0, kn, track);
+    else if (kn <= 64) scores_cn<2>(a, sm, bh, bhk, i0, jb0, kb0, kn, track);
+    else if (kn <= 96) scores_cn<3>(a, sm, bh, bhk, i0, jb0, kb0, kn, track);
+    else scores_cn<4>(a, sm, bh, bhk, i0, jb0, kb0, kn, track);
+}
+
+enum terms_mode { TERMS_E = 0, TERMS_E_P = 1, TERMS_P_DIV = 2 };
+
+/* The softmax terms of the subtile, element-wise (a thread keeps one row): e = R_softmax(E(R_softmax(s - m_new)))
+ * into S (TERMS_E), and P = R_p(e) into P as well (TERMS_E_P, flash), or only P = R_p(e / l) (TERMS_P_DIV, the
+ * baseline's second pass). Begins and ends with a barrier. */
 __device__ void softmax_terms(const fast_args &a, const smem_t &sm, int64_t bh, int64_t i0, int64_t jb0, int kb0,
-                              int kn, int divide) {
+                              int kn, int mode) {
     const emu_ctx &cx = a.cx;
     const uint64_t s6 = ATT_STREAM(ATT_SOFTMAX_SUB, bh), s7 = ATT_STREAM(ATT_SOFTMAX_EXP, bh);
     const uint64_t s16 = ATT_STREAM(ATT_P, bh);
     __syncthreads(); /* S and mnew are written */
-    for (int e = threadIdx.x; e < kn * BM; e += NT) {
-        const int row = e % BM, key = e / BM;
-        if (kb0 + key >= sm.rows.nv[row]) continue;
-        const uint64_t idx = ATT_INDEX(i0 + row, jb0 + kb0 + key, 0);
-        float *at = sm.s + key * SP + row;
-        const float x = r_sub(cx.softmax, *at, sm.rows.mnew[row], s6, idx);
-        const double ex = rnd(cx.softmax, emu_exp(cx.exp2, (double)x), s7, idx);
-        *at = (float)(divide ? rnd(cx.p, ex / sm.rows.l[row], s16, idx) : ex);
+    const int row = threadIdx.x % BM, vis = sm.rows.nv[row] - kb0, n = vis < kn ? vis : kn;
+    const double m = sm.rows.mnew[row], l = sm.rows.l[row];
+    const float mf = (float)m;
+    const int sub32 = cx.softmax.kind == ATT_F32;
+    const int64_t i = i0 + row;
+    for (int key = threadIdx.x / BM; key < n; key += NT / BM) {
+        const uint64_t idx = ATT_INDEX(i, jb0 + kb0 + key, 0);
+        const float s = sm.s[key * SP + row];
+        /* s - m of two fp32 values: one fp32 rounding when the stage is fp32 (double rounding is innocuous) */
+        const float x = sub32 ? __fsub_rn(s, mf) : (float)rnd(cx.softmax, (double)s - m, s6, idx);
+        const float e = r_dbl(cx.softmax, emu_exp(cx.exp2, (double)x), s7, idx);
+        if (mode != TERMS_P_DIV) sm.s[key * SP + row] = e;
+        if (mode == TERMS_E_P) sm.p[key * SP + row] = r_flt(cx.p, a.p_kind, e, s16, idx);
+        if (mode == TERMS_P_DIV) sm.p[key * SP + row] = (float)rnd(cx.p, (double)e / l, s16, idx);
     }
     __syncthreads();
 }
 
-/* A thread per row: the row sum's chain rsum = R_sum_acc(rsum + e) over the subtile's visible keys ascending,
- * and with `to_p` (flash) P = R_p(e) in place of e. Ends with a barrier. */
-__device__ void row_sums(const fast_args &a, const smem_t &sm, int64_t bh, int64_t i0, int64_t jb0, int kb0, int kn,
-                         int to_p) {
+/* A thread per row: the row sum's chain rsum = R_sum_acc(rsum + e) over the subtile's visible keys ascending.
+ * Ends with a barrier. */
+__device__ void row_sums(const fast_args &a, const smem_t &sm, int64_t bh, int64_t i0, int64_t jb0, int kb0, int kn) {
     const emu_ctx &cx = a.cx;
     const int row = threadIdx.x;
     if (row < BM) {
         const int vis = sm.rows.nv[row] - kb0, n = vis < kn ? vis : kn;
-        const int64_t i = i0 + row;
-        const uint64_t s8 = ATT_STREAM(ATT_SUM_ACC, bh), s16 = ATT_STREAM(ATT_P, bh);
-        double rs = sm.rows.rsum[row];
-        float rsf = (float)rs;
-        for (int key = 0; key < n; key++) {
-            float *at = sm.s + key * SP + row;
-            const float e = *at;
-            const uint64_t idx = ATT_INDEX(i, jb0 + kb0 + key, 0);
-            if (cx.sum_acc.kind == ATT_F32) rsf = __fadd_rn(rsf, e);
-            else rs = rnd(cx.sum_acc, rs + (double)e, s8, idx);
-            if (to_p) *at = (float)rnd(cx.p, (double)e, s16, idx);
+        const float *e = sm.s + row;
+        if (n > 0 && cx.sum_acc.kind == ATT_F32) { /* fp32 + fp32 rounded once in fp32: the spec's bits */
+            float rs = (float)sm.rows.rsum[row];
+#pragma unroll 8
+            for (int key = 0; key < n; key++) rs = __fadd_rn(rs, e[key * SP]);
+            sm.rows.rsum[row] = rs;
+        } else if (n > 0) {
+            const uint64_t s8 = ATT_STREAM(ATT_SUM_ACC, bh);
+            double rs = sm.rows.rsum[row];
+            for (int key = 0; key < n; key++)
+                rs = rnd(cx.sum_acc, rs + (double)e[key * SP], s8, ATT_INDEX(i0 + row, jb0 + kb0 + key, 0));
+            sm.rows.rsum[row] = rs;
         }
-        if (n > 0) sm.rows.rsum[row] = cx.sum_acc.kind == ATT_F32 ? (double)rsf : rs;
     }
     __syncthreads();
 }
@@ -224,6 +266,7 @@ __device__ void pv_terms(const fast_args &a, const smem_t &sm, int64_t bhk, int6
     const int64_t D = cx.pr.dim, Nk = cx.pr.seq_kv;
     const int tid = threadIdx.x, g = tid >> 4, tx = tid & 15;
     const float *vh = cx.vf + (bhk * Nk + jb0 + kb0) * D;
+    const int full_d = 16 * DC == D;
     for (int js = 0; js < kn; js += JS) {
         const int jn = kn - js < JS ? kn - js : JS;
         __syncthreads(); /* the previous V slice is consumed */
@@ -232,25 +275,37 @@ __device__ void pv_terms(const fast_args &a, const smem_t &sm, int64_t bhk, int6
             sm.kv[e] = jj < jn ? vh[(js + jj) * D + e % D] : 0.f;
         }
         __syncthreads();
-        const int full = kb0 + js + jn <= nvmin; /* every row sees every key of the slice */
+        const float *pp = sm.p + js * SP + g * 4, *vs = sm.kv + tx;
+        if (kb0 + js + jn <= nvmin && full_d) { /* every row sees every key of the slice, every column is real */
+#pragma unroll 4
+            for (int jj = 0; jj < jn; jj++) {
+                const float4 p4 = *(const float4 *)(pp + jj * SP);
+                const float pr[4] = {p4.x, p4.y, p4.z, p4.w};
+#pragma unroll
+                for (int c = 0; c < DC; c++) {
+                    const float vv = vs[jj * D + 16 * c];
+#pragma unroll
+                    for (int r = 0; r < 4; r++) pv[r][c] = fmaf(pr[r], vv, pv[r][c]);
+                }
+            }
+            continue;
+        }
         for (int jj = 0; jj < jn; jj++) {
-            const float4 p4 = *(const float4 *)(sm.s + (js + jj) * SP + g * 4);
+            const float4 p4 = *(const float4 *)(pp + jj * SP);
             const float pr[4] = {p4.x, p4.y, p4.z, p4.w};
             const int kb = kb0 + js + jj;
 #pragma unroll
             for (int c = 0; c < DC; c++) {
-                const int d = tx + 16 * c;
-                if (d >= D) break;
-                const float vv = sm.kv[jj * D + d];
+                if (tx + 16 * c >= D) break;
+                const float vv = vs[jj * D + 16 * c];
 #pragma unroll
                 for (int r = 0; r < 4; r++)
-                    if (full || kb < nvr[r]) pv[r][c] = fmaf(pr[r], vv, pv[r][c]);
+                    if (kb < nvr[r]) pv[r][c] = fmaf(pr[r], vv, pv[r][c]);
             }
         }
     }
 }
 
-/* DC: P.V columns per thread (D <= 16 DC). */
 template <int DC> __global__ void __launch_bounds__(NT, 2) fast_kernel(const __grid_constant__ fast_args a) {
     extern __shared__ __align__(16) char smem[];
     const emu_ctx &cx = a.cx;
@@ -296,8 +351,8 @@ template <int DC> __global__ void __launch_bounds__(NT, 2) fast_kernel(const __g
             for (int sub = 0; sub < nsub; sub++) {
                 const int kn = (int)(nvmax - sub * KT < KT ? nvmax - sub * KT : KT);
                 if (!once) scores(a, sm, bh, bhk, i0, jb0, sub * KT, kn, 0);
-                softmax_terms(a, sm, bh, i0, jb0, sub * KT, kn, 0);
-                row_sums(a, sm, bh, i0, jb0, sub * KT, kn, 0);
+                softmax_terms(a, sm, bh, i0, jb0, sub * KT, kn, TERMS_E);
+                row_sums(a, sm, bh, i0, jb0, sub * KT, kn);
             }
             if (tid < BM && rw.nv[tid] > 0)
                 rw.l[tid] = rnd(cx.stats, rw.rsum[tid], ATT_STREAM(ATT_STATS_AL, bh), ATT_INDEX(i0 + tid, 0, 0));
@@ -309,8 +364,8 @@ template <int DC> __global__ void __launch_bounds__(NT, 2) fast_kernel(const __g
         for (int sub = 0; sub < nsub; sub++) {
             const int kn = (int)(nvmax - sub * KT < KT ? nvmax - sub * KT : KT);
             if (!once || a.baseline) scores(a, sm, bh, bhk, i0, jb0, sub * KT, kn, 0);
-            softmax_terms(a, sm, bh, i0, jb0, sub * KT, kn, a.baseline);
-            if (!a.baseline) row_sums(a, sm, bh, i0, jb0, sub * KT, kn, 1);
+            softmax_terms(a, sm, bh, i0, jb0, sub * KT, kn, a.baseline ? TERMS_P_DIV : TERMS_E_P);
+            if (!a.baseline) row_sums(a, sm, bh, i0, jb0, sub * KT, kn);
             pv_terms(a, sm, bhk, jb0, sub * KT, kn, nvmin, nvr, pv);
         }
         if (a.baseline) { /* out = R_out(pv), l and m as the forward's */
@@ -399,6 +454,16 @@ template <int DC> __global__ void __launch_bounds__(NT, 2) fast_kernel(const __g
 
 } // namespace
 
+/* The flt_kind of a stage (host side). */
+static int flt_kind_of(const att_stage &st) {
+    if (st.kind == ATT_F32) return FLT_F32;
+    const fadev_format &f = st.fmt;
+    const int ieee = st.kind == ATT_RNE && f.subnormals && f.has_inf && f.overflow == FADEV_OVERFLOW_INF;
+    if (ieee && f.precision == 8 && f.emin == -126 && f.emax == 127 && f.largest == 0x1.FEp127) return FLT_BF16;
+    if (ieee && f.precision == 11 && f.emin == -14 && f.emax == 15 && f.largest == 65504.0) return FLT_F16;
+    return FLT_EVENT;
+}
+
 int emu_fast_forward_ok(const emu_ctx &cx, const fadev_policy *pol, int finite) {
     const char *generic = getenv("FADEV_EMU_GENERIC"); /* tests: the generic kernels, to compare the two paths */
     if (generic && *generic && strcmp(generic, "0") != 0) return 0;
@@ -413,6 +478,7 @@ fadev_status emu_fast_forward(const emu_ctx &cx, double *out, double *lse, int b
     a.cx = cx;
     a.out = out, a.lse = lse;
     a.baseline = baseline;
+    a.p_kind = flt_kind_of(cx.p);
     a.tiles = (cx.pr.seq_q + BM - 1) / BM;
     a.block_kv = baseline || cx.pr.block_kv > cx.pr.seq_kv ? cx.pr.seq_kv : cx.pr.block_kv;
     const int64_t ctas = cx.pr.batch * cx.pr.heads * a.tiles;
