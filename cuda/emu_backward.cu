@@ -26,77 +26,17 @@
  * sets a smaller budget (the tests use it to run the chunked schedule on small problems). */
 #include <stdlib.h>
 
-#include "emu.cuh"
+#include "emu_backward.cuh"
 
 namespace {
-
-/* Backward events (csrc/backward.h's bwd_event; that header is C11-only): stream 2^48 + id + 32 bh. */
-enum bwd_event {
-    EV_DOUT = 0, EV_OUT = 1, EV_LSE = 2, EV_LSE_LOG2 = 3, EV_DELTA_ACC = 4, EV_DELTA = 5, EV_BWD_P = 6,
-    EV_DP_ACC = 7, EV_DP = 8, EV_DSOFT_SUB = 9, EV_DSOFT_MUL = 10, EV_DS = 11, EV_ACC_DV = 12, EV_ACC_DK = 13,
-    EV_ACC_DQ = 14, EV_DKV_DV = 15, EV_DKV_DK = 16, EV_DQ_ACC = 17, EV_GRAD_DQ = 18, EV_GRAD_DK = 19,
-    EV_GRAD_DV = 20, EV_DSOFT_P = 21, EV_DSOFT_SCALE = 22
-};
-
-__host__ __device__ __forceinline__ uint64_t bwd_stream(int id, int64_t bh) {
-    return (1ull << 48) + (uint64_t)id + 32u * (uint64_t)bh;
-}
 
 constexpr int THREADS = 256;
 constexpr int PAIR_KEYS = 32, PAIR_ROWS = 8, PAIR_T = 32; /* pair kernel: 32 keys x 8 rows, D in slices of 32 */
 constexpr int ROW_WARPS = THREADS / 32;                    /* baseline rows kernel: a warp per row */
 constexpr unsigned FULL = 0xFFFFFFFFu;
 
-struct bwd_args {
-    emu_ctx cx; /* forward stages and constants, rounded q, k, v, K/V magnitudes */
-    att_stage bwd_p, dsoft_p, dp_acc, dp, delta_acc, dsoft, ds, grad_acc, dq_acc, dkv_acc, grad;
-    int baseline;
-    int ds_scaled;             /* the scale multiplies each dS (c_ds) before R_ds; c_grad is then 1 */
-    int dp_float;              /* the float tier is possible for dP (policy); the data decide per (b, g) */
-    double c_grad, c_ds, c3;   /* the dQ, dK sums' scale (R_score(scale) or 1), R_score(scale), R_stats(log2 e) */
-    int64_t block_q, block_kv; /* logical blocks (baseline: Nq, Nk) */
-    int64_t chunk_rows;        /* row capacity of the scratch per K/V head */
-    int64_t g0, r0, rn;        /* this chunk: K/V heads g0.., virtual rows [r0, r0 + rn) */
-    const double *out_in, *lse_in, *dout_in; /* the caller's */
-    double *dout;                            /* R_input(dout) */
-    double *row_l, *row_d;                   /* flash: L_i and D_i per query row */
-    emu_mag *qmag, *domag;                   /* per K/V head: magnitudes of its group's Q and dO */
-    double *sa, *sb;                         /* scratch [g - g0][r - r0][j]: P' (baseline: s first), dS (dP) */
-    double *dk_part, *dv_part;               /* running grad_acc sums of dK, dV (B, Hkv, Nk, D) */
-    double *dq, *dk, *dv;                    /* outputs; dk, dv hold dKacc, dVacc until the last chunk */
-};
-
-struct vrow {
-    int64_t bh, i;
-};
-
-/* Query head and row of virtual row r of K/V head bg. */
-__device__ __forceinline__ vrow vrow_of(const bwd_args &a, int64_t bg, int64_t r) {
-    const fadev_attention_params &pr = a.cx.pr;
-    const int64_t hh = r / pr.seq_q, b = bg / pr.heads_kv, g = bg % pr.heads_kv;
-    return {b * pr.heads + g * a.cx.group + hh, r - hh * pr.seq_q};
-}
-
-/* Last key query row i sees (bottom-right causal mask); < 0: none. */
-__device__ __forceinline__ int64_t last_key(const fadev_attention_params &pr, int64_t i) {
-    return pr.causal ? i + pr.seq_kv - pr.seq_q : pr.seq_kv - 1;
-}
-
 __device__ __forceinline__ int products_exact(const emu_mag &x, const emu_mag &y) {
     return x.finite && y.finite && emu_products_fit_f32(emu_mag_min(x), emu_mag_max(x), emu_mag_min(y), emu_mag_max(y));
-}
-
-/* R_dsoft_p(P), the softmax backward's P (steps 5 and 6). */
-__device__ __forceinline__ double ps_of(const bwd_args &a, double p, int64_t bh, uint64_t idx) {
-    return emu_round(a.dsoft_p, p, bwd_stream(EV_DSOFT_P, bh), idx);
-}
-
-/* dS = R_ds(R_dsoft(R_dsoft_p(P) R_dsoft(dP - D_i))), ds_scaled: R_dsoft(c .) before R_ds (step 6). */
-__device__ __forceinline__ double ds_of(const bwd_args &a, double p, double dpv, double di, int64_t bh, uint64_t idx) {
-    const double t = emu_round(a.dsoft, dpv - di, bwd_stream(EV_DSOFT_SUB, bh), idx);
-    double u = emu_round(a.dsoft, ps_of(a, p, bh, idx) * t, bwd_stream(EV_DSOFT_MUL, bh), idx);
-    if (a.ds_scaled) u = emu_round(a.dsoft, a.c_ds * u, bwd_stream(EV_DSOFT_SCALE, bh), idx);
-    return emu_round(a.ds, u, bwd_stream(EV_DS, bh), idx);
 }
 
 /* ------------------------------------------------------------------ set-up kernels */
@@ -139,6 +79,7 @@ __global__ void __launch_bounds__(THREADS) round_dout_kernel(const __grid_consta
         const int64_t at = bh * per_head + e;
         const double x = emu_round(cx.input, a.dout_in[at], stream, ATT_INDEX(e / D, e % D, 0));
         a.dout[at] = x;
+        if (a.doutf) a.doutf[at] = (float)x;
         mag_put(dlo, dhi, dfin, x);
         mag_put(qlo, qhi, qfin, cx.q[at]);
     }
@@ -446,6 +387,10 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
     device_buffer<double> dout_r, row_l, row_d, sa, sb, dk_part, dv_part;
     device_buffer<emu_mag> mags;
     FADEV_TRY(dout_r.alloc(n_q, "emulated attention backward: dO"));
+    const int fast = emu_bwd_fast_ok(args, pol, pb); /* the register-blocked fp32 sums (emu_backward_fast.cu) */
+    device_buffer<float> dout_f;
+    if (fast) FADEV_TRY(dout_f.alloc(n_q, "emulated attention backward: fp32 dO"));
+    args.doutf = dout_f.ptr;
     FADEV_TRY(mags.alloc((size_t)(2 * G), "emulated attention backward: magnitudes"));
     if (!baseline) {
         FADEV_TRY(row_l.alloc(n_rows, "emulated attention backward: L"));
@@ -457,6 +402,8 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
     FADEV_TRY(dv_part.alloc(n_kv, "emulated attention backward: dV sums"));
     args.dout = dout_r.ptr, args.row_l = row_l.ptr, args.row_d = row_d.ptr;
     args.qmag = mags.ptr, args.domag = mags.ptr + G;
+    if (fast && emu_bwd_fast_pairs_ok(args)) /* fp32 scratch in the same buffers */
+        args.saf = (float *)sa.ptr, args.sbf = (float *)sb.ptr;
     args.sa = sa.ptr, args.sb = sb.ptr, args.dk_part = dk_part.ptr, args.dv_part = dv_part.ptr;
     CUDA_TRY(cudaMemset(dk, 0, n_kv * sizeof(double)));
     CUDA_TRY(cudaMemset(dv, 0, n_kv * sizeof(double)));
@@ -480,12 +427,20 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
         const int64_t gn = G - g0 < Gc ? G - g0 : Gc;
         for (int64_t r0 = 0; r0 < R; r0 += C) {
             args.g0 = g0, args.r0 = r0, args.rn = R - r0 < C ? R - r0 : C;
-            pair_kernel<<<dim3(grid_of(Nk, PAIR_KEYS), grid_of(args.rn, PAIR_ROWS), (unsigned)gn),
-                          dim3(PAIR_KEYS, PAIR_ROWS)>>>(args);
-            CUDA_TRY(cudaGetLastError());
+            if (args.saf) {
+                FADEV_TRY(emu_bwd_fast_pairs(args, gn));
+            } else {
+                pair_kernel<<<dim3(grid_of(Nk, PAIR_KEYS), grid_of(args.rn, PAIR_ROWS), (unsigned)gn),
+                              dim3(PAIR_KEYS, PAIR_ROWS)>>>(args);
+                CUDA_TRY(cudaGetLastError());
+            }
             if (baseline) {
                 baseline_rows_kernel<<<dim3(grid_of(args.rn, ROW_WARPS), (unsigned)gn), THREADS>>>(args);
                 CUDA_TRY(cudaGetLastError());
+            }
+            if (fast) {
+                FADEV_TRY(emu_bwd_fast_sums(args, gn, r0 + args.rn == R));
+                continue;
             }
             dq_kernel<<<dim3(grid_of(args.rn * D, THREADS), (unsigned)gn), THREADS>>>(args);
             CUDA_TRY(cudaGetLastError());

@@ -53,6 +53,10 @@ struct fast_args {
     int64_t tiles;    /* CTAs per head */
     int baseline;
     int p_kind;       /* how R_p rounds an fp32 value (flt_kind) */
+    int so_kind;      /* flt_kind of state_out */
+    int o32;          /* out_acc is fp32 nearest-even and the stats and rescale stages' values are fp32 values: the
+                       * O update's operations are on fp32 values and round once in fp32 (double rounding is
+                       * innocuous for *, +, /) */
 };
 
 /* How a stage rounds an fp32 value: the event on its fp64 value, the identity (an fp32 stage), or IEEE bf16 / fp16
@@ -404,6 +408,13 @@ template <int DC> __global__ void __launch_bounds__(NT, 2) fast_kernel(const __g
             for (int c = 0; c < DC; c++) {
                 const int d = tx + 16 * c;
                 if (d >= D) break;
+                if (a.o32) {
+                    float o_new = __fadd_rn(__fmul_rn((float)factor, o[r][c]), pv[r][c]);
+                    if (eager) o_new = __fdiv_rn(o_new, (float)l_new);
+                    if (kv_outer) o_new = r_flt(cx.state_out, a.so_kind, o_new, ATT_STREAM(ATT_STATE_OUT, bh), ATT_INDEX(i, jb, d));
+                    o[r][c] = o_new;
+                    continue;
+                }
                 const uint64_t idx = ATT_INDEX(i, jb, d);
                 const double scaled = rnd(oa, factor * (double)o[r][c], ATT_STREAM(ATT_OUT_ACC_AO, bh), idx);
                 const double part = rnd(oa, (double)pv[r][c], ATT_STREAM(ATT_OUT_ACC_PV, bh), idx);
@@ -479,6 +490,8 @@ fadev_status emu_fast_forward(const emu_ctx &cx, double *out, double *lse, int b
     a.out = out, a.lse = lse;
     a.baseline = baseline;
     a.p_kind = flt_kind_of(cx.p);
+    a.so_kind = flt_kind_of(cx.state_out);
+    a.o32 = cx.out_acc.kind == ATT_F32 && att_inside_fp32(&cx.stats.fmt) && att_inside_fp32(&cx.rescale.fmt);
     a.tiles = (cx.pr.seq_q + BM - 1) / BM;
     a.block_kv = baseline || cx.pr.block_kv > cx.pr.seq_kv ? cx.pr.seq_kv : cx.pr.block_kv;
     const int64_t ctas = cx.pr.batch * cx.pr.heads * a.tiles;

@@ -108,3 +108,83 @@ def test_stochastic_elementwise_stages_fast_is_generic(monkeypatch):
     pol = Policy.fa2("bf16").replace(rounding="stochastic", seed=5)
     assert_fast_is_generic("flash", q, k, v, pol, monkeypatch, cpu=True)
 
+
+
+# ---------------------------------------------------------------- backward
+
+
+def backward(kind, q, k, v, dout, policy, monkeypatch, generic, causal=False, **tiles):
+    pol = fadev.policy.as_policy(policy)
+    monkeypatch.setenv("FADEV_EMU_GENERIC", "1")  # one forward for both backward runs
+    if kind == "flash":
+        out, lse = fadev.flash_attention(q, k, v, pol, causal=causal, return_lse=True, device="cuda", **tiles)
+        fn = fadev.flash_attention_backward
+    else:
+        out, lse = fadev.baseline_attention(q, k, v, pol, causal=causal, return_lse=True, device="cuda")
+        fn = fadev.baseline_attention_backward
+    monkeypatch.setenv("FADEV_EMU_GENERIC", "1" if generic else "0")
+    return (out, lse), fn(q, k, v, out, lse, dout, pol, causal=causal, device="cuda", **tiles)
+
+
+def assert_backward_fast_is_generic(kind, q, k, v, dout, policy, monkeypatch, cpu=False, causal=False, **tiles):
+    (out, lse), fast = backward(kind, q, k, v, dout, policy, monkeypatch, False, causal=causal, **tiles)
+    _, generic = backward(kind, q, k, v, dout, policy, monkeypatch, True, causal=causal, **tiles)
+    where = f"{kind} {policy} causal={causal} {tiles} q{q.shape} k{k.shape}"
+    for name, f, g in zip(("dq", "dk", "dv"), fast, generic):
+        helpers.assert_same_bits(f, g, name, where, nan="any", names=("fast", "generic"))
+    if cpu:
+        fn = fadev.flash_attention_backward if kind == "flash" else fadev.baseline_attention_backward
+        ref = fn(q, k, v, out, lse, dout, fadev.policy.as_policy(policy), causal=causal, **tiles)
+        for name, f, c in zip(("dq", "dk", "dv"), fast, ref):
+            helpers.assert_same_bits(f, c, name, where, nan="any", names=("fast", "CPU"))
+
+
+@pytest.mark.parametrize("kind", ["flash", "baseline"])
+@pytest.mark.parametrize("preset", ["fa2", "paper", "naive"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_backward_presets_fast_is_generic_and_cpu(kind, preset, fmt, monkeypatch):
+    q, k, v, do = make_inputs(31, 1, 2, 2, 131, 173, 64, spread=2.0)
+    assert_backward_fast_is_generic(kind, q, k, v, do, Policy.preset(preset, fmt), monkeypatch, cpu=True,
+                                    causal=True)
+
+
+@pytest.mark.parametrize("block_q,block_kv", [(16, 16), (64, 32), (128, 64), (63, 129), (256, 200), (1, 7)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_tiles_fast_is_generic(block_q, block_kv, causal, monkeypatch):
+    q, k, v, do = make_inputs(32, 1, 2, 1, 150, 211, 40)
+    assert_backward_fast_is_generic("flash", q, k, v, do, Policy.fa2("bf16"), monkeypatch, causal=causal,
+                                    block_q=block_q, block_kv=block_kv)
+
+
+@pytest.mark.parametrize("D", [1, 17, 64, 65, 128])
+@pytest.mark.parametrize("Nq,Nk", [(1, 1), (77, 200), (200, 77)])
+def test_backward_shapes_gqa_fast_is_generic(D, Nq, Nk, monkeypatch):
+    q, k, v, do = make_inputs(33, 2, 4, 2, Nq, Nk, D)
+    for kind in ("flash", "baseline"):
+        assert_backward_fast_is_generic(kind, q, k, v, do, Policy.paper("bf16"), monkeypatch, causal=True)
+
+
+@pytest.mark.parametrize("case", ["underflow", "overflow", "nonfinite"])
+def test_backward_extreme_values_fast_is_generic(case, monkeypatch):
+    q, k, v, do = make_inputs(34, 1, 2, 2, 96, 96, 32)
+    if case == "underflow":
+        k, v, do = k * 1e-20, v * 1e-20, do * 1e-25
+    elif case == "overflow":
+        q[0, 0, :8] *= 1e30
+        do[0, 1, :8] *= 1e35
+    else:
+        q[0, 0, 3, 2] = np.nan
+        do[0, 1, 7, 0] = np.inf
+    for kind in ("flash", "baseline"):
+        for policy in (Policy.fa2("bf16"), Policy.paper("bf16")):
+            assert_backward_fast_is_generic(kind, q, k, v, do, policy, monkeypatch, cpu=True)
+
+
+@pytest.mark.parametrize("scratch_rows", [1, 7, 45])
+def test_backward_chunked_fast_is_generic(monkeypatch, scratch_rows):
+    """Small scratch budgets split the rows into many chunks: the fast sums carry their state across them."""
+    q, k, v, do = make_inputs(35, 1, 4, 2, 100, 90, 24)
+    monkeypatch.setenv("FADEV_CUDA_SCRATCH_BYTES", str(scratch_rows * 90 * 16))
+    for kind in ("flash", "baseline"):
+        assert_backward_fast_is_generic(kind, q, k, v, do, Policy.fa2("bf16"), monkeypatch, causal=True,
+                                        **({"block_q": 16, "block_kv": 32} if kind == "flash" else {}))

@@ -1,0 +1,363 @@
+/* The emulated backward's fast sums: dQ = dS K, dK = dS^T Q, dV = P'^T dO as register-blocked fp32 FMA chains,
+ * bit-identical to emu_backward.cu's dq_kernel and dkv_kernel (and so to csrc/backward.c). Taken when
+ * emu_bwd_fast_ok() holds: grad_acc is fp32 under nearest-even, P' (bwd_p) and dS (ds) have at most
+ * 24 - p(input) significant bits and lie inside fp32 (so every product is exact, in fp32 and in fp64), and the
+ * running sums dq_acc, dkv_acc lie inside fp32.
+ * Why one fmaf per term gives the spec's R32(R64(acc + x * y)): emu_forward_fast.cu's argument (and
+ * docs/numerics.md, "The fp32 FMA path"); infinities and NaN follow IEEE arithmetic in both, and overflow is the
+ * exact sum's rounding in both. The block sums are added into the running sums exactly as the generic kernels
+ * do: R_dq_acc(acc + part) (one fp32 addition when that stage is fp32: double rounding is innocuous), and the
+ * chains keep the spec's order (keys ascending for dQ; the K/V head's virtual rows ascending for dK, dV).
+ *
+ * A CTA computes a 64 x 64 tile of outputs (dQ: virtual rows x columns; dK, dV: keys x columns) with 256 threads,
+ * each 4 x 4 (rows 4g..4g+3, columns tx + 16c), over the reduction in slices of 32 staged in shared memory: the
+ * scratch operand as [k][m] (float4 reads of four m) and the other operand as [k][n]. A term enters only where
+ * the row sees the key; block sums are flushed where the generic kernels flush them. */
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "emu_backward.cuh"
+
+namespace {
+
+constexpr int TM = 64, TN = 64, TK = 32, NT = 256;
+constexpr int AP = TM + 4; /* pitch of the staged scratch operand [k][m] */
+
+/* R(acc + part) of two fp32 values for a running-sum stage (dq_acc, dkv_acc). */
+__device__ __forceinline__ float add_round(const att_stage &st, float acc, float part, uint64_t stream, uint64_t idx) {
+    if (st.kind == ATT_F32) return __fadd_rn(acc, part);
+    return (float)emu_round(st, (double)acc + (double)part, stream, idx);
+}
+
+/* One CTA of dq: virtual rows rl0.. of the chunk's K/V head g0 + blockIdx.z, columns d0...; the scratch holds
+ * T (fp64 from the generic pair kernels, fp32 from the fast one: the same values). */
+template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const __grid_constant__ bwd_args a, const T *sb) {
+    __shared__ __align__(16) float as[TK * AP];
+    __shared__ float bs[TK * TN];
+    __shared__ int nv_s[TM];
+    __shared__ int range[2];
+    const emu_ctx &cx = a.cx;
+    const int64_t D = cx.pr.dim, Nq = cx.pr.seq_q, Nk = cx.pr.seq_kv;
+    const int bk = (int)a.block_kv; /* <= Nk < 2^21 (the counters' range) */
+    const int64_t gl = blockIdx.z, bg = a.g0 + gl, rl0 = (int64_t)blockIdx.x * TM, d0 = (int64_t)blockIdx.y * TN;
+    const int tid = threadIdx.x, g = tid >> 4, tx = tid & 15;
+    if (tid == 0) range[0] = INT_MAX, range[1] = 0;
+    __syncthreads();
+    if (tid < TM) {
+        int nv = 0;
+        if (rl0 + tid < a.rn) {
+            const vrow w = vrow_of(a, bg, a.r0 + rl0 + tid);
+            const int64_t last = last_key(cx.pr, w.i);
+            nv = last < 0 ? 0 : (int)(last + 1 < Nk ? last + 1 : Nk);
+            if (nv > 0) atomicMin(&range[0], nv);
+        }
+        nv_s[tid] = nv;
+        atomicMax(&range[1], nv);
+    }
+    __syncthreads();
+    const int nvmin = range[0], nvmax = range[1];
+    int nv[4];
+    vrow w[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        nv[r] = nv_s[g * 4 + r];
+        w[r] = vrow_of(a, bg, a.r0 + (rl0 + g * 4 + r < a.rn ? rl0 + g * 4 + r : 0));
+    }
+    float part[4][4], acc[4][4];
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) part[r][c] = 0.f, acc[r][c] = 0.f;
+    const T *ds = sb + (gl * a.chunk_rows + rl0) * Nk;
+    const float *kf = cx.kf + bg * Nk * D + d0;
+    int next_end = bk; /* one past the current key block's last key */
+    for (int k0 = 0; k0 < nvmax; k0 += TK) {
+        const int kn = nvmax - k0 < TK ? nvmax - k0 : TK;
+        __syncthreads();
+        for (int e = tid; e < TK * TM; e += NT) {
+            const int kk = e % TK, m = e / TK;
+            /* keys a row does not see hold no value in the scratch: read, never used */
+            as[kk * AP + m] = kk < kn && rl0 + m < a.rn && k0 + kk < nv_s[m] ? (float)ds[m * Nk + k0 + kk] : 0.f;
+        }
+        for (int e = tid; e < TK * TN; e += NT) {
+            const int kk = e / TN, n = e % TN;
+            bs[e] = kk < kn && d0 + n < D ? kf[(k0 + kk) * D + n] : 0.f;
+        }
+        __syncthreads();
+        const int full = k0 + kn <= nvmin;
+        for (int kk = 0; kk < kn; kk++) {
+            const int k = k0 + kk;
+            const float4 a4 = *(const float4 *)(as + kk * AP + g * 4);
+            const float av[4] = {a4.x, a4.y, a4.z, a4.w};
+            float bv[4];
+#pragma unroll
+            for (int c = 0; c < 4; c++) bv[c] = bs[kk * TN + tx + 16 * c];
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+                if (full || k < nv[r])
+#pragma unroll
+                    for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
+            const int blk_end = k + 1 == next_end;
+            if (blk_end || k + 1 >= nvmin) {
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    if (!(k < nv[r] && (blk_end || k + 1 == nv[r]))) continue;
+                    const uint64_t s17 = bwd_stream(EV_DQ_ACC, w[r].bh);
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        acc[r][c] = add_round(a.dq_acc, acc[r][c], part[r][c], s17, ATT_INDEX(w[r].i, k / bk, d0 + tx + 16 * c));
+                        part[r][c] = 0.f;
+                    }
+                }
+            }
+            if (blk_end) next_end += bk;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        if (rl0 + g * 4 + r >= a.rn) continue;
+        const int64_t bh = w[r].bh, i = w[r].i;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int64_t d = d0 + tx + 16 * c;
+            if (d >= D) continue;
+            a.dq[(bh * Nq + i) * D + d] = nv[r] == 0 ? 0.0 /* no visible key: exactly 0, no events */
+                : emu_round(a.grad, a.c_grad * (double)acc[r][c], bwd_stream(EV_GRAD_DQ, bh), ATT_INDEX(i, d, 0));
+        }
+    }
+}
+
+/* One CTA of dK (IS_K) or dV: keys j0.. of K/V head g0 + blockIdx.z, columns d0..; the chains go on through the
+ * chunk's virtual rows from the state in memory and leave it there, or write the result after the last chunk. */
+template <int IS_K, typename T>
+__global__ void __launch_bounds__(NT) dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk) {
+    __shared__ __align__(16) float as[TK * AP];
+    __shared__ float bs[TK * TN];
+    __shared__ long long row_i[TK], row_bh[TK];
+    __shared__ int row_end[TK]; /* 1 where the row is its query block's last (its block sum joins the running sum) */
+    const emu_ctx &cx = a.cx;
+    const int64_t D = cx.pr.dim, Nq = cx.pr.seq_q, Nk = cx.pr.seq_kv, bq = a.block_q;
+    const int64_t gl = blockIdx.z, bg = a.g0 + gl, j0 = (int64_t)blockIdx.x * TM, d0 = (int64_t)blockIdx.y * TN;
+    const int tid = threadIdx.x, g = tid >> 4, tx = tid & 15;
+    const float *ys = IS_K ? cx.qf : a.doutf;
+    double *part_mem = IS_K ? a.dk_part : a.dv_part, *acc_mem = IS_K ? a.dk : a.dv;
+    /* the rows that see key j: i >= first_j */
+    int64_t first[4];
+    float part[4][4], acc[4][4];
+    int64_t first_max = 0;
+    for (int r = 0; r < 4; r++) {
+        const int64_t j = j0 + g * 4 + r;
+        first[r] = cx.pr.causal && j > Nk - Nq ? j - (Nk - Nq) : 0;
+        for (int c = 0; c < 4; c++) {
+            const int64_t d = d0 + tx + 16 * c, at = (bg * Nk + j) * D + d;
+            const int ok = j < Nk && d < D;
+            part[r][c] = ok ? (float)part_mem[at] : 0.f;
+            acc[r][c] = ok ? (float)acc_mem[at] : 0.f;
+        }
+    }
+    {
+        const int64_t jl = (j0 + TM - 1 < Nk ? j0 + TM - 1 : Nk - 1);
+        first_max = cx.pr.causal && jl > Nk - Nq ? jl - (Nk - Nq) : 0;
+    }
+    for (int64_t k0 = 0; k0 < a.rn; k0 += TK) {
+        const int kn = (int)(a.rn - k0 < TK ? a.rn - k0 : TK);
+        __syncthreads();
+        if (tid < TK) {
+            const vrow w = vrow_of(a, bg, a.r0 + k0 + (tid < kn ? tid : 0));
+            row_i[tid] = w.i, row_bh[tid] = w.bh;
+            row_end[tid] = (w.i + 1) % bq == 0 || w.i + 1 == Nq;
+        }
+        __syncthreads();
+        for (int e = tid; e < TK * TM; e += NT) {
+            const int kk = e / TM, m = e % TM;
+            const int64_t j = j0 + m;
+            const int ok = kk < kn && j < Nk && row_i[kk] >= (cx.pr.causal && j > Nk - Nq ? j - (Nk - Nq) : 0);
+            as[kk * AP + m] = ok ? (float)xs[(gl * a.chunk_rows + k0 + kk) * Nk + j] : 0.f;
+        }
+        for (int e = tid; e < TK * TN; e += NT) {
+            const int kk = e / TN, n = e % TN;
+            bs[e] = kk < kn && d0 + n < D ? ys[(row_bh[kk] * Nq + row_i[kk]) * D + d0 + n] : 0.f;
+        }
+        __syncthreads();
+        for (int kk = 0; kk < kn; kk++) {
+            const int64_t i = row_i[kk];
+            const float4 a4 = *(const float4 *)(as + kk * AP + g * 4);
+            const float av[4] = {a4.x, a4.y, a4.z, a4.w};
+            float bv[4];
+#pragma unroll
+            for (int c = 0; c < 4; c++) bv[c] = bs[kk * TN + tx + 16 * c];
+            const int full = i >= first_max;
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+                if (full || i >= first[r])
+#pragma unroll
+                    for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
+            if (row_end[kk]) { /* the query block's last row: its sum joins the running sum */
+                const uint64_t s_dkv = bwd_stream(IS_K ? EV_DKV_DK : EV_DKV_DV, row_bh[kk]);
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    if (!(full || i >= first[r])) continue;
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        acc[r][c] = add_round(a.dkv_acc, acc[r][c], part[r][c], s_dkv,
+                                              ATT_INDEX(i / bq, j0 + g * 4 + r, d0 + tx + 16 * c));
+                        part[r][c] = 0.f;
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const int64_t j = j0 + g * 4 + r;
+        if (j >= Nk) continue;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int64_t d = d0 + tx + 16 * c, at = (bg * Nk + j) * D + d;
+            if (d >= D) continue;
+            if (!last_chunk) {
+                part_mem[at] = part[r][c], acc_mem[at] = acc[r][c];
+                continue;
+            }
+            const uint64_t idx = ATT_INDEX(j, d, 0);
+            acc_mem[at] = IS_K ? emu_round(a.grad, a.c_grad * (double)acc[r][c], bwd_stream(EV_GRAD_DK, bg), idx)
+                               : emu_round(a.grad, (double)acc[r][c], bwd_stream(EV_GRAD_DV, bg), idx);
+        }
+    }
+}
+
+/* The flash backward's pairs of one CTA: virtual rows rl0.. (blockIdx.y) x keys j0.. (blockIdx.x) of K/V head
+ * g0 + blockIdx.z; a thread owns 4 rows x 4 keys (rows 4g.., keys tx + 16c) and runs their s and dP chains over t
+ * ascending as fp32 FMAs (pair_kernel's float tier, register-blocked), then the pair_kernel's element-wise steps
+ * (the same events), and writes P' and dS to the fp32 scratch. */
+__global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ bwd_args a) {
+    constexpr int BP = TN + 1; /* pitch of the staged keys [t][key] */
+    __shared__ __align__(16) float qs[TK * AP], dos[TK * AP];
+    __shared__ float ks[TK * BP], vs[TK * BP];
+    __shared__ long long row_at[TM]; /* bh * Nq + i of each row, -1 when out of range */
+    __shared__ int row_last[TM];     /* the last key each row sees (-1: none) */
+    __shared__ int any;
+    const emu_ctx &cx = a.cx;
+    const int64_t D = cx.pr.dim, Nq = cx.pr.seq_q, Nk = cx.pr.seq_kv;
+    const int64_t gl = blockIdx.z, bg = a.g0 + gl, j0 = (int64_t)blockIdx.x * TN, rl0 = (int64_t)blockIdx.y * TM;
+    const int tid = threadIdx.x, g = tid >> 4, tx = tid & 15;
+    if (tid == 0) any = 0;
+    __syncthreads();
+    if (tid < TM) {
+        long long at = -1;
+        int last = -1;
+        if (rl0 + tid < a.rn) {
+            const vrow w = vrow_of(a, bg, a.r0 + rl0 + tid);
+            const int64_t lk = last_key(cx.pr, w.i);
+            at = w.bh * Nq + w.i;
+            last = (int)(lk < Nk - 1 ? lk : Nk - 1);
+            if (last >= j0) atomicOr(&any, 1);
+        }
+        row_at[tid] = at, row_last[tid] = last;
+    }
+    __syncthreads();
+    if (!any) return; /* every pair of the tile is masked (uniform) */
+    float sacc[4][4], pacc[4][4];
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) sacc[r][c] = 0.f, pacc[r][c] = 0.f;
+    const float *kh = cx.kf + bg * Nk * D, *vh = cx.vf + bg * Nk * D;
+    for (int64_t t0 = 0; t0 < D; t0 += TK) {
+        const int tn = (int)(D - t0 < TK ? D - t0 : TK);
+        __syncthreads();
+        for (int e = tid; e < TK * TM; e += NT) {
+            const int tt = e % TK, m = e / TK;
+            const long long at = row_at[m];
+            const int ok = tt < tn && at >= 0;
+            qs[tt * AP + m] = ok ? cx.qf[at * D + t0 + tt] : 0.f;
+            dos[tt * AP + m] = ok ? a.doutf[at * D + t0 + tt] : 0.f;
+        }
+        for (int e = tid; e < TK * TN; e += NT) {
+            const int tt = e % TK, n = e / TK;
+            const int ok = tt < tn && j0 + n < Nk;
+            ks[tt * BP + n] = ok ? kh[(j0 + n) * D + t0 + tt] : 0.f;
+            vs[tt * BP + n] = ok ? vh[(j0 + n) * D + t0 + tt] : 0.f;
+        }
+        __syncthreads();
+        for (int tt = 0; tt < tn; tt++) {
+            const float4 q4 = *(const float4 *)(qs + tt * AP + g * 4), d4 = *(const float4 *)(dos + tt * AP + g * 4);
+            const float qv[4] = {q4.x, q4.y, q4.z, q4.w}, dv[4] = {d4.x, d4.y, d4.z, d4.w};
+            float kv[4], vv[4];
+#pragma unroll
+            for (int c = 0; c < 4; c++) kv[c] = ks[tt * BP + tx + 16 * c], vv[c] = vs[tt * BP + tx + 16 * c];
+#pragma unroll
+            for (int r = 0; r < 4; r++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    sacc[r][c] = fmaf(qv[r], kv[c], sacc[r][c]);
+                    pacc[r][c] = fmaf(dv[r], vv[c], pacc[r][c]);
+                }
+        }
+    }
+    /* the pair kernel's element-wise steps */
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const int m = g * 4 + r;
+        const long long row = row_at[m];
+        if (row < 0) continue;
+        const int64_t bh = row / Nq, i = row % Nq;
+        const double L = a.row_l[row], Di = a.row_d[row];
+        float *pa = a.saf + (gl * a.chunk_rows + rl0 + m) * Nk, *pb = a.sbf + (gl * a.chunk_rows + rl0 + m) * Nk;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int64_t j = j0 + tx + 16 * c;
+            if (j > row_last[m]) continue;
+            const uint64_t idx = ATT_INDEX(i, j, 0);
+            const double s = emu_round(cx.score, cx.c * emu_round(cx.score, (double)sacc[r][c], ATT_STREAM(ATT_SCORE_DOT, bh), idx),
+                                       ATT_STREAM(ATT_SCORE_SCALED, bh), idx);
+            const double dpv = emu_round(a.dp, (double)pacc[r][c], bwd_stream(EV_DP, bh), idx);
+            const double x = emu_round(cx.softmax, s - L, ATT_STREAM(ATT_SOFTMAX_SUB, bh), idx);
+            const double p = emu_round(cx.softmax, emu_exp(cx.exp2, x), ATT_STREAM(ATT_SOFTMAX_EXP, bh), idx);
+            pa[j] = (float)emu_round(a.bwd_p, p, bwd_stream(EV_BWD_P, bh), idx);
+            pb[j] = (float)ds_of(a, p, dpv, Di, bh, idx);
+        }
+    }
+}
+
+/* Significant bits of a format's values, when they all lie inside fp32 (else 99: never exact). */
+int bits_in_fp32(const fadev_format *f) { return att_inside_fp32(f) ? f->precision : 99; }
+
+} // namespace
+
+int emu_bwd_fast_ok(const bwd_args &a, const fadev_policy *pol, const fadev_policy_backward *pb) {
+    const char *generic = getenv("FADEV_EMU_GENERIC"); /* tests: the generic kernels, to compare the two paths */
+    if (generic && *generic && strcmp(generic, "0") != 0) return 0;
+    const int in = bits_in_fp32(&pol->input);
+    return a.grad_acc.kind == ATT_F32 && a.cx.qk_float && in + bits_in_fp32(&pb->ds) <= 24 &&
+           in + bits_in_fp32(&pb->bwd_p) <= 24 && att_inside_fp32(&pb->dq_acc) && att_inside_fp32(&pb->dkv_acc);
+}
+
+template <typename T> fadev_status sums(const bwd_args &a, const T *sa, const T *sb, int64_t gn, int last_chunk) {
+    const int64_t D = a.cx.pr.dim, Nk = a.cx.pr.seq_kv;
+    const unsigned dt = (unsigned)((D + TN - 1) / TN);
+    dq_fast_kernel<T><<<dim3((unsigned)((a.rn + TM - 1) / TM), dt, (unsigned)gn), NT>>>(a, sb);
+    CUDA_TRY(cudaGetLastError());
+    const dim3 grid((unsigned)((Nk + TM - 1) / TM), dt, (unsigned)gn);
+    dkv_fast_kernel<0, T><<<grid, NT>>>(a, sa, last_chunk);
+    CUDA_TRY(cudaGetLastError());
+    dkv_fast_kernel<1, T><<<grid, NT>>>(a, sb, last_chunk);
+    CUDA_TRY(cudaGetLastError());
+    return FADEV_OK;
+}
+
+fadev_status emu_bwd_fast_sums(const bwd_args &a, int64_t gn, int last_chunk) {
+    return a.saf ? sums<float>(a, a.saf, a.sbf, gn, last_chunk) : sums<double>(a, a.sa, a.sb, gn, last_chunk);
+}
+
+int emu_bwd_fast_pairs_ok(const bwd_args &a) {
+    return !a.baseline && a.cx.qk_float && a.cx.pv_float && a.dp_float && a.dp_acc.kind == ATT_F32;
+}
+
+fadev_status emu_bwd_fast_pairs(const bwd_args &a, int64_t gn) {
+    const int64_t Nk = a.cx.pr.seq_kv;
+    pair_fast_kernel<<<dim3((unsigned)((Nk + TN - 1) / TN), (unsigned)((a.rn + TM - 1) / TM), (unsigned)gn), NT>>>(a);
+    CUDA_TRY(cudaGetLastError());
+    return FADEV_OK;
+}
