@@ -188,10 +188,23 @@ __global__ void __launch_bounds__(PAIR_KEYS * PAIR_ROWS) pair_kernel(const __gri
     a.sb[at] = ds_of(a, p, dpv, a.row_d[row], bh, idx);
 }
 
+/* 32 more steps of a row's chain acc = R(acc + term_j), j = j0 .. j0 + cnt - 1 ascending, the terms one per lane:
+ * lane 0 runs the chain on the terms passed through shared memory (a serial chain needs one thread; the other
+ * lanes computing it too would only wait on each other's shuffles). acc is lane 0's. */
+__device__ __forceinline__ double chain_step(const att_stage &st, double acc, double term, double *terms, int lane,
+                                             int cnt, uint64_t stream, int64_t i, int64_t j0) {
+    terms[lane] = term;
+    __syncwarp();
+    if (lane == 0)
+        for (int c = 0; c < cnt; c++) acc = emu_round(st, acc + terms[c], stream, ATT_INDEX(i, j0 + c, 0));
+    __syncwarp();
+    return acc;
+}
+
 /* Baseline, a warp per virtual row: m = max_j s_j, e_j (in place of s_j) and l = R_stats(sum e_j) exactly as
  * att_softmax_row; P_j = R_p(e_j / l) (in place of e_j), D_i = R_dsoft(sum_j R_dsoft_p(P_j) dP); then dS in place of
  * dP and P' = R_bwd_p(P_j) in place of P_j.
- * Lane L handles keys j = L mod 32; the sums are chains over j ascending, run by every lane on shuffled terms. */
+ * Lane L handles keys j = L mod 32; the sums are chains over j ascending, run by lane 0 (chain_step). */
 __global__ void __launch_bounds__(THREADS) baseline_rows_kernel(const __grid_constant__ bwd_args a) {
     const emu_ctx &cx = a.cx;
     const int lane = threadIdx.x & 31;
@@ -202,6 +215,8 @@ __global__ void __launch_bounds__(THREADS) baseline_rows_kernel(const __grid_con
     const int64_t bh = w.bh, i = w.i, nv = emu_visible(cx.pr, i, 0, Nk);
     if (nv == 0) return; /* no pair: nothing reads this row */
     double *s = a.sa + (gl * a.chunk_rows + rl) * Nk, *dp = a.sb + (gl * a.chunk_rows + rl) * Nk;
+    __shared__ double terms_all[ROW_WARPS][32];
+    double *terms = terms_all[threadIdx.x >> 5];
     /* max is exact: any order gives m (a zero's sign aside, which no later value depends on: exp(+-0) = 1) */
     double m = -INFINITY;
     for (int64_t j = lane; j < nv; j += 32) m = att_max(m, s[j]);
@@ -219,8 +234,9 @@ __global__ void __launch_bounds__(THREADS) baseline_rows_kernel(const __grid_con
             s[j] = e;
         }
         const int cnt = (int)(nv - j0 < 32 ? nv - j0 : 32);
-        for (int c = 0; c < cnt; c++) acc = emu_round(cx.sum_acc, acc + __shfl_sync(FULL, e, c), s8, ATT_INDEX(i, j0 + c, 0));
+        acc = chain_step(cx.sum_acc, acc, e, terms, lane, cnt, s8, i, j0);
     }
+    acc = __shfl_sync(FULL, acc, 0);
     const double l = emu_round(cx.stats, acc, ATT_STREAM(ATT_STATS_AL, bh), ATT_INDEX(i, 0, 0));
     acc = 0;
     for (int64_t j0 = 0; j0 < nv; j0 += 32) {
@@ -233,8 +249,9 @@ __global__ void __launch_bounds__(THREADS) baseline_rows_kernel(const __grid_con
             term = ps_of(a, p, bh, idx) * dp[j];
         }
         const int cnt = (int)(nv - j0 < 32 ? nv - j0 : 32);
-        for (int c = 0; c < cnt; c++) acc = emu_round(a.delta_acc, acc + __shfl_sync(FULL, term, c), b4, ATT_INDEX(i, j0 + c, 0));
+        acc = chain_step(a.delta_acc, acc, term, terms, lane, cnt, b4, i, j0);
     }
+    acc = __shfl_sync(FULL, acc, 0);
     const double di = emu_round(a.dsoft, acc, bwd_stream(EV_DELTA, bh), ATT_INDEX(i, 0, 0));
     for (int64_t j = lane; j < nv; j += 32) {
         const uint64_t idx = ATT_INDEX(i, j, 0);

@@ -85,8 +85,26 @@ template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const
             bs[e] = kk < kn && d0 + n < D ? kf[(k0 + kk) * D + n] : 0.f;
         }
         __syncthreads();
-        const int full = k0 + kn <= nvmin;
-        for (int kk = 0; kk < kn; kk++) {
+        /* Pure segments: keys before the next block end and below nvmin (every row with a key sees them, so no
+         * test is needed: rows without keys only gather zeros they never write); a key at a block end or from
+         * nvmin - 1 on is a careful step (visibility per row, flushes). */
+        for (int kk = 0; kk < kn;) {
+            int stop = kn;
+            if (next_end - 1 - k0 < stop) stop = next_end - 1 - k0;
+            if (nvmin - 1 - k0 < stop) stop = nvmin - 1 - k0;
+#pragma unroll 4
+            for (; kk < stop; kk++) {
+                const float4 a4 = *(const float4 *)(as + kk * AP + g * 4);
+                const float av[4] = {a4.x, a4.y, a4.z, a4.w};
+                float bv[4];
+#pragma unroll
+                for (int c = 0; c < 4; c++) bv[c] = bs[kk * TN + tx + 16 * c];
+#pragma unroll
+                for (int r = 0; r < 4; r++)
+#pragma unroll
+                    for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
+            }
+            if (kk >= kn) break;
             const int k = k0 + kk;
             const float4 a4 = *(const float4 *)(as + kk * AP + g * 4);
             const float av[4] = {a4.x, a4.y, a4.z, a4.w};
@@ -95,23 +113,22 @@ template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const
             for (int c = 0; c < 4; c++) bv[c] = bs[kk * TN + tx + 16 * c];
 #pragma unroll
             for (int r = 0; r < 4; r++)
-                if (full || k < nv[r])
+                if (k < nv[r])
 #pragma unroll
                     for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
             const int blk_end = k + 1 == next_end;
-            if (blk_end || k + 1 >= nvmin) {
 #pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    if (!(k < nv[r] && (blk_end || k + 1 == nv[r]))) continue;
-                    const uint64_t s17 = bwd_stream(EV_DQ_ACC, w[r].bh);
+            for (int r = 0; r < 4; r++) {
+                if (!(k < nv[r] && (blk_end || k + 1 == nv[r]))) continue;
+                const uint64_t s17 = bwd_stream(EV_DQ_ACC, w[r].bh);
 #pragma unroll
-                    for (int c = 0; c < 4; c++) {
-                        acc[r][c] = add_round(a.dq_acc, acc[r][c], part[r][c], s17, ATT_INDEX(w[r].i, k / bk, d0 + tx + 16 * c));
-                        part[r][c] = 0.f;
-                    }
+                for (int c = 0; c < 4; c++) {
+                    acc[r][c] = add_round(a.dq_acc, acc[r][c], part[r][c], s17, ATT_INDEX(w[r].i, k / bk, d0 + tx + 16 * c));
+                    part[r][c] = 0.f;
                 }
             }
             if (blk_end) next_end += bk;
+            kk++;
         }
     }
 #pragma unroll
@@ -135,7 +152,8 @@ __global__ void __launch_bounds__(NT) dkv_fast_kernel(const __grid_constant__ bw
     __shared__ __align__(16) float as[TK * AP];
     __shared__ float bs[TK * TN];
     __shared__ long long row_i[TK], row_bh[TK];
-    __shared__ int row_end[TK]; /* 1 where the row is its query block's last (its block sum joins the running sum) */
+    __shared__ unsigned slice_mask[2]; /* bit kk: the row ends its query block (its sum joins the running sum);
+                                        * and bit kk: the row sees every key of the tile */
     const emu_ctx &cx = a.cx;
     const int64_t D = cx.pr.dim, Nq = cx.pr.seq_q, Nk = cx.pr.seq_kv, bq = a.block_q;
     const int64_t gl = blockIdx.z, bg = a.g0 + gl, j0 = (int64_t)blockIdx.x * TM, d0 = (int64_t)blockIdx.y * TN;
@@ -163,10 +181,12 @@ __global__ void __launch_bounds__(NT) dkv_fast_kernel(const __grid_constant__ bw
     for (int64_t k0 = 0; k0 < a.rn; k0 += TK) {
         const int kn = (int)(a.rn - k0 < TK ? a.rn - k0 : TK);
         __syncthreads();
-        if (tid < TK) {
+        if (tid < TK) { /* warp 0 */
             const vrow w = vrow_of(a, bg, a.r0 + k0 + (tid < kn ? tid : 0));
             row_i[tid] = w.i, row_bh[tid] = w.bh;
-            row_end[tid] = (w.i + 1) % bq == 0 || w.i + 1 == Nq;
+            const unsigned ends = __ballot_sync(0xFFFFFFFFu, tid < kn && ((w.i + 1) % bq == 0 || w.i + 1 == Nq));
+            const unsigned seen = __ballot_sync(0xFFFFFFFFu, tid >= kn || w.i >= first_max);
+            if (tid == 0) slice_mask[0] = ends, slice_mask[1] = seen;
         }
         __syncthreads();
         for (int e = tid; e < TK * TM; e += NT) {
@@ -180,24 +200,46 @@ __global__ void __launch_bounds__(NT) dkv_fast_kernel(const __grid_constant__ bw
             bs[e] = kk < kn && d0 + n < D ? ys[(row_bh[kk] * Nq + row_i[kk]) * D + d0 + n] : 0.f;
         }
         __syncthreads();
-        for (int kk = 0; kk < kn; kk++) {
-            const int64_t i = row_i[kk];
-            const float4 a4 = *(const float4 *)(as + kk * AP + g * 4);
-            const float av[4] = {a4.x, a4.y, a4.z, a4.w};
-            float bv[4];
+        /* segments up to the next row that ends its query block; without a test where every row of the slice
+         * sees every key of the tile */
+        unsigned ends = slice_mask[0];
+        const int all_see = slice_mask[1] == 0xFFFFFFFFu;
+        for (int kk = 0; kk < kn;) {
+            const int last = ends ? __ffs(ends) - 1 : kn - 1; /* the segment's last row */
+            if (all_see) {
+#pragma unroll 4
+                for (; kk <= last; kk++) {
+                    const float4 a4 = *(const float4 *)(as + kk * AP + g * 4);
+                    const float av[4] = {a4.x, a4.y, a4.z, a4.w};
+                    float bv[4];
 #pragma unroll
-            for (int c = 0; c < 4; c++) bv[c] = bs[kk * TN + tx + 16 * c];
-            const int full = i >= first_max;
+                    for (int c = 0; c < 4; c++) bv[c] = bs[kk * TN + tx + 16 * c];
 #pragma unroll
-            for (int r = 0; r < 4; r++)
-                if (full || i >= first[r])
+                    for (int r = 0; r < 4; r++)
 #pragma unroll
-                    for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
-            if (row_end[kk]) { /* the query block's last row: its sum joins the running sum */
-                const uint64_t s_dkv = bwd_stream(IS_K ? EV_DKV_DK : EV_DKV_DV, row_bh[kk]);
+                        for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
+                }
+            } else {
+                for (; kk <= last; kk++) {
+                    const int64_t i = row_i[kk];
+                    const float4 a4 = *(const float4 *)(as + kk * AP + g * 4);
+                    const float av[4] = {a4.x, a4.y, a4.z, a4.w};
+                    float bv[4];
+#pragma unroll
+                    for (int c = 0; c < 4; c++) bv[c] = bs[kk * TN + tx + 16 * c];
+#pragma unroll
+                    for (int r = 0; r < 4; r++)
+                        if (i >= first[r])
+#pragma unroll
+                            for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
+                }
+            }
+            if (ends & (1u << last)) { /* the query block's last row: its sum joins the running sum */
+                const int64_t i = row_i[last];
+                const uint64_t s_dkv = bwd_stream(IS_K ? EV_DKV_DK : EV_DKV_DV, row_bh[last]);
 #pragma unroll
                 for (int r = 0; r < 4; r++) {
-                    if (!(full || i >= first[r])) continue;
+                    if (i < first[r]) continue;
 #pragma unroll
                     for (int c = 0; c < 4; c++) {
                         acc[r][c] = add_round(a.dkv_acc, acc[r][c], part[r][c], s_dkv,
@@ -205,6 +247,7 @@ __global__ void __launch_bounds__(NT) dkv_fast_kernel(const __grid_constant__ bw
                         part[r][c] = 0.f;
                     }
                 }
+                ends &= ends - 1; /* the lowest set bit is this row's */
             }
         }
     }
