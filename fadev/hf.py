@@ -111,6 +111,19 @@ DEFAULT = Setting("sdpa")
 _CURRENT = contextvars.ContextVar("fadev.hf.setting", default=DEFAULT)
 
 
+class _Mirror(threading.local):
+    """This thread's innermost ``use`` block's setting and run counter, as ``_CURRENT`` and ``_RUNS`` hold them:
+    torch.compile cannot read a ContextVar but reads (and guards on) a thread-local, so a compiled model's
+    attention reads this. (Per thread, not per asyncio task: tasks of one thread that interleave ``use`` blocks
+    around a compiled model see the latest block entered.)"""
+
+    setting = DEFAULT
+    runs = None
+
+
+_MIRROR = _Mirror()
+
+
 def current() -> Setting:
     """The active :class:`Setting` of this thread / task (:data:`DEFAULT` outside any ``use`` block)."""
     return _CURRENT.get()
@@ -133,7 +146,9 @@ class use:  # noqa: N801 (a context manager)
 
     def __enter__(self) -> Setting:
         stack = self._tokens.__dict__.setdefault("stack", [])
-        stack.append((_CURRENT.set(self.setting), _RUNS.set([0])))
+        runs = [0]
+        stack.append((_CURRENT.set(self.setting), _RUNS.set(runs)))
+        _MIRROR.setting, _MIRROR.runs = self.setting, runs
         return self.setting
 
     def __exit__(self, exc_type, *exc):
@@ -142,6 +157,7 @@ class use:  # noqa: N801 (a context manager)
         _CURRENT.reset(token)
         _RUNS.reset(runs)
         outer = _RUNS.get()
+        _MIRROR.setting, _MIRROR.runs = _CURRENT.get(), outer
         if outer is not None:
             outer[0] += calls  # an enclosing block saw these calls too
         if exc_type is None and calls == 0 and self.setting.kernel != "sdpa":
@@ -282,8 +298,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     (B, H_kv, N_kv, D) as a model's attention layer passes them; returns (attn_output (B, N_q, H, D),
     None). Computed as :func:`current` says (module docstring)."""
     _check_qkv(query, key, value)
-    setting = _CURRENT.get()
-    runs = _RUNS.get()
+    if torch.compiler.is_compiling():
+        setting, runs = _MIRROR.setting, _MIRROR.runs
+    else:
+        setting, runs = _CURRENT.get(), _RUNS.get()
     if runs is not None:
         runs[0] += 1
     if setting.kernel == "sdpa":
