@@ -109,7 +109,7 @@ def native_rows(quick, backward=True):
                 ok = e_mine <= 2 * e_naive
                 shape = f"{B}x{H}x{N}x{D}"
                 best = {}  # variant -> (seconds, block_q, block_kv): the fastest tile of each variant
-                variants = [(f"{w} rows/warp", dict(warp_rows=w)) for w in fadev.native.WARP_ROWS]
+                variants = [(f"{w} rows/warp", dict(warp_rows=w, mma="sync")) for w in fadev.native.WARP_ROWS]
                 if torch.cuda.get_device_capability() == (9, 0):  # Hopper's warpgroup MMA
                     variants.append(("wgmma", dict(mma="wgmma")))
                     mine_w = fadev.native_attention(qs, ks, vs, causal=causal, mma="wgmma")
@@ -147,7 +147,7 @@ def native_rows(quick, backward=True):
                 out, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)
                 dout = torch.randn_like(out)
                 best_b = {}  # variant -> (seconds, block_q, block_kv, its options)
-                variants_b = [(f"{w} keys/warp", dict(warp_rows=w)) for w in fadev.native.WARP_ROWS]
+                variants_b = [(f"{w} keys/warp", dict(warp_rows=w, mma="sync")) for w in fadev.native.WARP_ROWS]
                 if torch.cuda.get_device_capability() == (9, 0):
                     variants_b.append(("wgmma", dict(mma="wgmma")))
                 for label, kw in variants_b:
