@@ -179,7 +179,7 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 
 def run_forward(p: Plan, q, k, v):
     """(out, lse) of the plan's forward on contiguous q, k, v."""
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q)  # q is contiguous: so is out (empty_like is the cheaper allocation)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     call, native = p.forward
     _core.cuda_native_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), p.shape,
@@ -190,7 +190,7 @@ def run_forward(p: Plan, q, k, v):
 def run_backward(p: Plan, q, k, v, out, lse, dout):
     """(dq, dk, dv) of the plan's backward (q, k, v, out, lse contiguous, as the forward left them)."""
     dout = dout.contiguous()
-    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     workspace = torch.empty(p.workspace, dtype=torch.float32, device=q.device)
     call, native = p.backward
     _core.cuda_native_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
