@@ -61,7 +61,8 @@ from . import torch_native
 from .torch_native import native_attention
 
 KERNELS = subset("sdpa", "flash", "baseline", "native")
-NATIVE_OPTIONS = ("block_q", "block_kv", "backward_block_q", "backward_block_kv", "deterministic", "mma", "backward_mma")
+NATIVE_OPTIONS = ("block_q", "block_kv", "backward_block_q", "backward_block_kv", "deterministic", "mma",
+                  "backward_mma")
 """Keyword arguments ``use(kernel="native", ...)`` takes: those of :func:`fadev.torch_native.native_attention`."""
 NAME = "fadev"
 

@@ -9,6 +9,10 @@
 * :func:`shadow` -- at every SDPA call compute a reference and a candidate policy on the same inputs,
   continue the model with one and log the other's deviation; or, with ``sample_every``, monitor (fadev.monitor).
 
+Under ``torch.compile`` :func:`attention` is the ``torch.library`` custom op ``fadev::attention`` (fake and autograd
+registrations; its backward ``fadev::attention_backward``), so a compiled model keeps it in one graph and gets
+eager's bits: the op runs the same forward and backward as the eager ``autograd.Function``.
+
 What is copied. The kernels read C-contiguous float64 memory. A contiguous float64 CPU tensor is handed
 to them as ``tensor.numpy()`` (no copy), and their float64 results become tensors through
 ``torch.from_numpy`` (no copy): in float64 nothing is copied on the way in or out. Any other input

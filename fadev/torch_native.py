@@ -60,6 +60,8 @@ class Plan:
 
 
 _PLANS = {}
+MAX_PLANS = 4096
+"""Plans kept at most; past it the cache starts afresh (decoding with a growing key length makes a key per step)."""
 
 
 def _check_tensors(q, k, v):
@@ -149,6 +151,8 @@ def plan(q, k, v, is_causal=False, scale=None, enable_gqa=False, block_q=None, b
         return _PLANS[key]
     except (KeyError, AttributeError, TypeError):  # new key, or arguments the checks will name
         built = _build(q, k, v, is_causal, scale, enable_gqa, options)
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
         _PLANS[key] = built
         return built
 

@@ -187,8 +187,8 @@ def test_native_backward_flash_rule(case, shape, dtype_name, causal, determinist
     q, k, v, dout = _inputs(shape, d, dtype, case, causal, "bwd")
     info = _params(case, shape, dtype_name, causal) + f" deterministic={deterministic}"
     out, lse = fadev.native_attention(q, k, v, mma="sync", causal=causal, return_lse=True)  # the forward's default tile
-    grads = fadev.native_attention_backward(q, k, v, out, lse, dout, mma="sync", causal=causal, block_q=bq, block_kv=bkv,
-                                            deterministic=deterministic)
+    grads = fadev.native_attention_backward(q, k, v, out, lse, dout, mma="sync", causal=causal, block_q=bq,
+                                            block_kv=bkv, deterministic=deterministic)
     check_backward(q, k, v, dout, causal, scale, grads, info)
 
 
