@@ -65,8 +65,8 @@ def test_emulated_ops_pass_opcheck():
     torch.library.opcheck(ft._op_backward, (torch.ones_like(out).detach(), *saved, handle, True, None))
 
 
-def _model(implementation="fadev"):
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+def _model(implementation="fadev", hidden=64):
+    config = LlamaConfig(vocab_size=300, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, attn_implementation=implementation, dtype=torch.float32)
@@ -130,3 +130,22 @@ def test_native_op_graph_and_binding_calls():
     strip = [tuple(a for a in call if not isinstance(a, int)) for call in compiled[-2:]]  # pointers differ
     assert strip == [tuple(a for a in call if not isinstance(a, int)) for call in eager]
     assert compiled[-2][5] == compiled[-1][10] == (2, 4, 2, 16, 16, 64)
+
+
+def test_hf_native_model_has_no_graph_break():
+    """A bf16 Llama with use(kernel="native") traces to one graph (the launches recorded, so no values to compare:
+    test_cuda_hf.py compares them on the GPU), and the compiled model calls the binding as the eager one does."""
+    model = _model(hidden=256).to(torch.bfloat16)  # head dim 64
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(4))
+    eager, compiled = [], []
+    with hf.use(kernel="native"):
+        with tn._dry_run(eager):
+            model(ids)
+        with tn._dry_run(compiled):
+            explained = torch._dynamo.explain(model)(ids)
+            assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+            torch._dynamo.reset()
+            torch.compile(model, backend="aot_eager", fullgraph=True)(ids)
+    assert len(eager) == 2 and len(compiled) >= 2  # one call per layer
+    assert [c[5:] for c in compiled[-2:]] == [c[5:] for c in eager]
+    assert eager[0][5] == (2, 4, 2, 12, 12, 64) and eager[0][6][4] is True  # grouped-query heads, causal
