@@ -95,7 +95,7 @@ def _device_index(device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _tiles(dim, index, options):
+def _choose_tiles(dim, index, options):
     """((forward tile, backward tile), (forward mma, backward mma)) of the native options."""
     block_q, block_kv, backward_block_q, backward_block_kv, _, mma, backward_mma = options
     if not native_tiles(dim):
@@ -127,7 +127,7 @@ def _build(q, k, v, is_causal, scale, enable_gqa, options) -> Plan:
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     index = _device_index(q.device)
     (b, h, nq, dim), (_, hkv, nk, _) = q.shape, k.shape
-    tiles, mma_pair = _tiles(dim, index, options)
+    tiles, mma_pair = _choose_tiles(dim, index, options)
     shape = (b, h, hkv, nq, nk, dim)
     scale, causal, code = _args.scale_of(scale, dim), bool(is_causal), _CODE[q.dtype]
     calls = tuple((_args.Call(None, scale, causal, *tile).c, (code, bool(deterministic) and i == 1, 16, MMA.index(m)))
@@ -155,14 +155,6 @@ def plan(q, k, v, is_causal=False, scale=None, enable_gqa=False, block_q=None, b
             _PLANS.clear()
         _PLANS[key] = built
         return built
-
-
-def check(q, k, v, is_causal, scale, enable_gqa, block_q=None, block_kv=None, backward_block_q=None,
-          backward_block_kv=None, mma="auto"):
-    """Every check :func:`native_attention` makes before calling the kernel; the forward's and the
-    backward's tiles ((block_q, block_kv), (block_q, block_kv)) it will use. Errors name the argument."""
-    return plan(q, k, v, is_causal, scale, enable_gqa, block_q, block_kv, backward_block_q, backward_block_kv,
-                True, mma).tiles
 
 
 # ---------------------------------------------------------------- the launches (raw pointers, PyTorch's stream)
@@ -327,4 +319,4 @@ def native_attention(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, 
              deterministic, mma, backward_mma)
     return _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), p)
 
-__all__ = ["native_attention", "plan", "check", "run_forward", "run_backward", "Plan", "DTYPES"]
+__all__ = ["native_attention", "plan", "run_forward", "run_backward", "Plan", "DTYPES", "MAX_PLANS"]
