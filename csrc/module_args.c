@@ -130,7 +130,8 @@ int parse_shape(PyObject *obj, void *out) {
 }
 
 /* The native kernels' own options (dtype, deterministic, warp_rows, mma[, stream]) into a fadev_native_params (attn
- * untouched); stream: a cudaStream_t as an int (PyTorch's current stream), 0 or absent: the legacy default stream. */
+ * untouched); a stream (a cudaStream_t as an int, PyTorch's current stream; 0 is the legacy default stream) makes the
+ * call asynchronous on it; absent: the legacy stream and a device synchronisation. */
 int parse_native(PyObject *obj, void *out) {
     fadev_native_params *np = (fadev_native_params *)out;
     int dtype, deterministic, warp_rows, mma;
@@ -139,6 +140,7 @@ int parse_native(PyObject *obj, void *out) {
                           &deterministic, &warp_rows, &mma, &stream))
         return 0;
     np->dtype = dtype, np->deterministic = deterministic, np->warp_rows = warp_rows, np->mma = mma;
+    np->asynchronous = PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) == 5;
     np->stream = (void *)(uintptr_t)stream;
     return 1;
 }

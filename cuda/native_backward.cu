@@ -341,7 +341,7 @@ extern "C" fadev_status fadev_cuda_native_backward(const void *q, const void *k,
     a.n_kt = a.n_qt = 0;
     a.scale_log2 = (float)(params->attn.scale * NATIVE_LOG2E);
     a.scale = (float)params->attn.scale;
-    a.stream = (cudaStream_t)params->stream;
+    a.stream = params->asynchronous ? (cudaStream_t)params->stream : (cudaStream_t)0;
     FADEV_TRY(params->dtype == FADEV_NATIVE_FP16 ? native_backward_dispatch<__half>(params, a, out)
                                                  : native_backward_dispatch<__nv_bfloat16>(params, a, out));
     return native_finish(params, "fadev_cuda_native_backward");

@@ -142,3 +142,17 @@ def test_host_time_per_call_is_measured():
     result = bench.host_only(calls=20)
     assert set(result) >= {"fadev native (hf)", "fadev native (torch_native)", "autograd.Function, no work"}
     assert all(math.isfinite(x) and x > 0 for x in result.values()), result
+
+
+def test_binding_parses_the_stream():
+    """The native options take a stream as an optional fifth item (the binding then runs the call asynchronously on
+    it); anything else is refused by name. Without a GPU the call itself reports that."""
+    import fadev._core as core
+    from fadev import _args
+    call = _args.Call(None, 0.125, True, 64, 64).c
+    shape = (1, 2, 2, 64, 64, 64)
+    for options in ((1, True, 16, 0), (1, True, 16, 0, 0), (1, True, 16, 0, 2**47)):
+        with pytest.raises(RuntimeError, match="GPU|CUDA"):
+            core.cuda_native_forward(0, 0, 0, 0, 0, shape, call, options)
+    with pytest.raises(TypeError, match=r"native options must be \(dtype, deterministic, warp_rows, mma\[, stream\]\)"):
+        core.cuda_native_forward(0, 0, 0, 0, 0, shape, call, (1, True, 16, 0, 0, 0))
