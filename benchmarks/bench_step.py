@@ -1,6 +1,7 @@
 """A training step on each attention, and fadev's host time per attention call (validate, then time).
 
     python benchmarks/bench_step.py [--steps 20] [--arms sdpa,eager,native,fa2,paper] [--quick] [--device cpu]
+    python benchmarks/bench_step.py --host-only     # no GPU needed: fadev's host time per native call
 
 (fadev importable: an installed build, or PYTHONPATH=. for an in-place one.)
 
@@ -22,6 +23,11 @@ Host time per call: fadev.hf.attention_forward + backward on a tiny problem (B 1
 GPU work is a few microseconds, timed as the wall time of 200 back-to-back calls without synchronizing inside
 the loop, beside transformers' sdpa_attention_forward on the same tensors: the difference is what fadev's
 Python layer adds per call.
+
+Host time without a GPU (``--host-only``, also printed after the GPU table): the native path on CPU tensors with the
+binding's launches recorded instead of run (fadev.torch_native._dry_run), forward + backward through fadev.hf and
+through fadev.torch_native, beside a torch.autograd.Function that only allocates the same results (PyTorch's own
+cost of any extension op): the difference is fadev's host time per call up to the binding.
 """
 import argparse
 import math
@@ -121,6 +127,93 @@ def host_us_per_call(device, calls=200):
     return out
 
 
+class _Null(torch.autograd.Function):
+    """What any extension op costs PyTorch: out and lse allocated in the forward, three gradients in the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in ctx.saved_tensors)
+
+
+def host_only(calls=2000):
+    """{path: microseconds per forward + backward} of the native path on CPU tensors with the binding's launches
+    recorded, not run (fadev.torch_native._dry_run): through fadev.hf.attention_forward, through
+    fadev.torch_native.native_attention, and a torch.autograd.Function that only allocates its results."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from fadev import hf
+    from fadev import torch_native as tn
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=2, training=True)
+    # N 16: 16 KiB tensors, below glibc's mmap threshold, so the CPU allocator's page faults (which PyTorch's CUDA
+    # caching allocator does not have) stay out of the numbers; the host path does not depend on the size
+    q = torch.randn(1, 8, 16, 64, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 4, 16, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    gout = torch.zeros(1, 16, 8, 64, dtype=torch.bfloat16)
+
+    def timed(paths, rounds=20):
+        """{name: best over ``rounds`` rounds of us per call}, the paths taking turns in each round, so that a
+        shared machine's interruptions (which only add) do not fall on one path's rounds alone."""
+        per_round = max(1, calls // rounds)
+        best = dict.fromkeys(paths, math.inf)
+        for once in paths.values():
+            for _ in range(max(10, per_round)):
+                once()
+        for _ in range(rounds):
+            for name, once in paths.items():
+                t0 = time.perf_counter()
+                for _ in range(per_round):
+                    once()
+                best[name] = min(best[name], (time.perf_counter() - t0) / per_round * 1e6)
+        return best
+
+    def through_hf():
+        out, _ = hf.attention_forward(module, q, k, v, None, dropout=0.0, scaling=0.125, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), gout)
+
+    def direct():
+        out = tn.native_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
+        torch.autograd.grad(out, (q, k, v), gout.transpose(1, 2))
+
+    def null():
+        torch.autograd.grad(_Null.apply(q, k, v), (q, k, v), gout.transpose(1, 2))
+
+    def sdpa_null():  # transformers' sdpa integration, its SDPA call replaced by the no-work op
+        with hf.use(kernel="sdpa"):
+            out, _ = sdpa_attention_forward(module, q, k, v, None, dropout=0.0, scaling=0.125, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), gout)
+
+    real = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = lambda q, k, v, **kw: _Null.apply(q, k, v)
+    try:
+        with tn._dry_run(), hf.use(kernel="native"):
+            return timed({"fadev native (hf)": through_hf, "fadev native (torch_native)": direct,
+                          "autograd.Function, no work": null, "transformers' sdpa (hf), no work": sdpa_null})
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = real
+
+
+def print_host_only():
+    import platform
+    result = host_only()
+    where = platform.processor() or platform.machine()
+    print(f"\nhost time per native forward + backward, binding launches recorded not run ({where}, torch "
+          f"{torch.__version__}, best of 20 rounds):")
+    for name, us in result.items():
+        print(f"  {name}: {us:.1f} us")
+    own = result["fadev native (torch_native)"] - result["autograd.Function, no work"]
+    print(f"  fadev's own (torch_native - autograd.Function): {own:.1f} us")
+    own = result["fadev native (hf)"] - result["transformers' sdpa (hf), no work"]
+    print(f"  through transformers, fadev native - transformers' sdpa (both without kernel work): {own:+.1f} us")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20)
@@ -128,7 +221,10 @@ def main():
     p.add_argument("--quick", action="store_true", help="a small model (hidden 128, 2 layers, sequence 256)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a check of this program without a GPU (no native arm; CPU timings mean little)")
+    p.add_argument("--host-only", action="store_true", help="only fadev's host time per native call (no GPU needed)")
     args = p.parse_args()
+    if args.host_only:
+        return print_host_only()
     import fadev
     from fadev.training import lm
     if args.device == "cuda" and not (torch.cuda.is_available() and fadev.cuda_available()):
@@ -155,6 +251,7 @@ def main():
         print(f"| {a} | {s * 1e3:.1f} | {s / ref_s:.2f} | {loss:.4f} |")
     print("\nper attention call, forward + backward, tiny problem (wall time of 200 calls): " +
           ", ".join(f"{k} {us:.0f} us" for k, us in host.items()))
+    print_host_only()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Prints one table (Markdown) with three parts:
      first), the issue's target row paper(bf16) flash at B=1, H=16, N=16384, D=64 (< 0.5 s);
   2. the native tensor-core kernel (fadev.native_attention) against torch SDPA's flash and cuDNN backends,
      forward and backward, bf16, TFLOP/s = 4 B H N^2 D / time (x2.5 for the backward), each validated
-     against fp64 under FlashAttention's rule first;
+     against fp64 under FlashAttention's rule first: the best tile of each variant, the defaults as a user calls
+     them (mma="auto"), and forward + backward through fadev.torch_native with its defaults;
   3. fp64 golden attention (fadev.golden_attention) against the rate of torch's fp64 matmul.
 Needs torch with CUDA and a fadev built with FADEV_CUDA=1.
 """
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fadev
+from fadev import torch_native
 from fadev.monitor import reference_attention
 
 
@@ -109,7 +111,7 @@ def native_rows(quick, backward=True):
                 ok = e_mine <= 2 * e_naive
                 shape = f"{B}x{H}x{N}x{D}"
                 best = {}  # variant -> (seconds, block_q, block_kv): the fastest tile of each variant
-                variants = [(f"{w} rows/warp", dict(warp_rows=w)) for w in fadev.native.WARP_ROWS]
+                variants = [(f"{w} rows/warp", dict(warp_rows=w, mma="sync")) for w in fadev.native.WARP_ROWS]
                 if torch.cuda.get_device_capability() == (9, 0):  # Hopper's warpgroup MMA
                     variants.append(("wgmma", dict(mma="wgmma")))
                     mine_w = fadev.native_attention(qs, ks, vs, causal=causal, mma="wgmma")
@@ -139,6 +141,14 @@ def native_rows(quick, backward=True):
                                  f"{rate / rates.get('sdpa flash', float('nan')):.2f}x sdpa flash, "
                                  f"{rate / rates.get('sdpa cudnn', float('nan')):.2f}x cudnn; err {e_mine:.1e} vs "
                                  f"naive {e_naive:.1e} {'ok' if ok else 'FAILS 2x rule'}"))
+                # defaults as a user calls them (mma="auto": its instruction and first tile), beside the best tiles
+                mma = fadev.native.auto_mma(D)
+                bq, bkv = fadev.native.fit_tile(D, mma=mma)
+                t_def = cuda_seconds(lambda: fadev.native_attention(q, k, v, causal=causal))
+                rows.append(("native", f"fadev native defaults ({mma} {bq}x{bkv})", shape, "yes" if causal else "no",
+                             f"{t_def * 1e3:.2f}", f"{flops / t_def / 1e12:.0f} TFLOP/s",
+                             f"{flops / t_def / rates.get('sdpa flash', float('nan')):.2f}x sdpa flash, "
+                             f"{flops / t_def / rates.get('sdpa cudnn', float('nan')):.2f}x cudnn"))
                 if not backward:
                     continue
                 # backward (2.5x the forward's flops: 5 matmuls of the 2 forward ones' size... as FA reports):
@@ -147,7 +157,7 @@ def native_rows(quick, backward=True):
                 out, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)
                 dout = torch.randn_like(out)
                 best_b = {}  # variant -> (seconds, block_q, block_kv, its options)
-                variants_b = [(f"{w} keys/warp", dict(warp_rows=w)) for w in fadev.native.WARP_ROWS]
+                variants_b = [(f"{w} keys/warp", dict(warp_rows=w, mma="sync")) for w in fadev.native.WARP_ROWS]
                 if torch.cuda.get_device_capability() == (9, 0):
                     variants_b.append(("wgmma", dict(mma="wgmma")))
                 for label, kw in variants_b:
@@ -173,6 +183,21 @@ def native_rows(quick, backward=True):
                              f"{t_b / t_det:.2f}x atomic; {t_sb / t_det:.2f}x sdpa flash bwd"))
                 rows.append(("native bwd", "sdpa flash", shape, "yes" if causal else "no", f"{t_sb * 1e3:.2f}",
                              f"{2.5 * flops / t_sb / 1e12:.0f} TFLOP/s", ""))
+                # the backward's defaults (mma="auto", deterministic), and forward + backward through the torch op
+                mma = fadev.native.auto_mma(D, backward=True)
+                bq, bkv = fadev.native.fit_tile(D, backward=True, mma=mma)
+                t_bd = cuda_seconds(lambda: fadev.native_attention_backward(q, k, v, out, lse, dout, causal=causal))
+                rows.append(("native bwd", f"fadev native defaults ({mma} {bq}x{bkv}, deterministic)", shape,
+                             "yes" if causal else "no", f"{t_bd * 1e3:.2f}", f"{2.5 * flops / t_bd / 1e12:.0f} TFLOP/s",
+                             f"{t_sb / t_bd:.2f}x sdpa flash bwd"))
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    t_sfb = cuda_seconds(lambda: torch.autograd.grad(
+                        F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal), (qg, kg, vg), dout))
+                t_fb = cuda_seconds(lambda: torch.autograd.grad(
+                    torch_native.native_attention(qg, kg, vg, is_causal=causal), (qg, kg, vg), dout))
+                rows.append(("native fwd+bwd", "fadev.torch_native, defaults", shape, "yes" if causal else "no",
+                             f"{t_fb * 1e3:.2f}", f"{3.5 * flops / t_fb / 1e12:.0f} TFLOP/s",
+                             f"{t_sfb / t_fb:.2f}x sdpa flash fwd+bwd ({t_sfb * 1e3:.2f} ms)"))
                 try:
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         o3 = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)

@@ -369,6 +369,13 @@ typedef struct fadev_native_params {
                                     the same arithmetic, so the same bits, at another speed */
     int32_t mma;                 /* 0 = mma.sync (every GPU from sm_80), 1 = Hopper's wgmma (compute capability 9.0;
                                     its own tiles, warp_rows not read; the backward at D 64 only) */
+    int32_t asynchronous;        /* 0: the kernels run on the legacy default stream and the call synchronises the
+                                    device before it returns (as every entry point here); 1: every kernel of the call
+                                    is queued on `stream` and the call returns without waiting, as a CUDA library call
+                                    does (launch errors are returned; errors while the kernels run surface at the
+                                    caller's next synchronisation) */
+    void *stream;                /* with asynchronous: a cudaStream_t, e.g. PyTorch's current stream (NULL: the legacy
+                                    default stream, PyTorch's default) */
 } fadev_native_params;
 /* Writes up to max_pairs (block_q, block_kv) pairs supported for head dim `dim` in one direction (backward 0: the
  * forward's, 1: the backward's) with `warp_rows` (16 or 32) tile rows per warp, or of the wgmma kernels (mma 1), into

@@ -129,14 +129,19 @@ int parse_shape(PyObject *obj, void *out) {
     return 1;
 }
 
-/* The native kernels' own options (dtype, deterministic, warp_rows, mma) into a fadev_native_params (attn untouched). */
+/* The native kernels' own options (dtype, deterministic, warp_rows, mma[, stream]) into a fadev_native_params (attn
+ * untouched); a stream (a cudaStream_t as an int, PyTorch's current stream; 0 is the legacy default stream) makes the
+ * call asynchronous on it; absent: the legacy stream and a device synchronisation. */
 int parse_native(PyObject *obj, void *out) {
     fadev_native_params *np = (fadev_native_params *)out;
     int dtype, deterministic, warp_rows, mma;
-    if (!PyArg_ParseTuple(obj, "ipii;native options must be (dtype, deterministic, warp_rows, mma)", &dtype,
-                          &deterministic, &warp_rows, &mma))
+    unsigned long long stream = 0;
+    if (!PyArg_ParseTuple(obj, "ipii|K;native options must be (dtype, deterministic, warp_rows, mma[, stream])", &dtype,
+                          &deterministic, &warp_rows, &mma, &stream))
         return 0;
     np->dtype = dtype, np->deterministic = deterministic, np->warp_rows = warp_rows, np->mma = mma;
+    np->asynchronous = PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) == 5;
+    np->stream = (void *)(uintptr_t)stream;
     return 1;
 }
 

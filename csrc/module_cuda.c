@@ -8,7 +8,8 @@
  * each CUDA call and turns a status into an exception (raise_device_status: FADEV_ERR_CUDA -> RuntimeError
  * with CUDA's message, out of device memory (FADEV_ERR_NO_MEMORY) -> MemoryError with it, FADEV_ERR_NO_CUDA
  * -> RuntimeError). Each kernel is one entry, named by its method (no kernel numbers), run by one dispatcher. Every call is synchronous:
- * the C side runs on the legacy default stream and synchronises before returning. */
+ * the C side runs on the legacy default stream and synchronises before returning -- except a native call whose
+ * options name a stream, 0 included (fadev.torch_native's path): its kernels are queued there and it returns at once. */
 #include "module.h"
 
 /* CPython passes (self, args) to every method; most of ours use neither self nor, for METH_NOARGS, args. */
@@ -302,7 +303,8 @@ PyMethodDef cuda_methods[] = {
     {"cuda_native_workspace", py_cuda_native_workspace, METH_VARARGS,
      "cuda_native_workspace(shape, call, native) -> bytes of float32 workspace the backward needs"},
     {"cuda_native_forward", py_cuda_native_forward, METH_VARARGS,
-     "cuda_native_forward(q, k, v, out, lse, shape, call, native); native (dtype, deterministic, warp_rows, mma)"},
+     "cuda_native_forward(q, k, v, out, lse, shape, call, native); native (dtype, deterministic, warp_rows, mma"
+     "[, stream])"},
     {"cuda_native_backward", py_cuda_native_backward, METH_VARARGS,
      "cuda_native_backward(q, k, v, out, lse, dout, dq, dk, dv, workspace, shape, call, native)"},
     {NULL, NULL, 0, NULL},

@@ -173,6 +173,7 @@ struct native_bwd_args {
     void *dq, *dk, *dv;
     int heads, group, seq_q, seq_kv, n_kt, n_qt, causal; /* group = heads / heads_kv; key / query tiles per head */
     float scale_log2, scale;                             /* scale * log2(e), scale */
+    cudaStream_t stream;                                 /* fadev_native_params.stream (NULL: the legacy default) */
 };
 
 /* The CTA's key tile (both backward dK/dV kernels): key tile kt of K/V head b * Hkv + hk, its rows, and the query
@@ -313,6 +314,14 @@ static inline int native_tile_pairs(int dim, int backward, int warp_rows, int mm
 
 static inline fadev_status native_bad(fadev_status st, const char *message) {
     return fadev_cuda_fail_msg(st, message);
+}
+
+/* The end of an entry point: a device-wide synchronisation, as every fadev entry point; asynchronous (on a caller's
+ * stream) only the launch errors (the kernels stay queued, as a library call's). */
+static inline fadev_status native_finish(const fadev_native_params *p, const char *where) {
+    if (!p->asynchronous) return fadev_cuda_finish(where);
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? FADEV_OK : fadev_cuda_fail(err, where);
 }
 
 /* Shapes, tiles, dtype and sizes (both entry points; the grid bound is checked for the smallest tiles). */

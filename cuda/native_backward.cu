@@ -261,8 +261,8 @@ static unsigned native_blocks(int64_t work, int per_block) {
 template <typename T, int D>
 fadev_status native_backward_before(const fadev_native_params *p, const native_bwd_args &a, const void *out) {
     const int64_t rows = p->attn.batch * p->attn.heads * p->attn.seq_q, n = rows * D;
-    if (a.dq_acc) CUDA_TRY(cudaMemsetAsync(a.dq_acc, 0, (size_t)n * sizeof(float), 0));
-    native_dot_kernel<T, D><<<native_blocks(rows, 8), 256>>>(static_cast<const T *>(out), static_cast<const T *>(a.dout),
+    if (a.dq_acc) CUDA_TRY(cudaMemsetAsync(a.dq_acc, 0, (size_t)n * sizeof(float), a.stream));
+    native_dot_kernel<T, D><<<native_blocks(rows, 8), 256, 0, a.stream>>>(static_cast<const T *>(out), static_cast<const T *>(a.dout),
                                                               const_cast<float *>(a.dvec), rows);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
@@ -272,7 +272,7 @@ fadev_status native_backward_before(const fadev_native_params *p, const native_b
 template <typename T, int D> fadev_status native_backward_after(const fadev_native_params *p, const native_bwd_args &a) {
     if (!a.dq_acc) return native_dq_pass(p, a);
     const int64_t n = p->attn.batch * p->attn.heads * p->attn.seq_q * D;
-    native_dq_kernel<T><<<native_blocks(n, 256), 256>>>(a.dq_acc, static_cast<T *>(a.dq), n, a.scale);
+    native_dq_kernel<T><<<native_blocks(n, 256), 256, 0, a.stream>>>(a.dq_acc, static_cast<T *>(a.dq), n, a.scale);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }
@@ -291,7 +291,7 @@ static fadev_status native_backward_launch(const fadev_native_params *p, const n
     constexpr int smem = native_bwd_smem<D, BKV, BQ>();
     FADEV_TRY((native_backward_before<T, D>(p, a, out)));
     CUDA_TRY(cudaFuncSetAttribute(native_backward_kernel<T, D, BKV, BQ, MI>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    native_backward_kernel<T, D, BKV, BQ, MI><<<(unsigned)(p->attn.batch * p->attn.heads_kv * a.n_kt), BKV * 2 / MI, smem>>>(a);
+    native_backward_kernel<T, D, BKV, BQ, MI><<<(unsigned)(p->attn.batch * p->attn.heads_kv * a.n_kt), BKV * 2 / MI, smem, a.stream>>>(a);
     CUDA_TRY(cudaGetLastError());
     return native_backward_after<T, D>(p, a);
 }
@@ -341,7 +341,8 @@ extern "C" fadev_status fadev_cuda_native_backward(const void *q, const void *k,
     a.n_kt = a.n_qt = 0;
     a.scale_log2 = (float)(params->attn.scale * NATIVE_LOG2E);
     a.scale = (float)params->attn.scale;
+    a.stream = params->asynchronous ? (cudaStream_t)params->stream : (cudaStream_t)0;
     FADEV_TRY(params->dtype == FADEV_NATIVE_FP16 ? native_backward_dispatch<__half>(params, a, out)
                                                  : native_backward_dispatch<__nv_bfloat16>(params, a, out));
-    return fadev_cuda_finish("fadev_cuda_native_backward");
+    return native_finish(params, "fadev_cuda_native_backward");
 }

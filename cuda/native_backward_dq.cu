@@ -145,7 +145,7 @@ template <typename T, int D, int BKV> static fadev_status native_dq_pass_launch(
     constexpr int BQ = NATIVE_DQ_BLOCK_Q, smem = native_dq_smem<T, D, BQ, BKV>();
     a.n_qt = (int)((p->attn.seq_q + BQ - 1) / BQ);
     CUDA_TRY(cudaFuncSetAttribute(native_dq_pass_kernel<T, D, BQ, BKV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    native_dq_pass_kernel<T, D, BQ, BKV><<<(unsigned)(p->attn.batch * p->attn.heads * a.n_qt), BQ * 2, smem>>>(a);
+    native_dq_pass_kernel<T, D, BQ, BKV><<<(unsigned)(p->attn.batch * p->attn.heads * a.n_qt), BQ * 2, smem, a.stream>>>(a);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }

@@ -177,7 +177,7 @@ static fadev_status native_bwd_wgmma_launch(const fadev_native_params *p, const 
     FADEV_TRY((native_backward_before<T, D>(p, a, out)));
     CUDA_TRY(cudaFuncSetAttribute(native_backward_wgmma_kernel<T, D, BKV, BQ>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   smem));
-    native_backward_wgmma_kernel<T, D, BKV, BQ><<<(unsigned)(p->attn.batch * p->attn.heads_kv * a.n_kt), BKV * 2, smem>>>(a);
+    native_backward_wgmma_kernel<T, D, BKV, BQ><<<(unsigned)(p->attn.batch * p->attn.heads_kv * a.n_kt), BKV * 2, smem, a.stream>>>(a);
     CUDA_TRY(cudaGetLastError());
     return native_backward_after<T, D>(p, a);
 }

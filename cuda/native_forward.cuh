@@ -27,6 +27,7 @@ struct native_fwd_args {
     float *lse;
     int heads, group, seq_q, seq_kv, n_qt, causal; /* group = heads / heads_kv; n_qt = query tiles per head */
     float scale_log2;                                /* scale * log2(e) */
+    cudaStream_t stream;                             /* fadev_native_params.stream (NULL: the legacy default) */
 };
 
 /* The CTA's query tile (both forward kernels): query tile qt of head b * H + h (tiles run longest first), its K/V
@@ -254,7 +255,7 @@ template <typename T, int D, int BQ, int BKV, int MI>
 static inline fadev_status native_forward_launch(const native_fwd_args &a, int64_t ctas) {
     constexpr int smem = native_fwd_smem<D, BQ, BKV>();
     CUDA_TRY(cudaFuncSetAttribute(native_forward_kernel<T, D, BQ, BKV, MI>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    native_forward_kernel<T, D, BQ, BKV, MI><<<(unsigned)ctas, BQ * 2 / MI, smem>>>(a);
+    native_forward_kernel<T, D, BQ, BKV, MI><<<(unsigned)ctas, BQ * 2 / MI, smem, a.stream>>>(a);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }

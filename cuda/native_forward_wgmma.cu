@@ -216,7 +216,7 @@ template <typename T, int D, int BQ, int BKV>
 static fadev_status native_wgmma_launch(const native_fwd_args &a, int64_t ctas) {
     constexpr int smem = native_wgmma_smem<D, BQ, BKV>();
     CUDA_TRY(cudaFuncSetAttribute(native_forward_wgmma_kernel<T, D, BQ, BKV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    native_forward_wgmma_kernel<T, D, BQ, BKV><<<(unsigned)ctas, BQ * 2, smem>>>(a);
+    native_forward_wgmma_kernel<T, D, BQ, BKV><<<(unsigned)ctas, BQ * 2, smem, a.stream>>>(a);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }

@@ -54,13 +54,15 @@ from . import _args
 from .backends import subset
 from .cuda import device_count, no_gpu
 from .formats import boolean, integer
-from .native import MMA, native_attention as _native_forward, native_attention_backward as _native_backward
+from .native import MMA_CHOICES
 from .policy import Policy
 from .torch import _Kernel, attention as _emulated, autocast_inputs
-from .torch_native import check as _native_check, native_attention
+from . import torch_native
+from .torch_native import native_attention
 
 KERNELS = subset("sdpa", "flash", "baseline", "native")
-NATIVE_OPTIONS = ("block_q", "block_kv", "backward_block_q", "backward_block_kv", "deterministic", "mma")
+NATIVE_OPTIONS = ("block_q", "block_kv", "backward_block_q", "backward_block_kv", "deterministic", "mma",
+                  "backward_mma")
 """Keyword arguments ``use(kernel="native", ...)`` takes: those of :func:`fadev.torch_native.native_attention`."""
 NAME = "fadev"
 
@@ -75,6 +77,9 @@ class Setting:
     kernel: str
     policy: Policy | None = None
     tiling: tuple = ()
+
+    def __post_init__(self):  # the keyword arguments of each call, built once (issue 25: no per-call work)
+        object.__setattr__(self, "kwargs", dict(self.tiling))
 
 
 def _setting(policy, kernel, tiling) -> Setting:
@@ -93,8 +98,9 @@ def _setting(policy, kernel, tiling) -> Setting:
     for name, value in tiling.items():
         if name == "deterministic":
             boolean(value, name)
-        elif name == "mma":
-            _args.choice(name, value, MMA)
+        elif name in ("mma", "backward_mma"):
+            if value is not None or name == "mma":
+                _args.choice(name, value, MMA_CHOICES)
         elif value is not None:
             _args.positive_int(integer(value, name), name)
     return Setting(kernel, None, tuple(sorted(tiling.items())))
@@ -104,6 +110,19 @@ DEFAULT = Setting("sdpa")
 """The setting outside any :class:`use` block: plain SDPA."""
 
 _CURRENT = contextvars.ContextVar("fadev.hf.setting", default=DEFAULT)
+
+
+class _Mirror(threading.local):
+    """This thread's innermost ``use`` block's setting and run counter, as ``_CURRENT`` and ``_RUNS`` hold them:
+    torch.compile cannot read a ContextVar but reads (and guards on) a thread-local, so a compiled model's
+    attention reads this. (Per thread, not per asyncio task: tasks of one thread that interleave ``use`` blocks
+    around a compiled model see the latest block entered.)"""
+
+    setting = DEFAULT
+    runs = None
+
+
+_MIRROR = _Mirror()
 
 
 def current() -> Setting:
@@ -128,7 +147,9 @@ class use:  # noqa: N801 (a context manager)
 
     def __enter__(self) -> Setting:
         stack = self._tokens.__dict__.setdefault("stack", [])
-        stack.append((_CURRENT.set(self.setting), _RUNS.set([0])))
+        runs = [0]
+        stack.append((_CURRENT.set(self.setting), _RUNS.set(runs)))
+        _MIRROR.setting, _MIRROR.runs = self.setting, runs
         return self.setting
 
     def __exit__(self, exc_type, *exc):
@@ -137,6 +158,7 @@ class use:  # noqa: N801 (a context manager)
         _CURRENT.reset(token)
         _RUNS.reset(runs)
         outer = _RUNS.get()
+        _MIRROR.setting, _MIRROR.runs = _CURRENT.get(), outer
         if outer is not None:
             outer[0] += calls  # an enclosing block saw these calls too
         if exc_type is None and calls == 0 and self.setting.kernel != "sdpa":
@@ -230,10 +252,10 @@ def _row_plan(allowed, row):
 # ---------------------------------------------------------------- the attention function
 
 def _compute(setting, q, k, v, causal, scale, gqa):
-    tiling = dict(setting.tiling)
     if setting.kernel == "native":
-        return native_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa, **tiling)
-    return _emulated(q, k, v, setting.policy, kernel=setting.kernel, is_causal=causal, scale=scale, enable_gqa=gqa, **tiling)
+        return native_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa, **setting.kwargs)
+    return _emulated(q, k, v, setting.policy, kernel=setting.kernel, is_causal=causal, scale=scale, enable_gqa=gqa,
+                     **setting.kwargs)
 
 
 def _masked(setting, q, k, v, mask, scale, gqa):
@@ -277,8 +299,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     (B, H_kv, N_kv, D) as a model's attention layer passes them; returns (attn_output (B, N_q, H, D),
     None). Computed as :func:`current` says (module docstring)."""
     _check_qkv(query, key, value)
-    setting = _CURRENT.get()
-    runs = _RUNS.get()
+    if torch.compiler.is_compiling():
+        setting, runs = _MIRROR.setting, _MIRROR.runs
+    else:
+        setting, runs = _CURRENT.get(), _RUNS.get()
     if runs is not None:
         runs[0] += 1
     if setting.kernel == "sdpa":
@@ -319,13 +343,13 @@ def register(name=NAME) -> None:
 # ---------------------------------------------------------------- an SDPA flash implementation
 
 def _flash_check(query, key, value, dropout_p, return_debug_mask, is_causal, scale, options):
-    """The forward's and backward's native tiles for this flash call; RuntimeError saying why it cannot."""
+    """The native plan (fadev.torch_native.Plan) of this flash call; RuntimeError saying why it cannot."""
     why = ("dropout_p must be 0" if dropout_p else "return_debug_mask must be False" if return_debug_mask
            else None)
     if why is None:
         try:
             gqa = query.dim() == 4 == key.dim() and query.shape[1] != key.shape[1]
-            return _native_check(query, key, value, is_causal, scale, gqa, *options[:4])
+            return torch_native.plan(query, key, value, is_causal, scale, gqa, *options)
         except (TypeError, ValueError) as e:
             why = str(e)
     raise RuntimeError(f"fadev's SDPA flash implementation cannot compute this call: {why}. Call "
@@ -338,18 +362,17 @@ def _flash_ops(options):
     (block_q, block_kv, backward_block_q, backward_block_kv, deterministic)."""
 
     def forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
-        (bq, bkv), _ = _flash_check(query, key, value, dropout_p, return_debug_mask, is_causal, scale, options)
-        out, lse = _native_forward(query, key, value, causal=is_causal, scale=scale, block_q=bq, block_kv=bkv,
-                                   return_lse=True)
+        plan = _flash_check(query, key, value, dropout_p, return_debug_mask, is_causal, scale, options)
+        out, lse = torch_native.run_forward(plan, query.contiguous(), key.contiguous(), value.contiguous())
         dev = query.device
         return (out, lse, None, None, query.shape[2], key.shape[2], torch.zeros(2, dtype=torch.uint64, device=dev),
                 torch.zeros((), dtype=torch.uint64, device=dev), torch.empty(0, dtype=query.dtype, device=dev))
 
     def backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                  is_causal, philox_seed, philox_offset, *, scale=None):
-        _, (bq, bkv) = _flash_check(query, key, value, dropout_p, False, is_causal, scale, options)
-        return _native_backward(query, key, value, out, logsumexp, grad_out, causal=is_causal, scale=scale,
-                                block_q=bq, block_kv=bkv, deterministic=options[4])
+        plan = _flash_check(query, key, value, dropout_p, False, is_causal, scale, options)
+        q, k, v, o, lse = (t.contiguous() for t in (query, key, value, out, logsumexp))
+        return torch_native.run_backward(plan, q, k, v, o, lse, grad_out)
 
     return forward, backward
 

@@ -26,6 +26,48 @@ MMA = ("sync", "wgmma")
 """The native kernels' tensor-core instructions: ``"sync"`` mma.sync.m16n8k16 issued per warp (every GPU from sm_80),
 ``"wgmma"`` Hopper's warpgroup MMA (wgmma.m64nNk16, compute capability 9.0 only; cuda/native_forward_wgmma.cu,
 and cuda/native_backward_wgmma.cu at D 64)."""
+MMA_CHOICES = MMA + ("auto",)
+"""What ``mma=`` takes: an instruction, or ``"auto"`` (the default): :func:`auto_mma`'s choice."""
+
+
+def choose_mma(capability, wgmma_tiles, block_q=None, block_kv=None, warp_rows=16) -> str:
+    """The instruction ``mma="auto"`` runs, as a table (issue 25; benchmarks/README.md, H100, ratio to SDPA flash with
+    each kernel's default tile: wgmma forward 0.74-1.23 vs mma.sync 0.60-0.89 over D 64 / 128, N 4k / 16k, causal or
+    not; wgmma backward at D 64 0.91-1.08 vs mma.sync 0.69-0.82 deterministic, 0.49-0.57 atomic): ``"wgmma"`` where
+    the GPU has compute capability (9, 0), the build has a wgmma kernel for the head dim and direction
+    (``wgmma_tiles``, :func:`native_tiles` with ``mma="wgmma"``) fitting the requested tile entries (None: any) and
+    ``warp_rows`` is 16 (32 rows per warp exist for mma.sync only); else ``"sync"``. The backward's dq is the
+    deterministic pass unless asked otherwise (``deterministic`` defaults to True)."""
+    if tuple(capability) != (9, 0) or warp_rows != 16:
+        return "sync"
+    fits = any(block_q in (None, bq) and block_kv in (None, bkv) for bq, bkv in wgmma_tiles)
+    return "wgmma" if fits else "sync"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index) -> tuple:
+    """Compute capability (major, minor) of CUDA device ``index`` (asked once per device)."""
+    for device in _core.cuda_info()["devices"]:
+        if device["index"] == index:
+            return tuple(device["capability"])
+    raise no_gpu(f"cuda:{index}")
+
+
+def auto_mma(dim, *, backward=False, block_q=None, block_kv=None, warp_rows=16, device=None) -> str:
+    """The instruction ``mma="auto"`` runs on CUDA device ``device`` (an index; None: the current device) for head
+    dim ``dim`` in one direction with the requested tile entries: :func:`choose_mma` of the device's compute
+    capability and the build's wgmma tiles."""
+    index = _core.cuda_current_device() if device is None else int(device)
+    wgmma = native_tiles(dim, backward=backward, mma="wgmma")
+    return choose_mma(_capability(index), wgmma, block_q, block_kv, warp_rows)
+
+
+def resolve_mma(mma, dim, *, backward=False, block_q=None, block_kv=None, warp_rows=16, device=None) -> str:
+    """``mma`` ("sync", "wgmma" or "auto", checked) as the instruction a call runs (:func:`auto_mma` for "auto")."""
+    _args.choice("mma", mma, MMA_CHOICES)
+    if mma != "auto":
+        return mma
+    return auto_mma(dim, backward=backward, block_q=block_q, block_kv=block_kv, warp_rows=warp_rows, device=device)
 
 
 def _warp_rows(warp_rows):
@@ -108,16 +150,18 @@ def fit_tile(dim, block_q=None, block_kv=None, *, backward=False, warp_rows=16, 
     return fits[0]
 
 
-def _params(q4, causal, scale, block_q, block_kv, code, backward=False, deterministic=False, warp_rows=16,
-            mma="sync"):
+def _params(q4, causal, scale, block_q, block_kv, code, gpu, backward=False, deterministic=False, warp_rows=16,
+            mma="auto"):
     """The call spec and the native options (dtype code, deterministic, warp_rows, mma code) of a native call."""
     dim = q4.shape[3]
+    mma = resolve_mma(mma, dim, backward=backward, block_q=block_q, block_kv=block_kv, warp_rows=warp_rows,
+                      device=gpu.index)
     tile = fit_tile(dim, block_q, block_kv, backward=backward, warp_rows=warp_rows, mma=mma)
     call = _args.Call(None, _args.scale_of(scale, dim), _args.causal_of(causal), *tile)
     return call, (code, deterministic, warp_rows, MMA.index(mma))
 
 
-def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_kv=None, warp_rows=16, mma="sync",
+def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_kv=None, warp_rows=16, mma="auto",
                      return_lse=False, dtype=None):
     """FlashAttention-2-style forward on the tensor cores (cuda/native_forward.cu): fp16 or bf16 inputs
     and output, fp32 accumulation and online softmax (exp2). Shapes, ``causal`` and ``scale`` as
@@ -125,25 +169,26 @@ def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k
     :func:`native_tiles` for ``warp_rows`` (16 or 32 query rows per warp: the same bits, another speed;
     default: the list's first). ``mma="wgmma"`` runs the Hopper kernel (cuda/native_forward_wgmma.cu: the same
     algorithm and rounding steps, products by warpgroup MMA; its own tiles, ``native_tiles(D, mma="wgmma")``;
-    compute capability 9.0 only). PyTorch CUDA tensors of float16 / bfloat16 give tensors
+    compute capability 9.0 only); ``"sync"`` the mma.sync kernel; ``"auto"`` (the default) the faster of the two for
+    this GPU, head dim and tile request (:func:`auto_mma`). PyTorch CUDA tensors of float16 / bfloat16 give tensors
     (``lse`` float32, natural log); NumPy (or ml_dtypes) arrays are rounded to ``dtype`` ("bf16" or
     "fp16"; inferred from a float16 / bfloat16 array), copied to the GPU, and come back as float64
     NumPy arrays holding the fp16 / bf16 (lse: fp32) values. Not differentiable: see
     :func:`native_attention_backward`."""
     _args.boolean(return_lse, "return_lse")
     rows = _warp_rows(warp_rows)
-    _args.choice("mma", mma, MMA)
+    _args.choice("mma", mma, MMA_CHOICES)
     code = _dtype_code(dtype, q)
     gpu = route("cuda", q=q, k=k, v=v)
     q, k, v = (_host(x, n, code) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     q4, k4, v4, rank = _args.qkv(q, k, v, gpu, _NP_DTYPES[code])
-    call, options = _params(q4, causal, scale, block_q, block_kv, code, warp_rows=rows, mma=mma)
+    call, options = _params(q4, causal, scale, block_q, block_kv, code, gpu, warp_rows=rows, mma=mma)
     out, lse = backends.Native(gpu, options).forward("native", q4, k4, v4, call)
     return _args.unshape_forward(out, lse, rank, return_lse)
 
 
 def native_attention_backward(q, k, v, out, lse, dout, *, causal=False, scale=None, block_q=None, block_kv=None,
-                              warp_rows=16, mma="sync", deterministic=True, dtype=None):
+                              warp_rows=16, mma="auto", deterministic=True, dtype=None):
     """Gradients (dq, dk, dv) by the native FlashAttention-2-style backward (cuda/native_backward.cu): P
     recomputed from the forward's ``lse`` (float32), dq accumulated in fp32: with ``deterministic=True`` (the
     default, as :func:`fadev.torch_native.native_attention`'s) by a separate pass over the K/V tiles in key order
@@ -154,20 +199,22 @@ def native_attention_backward(q, k, v, out, lse, dout, *, causal=False, scale=No
     ``lse`` as :func:`native_attention` returned them; arguments and result kinds as that function's.
     ``mma="wgmma"``: the dK/dV kernel on Hopper's warpgroup MMA (cuda/native_backward_wgmma.cu; D 64; its tiles
     ``native_tiles(64, backward=True, mma="wgmma")``): the same dK and dV bits as mma.sync with the tile, and the
-    same dq with ``deterministic`` (the dq pass is shared); atomic dq sums in another grouping."""
+    same dq with ``deterministic`` (the dq pass is shared); atomic dq sums in another grouping. ``"auto"`` (the
+    default): :func:`auto_mma`'s choice (wgmma on an H100 at D 64, else mma.sync)."""
     _args.boolean(deterministic, "deterministic")
     rows = _warp_rows(warp_rows)
-    _args.choice("mma", mma, MMA)
+    _args.choice("mma", mma, MMA_CHOICES)
     code = _dtype_code(dtype, q)
     gpu = route("cuda", q=q, k=k, v=v, out=out, lse=lse, dout=dout)
     q, k, v, out, dout = (_host(x, n, code) for x, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"),
                                                          (dout, "dout")))
     q4, k4, v4, rank = _args.qkv(q, k, v, gpu, _NP_DTYPES[code])
     out4, lse3, dout4 = _args.saved(q4, out, lse, dout, rank, gpu, _NP_DTYPES[code], np.float32)
-    call, options = _params(q4, causal, scale, block_q, block_kv, code, backward=True,
+    call, options = _params(q4, causal, scale, block_q, block_kv, code, gpu, backward=True,
                             deterministic=deterministic, warp_rows=rows, mma=mma)
     grads = backends.Native(gpu, options).backward("native", q4, k4, v4, out4, lse3, dout4, call)
     return _args.unshape_grads(grads, rank)
 
 
-__all__ = ["native_attention", "native_attention_backward", "native_tiles", "DTYPES", "MMA"]
+__all__ = ["native_attention", "native_attention_backward", "native_tiles", "auto_mma", "choose_mma", "resolve_mma",
+           "DTYPES", "MMA", "MMA_CHOICES"]

@@ -9,6 +9,10 @@
 * :func:`shadow` -- at every SDPA call compute a reference and a candidate policy on the same inputs,
   continue the model with one and log the other's deviation; or, with ``sample_every``, monitor (fadev.monitor).
 
+Under ``torch.compile`` :func:`attention` is the ``torch.library`` custom op ``fadev::attention`` (fake and autograd
+registrations; its backward ``fadev::attention_backward``), so a compiled model keeps it in one graph and gets
+eager's bits: the op runs the same forward and backward as the eager ``autograd.Function``.
+
 What is copied. The kernels read C-contiguous float64 memory. A contiguous float64 CPU tensor is handed
 to them as ``tensor.numpy()`` (no copy), and their float64 results become tensors through
 ``torch.from_numpy`` (no copy): in float64 nothing is copied on the way in or out. Any other input
@@ -33,10 +37,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-import threading
+from typing import Optional
 
-import ml_dtypes
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -46,126 +48,23 @@ from ._args import MAX_DIM
 from .attention import baseline_attention, flash_attention
 from .backward import baseline_attention_backward, flash_attention_backward
 from .cuda import device_count as _cuda_devices
-from .formats import boolean, to_bits as _to_bits
+from .formats import boolean
 from .metrics import compare
 from .monitor import LayerNames, Monitor
 from .policy import Policy, as_policy
+from .torch_tensors import (POOL_MAX_ELEMENTS, _FORMAT_OF, _as_tensor, _cast_on_device, _check_tensor,  # noqa: F401
+                            _float64, _kernel_input, _to_dtype, release_buffers)
 
 KERNELS = subset("flash", "baseline")
 FLASH_TILING = ("block_q", "block_kv", "sram_bytes", "loop_order", "normalize", "exp")
 """Keyword arguments ``**tiling`` may hold (flash only): those of :func:`fadev.flash_attention`."""
 
-_FORMAT_OF = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 DTYPES = tuple(_FORMAT_OF)
 
 
 class UnsupportedSDPA(NotImplementedError):
     """An SDPA call fadev cannot compute exactly as PyTorch would (dropout, a general attn_mask, ...).
     :func:`patch_sdpa` raises it unless ``fallback=True``."""
-
-
-# ---------------------------------------------------------------- tensors <-> float64 NumPy buffers
-
-def _check_tensor(t, name):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type not in ("cpu", "cuda"):
-        raise NotImplementedError(f"{name}: fadev.torch computes on CPU and CUDA tensors only, got a tensor on "
-                                  f"{t.device} -- move the inputs with .cpu()")
-    if t.dtype not in _FORMAT_OF:
-        raise TypeError(f"{name}: dtype must be one of float64, float32, float16, bfloat16, got {t.dtype}")
-    if t.is_nested or t.layout != torch.strided:
-        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}"
-                        f"{' (nested)' if t.is_nested else ''}")
-
-
-def _zero_copy(t) -> bool:
-    return t.dtype == torch.float64 and t.is_contiguous() and not t.is_neg() and not t.is_conj()
-
-
-POOL_MAX_ELEMENTS = 1 << 22
-"""Largest float64 copy (in elements, 32 MiB) made in a reused per-thread scratch buffer; larger ones are
-fresh arrays."""
-
-_pool = threading.local()
-
-
-def _scratch(slot, shape) -> np.ndarray:
-    """A float64 array of ``shape`` in this thread's scratch buffer ``slot`` (q, k, v or dout). Fresh
-    memory costs a page fault per 4 KiB on first touch -- about 1 ms for the three float64 copies of a
-    1 x 4 x 1024 x 64 call, 2.5% of its fa2 forward -- and freed large arrays go back to the OS, so the
-    copies reuse warm buffers. A buffer's contents live only until the next call on the thread: the copies
-    are read by the kernel and never saved (the forward saves the original tensors)."""
-    n = math.prod(shape)
-    if n > POOL_MAX_ELEMENTS:
-        return np.empty(shape)
-    buffers = _pool.__dict__.setdefault("buffers", {})
-    buf = buffers.get(slot)
-    if buf is None or buf.size < n:
-        buf = buffers[slot] = np.empty(n)
-    return buf[:n].reshape(shape)
-
-
-def release_buffers() -> None:
-    """Free this thread's scratch buffers (at most 4 x 32 MiB; see :data:`POOL_MAX_ELEMENTS`)."""
-    _pool.__dict__.pop("buffers", None)
-
-
-def _float64(t, slot=None) -> np.ndarray:
-    """``t``'s values as a C-contiguous float64 array: ``t``'s own memory when it is a contiguous float64
-    tensor, else an exact copy (in scratch buffer ``slot`` when given). Copies are made by NumPy, not by
-    torch's thread pool (whose worker wake-ups cost milliseconds on a busy machine and compete with
-    fadev's threads)."""
-    t = t.detach()
-    if _zero_copy(t):
-        return t.numpy()
-    if t.dtype == torch.bfloat16:  # NumPy has no bfloat16: view the bits as ml_dtypes' (an exact cast)
-        src = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    else:
-        src = t.resolve_neg().resolve_conj().numpy()
-    out = _scratch(slot, tuple(t.shape)) if slot is not None else np.empty(tuple(t.shape))
-    np.copyto(out, src)
-    return out
-
-
-def _kernel_input(t, slot, shape):
-    """What the kernels read for ``t``, shaped ``shape``: a CUDA tensor as it is (fadev.cuda converts it
-    to float64 on the device), a CPU tensor through :func:`_float64`."""
-    if t.device.type == "cuda":
-        return t.detach().reshape(shape)
-    return _float64(t, slot).reshape(shape)
-
-
-def _as_tensor(x) -> torch.Tensor:
-    return x if isinstance(x, torch.Tensor) else torch.from_numpy(x)
-
-
-def _cast_on_device(t: torch.Tensor, dtype) -> torch.Tensor:
-    """A float64 CUDA tensor as ``dtype``, rounded to nearest-even once (as :func:`_to_dtype`). torch casts
-    float64 to float16/bfloat16 through float32 (two roundings); rounding to float32 toward odd first
-    makes the second rounding the correct one, since float32 has at least two more bits than either."""
-    if dtype in (torch.float64, torch.float32):
-        return t.to(dtype)
-    f = t.to(torch.float32)
-    back = f.to(torch.float64)
-    toward_zero = torch.where(back.abs() > t.abs(), torch.nextafter(f, torch.zeros_like(f)), f)
-    odd = (toward_zero.view(torch.int32) | 1).view(torch.float32)
-    return torch.where(back == t, f, odd).to(dtype)
-
-
-def _to_dtype(arr, dtype) -> torch.Tensor:
-    """A float64 result as a tensor of ``dtype``, rounded to nearest-even once (exact when the values are
-    in the dtype already, e.g. an fa2(bf16) output in bfloat16 or float32). float64 shares ``arr``'s
-    memory. (torch's own float64 -> float16/bfloat16 cast rounds twice, through float32.) A CUDA result
-    (a tensor) is cast on the device."""
-    if isinstance(arr, torch.Tensor):
-        return _cast_on_device(arr, dtype)
-    if dtype == torch.float64:
-        return torch.from_numpy(arr)
-    if dtype == torch.float32:
-        return torch.from_numpy(arr.astype(np.float32))
-    bits = _to_bits(arr, _FORMAT_OF[dtype]).view(np.int16)
-    return torch.from_numpy(bits).view(dtype)
 
 
 # ---------------------------------------------------------------- one attention configuration
@@ -215,37 +114,103 @@ def _shape4(shape):
     return (math.prod(shape[:-3]),) + tuple(shape[-3:])
 
 
+def _run_forward(kern, q, k, v, causal, scale, sink=None):
+    """(result in q's dtype, the float64 output, the float64 lse) of ``kern`` on q, k, v."""
+    qs, ks = _shape4(q.shape), _shape4(k.shape)
+    out, lse = kern.forward(_kernel_input(q, "q", qs), _kernel_input(k, "k", ks), _kernel_input(v, "v", ks), causal,
+                            scale)
+    out = out.reshape(q.shape)
+    if sink is not None:
+        sink.append(out)
+    result = _to_dtype(out, q.dtype)
+    return result, (result if q.dtype == torch.float64 else _as_tensor(out)), _as_tensor(lse)
+
+
+def _run_backward(kern, causal, scale, q, k, v, out, lse, dout):
+    """(dq, dk, dv) in q's dtype of ``kern``'s backward from the forward's inputs, float64 output and lse."""
+    qs, ks = _shape4(q.shape), _shape4(k.shape)
+    arrays = [_kernel_input(t, slot, s) for t, slot, s in ((q, "q", qs), (k, "k", ks), (v, "v", ks),
+                                                           (out, None, qs), (dout, "dout", qs),
+                                                           (lse, None, tuple(lse.shape)))]
+    dq, dk, dv = kern.backward(*arrays[:4], arrays[5], arrays[4], causal, scale)
+    return (_to_dtype(dq.reshape(q.shape), q.dtype), _to_dtype(dk.reshape(k.shape), q.dtype),
+            _to_dtype(dv.reshape(v.shape), q.dtype))
+
+
 class _AttentionFunction(torch.autograd.Function):
-    """fadev attention as an autograd op. Inputs are validated by :func:`_validate`."""
+    """fadev attention as an autograd op (eager mode). Inputs are validated by :func:`_validate`."""
 
     @staticmethod
     def forward(ctx, q, k, v, kern, causal, scale, sink):
-        qs, ks = _shape4(q.shape), _shape4(k.shape)
-        out, lse = kern.forward(_kernel_input(q, "q", qs), _kernel_input(k, "k", ks), _kernel_input(v, "v", ks), causal,
-                                scale)
-        out = out.reshape(q.shape)
-        if sink is not None:
-            sink.append(out)
-        result = _to_dtype(out, q.dtype)
-        out64 = result if q.dtype == torch.float64 else _as_tensor(out)
+        result, out64, lse = _run_forward(kern, q, k, v, causal, scale, sink)
         # the inputs themselves, not their float64 copies: autograd then notices in-place changes, the graph
         # holds no second copy, and the backward's fresh copies reuse warm memory (keeping these alive costs
         # more in page faults than converting twice)
-        ctx.save_for_backward(q, k, v, out64, _as_tensor(lse))
-        ctx.kern, ctx.causal, ctx.scale, ctx.dtype = kern, causal, scale, q.dtype
+        ctx.save_for_backward(q, k, v, out64, lse)
+        ctx.kern, ctx.causal, ctx.scale = kern, causal, scale
         return result
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        qs, ks = _shape4(q.shape), _shape4(k.shape)
-        arrays = [_kernel_input(t, slot, s) for t, slot, s in ((q, "q", qs), (k, "k", ks), (v, "v", ks),
-                                                               (out, None, qs), (dout, "dout", qs),
-                                                               (lse, None, tuple(lse.shape)))]
-        dq, dk, dv = ctx.kern.backward(*arrays[:4], arrays[5], arrays[4], ctx.causal, ctx.scale)
-        return (_to_dtype(dq.reshape(q.shape), ctx.dtype), _to_dtype(dk.reshape(k.shape), ctx.dtype),
-                _to_dtype(dv.reshape(v.shape), ctx.dtype), None, None, None, None)
+        return _run_backward(ctx.kern, ctx.causal, ctx.scale, *ctx.saved_tensors, dout) + (None,) * 4
+
+
+# ---------------------------------------------------------------- torch.compile: the same as custom ops
+
+_KERNELS, _HANDLES = [], {}
+
+
+@torch.compiler.assume_constant_result
+def _handle(policy, kernel, tiling) -> int:
+    """The int naming the checked (policy, kernel, tiling) in the custom ops' calls (they take no objects);
+    under torch.compile it is computed once, at trace time, and baked into the graph."""
+    kern = _Kernel.make(policy, kernel, dict(tiling))
+    if kern not in _HANDLES:
+        _HANDLES[kern] = len(_KERNELS)
+        _KERNELS.append(kern)
+    return _HANDLES[kern]
+
+
+@torch.library.custom_op("fadev::attention", mutates_args=())
+def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kern: int, is_causal: bool,
+                scale: Optional[float], enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(result, float64 output, lse) of :func:`attention` with the kernel of handle ``kern``; only the result is
+    differentiable."""
+    _validate(q, k, v, is_causal, enable_gqa)
+    result, out64, lse = _run_forward(_KERNELS[kern], q, k, v, is_causal, scale)
+    return result, (out64.clone() if out64 is result else out64), lse
+
+
+@_op_forward.register_fake
+def _(q, k, v, kern, is_causal, scale, enable_gqa):
+    lse = q.new_empty(_shape4(q.shape)[:3], dtype=torch.float64)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape, dtype=torch.float64), lse
+
+
+@torch.library.custom_op("fadev::attention_backward", mutates_args=())
+def _op_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, kern: int, is_causal: bool,
+                 scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _run_backward(_KERNELS[kern], is_causal, scale, q, k, v, out, lse, dout)
+
+
+@_op_backward.register_fake
+def _(dout, q, k, v, *rest):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, ctx.kern, ctx.causal, ctx.scale, _ = inputs
+    ctx.save_for_backward(q, k, v, output[1], output[2])
+
+
+def _op_grads(ctx, dout, dout64, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    return _op_backward(dout, q, k, v, out, lse, ctx.kern, ctx.causal, ctx.scale) + (None,) * 4
+
+
+_op_forward.register_autograd(_op_grads, setup_context=_setup)
 
 
 def _validate(q, k, v, is_causal, enable_gqa):
@@ -270,6 +235,10 @@ def attention(q, k, v, policy, *, kernel="flash", is_causal=False, scale=None, e
     output and the gradients have the input dtype. What is copied: see the module docstring.
     The backward runs fadev's backward kernel under the same policy (its backward stages).
     """
+    if torch.compiler.is_compiling():  # the custom op (checks when it runs; the graph holds it)
+        handle = _handle(policy, kernel, tuple(sorted(tiling.items())))
+        return _op_forward(q, k, v, handle, bool(is_causal), None if scale is None else float(scale),
+                           bool(enable_gqa))[0]
     kern = _Kernel.make(policy, kernel, tiling)
     _validate(q, k, v, is_causal, enable_gqa)
     return _AttentionFunction.apply(q, k, v, kern, bool(is_causal), scale, None)

@@ -92,7 +92,7 @@ def test_native_op_tiles(dim):
     """Every forward tile; the backward on the forward's tile where its own list has it, else on its default,
     or on the backward tile asked for; deterministic backward: the same bits twice."""
     q, k, v, dout = _inputs((1, 2, 2, 200, 200), dim, torch.bfloat16, "tiles")
-    backward_tiles = fadev.native_tiles(dim, backward=True)
+    backward_tiles = fadev.native_tiles(dim, backward=True, mma=fadev.native.auto_mma(dim, backward=True))
     for bq, bkv in fadev.native_tiles(dim):
         out, grads = _grads(q, k, v, dout, block_q=bq, block_kv=bkv)
         want, lse = fadev.native_attention(q, k, v, causal=True, block_q=bq, block_kv=bkv, return_lse=True)
@@ -127,10 +127,10 @@ def test_native_op_wgmma_forward(dim):
         assert torch.equal(out, want), f"tile {bq}x{bkv}"
         bbq, bbkv = (bq, bkv) if (bq, bkv) in backward_tiles else backward_tiles[0]
         want_grads = fadev.native_attention_backward(q, k, v, want, lse, dout, causal=True, block_q=bbq,
-                                                     block_kv=bbkv, deterministic=True)
+                                                     block_kv=bbkv, deterministic=True, mma="sync")
         assert all(torch.equal(g, w) for g, w in zip(grads, want_grads)), f"tile {bq}x{bkv}"
         if (bq, bkv) in fadev.native_tiles(dim):
-            out_s, grads_s = _grads(q, k, v, dout, block_q=bq, block_kv=bkv)
+            out_s, grads_s = _grads(q, k, v, dout, block_q=bq, block_kv=bkv, mma="sync")
             assert torch.equal(out, out_s) and all(torch.equal(g, w) for g, w in zip(grads, grads_s)), \
                 f"wgmma vs sync, tile {bq}x{bkv}"
     with pytest.raises(ValueError, match=r"block_q, block_kv: \(16, 16\) is not a native forward \(mma='wgmma'\)"):
@@ -255,3 +255,55 @@ def test_native_padding_mask_flash_rule():
     pad[0, :16] = 0
     with hf.use(kernel="native"):
         assert torch.isfinite(model(ids, attention_mask=pad).logits[pad.bool()]).all()
+
+
+def test_native_defaults_are_the_auto_table():
+    """With default arguments the op runs what fadev.native.auto_mma picks (wgmma forward on an H100; wgmma backward
+    at D 64) on each instruction's first tile, and its bits are those kernels' own."""
+    for dim in (64, 128):
+        q, k, v, dout = _inputs((1, 2, 2, 256, 256), dim, torch.bfloat16, "auto")
+        p = tn.plan(q, k, v, True)
+        hopper = torch.cuda.get_device_capability() == (9, 0)
+        assert p.mma == (("wgmma", "wgmma" if dim == 64 else "sync") if hopper else ("sync", "sync")), p.mma
+        out, grads = _grads(q, k, v, dout)
+        (bq, bkv), (bbq, bbkv) = p.tiles
+        want, lse = fadev.native_attention(q, k, v, causal=True, block_q=bq, block_kv=bkv, mma=p.mma[0],
+                                           return_lse=True)
+        want_grads = fadev.native_attention_backward(q, k, v, want, lse, dout, causal=True, block_q=bbq,
+                                                     block_kv=bbkv, mma=p.mma[1], deterministic=True)
+        assert torch.equal(out, want) and all(torch.equal(g, w) for g, w in zip(grads, want_grads)), dim
+
+
+def test_native_op_on_a_side_stream():
+    """The kernels are queued on PyTorch's current stream, without a device synchronisation: the op on a side
+    stream, whose inputs were written on it, gives the default stream's bits once that stream is waited for."""
+    q, k, v, dout = _inputs((2, 4, 2, 512, 512), 64, torch.bfloat16, "stream")
+    out, grads = _grads(q, k, v, dout, enable_gqa=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        q2, k2, v2, dout2 = (t * 1 for t in (q, k, v, dout))  # written on the side stream
+        out2, grads2 = _grads(q2, k2, v2, dout2, enable_gqa=True)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, out2) and all(torch.equal(a, b) for a, b in zip(grads, grads2))
+
+
+def test_native_ops_opcheck_and_compiled_llama():
+    """fadev::native_attention(_backward) pass torch.library.opcheck; a Llama with use(kernel="native") compiles
+    with fullgraph=True (no graph break) and gives eager's logits and gradients, bit for bit."""
+    q, k, v, dout = _inputs((1, 4, 2, 128, 128), 64, torch.bfloat16, "opcheck")
+    options = (True, None, True, None, None, None, None, True, "auto", None)
+    torch.library.opcheck(tn._op_forward, (*_leaves(q, k, v), *options))
+    out, lse = tn._op_forward(q, k, v, *options)
+    torch.library.opcheck(tn._op_backward, (dout, q, k, v, out, lse, *options))
+    model = _llama(2)
+    ids = torch.randint(0, 300, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    torch._dynamo.reset()
+    with hf.use(kernel="native"):
+        logits, grads = _step(model, ids)
+        explained = torch._dynamo.explain(model)(ids)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        torch._dynamo.reset()
+        clogits, cgrads = _step(torch.compile(model, backend="aot_eager", fullgraph=True), ids)
+    torch._dynamo.reset()
+    assert torch.equal(logits, clogits) and all(torch.equal(a, b) for a, b in zip(grads, cgrads))

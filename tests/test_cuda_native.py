@@ -8,7 +8,9 @@ Every compiled tile of each direction (cuda/native.cuh's X-lists, read here so a
 tested; the binding must report the same lists), both dtypes, D 64 and 128, causal (bottom-right aligned) or
 not, Nq != Nk, ragged lengths, grouped-query and multi-query heads, and rows that see no key (causal with
 Nq > Nk: out 0, lse -inf, zero gradient); the backward with atomic dq sums and deterministic (no atomics:
-the same bits run to run, and dk, dv the atomic mode's bits). GPU-only: skipped where fadev has no CUDA device.
+the same bits run to run, and dk, dv the atomic mode's bits). Every call names mma="sync": this file tests the
+mma.sync kernels (mma="auto", the default, runs wgmma on an H100 where it has the tile; test_cuda_native_wgmma.py).
+GPU-only: skipped where fadev has no CUDA device.
 """
 import math
 import os
@@ -170,7 +172,7 @@ def test_native_forward_flash_rule(case, shape, dtype_name, causal):
     dtype, scale = DTYPES[dtype_name], 1.0 / math.sqrt(d)
     q, k, v, dout = _inputs(shape, d, dtype, case, causal)
     info = _params(case, shape, dtype_name, causal)
-    out, lse = fadev.native_attention(q, k, v, causal=causal, block_q=bq, block_kv=bkv, return_lse=True)
+    out, lse = fadev.native_attention(q, k, v, mma="sync", causal=causal, block_q=bq, block_kv=bkv, return_lse=True)
     check_forward(q, k, v, dout, causal, scale, out, lse, info)
 
 
@@ -184,9 +186,9 @@ def test_native_backward_flash_rule(case, shape, dtype_name, causal, determinist
     dtype, scale = DTYPES[dtype_name], 1.0 / math.sqrt(d)
     q, k, v, dout = _inputs(shape, d, dtype, case, causal, "bwd")
     info = _params(case, shape, dtype_name, causal) + f" deterministic={deterministic}"
-    out, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)  # the forward's default tile
-    grads = fadev.native_attention_backward(q, k, v, out, lse, dout, causal=causal, block_q=bq, block_kv=bkv,
-                                            deterministic=deterministic)
+    out, lse = fadev.native_attention(q, k, v, mma="sync", causal=causal, return_lse=True)  # the forward's default tile
+    grads = fadev.native_attention_backward(q, k, v, out, lse, dout, mma="sync", causal=causal, block_q=bq,
+                                            block_kv=bkv, deterministic=deterministic)
     check_backward(q, k, v, dout, causal, scale, grads, info)
 
 
@@ -206,8 +208,8 @@ def test_native_forward_32_rows_per_warp_same_bits(case, shape, causal):
     for dtype_name, dtype in DTYPES.items():
         q, k, v, _ = _inputs(shape, d, dtype, case, causal, "rows32")
         kw = dict(causal=causal, block_q=bq, block_kv=bkv, return_lse=True)
-        out16, lse16 = fadev.native_attention(q, k, v, **kw)
-        out32, lse32 = fadev.native_attention(q, k, v, warp_rows=32, **kw)
+        out16, lse16 = fadev.native_attention(q, k, v, mma="sync", **kw)
+        out32, lse32 = fadev.native_attention(q, k, v, mma="sync", warp_rows=32, **kw)
         info = _params(case, shape, dtype_name, causal)
         assert torch.equal(_bits(out32), _bits(out16)), f"out differs between 16 and 32 rows per warp [{info}]"
         assert torch.equal(_bits(lse32), _bits(lse16)), f"lse differs between 16 and 32 rows per warp [{info}]"
@@ -225,12 +227,12 @@ def test_native_backward_32_keys_per_warp_same_bits(case, shape, causal):
     assert (bq, bkv) in BACKWARD_TILES[d], "every 32-key tile also has a 16-key kernel to compare with"
     for dtype_name, dtype in DTYPES.items():
         q, k, v, dout = _inputs(shape, d, dtype, case, causal, "keys32")
-        out, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)
+        out, lse = fadev.native_attention(q, k, v, mma="sync", causal=causal, return_lse=True)
         info = _params(case, shape, dtype_name, causal)
         for deterministic in (True, False):
             kw = dict(causal=causal, block_q=bq, block_kv=bkv, deterministic=deterministic)
-            g16 = fadev.native_attention_backward(q, k, v, out, lse, dout, **kw)
-            g32 = fadev.native_attention_backward(q, k, v, out, lse, dout, warp_rows=32, **kw)
+            g16 = fadev.native_attention_backward(q, k, v, out, lse, dout, mma="sync", **kw)
+            g32 = fadev.native_attention_backward(q, k, v, out, lse, dout, mma="sync", warp_rows=32, **kw)
             for name, a, b in list(zip(("dq", "dk", "dv"), g32, g16))[0 if deterministic else 1:]:
                 assert torch.equal(_bits(a), _bits(b)), (f"{name} differs between 16 and 32 keys per warp "
                                                          f"[{info} deterministic={deterministic}]")
@@ -245,11 +247,11 @@ def test_native_backward_deterministic_bits(case, causal):
     d, bq, bkv = case
     shape = (2, 8, 2, 1100, 1500)
     q, k, v, dout = _inputs(shape, d, torch.bfloat16, case, causal, "det")
-    out, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)
+    out, lse = fadev.native_attention(q, k, v, mma="sync", causal=causal, return_lse=True)
     kw = dict(causal=causal, block_q=bq, block_kv=bkv)
-    first = fadev.native_attention_backward(q, k, v, out, lse, dout, deterministic=True, **kw)
-    second = fadev.native_attention_backward(q, k, v, out, lse, dout, deterministic=True, **kw)
-    atomic = fadev.native_attention_backward(q, k, v, out, lse, dout, deterministic=False, **kw)
+    first = fadev.native_attention_backward(q, k, v, out, lse, dout, mma="sync", deterministic=True, **kw)
+    second = fadev.native_attention_backward(q, k, v, out, lse, dout, mma="sync", deterministic=True, **kw)
+    atomic = fadev.native_attention_backward(q, k, v, out, lse, dout, mma="sync", deterministic=False, **kw)
     for name, a, b in zip(("dq", "dk", "dv"), first, second):
         assert torch.equal(_bits(a), _bits(b)), f"{name}: deterministic runs differ [{case} causal={causal}]"
     for name, a, b in zip(("dk", "dv"), first[1:], atomic[1:]):
@@ -281,7 +283,7 @@ def test_native_forward_vs_torch_flash(case, dtype_name, causal, shape):
                 q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), is_causal=causal, scale=scale)
     except RuntimeError as e:  # no flash kernel for this device / build
         pytest.skip(f"SDPA flash backend unavailable: {e}")
-    out = fadev.native_attention(q, k, v, causal=causal, block_q=bq, block_kv=bkv)
+    out = fadev.native_attention(q, k, v, mma="sync", causal=causal, block_q=bq, block_kv=bkv)
     gold_out, _, _ = _golden(q, k, v, dout, causal, scale)
     naive_out, _ = _naive(q, k, v, dout, causal, scale)
     flash_err = _errors(ref, gold_out)
@@ -298,16 +300,16 @@ def test_native_tiles_reported():
         assert [tuple(t) for t in fadev.native_tiles(d, backward=True)] == BACKWARD_TILES[d]
         assert [tuple(t) for t in fadev.native_tiles(d, backward=True, warp_rows=32)] == BACKWARD_TILES_32.get(d, [])
     q, k, v, dout = _inputs((1, 2, 2, 64, 64), 128, torch.bfloat16, "tiles")
-    out, lse = fadev.native_attention(q, k, v, block_q=128, block_kv=64, return_lse=True)
+    out, lse = fadev.native_attention(q, k, v, mma="sync", block_q=128, block_kv=64, return_lse=True)
     assert (128, 64) not in BACKWARD_TILES[128]
     with pytest.raises(ValueError, match=r"block_q, block_kv: \(128, 64\) is not a native backward tile for head dim 128"):
-        fadev.native_attention_backward(q, k, v, out, lse, dout, block_q=128, block_kv=64)
+        fadev.native_attention_backward(q, k, v, out, lse, dout, mma="sync", block_q=128, block_kv=64)
     with pytest.raises(TypeError, match="deterministic must be a bool"):
-        fadev.native_attention_backward(q, k, v, out, lse, dout, deterministic=1)
+        fadev.native_attention_backward(q, k, v, out, lse, dout, mma="sync", deterministic=1)
     with pytest.raises(ValueError, match="warp_rows: no native backward tile has 32 rows per warp at head dim 128"):
-        fadev.native_attention_backward(q, k, v, out, lse, dout, warp_rows=32)
+        fadev.native_attention_backward(q, k, v, out, lse, dout, mma="sync", warp_rows=32)
     with pytest.raises(ValueError, match="warp_rows must be 16 or 32, got 8"):
-        fadev.native_attention(q, k, v, warp_rows=8)
+        fadev.native_attention(q, k, v, mma="sync", warp_rows=8)
 
 
 def test_native_defaults_and_scale():
@@ -315,7 +317,7 @@ def test_native_defaults_and_scale():
     q, k, v, dout = _inputs((1, 2, 1, 300, 200), 64, torch.bfloat16, "defaults")
     for scale in (None, 0.3, -0.2):
         s = 1.0 / math.sqrt(64) if scale is None else scale
-        out = fadev.native_attention(q, k, v, causal=True, scale=scale)
+        out = fadev.native_attention(q, k, v, mma="sync", causal=True, scale=scale)
         gold_out, _, _ = _golden(q, k, v, dout, True, s)
         naive_out, _ = _naive(q, k, v, dout, True, s)
         _assert_within(f"out scale={scale}", _errors(out, gold_out), _errors(naive_out, gold_out), 2, "naive")
@@ -332,7 +334,7 @@ def test_native_invalid_arguments(kwargs, shapes):
     q = torch.randn(*qs, device="cuda", dtype=torch.float16)
     k = torch.randn(*ks, device="cuda", dtype=torch.float16)
     with pytest.raises(ValueError):
-        fadev.native_attention(q, k, k, **kwargs)
+        fadev.native_attention(q, k, k, mma="sync", **kwargs)
 
 
 def test_tile_lists_are_asked_of_the_build_once(monkeypatch):
@@ -349,5 +351,8 @@ def test_tile_lists_are_asked_of_the_build_once(monkeypatch):
     q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.bfloat16)
     import fadev.torch_native as tn
     tn.native_attention(q, q, q, is_causal=True).float().sum()
-    assert len(calls) == 2  # the call fitted its tiles from the cache
+    asked = len(calls)
+    assert asked <= 4  # mma="auto" may ask for the wgmma lists besides, once
+    tn.native_attention(q[:, :, :64], q[:, :, :64], q[:, :, :64], is_causal=True).float().sum()
+    assert len(calls) == asked  # another plan, its tiles fitted from the cache
     native._tiles.cache_clear()

@@ -52,7 +52,8 @@ def test_wgmma_forward_flash_rule(case, shape, dtype_name, causal):
     out, lse = fadev.native_attention(q, k, v, causal=causal, block_q=bq, block_kv=bkv, mma="wgmma", return_lse=True)
     check_forward(q, k, v, dout, causal, scale, out, lse, info)
     if (bq, bkv) in SYNC_TILES.get(d, []):
-        ref, ref_lse = fadev.native_attention(q, k, v, causal=causal, block_q=bq, block_kv=bkv, return_lse=True)
+        ref, ref_lse = fadev.native_attention(q, k, v, causal=causal, block_q=bq, block_kv=bkv, mma="sync",
+                                              return_lse=True)
         differ = int((out.view(torch.int16) != ref.view(torch.int16)).sum())
         assert differ == 0, f"wgmma vs mma.sync [{info}]: {differ} of {out.numel()} outputs differ in their bits"
         assert torch.equal(lse.view(torch.int32), ref_lse.view(torch.int32)), f"lse bits differ [{info}]"
@@ -104,7 +105,7 @@ def test_wgmma_large_causal_matches_mma_sync_statistics():
     15% of the mma.sync kernel's with the same tile."""
     q, k, v, dout = _inputs((4, 16, 16, 2048, 2048), 64, torch.bfloat16, "wgmma-large")
     out = fadev.native_attention(q, k, v, causal=True, block_q=128, block_kv=128, mma="wgmma")
-    ref = fadev.native_attention(q, k, v, causal=True, block_q=128, block_kv=128)
+    ref = fadev.native_attention(q, k, v, causal=True, block_q=128, block_kv=128, mma="sync")
     gold = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
     assert torch.isfinite(out).all()
     a, b = _errors(out, gold)[1], _errors(ref, gold)[1]
@@ -130,6 +131,6 @@ def test_wgmma_backward(case, shape, dtype_name, causal, deterministic):
     grads = fadev.native_attention_backward(q, k, v, out, lse, dout, mma="wgmma", **kw)
     check_backward(q, k, v, dout, causal, scale, grads, info)
     assert (bq, bkv) in SYNC_BACKWARD_TILES[d], "every wgmma backward tile has an mma.sync twin to compare with"
-    sync = fadev.native_attention_backward(q, k, v, out, lse, dout, **kw)
+    sync = fadev.native_attention_backward(q, k, v, out, lse, dout, mma="sync", **kw)
     for name, g, s in list(zip(("dq", "dk", "dv"), grads, sync))[0 if deterministic else 1:]:
         assert torch.equal(g.view(torch.int16), s.view(torch.int16)), f"{name} bits differ from mma.sync [{info}]"

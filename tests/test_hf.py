@@ -297,7 +297,7 @@ def test_native_needs_cuda_half_tensors():
     (model,) = _models("fadev")
     with hf.use(kernel="native"), pytest.raises(TypeError, match="query.*float16 or bfloat16"):
         model(_ids())
-    with pytest.raises(ValueError, match="mma must be one of sync, wgmma, got 'hopper'"):
+    with pytest.raises(ValueError, match="mma must be one of sync, wgmma, auto, got 'hopper'"):
         hf.use(kernel="native", mma="hopper")
     assert dict(hf.use(kernel="native", mma="wgmma").setting.tiling) == {"mma": "wgmma"}
     with pytest.raises(ValueError, match="mma must be one of sync, wgmma"):

@@ -23,7 +23,7 @@ LAYERS = [("_core",), ("formats",), ("policy",), ("_args",), ("cuda",), ("ring_s
           ("attention", "backward", "ring", "native", "metrics"), ("",)]
 APPLICATIONS, MAIN = len(LAYERS), len(LAYERS) + 1
 LIBRARY = ({name for layer in LAYERS for name in layer if name}
-           | {"torch", "torch_native", "monitor", "hf", "weights"})  # module-level imports only
+           | {"torch", "torch_tensors", "torch_native", "monitor", "hf", "weights"})  # module-level imports only
 
 
 def module_name(path: pathlib.Path) -> str:

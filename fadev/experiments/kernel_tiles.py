@@ -78,7 +78,7 @@ def predict(q, k, v, fmt, block_q, block_kv):
 def native_output(q, k, v, fmt, block_q, block_kv):
     """fadev's native kernel on the GPU: NumPy inputs (exact in ``fmt``) in, float64 NumPy holding the fp16/bf16
     output back."""
-    return native_attention(q, k, v, block_q=block_q, block_kv=block_kv, dtype=fmt)
+    return native_attention(q, k, v, block_q=block_q, block_kv=block_kv, dtype=fmt, mma="sync")  # the mma.sync tiles
 
 
 def measure(q, k, v, ref, fmt, block_q, block_kv, impl, native=native_output) -> dict:

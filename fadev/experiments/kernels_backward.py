@@ -145,9 +145,9 @@ def _native(torch, arrays, fmt, causal, D):
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[fmt]
     q, k, v, dout = (torch.from_numpy(np.array(a)).to("cuda", dtype) for a in arrays)
     bq, bkv = (128, 64) if (128, 64) in native_tiles(D) else native_tiles(D)[0]
-    out, lse = native_attention(q, k, v, causal=causal, block_q=bq, block_kv=bkv, return_lse=True)
+    out, lse = native_attention(q, k, v, causal=causal, block_q=bq, block_kv=bkv, mma="sync", return_lse=True)
     grads = native_attention_backward(q, k, v, out, lse, dout, causal=causal,  # the backward's own default tile
-                                      deterministic=False)  # atomic dq, as FlashAttention-2 (and as recorded)
+                                      mma="sync", deterministic=False)  # atomic dq, as FlashAttention-2 (and as recorded)
     return tuple(g.to(torch.float64).cpu().numpy() for g in grads)
 
 

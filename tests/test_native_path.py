@@ -1,0 +1,158 @@
+"""The native kernel's call path on the host (fadev.torch_native, issue 25), without a GPU: torch_native._dry_run
+replaces the binding's two native calls by a recorder and lets CPU tensors pass the device checks, so what reaches
+the binding -- pointers, shape tuple, call spec, native options, stream -- and what is computed once per key are
+tested here; the kernels' results are tested on the GPU (test_cuda_hf.py). And the table mma="auto" reads.
+"""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fadev.native as native  # noqa: E402
+import fadev.torch_native as tn  # noqa: E402
+from test_cuda_native import compiled_tiles  # noqa: E402  (cuda/native.cuh's X-lists, parsed)
+
+
+def _build_tiles():
+    """The build's tile lists in the dry run's form: {(dim, backward, warp_rows, mma code): [tiles]}."""
+    lists = {(False, 16, 0): "NATIVE_FORWARD_TILES", (False, 32, 0): "NATIVE_FORWARD_TILES_32",
+             (True, 16, 0): "NATIVE_BACKWARD_TILES", (True, 32, 0): "NATIVE_BACKWARD_TILES_32",
+             (False, 16, 1): "NATIVE_FORWARD_TILES_WGMMA", (True, 16, 1): "NATIVE_BACKWARD_TILES_WGMMA"}
+    table = {}
+    for (backward, rows, code), macro in lists.items():
+        for dim, tiles in compiled_tiles(macro).items():
+            table[(dim, backward, rows, code)] = tiles
+            if code:
+                table[(dim, backward, 32, code)] = tiles  # wgmma does not read warp_rows
+    return table
+
+
+TILES = _build_tiles()
+
+
+def _qkv(b=2, h=8, hkv=4, n=128, d=64, grad=True):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, n, d, generator=g).to(torch.bfloat16).requires_grad_(grad)
+    k, v = (torch.randn(b, hkv, n, d, generator=g).to(torch.bfloat16).requires_grad_(grad) for _ in range(2))
+    return q, k, v
+
+
+def test_choose_mma_table():
+    wgmma = [(128, 128), (64, 64)]
+    assert native.choose_mma((9, 0), wgmma) == "wgmma"
+    for capability in ((8, 0), (8, 9), (10, 0), (12, 0)):
+        assert native.choose_mma(capability, wgmma) == "sync", capability  # wgmma is sm_90a's only
+    assert native.choose_mma((9, 0), []) == "sync"  # no wgmma kernel for this head dim / direction
+    assert native.choose_mma((9, 0), wgmma, warp_rows=32) == "sync"  # 32 rows per warp: mma.sync's
+    assert native.choose_mma((9, 0), wgmma, block_q=64) == "wgmma"
+    assert native.choose_mma((9, 0), wgmma, block_q=64, block_kv=128) == "sync"  # no such wgmma tile
+    assert native.choose_mma((9, 0), wgmma, block_q=16, block_kv=16) == "sync"
+
+
+@pytest.mark.parametrize("capability, dim, want", [((9, 0), 64, ("wgmma", "wgmma")), ((9, 0), 128, ("wgmma", "sync")),
+                                                   ((8, 0), 64, ("sync", "sync")), ((8, 0), 128, ("sync", "sync"))])
+def test_auto_defaults_per_gpu_and_head_dim(capability, dim, want):
+    """With every default: the forward on wgmma where the GPU and build have it, the backward on wgmma at D 64 (the
+    only wgmma backward) else mma.sync, deterministic; tiles the first of each instruction's list, the backward on
+    the forward's tile where its list has it."""
+    q, k, v = _qkv(d=dim)
+    with tn._dry_run(tiles=TILES, capability=capability):
+        p = tn.plan(q, k, v, True, None, True)
+    assert p.mma == want
+    forward = TILES[(dim, False, 16, want[0] == "wgmma")][0]
+    backward_list = TILES[(dim, True, 16, want[1] == "wgmma")]
+    assert p.tiles == (forward, forward if forward in backward_list else backward_list[0])
+    assert p.forward[1] == (1, False, 16, int(want[0] == "wgmma"))  # bf16, (not read), 16 rows, instruction
+    assert p.backward[1] == (1, True, 16, int(want[1] == "wgmma"))  # deterministic dq
+
+
+def test_explicit_choices_kept():
+    q, k, v = _qkv(hkv=8)
+    with tn._dry_run(tiles=TILES, capability=(9, 0)):
+        assert tn.plan(q, k, v, mma="sync").mma == ("sync", "sync")
+        assert tn.plan(q, k, v, mma="wgmma").mma == ("wgmma", "sync")  # the backward as before issue 25
+        assert tn.plan(q, k, v, mma="wgmma", backward_mma="wgmma").mma == ("wgmma", "wgmma")
+        assert tn.plan(q, k, v, block_q=16, block_kv=16).mma[0] == "sync"  # no such wgmma tile: mma.sync runs it
+        assert tn.plan(q, k, v, backward_block_q=16, backward_block_kv=16).tiles[1] == (16, 16)
+        assert tn.plan(q, k, v, deterministic=False).backward[1][1] is False
+        with pytest.raises(ValueError, match="mma must be one of sync, wgmma, auto, got 'tma'"):
+            tn.plan(q, k, v, mma="tma")
+        with pytest.raises(ValueError, match="backward_mma must be one of"):
+            tn.plan(q, k, v, backward_mma="x")
+        with pytest.raises(ValueError, match=r"block_q, block_kv: \(16, 16\) is not a native forward \(mma='wgmma'\)"):
+            tn.plan(q, k, v, block_q=16, block_kv=16, mma="wgmma")
+        with pytest.raises(TypeError, match="deterministic must be a bool"):
+            tn.plan(q, k, v, deterministic=None)
+
+
+def test_binding_gets_pointers_shapes_and_stream():
+    """Forward and backward hand the binding the tensors' own memory (grouped-query K/V not expanded, contiguous
+    inputs not copied), the shape tuple, the call spec with the scale, and the options with the stream last."""
+    q, k, v = _qkv()
+    calls = []
+    with tn._dry_run(calls, tiles=TILES):
+        out = tn.native_attention(q, k, v, is_causal=True, enable_gqa=True, scale=0.2)
+        out.backward(torch.ones_like(out))
+    (fwd, bwd) = calls
+    assert fwd[:3] == (q.data_ptr(), k.data_ptr(), v.data_ptr()) and fwd[3] == out.data_ptr()
+    assert fwd[5] == (2, 8, 4, 128, 128, 64) and fwd[6][3:5] == (0.2, True) and fwd[7][-1] == 0
+    assert bwd[:4] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+    assert (bwd[6], bwd[7], bwd[8]) == (q.grad.data_ptr(), k.grad.data_ptr(), v.grad.data_ptr())
+    assert bwd[10] == fwd[5] and bwd[12][1] is True and bwd[12][-1] == 0
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and q.grad.dtype == torch.bfloat16
+
+
+def test_plan_computed_once_per_key(monkeypatch):
+    q, k, v = _qkv()
+    built = []
+    real = tn._build
+    monkeypatch.setattr(tn, "_build", lambda *a: built.append(a) or real(*a))
+    with tn._dry_run():
+        for _ in range(3):
+            tn.native_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+        assert len(built) == 1
+        tn.native_attention(q, k, v, is_causal=False, enable_gqa=True)
+        tn.native_attention(q[:, :, :64], k[:, :, :64], v[:, :, :64], is_causal=True, enable_gqa=True)
+        assert len(built) == 3  # another flag, another shape: their own plans
+        with pytest.raises(ValueError, match="enable_gqa"):
+            tn.native_attention(q, k, v)  # a bad call is never cached
+        with pytest.raises(ValueError, match="enable_gqa"):
+            tn.native_attention(q, k, v)
+
+
+def test_non_contiguous_inputs_are_copied_once():
+    q, k, v = _qkv(grad=False)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, N, D) view of a (B, N, H, D) tensor, as hf passes
+    calls = []
+    with tn._dry_run(calls):
+        tn.native_attention(qt, k, v, enable_gqa=True)
+    assert calls[0][0] != qt.data_ptr() and calls[0][1:3] == (k.data_ptr(), v.data_ptr())
+
+
+def test_host_time_per_call_is_measured():
+    """benchmarks/bench_step.py's CPU mode: fadev's host time per forward + backward, and torch's own autograd cost
+    beside it, both positive and finite (the numbers themselves are the benchmark's, not a test's)."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_step.py")
+    spec = importlib.util.spec_from_file_location("bench_step", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.host_only(calls=20)
+    assert set(result) >= {"fadev native (hf)", "fadev native (torch_native)", "autograd.Function, no work"}
+    assert all(math.isfinite(x) and x > 0 for x in result.values()), result
+
+
+def test_binding_parses_the_stream():
+    """The native options take a stream as an optional fifth item (the binding then runs the call asynchronously on
+    it); anything else is refused by name. Without a GPU the call itself reports that."""
+    import fadev._core as core
+    from fadev import _args
+    call = _args.Call(None, 0.125, True, 64, 64).c
+    shape = (1, 2, 2, 64, 64, 64)
+    for options in ((1, True, 16, 0), (1, True, 16, 0, 0), (1, True, 16, 0, 2**47)):
+        with pytest.raises(RuntimeError, match="GPU|CUDA"):
+            core.cuda_native_forward(0, 0, 0, 0, 0, shape, call, options)
+    with pytest.raises(TypeError, match=r"native options must be \(dtype, deterministic, warp_rows, mma\[, stream\]\)"):
+        core.cuda_native_forward(0, 0, 0, 0, 0, shape, call, (1, True, 16, 0, 0, 0))
