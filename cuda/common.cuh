@@ -30,22 +30,37 @@ fadev_status fadev_cuda_finish(const char *where);
         if (st_ != FADEV_OK) return st_;               \
     } while (0)
 
-/* A device allocation freed when it leaves scope (so early error returns cannot leak). */
+/* A device allocation freed when it leaves scope (so early error returns cannot leak). It comes from the device's
+ * default memory pool, stream-ordered on the legacy default stream every fadev kernel that uses it runs on
+ * (cudaMallocAsync: CUDA's own caching allocator), so a call's scratch costs no cudaMalloc / cudaFree and no
+ * device synchronisation once the pool holds it; fadev_cuda_require_device() sets how much the pool keeps between
+ * calls. Where the device has no memory pools, plain cudaMalloc / cudaFree. */
 template <typename T> struct device_buffer {
     T *ptr = nullptr;
+    bool pooled = false;
     device_buffer() = default;
     device_buffer(const device_buffer &) = delete;
     device_buffer &operator=(const device_buffer &) = delete;
-    ~device_buffer() { if (ptr) cudaFree(ptr); }
+    ~device_buffer() {
+        if (!ptr) return;
+        if (pooled) cudaFreeAsync(ptr, 0);
+        else cudaFree(ptr);
+    }
     fadev_status alloc(size_t count, const char *what) {
         if (count == 0) count = 1;
         if (count > (size_t)-1 / sizeof(T)) return FADEV_ERR_OVERFLOW;
-        cudaError_t err = cudaMalloc((void **)&ptr, count * sizeof(T));
-        if (err != cudaSuccess) {
-            ptr = nullptr;
-            return fadev_cuda_fail(err, what);
+        cudaError_t err = cudaMallocAsync((void **)&ptr, count * sizeof(T), 0);
+        if (err == cudaSuccess) {
+            pooled = true;
+            return FADEV_OK;
         }
-        return FADEV_OK;
+        if (err == cudaErrorNotSupported) { /* no memory pools on this device */
+            cudaGetLastError();
+            err = cudaMalloc((void **)&ptr, count * sizeof(T));
+            if (err == cudaSuccess) return FADEV_OK;
+        }
+        ptr = nullptr;
+        return fadev_cuda_fail(err, what);
     }
 };
 

@@ -2,6 +2,7 @@
  * fadev_cuda_round_f64 rounds n float64 values with the same scalar rule as the C core (round.h,
  * compiled here for the device), keyed by the same Philox counter, so the result is bit-identical
  * to fadev_round_f64 for every mode. Host pointers in and out; the copy is part of the call. */
+#include <stdlib.h>
 #include "common.cuh"
 #include "../csrc/round.h"
 
@@ -18,10 +19,30 @@ fadev_status fadev_cuda_fail_msg(fadev_status st, const char *message) {
     return st;
 }
 
+/* How much of the current device's default memory pool (device_buffer's allocations) stays reserved between
+ * calls: 4 GiB, or FADEV_CUDA_POOL_BYTES; set once per device. Beyond it, freed memory goes back to the driver at
+ * the next synchronisation. */
+static void keep_pool(void) {
+    static int done[64];
+    int device = 0, pools = 0;
+    if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64 || done[device]) return;
+    done[device] = 1;
+    if (cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device) != cudaSuccess || !pools) return;
+    cudaMemPool_t pool;
+    if (cudaDeviceGetDefaultMemPool(&pool, device) != cudaSuccess) return;
+    const char *text = getenv("FADEV_CUDA_POOL_BYTES");
+    unsigned long long keep = text && *text ? strtoull(text, NULL, 10) : 4ull << 30;
+    cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+    cudaGetLastError();
+}
+
 fadev_status fadev_cuda_require_device(void) {
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);
-    if (err == cudaSuccess && count > 0) return FADEV_OK;
+    if (err == cudaSuccess && count > 0) {
+        keep_pool();
+        return FADEV_OK;
+    }
     char message[256];
     /* no driver, a driver too old for this runtime, no device: CUDA's own words say which */
     snprintf(message, sizeof message, "fadev was built with CUDA, but no CUDA device was found (cudaGetDeviceCount: %s)",
