@@ -102,7 +102,7 @@ int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr,
     /* dS as bwd_tile_dq's product will read it */
     w->dq_tier = att_mm_tier(&bx->grad_acc, bx->dq_float, sm.min, sm.max, sm.finite, cx->k_min[bhk],
                              cx->k_max[bhk], cx->k_finite[bhk]);
-    if (w->dq_tier == ATT_MM_F32)
+    if (att_mm_float(w->dq_tier))
         for (int64_t r = 0; r < nr; r++)
             for (int64_t c = 0; c < w->nvis[r]; c++) w->af[r * lds + c] = (float)w->ds[r * lds + c];
     /* dV[j] += sum_i P'_ij dO_i and dK[j] += sum_i dS_ij Q_i over the rows that see key j (a suffix), ascending */
@@ -122,7 +122,7 @@ int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr,
         float *tf = is_v ? w->ptf : w->dstf;
         for (int64_t c = 0; c < n; c++)
             for (int64_t r = w->kb[c]; r < nr; r++) {
-                if (m.tier == ATT_MM_F32) tf[c * tq + r] = (float)src[r * lds + c];
+                if (att_mm_float(m.tier)) tf[c * tq + r] = (float)src[r * lds + c];
                 else t[c * tq + r] = src[r * lds + c];
             }
         const double *b = is_v ? bx->dout : bx->q;

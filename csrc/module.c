@@ -7,6 +7,7 @@
  * parse_call, as module_cuda.c parses it), arrays out, kernel. Argument validation
  * that needs more than a type check is done by the Python layer (fadev/), which is what users call. */
 #include "module.h"
+#include "matmul.h"
 
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #define PY_ARRAY_UNIQUE_SYMBOL fadev_ARRAY_API
@@ -154,6 +155,14 @@ static PyObject *py_set_num_threads(PyObject *self, PyObject *args) {
     if (fadev_set_num_threads(n) != FADEV_OK)
         return PyErr_Format(PyExc_ValueError, "n must be between 1 and 256, got %d", n);
     Py_RETURN_NONE;
+}
+
+/* _set_fast_paths(on) -> the previous setting: 0 makes the CPU kernels take their generic paths (no FMA tier, no
+ * vector element-wise steps), which the fast ones must equal bit for bit; for the tests and benchmarks. */
+static PyObject *py_set_fast_paths(PyObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
+    return PyBool_FromLong(att_set_fast(on));
 }
 
 static PyObject *py_cuda_info(PyObject *self, PyObject *args) {
@@ -516,6 +525,7 @@ static PyMethodDef core_methods[] = {
     {"count_representable", py_count_representable, METH_VARARGS, "count_representable(x, fmt) -> int"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"set_num_threads", py_set_num_threads, METH_VARARGS, "set_num_threads(n)"},
+    {"_set_fast_paths", py_set_fast_paths, METH_VARARGS, "_set_fast_paths(on) -> previous (CPU fast paths)"},
     {"cuda_info", py_cuda_info, METH_NOARGS, "cuda_info() -> dict(compiled, devices)"},
     {"cuda_round", py_cuda_round, METH_VARARGS, "cuda_round(x, fmt, mode, seed, stream, offset) -> float64 array"},
     /* metrics methods */
