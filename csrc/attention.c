@@ -142,6 +142,8 @@ fadev_status att_init(att_ctx *cx, const double *q, const double *k, const doubl
         att_free(cx);
         return FADEV_ERR_NO_MEMORY;
     }
+    cx->fma = att_fma_ok();
+    cx->fast = att_fast_enabled() && pol->rounding == FADEV_ROUND_NEAREST_EVEN;
     prep_job job = {cx, q, k, v};
     fadev_status st = fadev_parallel_for((size_t)(params->batch * params->heads) + 2 * nkh, prep_task, &job);
     if (st != FADEV_OK) att_free(cx);
@@ -150,9 +152,14 @@ fadev_status att_init(att_ctx *cx, const double *q, const double *k, const doubl
 
 /* ------------------------------------------------------------------ the two products */
 
-/* Magnitudes of the first counts[r] (or cols) values of rows 0..rows-1 of a (row stride ld). */
-static mag float_magnitudes(const float *a, int64_t rows, int64_t cols, int64_t ld, const int64_t *counts) {
+/* Magnitudes of the first counts[r] (or cols) values of rows 0..rows-1 of a (row stride ld); with `fma` only
+ * whether they are finite (all att_mm_tier reads then). */
+static mag float_magnitudes(int fma, const float *a, int64_t rows, int64_t cols, int64_t ld, const int64_t *counts) {
     mag m = MAG_EMPTY;
+    if (fma) {
+        for (int64_t r = 0; r < rows && m.finite; r++) m.finite = att_finite_f(a + r * ld, counts ? counts[r] : cols);
+        return m;
+    }
     for (int64_t r = 0; r < rows; r++) {
         int64_t n = counts ? counts[r] : cols;
         for (int64_t c = 0; c < n; c++) mag_add(&m, (double)a[r * ld + c]);
@@ -168,9 +175,9 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
     if (ncols == 0) return;
     const int64_t q_at = (bh * cx->q_rows + i0) * D, k_at = bhk * D * cx->kt_cols + j0;
     const int possible = cx->plan.qk_float && cx->k_finite[bhk];
-    const mag qm = possible ? float_magnitudes(cx->qf + q_at, nr, D, D, NULL) : MAG_EMPTY;
+    const mag qm = possible ? float_magnitudes(cx->fma, cx->qf + q_at, nr, D, D, NULL) : MAG_EMPTY;
     att_mm m = {0};
-    m.tier = att_mm_tier(&cx->plan.score_acc, possible, qm.min, qm.max, qm.finite, cx->k_min[bhk], cx->k_max[bhk], 1);
+    m.tier = att_mm_tier(&cx->plan.score_acc, cx->fma, possible, qm.min, qm.max, qm.finite, cx->k_min[bhk], cx->k_max[bhk], 1);
     m.index = ATT_MM_ROW_COL_K, m.zero = 1, m.acc = &cx->plan.score_acc, m.stream = ATT_STREAM(ATT_SCORE_ACC, bh);
     m.row0 = i0, m.col0 = j0;
     m.a = cx->q + q_at, m.af = cx->qf ? cx->qf + q_at : NULL, m.lda = D;
@@ -185,7 +192,11 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
     const att_stage *sc = &cx->plan.score;
     for (int64_t r = 0; r < nr; r++) {
         double *row = s + r * lds;
-        if (sc->kind == ATT_EXACT) {
+        if (cx->fast && sc->kind == ATT_RNE) {
+            att_round_n(sc, row, row, nvis[r]);
+            att_scale_n(row, c, row, nvis[r]);
+            att_round_n(sc, row, row, nvis[r]);
+        } else if (sc->kind == ATT_EXACT) {
             for (int64_t jj = 0; jj < nvis[r]; jj++) row[jj] = c * row[jj];
         } else if (sc->kind == ATT_F32) {
             for (int64_t jj = 0; jj < nvis[r]; jj++) row[jj] = (double)(float)(c * (double)(float)row[jj]);
@@ -208,10 +219,10 @@ void att_pv(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t
     if (possible) {
         for (int64_t r = 0; r < nr; r++)
             for (int64_t jj = 0; jj < nvis[r]; jj++) pbuf[r * ldp + jj] = (float)p[r * ldp + jj];
-        pm = float_magnitudes(pbuf, nr, 0, ldp, nvis);
+        pm = float_magnitudes(cx->fma, pbuf, nr, 0, ldp, nvis);
     }
     att_mm m = {0};
-    m.tier = att_mm_tier(&cx->plan.pv_acc, possible, pm.min, pm.max, pm.finite, cx->v_min[bhk], cx->v_max[bhk], 1);
+    m.tier = att_mm_tier(&cx->plan.pv_acc, cx->fma, possible, pm.min, pm.max, pm.finite, cx->v_min[bhk], cx->v_max[bhk], 1);
     m.index = ATT_MM_ROW_K_COL, m.zero = 1, m.acc = &cx->plan.pv_acc, m.stream = ATT_STREAM(ATT_PV_ACC, bh);
     m.row0 = i0, m.k0 = j0;
     m.a = p, m.af = pbuf, m.lda = ldp;

@@ -25,6 +25,8 @@ typedef struct att_ctx {
      * (B*Hkv, D, kt_cols), columns past seq_kv zero. v: (B*Hkv, seq_kv, d_pad), columns past D zero.
      * qf, ktf, vf: the same as float32, present only when the float tier can be used. */
     int64_t q_rows, kt_cols, d_pad;
+    int fma;        /* att_fma_ok() when the call began: the products' FMA tier applies */
+    int fast;       /* the vector element-wise steps (fast.c) apply: nearest-even policy, fast paths on */
     double *q, *kt, *v;
     float *qf, *ktf, *vf;
     /* per K/V head: smallest nonzero and largest magnitude, and 1 if every value is finite */
@@ -98,5 +100,26 @@ ATT_INTERNAL void att_softmax_row(const att_ctx *cx, int64_t bh, int64_t i, doub
  * NULL. A row that saw no key (seen = 0) gets out = 0 and lse = -inf, with no rounding events. */
 ATT_INTERNAL void att_write_row(const att_ctx *cx, int64_t bh, int64_t i, int seen, const double *o, int divide,
                                 double m, double l, double *out, double *lse);
+
+/* ------------------------------------------------------------------ vector element-wise steps (fast.c) */
+
+/* y[i] = R_st(x[i]) for i < n (y may be x); nearest-even or toward-zero stages only (no counters). */
+ATT_INTERNAL void att_round_n(const att_stage *st, const double *x, double *y, int64_t n);
+/* y[i] = x[i] - m, x[i] * m, x[i] / m in fp64 (y may be x). */
+ATT_INTERNAL void att_sub_n(const double *x, double m, double *y, int64_t n);
+ATT_INTERNAL void att_scale_n(const double *x, double m, double *y, int64_t n);
+ATT_INTERNAL void att_div_n(const double *x, double m, double *y, int64_t n);
+/* z[i] = x[i] + y[i] in fp64. */
+ATT_INTERNAL void att_add_n(const double *x, const double *y, double *z, int64_t n);
+/* 1 if all n floats are finite. */
+ATT_INTERNAL int att_finite_f(const float *x, int64_t n);
+/* att_max(...att_max(att_max(m, s[0]), s[1])..., s[n-1]), the same value and sign. */
+ATT_INTERNAL double att_max_n(double m, const double *s, int64_t n);
+/* sum[r] = the row sum acc = R_acc(acc + e[r][j]), j < nv[r] ascending, from 0 (terms_f32: every term is an fp32
+ * value); nearest-even stages only. */
+ATT_INTERNAL void att_row_sums(const att_stage *acc, int terms_f32, const double *e, int64_t lde, const int64_t *nv,
+                               int64_t nr, double *sum);
+/* s[j] = R_softmax(E(R_softmax(s[j] - m))), j < n, in place; E = exp2 (exp2_form) or exp. */
+ATT_INTERNAL void att_exp_row(const att_ctx *cx, int exp2_form, double m, double *s, int64_t n);
 
 #endif /* FADEV_ATTENTION_H */

@@ -45,7 +45,7 @@ void bwd_dp_products(const bwd_ctx *bx, int64_t bh, int64_t i0, int64_t nr, cons
     const att_ctx *cx = &bx->cx;
     const int64_t D = cx->plan.pr.dim, bhk = att_kv_head(cx, bh);
     att_mm m = {0};
-    m.tier = att_mm_tier(&bx->dp_acc, bx->dp_float, bx->do_min[bh], bx->do_max[bh], bx->do_finite[bh],
+    m.tier = att_mm_tier(&bx->dp_acc, cx->fma, bx->dp_float, bx->do_min[bh], bx->do_max[bh], bx->do_finite[bh],
                          cx->v_min[bhk], cx->v_max[bhk], cx->v_finite[bhk]);
     m.index = ATT_MM_ROW_COL_K, m.zero = 1, m.acc = &bx->dp_acc, m.stream = BWD_STREAM(EV_DP_ACC, bh);
     m.row0 = i0, m.col0 = j0;
@@ -100,7 +100,7 @@ int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr,
     }
 
     /* dS as bwd_tile_dq's product will read it */
-    w->dq_tier = att_mm_tier(&bx->grad_acc, bx->dq_float, sm.min, sm.max, sm.finite, cx->k_min[bhk],
+    w->dq_tier = att_mm_tier(&bx->grad_acc, cx->fma, bx->dq_float, sm.min, sm.max, sm.finite, cx->k_min[bhk],
                              cx->k_max[bhk], cx->k_finite[bhk]);
     if (att_mm_float(w->dq_tier))
         for (int64_t r = 0; r < nr; r++)
@@ -114,9 +114,9 @@ int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr,
         const int is_v = pass == 0;
         const double *src = is_v ? w->pp : w->ds;
         att_mm m = {0};
-        m.tier = is_v ? att_mm_tier(&bx->grad_acc, bx->dv_float, pm.min, pm.max, pm.finite, bx->do_min[bh],
+        m.tier = is_v ? att_mm_tier(&bx->grad_acc, cx->fma, bx->dv_float, pm.min, pm.max, pm.finite, bx->do_min[bh],
                                     bx->do_max[bh], bx->do_finite[bh])
-                      : att_mm_tier(&bx->grad_acc, bx->dk_float, sm.min, sm.max, sm.finite, bx->q_min[bh],
+                      : att_mm_tier(&bx->grad_acc, cx->fma, bx->dk_float, sm.min, sm.max, sm.finite, bx->q_min[bh],
                                     bx->q_max[bh], bx->q_finite[bh]);
         double *t = is_v ? w->pt : w->dst;
         float *tf = is_v ? w->ptf : w->dstf;

@@ -34,19 +34,21 @@ typedef struct att_mm {
  * the two; _core._set_fast_paths). */
 ATT_INTERNAL int att_fast_enabled(void);
 ATT_INTERNAL int att_set_fast(int on);
-/* 1 when att_fast_enabled() and this CPU runs the FMA kernels (x86-64 with AVX2 and FMA). */
+/* 1 when att_fast_enabled() and this CPU runs the FMA kernels (x86-64 with AVX2 and FMA); a call asks once
+ * (att_ctx.fma) and passes the answer to att_mm_tier. */
 ATT_INTERNAL int att_fma_ok(void);
 
 /* Tier of a product accumulated in `acc` whose float tier is `possible` for these formats (both factors are
  * values of formats inside fp32 whose precisions add up to <= 24 bits), given the magnitudes of its two
- * factors (smallest nonzero, largest, all finite). With finite factors the FMA tier needs no magnitude test
+ * factors (smallest nonzero, largest, all finite; with `fma`, only `finite` is read). With finite factors and
+ * `fma` (att_fma_ok()) the FMA tier needs no magnitude test
  * (matmul.c, top comment: fmaf(a, b, acc) is R_fp32(R_fp64(acc + a b)) for every such a, b and fp32 acc);
  * the plain float tier needs every nonzero product in [2^-126, 2^128). */
-static inline int att_mm_tier(const att_stage *acc, int possible, double amin, double amax, int afin, double bmin,
-                              double bmax, int bfin) {
+static inline int att_mm_tier(const att_stage *acc, int fma, int possible, double amin, double amax, int afin,
+                              double bmin, double bmax, int bfin) {
     if (acc->kind == ATT_EXACT) return ATT_MM_F64;
     if (acc->kind != ATT_F32) return ATT_MM_SCALAR;
-    if (possible && afin && bfin && att_fma_ok()) return ATT_MM_FMA;
+    if (possible && afin && bfin && fma) return ATT_MM_FMA;
     int exact = possible && afin && bfin && amin * bmin >= 0x1p-126 && amax * bmax < 0x1p128;
     return exact ? ATT_MM_F32 : ATT_MM_F64_R32;
 }

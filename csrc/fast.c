@@ -1,0 +1,166 @@
+/* The element-wise steps of attention as array passes, for policies that round to nearest even (att_ctx.fast;
+ * docs/numerics.md, "How the CPU runs it"). Every rounding event of the spec is still made, on the same fp64
+ * value, with the same rule: only the loops change shape so that the compiler can run them in SIMD lanes
+ * (an AVX2 clone chosen at run time, target_clones), and the row sums of several rows advance side by side
+ * (each sum keeps its order). The generic loops (flash.c, baseline.c, backward_tile.c) remain for every
+ * other policy and under _core._set_fast_paths(0), and must give the same bits (tests/test_fast_paths.py).
+ *
+ * att_round_n(st, x, y, n) is n events R_st(x[i]) (nearest-even, so no counters are needed):
+ *   ATT_EXACT  the identity;  ATT_F32  (double)(float)x, one IEEE rounding;
+ *   ATT_RNE    the bit-pattern rule of att_round_fast on every lane, and where a lane of a chunk is outside
+ *              the format's normal range (zero, subnormal, overflow, inf, NaN) the whole chunk is redone by
+ *              att_round (the scalar rule), so the bits are att_round's;
+ *   ATT_GENERAL (toward zero) fadev_round_one, one by one. */
+#include <string.h>
+
+#include "attention.h"
+
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(FADEV_NO_CLONES)
+#define FAST_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define FAST_CLONES
+#endif
+
+enum { CHUNK = 64 };
+
+/* y = the fast rule of an ATT_RNE stage on n <= CHUNK values; 1 if some value is outside its range. */
+FAST_CLONES static int rne_chunk(const att_stage *st, const double *x, double *y, int64_t n) {
+    const uint64_t lo = st->lo_bits, span = st->hi_bits - st->lo_bits, hi = st->hi_bits, half = st->half_m1;
+    const uint64_t keep = st->keep_mask;
+    const int shift = st->shift;
+    uint64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t u = fadev_bits_of(x[i]), a = u & 0x7FFFFFFFFFFFFFFFull;
+        uint64_t r = (a + half + ((a >> shift) & 1)) & keep;
+        bad |= (uint64_t)(a - lo > span) | (uint64_t)(r > hi);
+        y[i] = fadev_double_of(r | (u ^ a));
+    }
+    return bad != 0;
+}
+
+FAST_CLONES static void f32_n(const double *x, double *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = (double)(float)x[i];
+}
+
+void att_round_n(const att_stage *st, const double *x, double *y, int64_t n) {
+    if (st->kind == ATT_EXACT) {
+        if (x != y) memmove(y, x, (size_t)n * sizeof(double));
+    } else if (st->kind == ATT_F32) {
+        f32_n(x, y, n);
+    } else if (st->kind == ATT_RNE) {
+        double tmp[CHUNK];
+        for (int64_t i = 0; i < n; i += CHUNK) {
+            const int64_t m = n - i < CHUNK ? n - i : CHUNK;
+            if (rne_chunk(st, x + i, tmp, m))
+                for (int64_t t = 0; t < m; t++) tmp[t] = att_round(st, x[i + t], 0, 0);
+            memcpy(y + i, tmp, (size_t)m * sizeof(double));
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) y[i] = att_round_general(st, x[i], 0, 0);
+    }
+}
+
+/* y[i] = x[i] - m, x[i] * m, x[i] / m; z = x + y (fp64, no rounding; att_round_n follows). */
+FAST_CLONES void att_sub_n(const double *x, double m, double *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] - m;
+}
+FAST_CLONES void att_scale_n(const double *x, double m, double *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * m;
+}
+FAST_CLONES void att_div_n(const double *x, double m, double *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] / m;
+}
+
+FAST_CLONES void att_add_n(const double *x, const double *y, double *z, int64_t n) {
+    for (int64_t i = 0; i < n; i++) z[i] = x[i] + y[i];
+}
+
+/* 1 if all n floats are finite. */
+FAST_CLONES int att_finite_f(const float *x, int64_t n) {
+    int ok = 1;
+    for (int64_t i = 0; i < n; i++) ok &= __builtin_fabsf(x[i]) <= 3.40282347e+38f;
+    return ok;
+}
+
+/* The running maximum m = att_max(m, s[j]) over j ascending (NaN propagates; of equal values the first
+ * is kept, which only matters for the sign of a zero): a vector maximum where no NaN is seen and the
+ * maximum is not zero (then the value is the answer whatever the order), else the sequential loop. */
+typedef double v4d __attribute__((vector_size(32)));
+typedef double v4du __attribute__((vector_size(32), aligned(8)));
+typedef long long v4l __attribute__((vector_size(32)));
+
+FAST_CLONES static double vec_max(const double *s, int64_t n, int *nan) {
+    v4d mx = {-__builtin_inf(), -__builtin_inf(), -__builtin_inf(), -__builtin_inf()};
+    v4l bad = {0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        v4d x = *(const v4du *)(s + j);
+        v4l gt = x > mx;
+        bad |= x != x;
+        mx = (v4d)(((v4l)x & gt) | ((v4l)mx & ~gt));
+    }
+    double m = -__builtin_inf();
+    int b = (bad[0] | bad[1] | bad[2] | bad[3]) != 0;
+    for (int t = 0; t < 4; t++) m = mx[t] > m ? mx[t] : m;
+    for (; j < n; j++) {
+        b |= s[j] != s[j];
+        m = s[j] > m ? s[j] : m;
+    }
+    *nan = b;
+    return m;
+}
+
+double att_max_n(double m, const double *s, int64_t n) {
+    int nan;
+    double mx = vec_max(s, n, &nan);
+    if (!nan && m == m && mx != 0) return m >= mx ? m : mx;
+    for (int64_t j = 0; j < n; j++) m = att_max(m, s[j]);
+    return m;
+}
+
+/* Row sums acc = R_sum(acc + e[j]), j ascending, of rows r < nr (nv[r] terms, row stride lde), into sum[r].
+ * With an fp32 accumulator and terms that are fp32 values, the fp32 sum of two fp32 values is R_fp32 of
+ * their fp64 sum (53 >= 2 * 24 + 2: the double rounding is innocuous), so the sums run in float, four rows
+ * at a time over the keys they share. */
+void att_row_sums(const att_stage *acc_st, int terms_f32, const double *e, int64_t lde, const int64_t *nv,
+                  int64_t nr, double *sum) {
+    int64_t r = 0;
+    if (acc_st->kind == ATT_F32 && terms_f32) {
+        for (; r + 4 <= nr; r += 4) {
+            const double *e0 = e + r * lde, *e1 = e0 + lde, *e2 = e1 + lde, *e3 = e2 + lde;
+            int64_t common = nv[r];
+            for (int x = 1; x < 4; x++) common = nv[r + x] < common ? nv[r + x] : common;
+            float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+            for (int64_t j = 0; j < common; j++)
+                a0 += (float)e0[j], a1 += (float)e1[j], a2 += (float)e2[j], a3 += (float)e3[j];
+            for (int64_t j = common; j < nv[r]; j++) a0 += (float)e0[j];
+            for (int64_t j = common; j < nv[r + 1]; j++) a1 += (float)e1[j];
+            for (int64_t j = common; j < nv[r + 2]; j++) a2 += (float)e2[j];
+            for (int64_t j = common; j < nv[r + 3]; j++) a3 += (float)e3[j];
+            sum[r] = a0, sum[r + 1] = a1, sum[r + 2] = a2, sum[r + 3] = a3;
+        }
+        for (; r < nr; r++) {
+            float a = 0;
+            for (int64_t j = 0; j < nv[r]; j++) a += (float)e[r * lde + j];
+            sum[r] = a;
+        }
+        return;
+    }
+    for (; r < nr; r++) {
+        double a = 0;
+        for (int64_t j = 0; j < nv[r]; j++) a = att_round(acc_st, a + e[r * lde + j], 0, 0);
+        sum[r] = a;
+    }
+}
+
+/* e[j] = R_softmax(E(R_softmax(s[j] - m))) for j < n, in place (E = exp2 or exp). */
+void att_exp_row(const att_ctx *cx, int exp2_form, double m, double *s, int64_t n) {
+    const att_stage *sm = &cx->plan.softmax;
+    att_sub_n(s, m, s, n);
+    att_round_n(sm, s, s, n);
+    if (exp2_form)
+        for (int64_t j = 0; j < n; j++) s[j] = exp2(s[j]);
+    else
+        for (int64_t j = 0; j < n; j++) s[j] = exp(s[j]);
+    att_round_n(sm, s, s, n);
+}
