@@ -119,6 +119,8 @@ ATT_INTERNAL double att_max_n(double m, const double *s, int64_t n);
  * value); nearest-even stages only. */
 ATT_INTERNAL void att_row_sums(const att_stage *acc, int terms_f32, const double *e, int64_t lde, const int64_t *nv,
                                int64_t nr, double *sum);
+/* y[i] = R_st(E(x[i])), E = exp2 (exp2_form) or exp, libm's bits without libm where they cannot differ (fast.c). */
+ATT_INTERNAL void att_exp_round_n(const att_stage *st, int exp2_form, const double *x, double *y, int64_t n);
 /* s[j] = R_softmax(E(R_softmax(s[j] - m))), j < n, in place; E = exp2 (exp2_form) or exp. */
 ATT_INTERNAL void att_exp_row(const att_ctx *cx, int exp2_form, double m, double *s, int64_t n);
 

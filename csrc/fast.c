@@ -85,9 +85,12 @@ FAST_CLONES int att_finite_f(const float *x, int64_t n) {
 /* The running maximum m = att_max(m, s[j]) over j ascending (NaN propagates; of equal values the first
  * is kept, which only matters for the sign of a zero): a vector maximum where no NaN is seen and the
  * maximum is not zero (then the value is the answer whatever the order), else the sequential loop. */
+/* the 32-byte vectors only pass between inlined functions (no ABI crossing) */
+#pragma GCC diagnostic ignored "-Wpsabi"
 typedef double v4d __attribute__((vector_size(32)));
 typedef double v4du __attribute__((vector_size(32), aligned(8)));
 typedef long long v4l __attribute__((vector_size(32)));
+typedef unsigned long long v4u __attribute__((vector_size(32)));
 
 FAST_CLONES static double vec_max(const double *s, int64_t n, int *nan) {
     v4d mx = {-__builtin_inf(), -__builtin_inf(), -__builtin_inf(), -__builtin_inf()};
@@ -158,9 +161,96 @@ void att_exp_row(const att_ctx *cx, int exp2_form, double m, double *s, int64_t 
     const att_stage *sm = &cx->plan.softmax;
     att_sub_n(s, m, s, n);
     att_round_n(sm, s, s, n);
-    if (exp2_form)
-        for (int64_t j = 0; j < n; j++) s[j] = exp2(s[j]);
-    else
-        for (int64_t j = 0; j < n; j++) s[j] = exp(s[j]);
-    att_round_n(sm, s, s, n);
+    att_exp_round_n(sm, exp2_form, s, s, n);
+}
+
+/* ------------------------------------------------------------------ R(E(x)) without libm where it cannot matter
+ *
+ * y = R_st(E(x)), E = exp or exp2 (libm's, the spec's), for a nearest-even stage of precision p <= 24 (ATT_F32,
+ * ATT_RNE). A vector approximation a of E(x) is computed first: E(x) = 2^n e^t, n an integer, |t| <= ln2/2
+ * (exp2: n = rint(x), t = (x - n) ln 2; exp: n = rint(x log2 e), t = (x - n ln2_hi) - n ln2_lo, Cody-Waite with
+ * ln2_hi's 32 significant bits making n ln2_hi exact), e^t by its Taylor polynomial of degree 12 (truncation
+ * |t|^13 / 13! < 2^-52 for |t| <= 0.347), 2^n put into the exponent. Its relative error is a few 2^-53 (measured:
+ * at most 3 units of the last place of fp64 against glibc over every fp32 x of [-150, 0], exhaustively,
+ * docs/numerics.md), which we bound by 2^10 units. libm's E is within 1 unit of the exact value. So where the
+ * 53 - p bits that R_st drops from a lie more than 2^12 units away from the halfway point (and a is in the
+ * format's normal range, after rounding too), a, the exact E(x) and libm's E(x) all lie strictly on the same
+ * side of the same rounding midpoint, between the same two neighbours: R_st(libm E(x)) = R_st(a), which is
+ * what is returned. Every other lane (about 2^-16 of them at fp32, none at bf16 in practice; x outside
+ * [-700, 700], NaN, results below the normal range or overflowing) calls libm and att_round: the spec's own
+ * path. */
+
+enum { EXP_MARGIN = 1 << 16 };
+
+/* The approximation of E(v), |v| <= 700 (top comment), four lanes at a time. */
+__attribute__((always_inline)) static inline v4d exp_approx(int exp2_form, v4d v) {
+    const double shifter = 0x1.8p52, log2e = 0x1.71547652b82fep+0, ln2 = 0x1.62e42fefa39efp-1;
+    const double ln2_hi = 0x1.62e42feep-1, ln2_lo = 0x1.a39ef35793c76p-33;
+    v4d nf = ((exp2_form ? v : v * log2e) + shifter) - shifter;
+    v4d t = exp2_form ? (v - nf) * ln2 : (v - nf * ln2_hi) - nf * ln2_lo;
+    v4d p = t * 0x1.27e4fb7789f5cp-22 + 0x1.71de3a556c734p-19;
+    p = p * t + 0x1.a01a01a01a01ap-16;
+    p = p * t + 0x1.a01a01a01a01ap-13;
+    p = p * t + 0x1.6c16c16c16c17p-10;
+    p = p * t + 0x1.1111111111111p-7;
+    p = p * t + 0x1.5555555555555p-5;
+    p = p * t + 0x1.5555555555555p-3;
+    p = p * t + 0x1.0p-1;
+    p = p * t + 1.0;
+    p = p * t + 1.0;
+    /* 2^n: n = the integer in the low bits of nf + shifter; |n| <= 1010, so 1023 + n is a normal exponent */
+    v4u nbits = (v4u)(nf + shifter) - fadev_bits_of(shifter);
+    return p * (v4d)((nbits + 1023ull) << 52);
+}
+
+/* y[i] = R_st(exp_approx(x[i])) and ok[i] != 0 where that is R_st(libm's E(x[i])) for sure; n a multiple of 4. */
+__attribute__((always_inline)) static inline void exp_chunk(const att_stage *st, int exp2_form, const double *x,
+                                                            double *y, long long *ok, int64_t n) {
+    const long long mask = (1ll << st->shift) - 1, halfway = 1ll << (st->shift - 1);
+    const long long lo = (long long)st->lo_bits, hi = (long long)st->hi_bits, half_m1 = (long long)st->half_m1;
+    const long long keep = (long long)st->keep_mask;
+    const int shift = st->shift;
+    for (int64_t i = 0; i < n; i += 4) {
+        /* every integer compared below is below 2^63, so the signed compares (which AVX2 has) are exact */
+        v4d v = *(const v4du *)(x + i);
+        v4l inside = (v4l)((v4u)v & 0x7FFFFFFFFFFFFFFFull) <= (long long)fadev_bits_of(700.0); /* |v| <= 700 */
+        v = (v4d)((v4l)v & inside);
+        v4l u = (v4l)exp_approx(exp2_form, v), d = u & mask;
+        v4l dist = d - halfway;
+        dist = (dist ^ (dist >> 63)) - (dist >> 63); /* |d - halfway| */
+        v4l r = (u + half_m1 + ((u >> shift) & 1)) & keep;
+        v4l good = inside & (dist > EXP_MARGIN) & (u >= lo) & (u <= hi) & (r <= hi);
+        *(v4l *)(ok + i) = good;
+        *(v4du *)(y + i) = (v4d)r;
+    }
+}
+
+FAST_CLONES static void exp2_chunk(const att_stage *st, const double *x, double *y, long long *ok, int64_t n) {
+    exp_chunk(st, 1, x, y, ok, n);
+}
+FAST_CLONES static void expe_chunk(const att_stage *st, const double *x, double *y, long long *ok, int64_t n) {
+    exp_chunk(st, 0, x, y, ok, n);
+}
+
+void att_exp_round_n(const att_stage *st, int exp2_form, const double *x, double *y, int64_t n) {
+    if ((st->kind != ATT_F32 && st->kind != ATT_RNE) || st->shift < 29) {
+        for (int64_t i = 0; i < n; i++) y[i] = exp2_form ? exp2(x[i]) : exp(x[i]);
+        att_round_n(st, y, y, n);
+        return;
+    }
+    double tmp[CHUNK], in[CHUNK];
+    long long ok[CHUNK] __attribute__((aligned(64)));
+    for (int64_t i = 0; i < n; i += CHUNK) {
+        const int64_t m = n - i < CHUNK ? n - i : CHUNK, m4 = (m + 3) & ~(int64_t)3;
+        const double *src = x + i;
+        if (m4 != m) { /* a last partial group of 4: from a copy padded with zeros */
+            memcpy(in, src, (size_t)m * sizeof(double));
+            memset(in + m, 0, (size_t)(m4 - m) * sizeof(double));
+            src = in;
+        }
+        (exp2_form ? exp2_chunk : expe_chunk)(st, src, tmp, ok, m4);
+        for (int64_t t = 0; t < m; t++)
+            if (!ok[t]) tmp[t] = att_round(st, exp2_form ? exp2(x[i + t]) : exp(x[i + t]), 0, 0);
+        memcpy(y + i, tmp, (size_t)m * sizeof(double));
+    }
 }
