@@ -111,6 +111,10 @@ ATT_INTERNAL void att_scale_n(const double *x, double m, double *y, int64_t n);
 ATT_INTERNAL void att_div_n(const double *x, double m, double *y, int64_t n);
 /* z[i] = x[i] + y[i] in fp64. */
 ATT_INTERNAL void att_add_n(const double *x, const double *y, double *z, int64_t n);
+/* z[i] = x[i] * y[i] in fp64. */
+ATT_INTERNAL void att_mul_n(const double *x, const double *y, double *z, int64_t n);
+/* 1 if all n doubles are finite. */
+ATT_INTERNAL int att_finite_d(const double *x, int64_t n);
 /* 1 if all n floats are finite. */
 ATT_INTERNAL int att_finite_f(const float *x, int64_t n);
 /* att_max(...att_max(att_max(m, s[0]), s[1])..., s[n-1]), the same value and sign. */

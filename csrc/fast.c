@@ -75,6 +75,16 @@ FAST_CLONES void att_add_n(const double *x, const double *y, double *z, int64_t 
     for (int64_t i = 0; i < n; i++) z[i] = x[i] + y[i];
 }
 
+FAST_CLONES void att_mul_n(const double *x, const double *y, double *z, int64_t n) {
+    for (int64_t i = 0; i < n; i++) z[i] = x[i] * y[i];
+}
+
+FAST_CLONES int att_finite_d(const double *x, int64_t n) {
+    int ok = 1;
+    for (int64_t i = 0; i < n; i++) ok &= __builtin_fabs(x[i]) <= 1.7976931348623157e308;
+    return ok;
+}
+
 /* 1 if all n floats are finite. */
 FAST_CLONES int att_finite_f(const float *x, int64_t n) {
     int ok = 1;
