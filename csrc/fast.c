@@ -242,6 +242,53 @@ FAST_CLONES static void expe_chunk(const att_stage *st, const double *x, double 
     exp_chunk(st, 0, x, y, ok, n);
 }
 
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(FADEV_NO_FMA)
+#include <immintrin.h>
+/* exp_chunk with AVX-512F, eight lanes (where att_cpu_avx512()); the polynomial fused (FMA is only more
+ * accurate; any approximation within the bound gives the same answers, see the top comment). */
+__attribute__((target("avx512f"))) static void exp_chunk512(const att_stage *st, int exp2_form, const double *x,
+                                                            double *y, long long *ok, int64_t n) {
+    static const double c[] = {0x1.27e4fb7789f5cp-22, 0x1.71de3a556c734p-19, 0x1.a01a01a01a01ap-16,
+                                0x1.a01a01a01a01ap-13, 0x1.6c16c16c16c17p-10, 0x1.1111111111111p-7,
+                                0x1.5555555555555p-5,  0x1.5555555555555p-3,  0x1.0p-1, 1.0, 1.0};
+    const __m512i abs = _mm512_set1_epi64(0x7FFFFFFFFFFFFFFFll), lim = _mm512_set1_epi64((long long)fadev_bits_of(700.0));
+    const __m512d shifter = _mm512_set1_pd(0x1.8p52);
+    const __m512i mask = _mm512_set1_epi64((1ll << st->shift) - 1), halfway = _mm512_set1_epi64(1ll << (st->shift - 1));
+    const __m512i lo = _mm512_set1_epi64((long long)st->lo_bits), hi = _mm512_set1_epi64((long long)st->hi_bits);
+    const __m512i half_m1 = _mm512_set1_epi64((long long)st->half_m1), keep = _mm512_set1_epi64((long long)st->keep_mask);
+    const __m512i one = _mm512_set1_epi64(1), margin = _mm512_set1_epi64(EXP_MARGIN);
+    const __m128i shift = _mm_cvtsi32_si128(st->shift);
+    for (int64_t i = 0; i < n; i += 8) {
+        __m512d v = _mm512_loadu_pd(x + i);
+        __mmask8 inside = _mm512_cmple_epi64_mask(_mm512_and_si512(_mm512_castpd_si512(v), abs), lim);
+        v = _mm512_maskz_mov_pd(inside, v);
+        __m512d w = exp2_form ? v : _mm512_mul_pd(v, _mm512_set1_pd(0x1.71547652b82fep+0));
+        __m512d nf = _mm512_sub_pd(_mm512_add_pd(w, shifter), shifter), t;
+        if (exp2_form) {
+            t = _mm512_mul_pd(_mm512_sub_pd(v, nf), _mm512_set1_pd(0x1.62e42fefa39efp-1));
+        } else {
+            t = _mm512_sub_pd(v, _mm512_mul_pd(nf, _mm512_set1_pd(0x1.62e42feep-1)));
+            t = _mm512_sub_pd(t, _mm512_mul_pd(nf, _mm512_set1_pd(0x1.a39ef35793c76p-33)));
+        }
+        __m512d p = _mm512_set1_pd(c[0]);
+        for (int k = 1; k < 11; k++) p = _mm512_fmadd_pd(p, t, _mm512_set1_pd(c[k]));
+        __m512i nbits = _mm512_sub_epi64(_mm512_castpd_si512(_mm512_add_pd(nf, shifter)), _mm512_castpd_si512(shifter));
+        __m512i scale = _mm512_slli_epi64(_mm512_add_epi64(nbits, _mm512_set1_epi64(1023)), 52);
+        __m512i u = _mm512_castpd_si512(_mm512_mul_pd(p, _mm512_castsi512_pd(scale)));
+        __m512i dist = _mm512_abs_epi64(_mm512_sub_epi64(_mm512_and_si512(u, mask), halfway));
+        __m512i r = _mm512_add_epi64(_mm512_add_epi64(u, half_m1), _mm512_and_si512(_mm512_srl_epi64(u, shift), one));
+        r = _mm512_and_si512(r, keep);
+        __mmask8 good = inside & _mm512_cmpgt_epi64_mask(dist, margin) & _mm512_cmpge_epi64_mask(u, lo) &
+                        _mm512_cmple_epi64_mask(u, hi) & _mm512_cmple_epi64_mask(r, hi);
+        _mm512_storeu_si512(ok + i, _mm512_maskz_mov_epi64(good, _mm512_set1_epi64(-1)));
+        _mm512_storeu_si512(y + i, r);
+    }
+}
+#define EXP512 1
+#else
+#define EXP512 0
+#endif
+
 void att_exp_round_n(const att_stage *st, int exp2_form, const double *x, double *y, int64_t n) {
     if ((st->kind != ATT_F32 && st->kind != ATT_RNE) || st->shift < 29) {
         for (int64_t i = 0; i < n; i++) y[i] = exp2_form ? exp2(x[i]) : exp(x[i]);
@@ -249,16 +296,21 @@ void att_exp_round_n(const att_stage *st, int exp2_form, const double *x, double
         return;
     }
     double tmp[CHUNK], in[CHUNK];
+    const int avx512 = att_cpu_avx512();
     long long ok[CHUNK] __attribute__((aligned(64)));
     for (int64_t i = 0; i < n; i += CHUNK) {
-        const int64_t m = n - i < CHUNK ? n - i : CHUNK, m4 = (m + 3) & ~(int64_t)3;
+        const int64_t m = n - i < CHUNK ? n - i : CHUNK, m4 = (m + 7) & ~(int64_t)7;
         const double *src = x + i;
-        if (m4 != m) { /* a last partial group of 4: from a copy padded with zeros */
+        if (m4 != m) { /* a last partial group of lanes: from a copy padded with zeros */
             memcpy(in, src, (size_t)m * sizeof(double));
             memset(in + m, 0, (size_t)(m4 - m) * sizeof(double));
             src = in;
         }
-        (exp2_form ? exp2_chunk : expe_chunk)(st, src, tmp, ok, m4);
+#if EXP512
+        if (avx512) exp_chunk512(st, exp2_form, src, tmp, ok, m4);
+        else
+#endif
+            (exp2_form ? exp2_chunk : expe_chunk)(st, src, tmp, ok, m4);
         for (int64_t t = 0; t < m; t++)
             if (!ok[t]) tmp[t] = att_round(st, exp2_form ? exp2(x[i + t]) : exp(x[i + t]), 0, 0);
         memcpy(y + i, tmp, (size_t)m * sizeof(double));

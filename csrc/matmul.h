@@ -37,6 +37,8 @@ ATT_INTERNAL int att_set_fast(int on);
 /* 1 when att_fast_enabled() and this CPU runs the FMA kernels (x86-64 with AVX2 and FMA); a call asks once
  * (att_ctx.fma) and passes the answer to att_mm_tier. */
 ATT_INTERNAL int att_fma_ok(void);
+/* 1 if this CPU has AVX-512F (x86-64 builds; where the FMA kernels run it picks their 16-lane versions). */
+ATT_INTERNAL int att_cpu_avx512(void);
 
 /* Tier of a product accumulated in `acc` whose float tier is `possible` for these formats (both factors are
  * values of formats inside fp32 whose precisions add up to <= 24 bits), given the magnitudes of its two
