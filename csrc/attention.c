@@ -60,6 +60,12 @@ static fadev_status prep_task(void *ctxp, size_t task) {
         const double *src = job->q + bh * Nq * D;
         double *dst = cx->q + bh * cx->q_rows * D;
         float *dstf = cx->qf ? cx->qf + bh * cx->q_rows * D : NULL;
+        if (cx->fast) { /* nearest-even: no counters, the vector events */
+            att_round_n(in, src, dst, Nq * D);
+            if (dstf)
+                for (int64_t t = 0; t < Nq * D; t++) dstf[t] = (float)dst[t];
+            return FADEV_OK;
+        }
         for (int64_t i = 0; i < Nq; i++)
             for (int64_t d = 0; d < D; d++) {
                 double x = att_round(in, src[i * D + d], ATT_STREAM(ATT_IN_Q, bh), ATT_INDEX(i, d, 0));
@@ -72,7 +78,19 @@ static fadev_status prep_task(void *ctxp, size_t task) {
     int64_t bh = (int64_t)task - nqh - (is_v ? nkh : 0);
     const double *src = (is_v ? job->v : job->k) + bh * Nk * D;
     mag mg = MAG_EMPTY;
-    for (int64_t j = 0; j < Nk; j++)
+    for (int64_t j = 0; cx->fast && j < Nk; j++) { /* the same with the vector events, one row at a time */
+        double row[256];
+        att_round_n(in, src + j * D, row, D);
+        if (cx->fma) mg.finite &= att_finite_d(row, D);
+        else for (int64_t d = 0; d < D; d++) mag_add(&mg, row[d]);
+        for (int64_t d = 0; d < D; d++) {
+            size_t at = is_v ? (size_t)((bh * Nk + j) * cx->d_pad + d) : (size_t)((bh * D + d) * cx->kt_cols + j);
+            (is_v ? cx->v : cx->kt)[at] = row[d];
+            float *f = is_v ? cx->vf : cx->ktf;
+            if (f) f[at] = (float)row[d];
+        }
+    }
+    for (int64_t j = 0; !cx->fast && j < Nk; j++)
         for (int64_t d = 0; d < D; d++) {
             double x = att_round(in, src[j * D + d], ATT_STREAM(is_v ? ATT_IN_V : ATT_IN_K, bh), ATT_INDEX(j, d, 0));
             mag_add(&mg, x);
@@ -198,6 +216,8 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
             att_round_n(sc, row, row, nvis[r]);
         } else if (sc->kind == ATT_EXACT) {
             for (int64_t jj = 0; jj < nvis[r]; jj++) row[jj] = c * row[jj];
+        } else if (cx->fast && sc->kind == ATT_F32) {
+            att_f32_scale_n(row, c, row, nvis[r]);
         } else if (sc->kind == ATT_F32) {
             for (int64_t jj = 0; jj < nvis[r]; jj++) row[jj] = (double)(float)(c * (double)(float)row[jj]);
         } else {

@@ -109,6 +109,8 @@ ATT_INTERNAL void att_round_n(const att_stage *st, const double *x, double *y, i
 ATT_INTERNAL void att_sub_n(const double *x, double m, double *y, int64_t n);
 ATT_INTERNAL void att_scale_n(const double *x, double m, double *y, int64_t n);
 ATT_INTERNAL void att_div_n(const double *x, double m, double *y, int64_t n);
+/* y[i] = R_fp32(c R_fp32(x[i])) (fp32 nearest-even). */
+ATT_INTERNAL void att_f32_scale_n(const double *x, double c, double *y, int64_t n);
 /* z[i] = x[i] + y[i] in fp64. */
 ATT_INTERNAL void att_add_n(const double *x, const double *y, double *z, int64_t n);
 /* z[i] = x[i] * y[i] in fp64. */

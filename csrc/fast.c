@@ -71,6 +71,11 @@ FAST_CLONES void att_div_n(const double *x, double m, double *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = x[i] / m;
 }
 
+/* y[i] = R_fp32(c R_fp32(x[i])): the scores' scaling where the score stage is fp32 (nearest-even). */
+FAST_CLONES void att_f32_scale_n(const double *x, double c, double *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = (double)(float)(c * (double)(float)x[i]);
+}
+
 FAST_CLONES void att_add_n(const double *x, const double *y, double *z, int64_t n) {
     for (int64_t i = 0; i < n; i++) z[i] = x[i] + y[i];
 }
@@ -103,18 +108,20 @@ typedef long long v4l __attribute__((vector_size(32)));
 typedef unsigned long long v4u __attribute__((vector_size(32)));
 
 FAST_CLONES static double vec_max(const double *s, int64_t n, int *nan) {
-    v4d mx = {-__builtin_inf(), -__builtin_inf(), -__builtin_inf(), -__builtin_inf()};
+    const double ninf = -__builtin_inf();
+    v4d m0 = {ninf, ninf, ninf, ninf}, m1 = m0;
     v4l bad = {0, 0, 0, 0};
     int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {
-        v4d x = *(const v4du *)(s + j);
-        v4l gt = x > mx;
-        bad |= x != x;
-        mx = (v4d)(((v4l)x & gt) | ((v4l)mx & ~gt));
+    for (; j + 8 <= n; j += 8) { /* two chains: the blend's latency is not the bound */
+        v4d x = *(const v4du *)(s + j), y = *(const v4du *)(s + j + 4);
+        v4l gx = x > m0, gy = y > m1;
+        bad |= (x != x) | (y != y);
+        m0 = (v4d)(((v4l)x & gx) | ((v4l)m0 & ~gx));
+        m1 = (v4d)(((v4l)y & gy) | ((v4l)m1 & ~gy));
     }
-    double m = -__builtin_inf();
+    double m = ninf;
     int b = (bad[0] | bad[1] | bad[2] | bad[3]) != 0;
-    for (int t = 0; t < 4; t++) m = mx[t] > m ? mx[t] : m;
+    for (int t = 0; t < 4; t++) m = m0[t] > m ? m0[t] : m, m = m1[t] > m ? m1[t] : m;
     for (; j < n; j++) {
         b |= s[j] != s[j];
         m = s[j] > m ? s[j] : m;
