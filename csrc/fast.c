@@ -16,14 +16,52 @@
 #include "attention.h"
 
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(FADEV_NO_CLONES)
+/* FAST_CLONES for loops with compares (GCC 12 scalarises vector compares under AVX-512's mask registers),
+ * ARITH_CLONES for plain arithmetic */
 #define FAST_CLONES __attribute__((target_clones("avx2", "default")))
+#define ARITH_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define FAST_CLONES
+#define ARITH_CLONES
 #endif
 
 enum { CHUNK = 64 };
 
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(FADEV_NO_FMA)
+#include <immintrin.h>
+#define X86 1
+#else
+#define X86 0
+#endif
+
 /* y = the fast rule of an ATT_RNE stage on n <= CHUNK values; 1 if some value is outside its range. */
+#if X86
+__attribute__((target("avx512f"))) static int rne_chunk512(const att_stage *st, const double *x, double *y, int64_t n) {
+    const __m512i abs = _mm512_set1_epi64(0x7FFFFFFFFFFFFFFFll), lo = _mm512_set1_epi64((long long)st->lo_bits);
+    const __m512i span = _mm512_set1_epi64((long long)(st->hi_bits - st->lo_bits));
+    const __m512i hi = _mm512_set1_epi64((long long)st->hi_bits), half = _mm512_set1_epi64((long long)st->half_m1);
+    const __m512i keep = _mm512_set1_epi64((long long)st->keep_mask), one = _mm512_set1_epi64(1);
+    const __m128i shift = _mm_cvtsi32_si128(st->shift);
+    __mmask8 bad = 0;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m512i u = _mm512_loadu_si512(x + i), a = _mm512_and_si512(u, abs);
+        __m512i r = _mm512_add_epi64(_mm512_add_epi64(a, half), _mm512_and_si512(_mm512_srl_epi64(a, shift), one));
+        r = _mm512_and_si512(r, keep);
+        bad |= _mm512_cmpgt_epu64_mask(_mm512_sub_epi64(a, lo), span) | _mm512_cmpgt_epu64_mask(r, hi);
+        _mm512_storeu_si512(y + i, _mm512_or_si512(r, _mm512_andnot_si512(abs, u)));
+    }
+    int tail = 0;
+    for (; i < n; i++) {
+        uint64_t u = fadev_bits_of(x[i]), a = u & 0x7FFFFFFFFFFFFFFFull;
+        uint64_t r = (a + st->half_m1 + ((a >> st->shift) & 1)) & st->keep_mask;
+        tail |= (a - st->lo_bits > st->hi_bits - st->lo_bits) | (r > st->hi_bits);
+        y[i] = fadev_double_of(r | (u ^ a));
+    }
+    return bad != 0 || tail;
+}
+#endif
+
 FAST_CLONES static int rne_chunk(const att_stage *st, const double *x, double *y, int64_t n) {
     const uint64_t lo = st->lo_bits, span = st->hi_bits - st->lo_bits, hi = st->hi_bits, half = st->half_m1;
     const uint64_t keep = st->keep_mask;
@@ -38,7 +76,11 @@ FAST_CLONES static int rne_chunk(const att_stage *st, const double *x, double *y
     return bad != 0;
 }
 
-FAST_CLONES static void f32_n(const double *x, double *y, int64_t n) {
+ARITH_CLONES static void f32_sub_n(const double *x, double m, double *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = (double)(float)(x[i] - m);
+}
+
+ARITH_CLONES static void f32_n(const double *x, double *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = (double)(float)x[i];
 }
 
@@ -51,9 +93,15 @@ void att_round_n(const att_stage *st, const double *x, double *y, int64_t n) {
         double tmp[CHUNK];
         for (int64_t i = 0; i < n; i += CHUNK) {
             const int64_t m = n - i < CHUNK ? n - i : CHUNK;
-            if (rne_chunk(st, x + i, tmp, m))
-                for (int64_t t = 0; t < m; t++) tmp[t] = att_round(st, x[i + t], 0, 0);
-            memcpy(y + i, tmp, (size_t)m * sizeof(double));
+            double *out = x == y ? tmp : y + i; /* in place: through tmp, x is read again below */
+#if X86
+            const int bad = att_cpu_avx512() ? rne_chunk512(st, x + i, out, m) : rne_chunk(st, x + i, out, m);
+#else
+            const int bad = rne_chunk(st, x + i, out, m);
+#endif
+            if (bad)
+                for (int64_t t = 0; t < m; t++) out[t] = att_round(st, x[i + t], 0, 0);
+            if (out == tmp) memcpy(y + i, tmp, (size_t)m * sizeof(double));
         }
     } else {
         for (int64_t i = 0; i < n; i++) y[i] = att_round_general(st, x[i], 0, 0);
@@ -61,26 +109,26 @@ void att_round_n(const att_stage *st, const double *x, double *y, int64_t n) {
 }
 
 /* y[i] = x[i] - m, x[i] * m, x[i] / m; z = x + y (fp64, no rounding; att_round_n follows). */
-FAST_CLONES void att_sub_n(const double *x, double m, double *y, int64_t n) {
+ARITH_CLONES void att_sub_n(const double *x, double m, double *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = x[i] - m;
 }
-FAST_CLONES void att_scale_n(const double *x, double m, double *y, int64_t n) {
+ARITH_CLONES void att_scale_n(const double *x, double m, double *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = x[i] * m;
 }
-FAST_CLONES void att_div_n(const double *x, double m, double *y, int64_t n) {
+ARITH_CLONES void att_div_n(const double *x, double m, double *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = x[i] / m;
 }
 
 /* y[i] = R_fp32(c R_fp32(x[i])): the scores' scaling where the score stage is fp32 (nearest-even). */
-FAST_CLONES void att_f32_scale_n(const double *x, double c, double *y, int64_t n) {
+ARITH_CLONES void att_f32_scale_n(const double *x, double c, double *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = (double)(float)(c * (double)(float)x[i]);
 }
 
-FAST_CLONES void att_add_n(const double *x, const double *y, double *z, int64_t n) {
+ARITH_CLONES void att_add_n(const double *x, const double *y, double *z, int64_t n) {
     for (int64_t i = 0; i < n; i++) z[i] = x[i] + y[i];
 }
 
-FAST_CLONES void att_mul_n(const double *x, const double *y, double *z, int64_t n) {
+ARITH_CLONES void att_mul_n(const double *x, const double *y, double *z, int64_t n) {
     for (int64_t i = 0; i < n; i++) z[i] = x[i] * y[i];
 }
 
@@ -176,8 +224,12 @@ void att_row_sums(const att_stage *acc_st, int terms_f32, const double *e, int64
 /* e[j] = R_softmax(E(R_softmax(s[j] - m))) for j < n, in place (E = exp2 or exp). */
 void att_exp_row(const att_ctx *cx, int exp2_form, double m, double *s, int64_t n) {
     const att_stage *sm = &cx->plan.softmax;
-    att_sub_n(s, m, s, n);
-    att_round_n(sm, s, s, n);
+    if (sm->kind == ATT_F32) {
+        f32_sub_n(s, m, s, n);
+    } else {
+        att_sub_n(s, m, s, n);
+        att_round_n(sm, s, s, n);
+    }
     att_exp_round_n(sm, exp2_form, s, s, n);
 }
 
@@ -249,8 +301,7 @@ FAST_CLONES static void expe_chunk(const att_stage *st, const double *x, double 
     exp_chunk(st, 0, x, y, ok, n);
 }
 
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(FADEV_NO_FMA)
-#include <immintrin.h>
+#if X86
 /* exp_chunk with AVX-512F, eight lanes (where att_cpu_avx512()); the polynomial fused (FMA is only more
  * accurate; any approximation within the bound gives the same answers, see the top comment). */
 __attribute__((target("avx512f"))) static void exp_chunk512(const att_stage *st, int exp2_form, const double *x,
@@ -291,9 +342,6 @@ __attribute__((target("avx512f"))) static void exp_chunk512(const att_stage *st,
         _mm512_storeu_si512(y + i, r);
     }
 }
-#define EXP512 1
-#else
-#define EXP512 0
 #endif
 
 void att_exp_round_n(const att_stage *st, int exp2_form, const double *x, double *y, int64_t n) {
@@ -313,7 +361,7 @@ void att_exp_round_n(const att_stage *st, int exp2_form, const double *x, double
             memset(in + m, 0, (size_t)(m4 - m) * sizeof(double));
             src = in;
         }
-#if EXP512
+#if X86
         if (avx512) exp_chunk512(st, exp2_form, src, tmp, ok, m4);
         else
 #endif
