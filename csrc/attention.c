@@ -236,7 +236,9 @@ void att_pv(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t
     const int64_t v_at = (bhk * cx->plan.pr.seq_kv + j0) * dpad;
     const int possible = cx->plan.pv_float && cx->v_finite[bhk];
     mag pm = MAG_EMPTY;
-    if (possible) {
+    if (possible && cx->fma) { /* the FMA tier reads only whether P is finite */
+        for (int64_t r = 0; r < nr; r++) pm.finite &= att_to_float_n(p + r * ldp, pbuf + r * ldp, nvis[r]);
+    } else if (possible) {
         for (int64_t r = 0; r < nr; r++)
             for (int64_t jj = 0; jj < nvis[r]; jj++) pbuf[r * ldp + jj] = (float)p[r * ldp + jj];
         pm = float_magnitudes(cx->fma, pbuf, nr, 0, ldp, nvis);

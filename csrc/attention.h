@@ -111,6 +111,10 @@ ATT_INTERNAL void att_scale_n(const double *x, double m, double *y, int64_t n);
 ATT_INTERNAL void att_div_n(const double *x, double m, double *y, int64_t n);
 /* y[i] = R_fp32(c R_fp32(x[i])) (fp32 nearest-even). */
 ATT_INTERNAL void att_f32_scale_n(const double *x, double c, double *y, int64_t n);
+/* o[i] = R_fp32(R_fp32(f o[i]) + R_fp32(pv[i])) (fp32 nearest-even). */
+ATT_INTERNAL void att_f32_update_n(double *o, double f, const double *pv, int64_t n);
+/* y[i] = (float)x[i]; returns 1 if every x[i] is finite. */
+ATT_INTERNAL int att_to_float_n(const double *x, float *y, int64_t n);
 /* z[i] = x[i] + y[i] in fp64. */
 ATT_INTERNAL void att_add_n(const double *x, const double *y, double *z, int64_t n);
 /* z[i] = x[i] * y[i] in fp64. */

@@ -124,6 +124,21 @@ ARITH_CLONES void att_f32_scale_n(const double *x, double c, double *y, int64_t 
     for (int64_t i = 0; i < n; i++) y[i] = (double)(float)(c * (double)(float)x[i]);
 }
 
+/* o[i] = R_fp32(R_fp32(f o[i]) + R_fp32(pv[i])): flash's O update where out_acc is fp32 (nearest-even). */
+ARITH_CLONES void att_f32_update_n(double *o, double f, const double *pv, int64_t n) {
+    for (int64_t i = 0; i < n; i++) o[i] = (double)(float)((double)(float)(f * o[i]) + (double)(float)pv[i]);
+}
+
+/* y[i] = (float)x[i]; 1 if all are finite. */
+FAST_CLONES int att_to_float_n(const double *x, float *y, int64_t n) {
+    int ok = 1;
+    for (int64_t i = 0; i < n; i++) {
+        y[i] = (float)x[i];
+        ok &= __builtin_fabs(x[i]) <= 1.7976931348623157e308;
+    }
+    return ok;
+}
+
 ARITH_CLONES void att_add_n(const double *x, const double *y, double *z, int64_t n) {
     for (int64_t i = 0; i < n; i++) z[i] = x[i] + y[i];
 }
@@ -178,9 +193,34 @@ FAST_CLONES static double vec_max(const double *s, int64_t n, int *nan) {
     return m;
 }
 
+#if X86
+__attribute__((target("avx512f"))) static double vec_max512(const double *s, int64_t n, int *nan) {
+    __m512d m0 = _mm512_set1_pd(-__builtin_inf()), m1 = m0;
+    __mmask8 bad = 0;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        __m512d x = _mm512_loadu_pd(s + j), y = _mm512_loadu_pd(s + j + 8);
+        bad |= _mm512_cmp_pd_mask(x, y, _CMP_UNORD_Q);
+        m0 = _mm512_max_pd(m0, x), m1 = _mm512_max_pd(m1, y);
+    }
+    double m = _mm512_reduce_max_pd(_mm512_max_pd(m0, m1));
+    int b = bad != 0;
+    for (; j < n; j++) {
+        b |= s[j] != s[j];
+        m = s[j] > m ? s[j] : m;
+    }
+    *nan = b;
+    return m;
+}
+#endif
+
 double att_max_n(double m, const double *s, int64_t n) {
     int nan;
+#if X86
+    double mx = att_cpu_avx512() ? vec_max512(s, n, &nan) : vec_max(s, n, &nan);
+#else
     double mx = vec_max(s, n, &nan);
+#endif
     if (!nan && m == m && mx != 0) return m >= mx ? m : mx;
     for (int64_t j = 0; j < n; j++) m = att_max(m, s[j]);
     return m;

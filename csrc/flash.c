@@ -118,6 +118,10 @@ static void row_update_fast(const att_ctx *cx, double factor, double l_new, doub
                             double *l_io) {
     const int64_t D = cx->plan.pr.dim;
     const att_stage *oa = &cx->plan.out_acc;
+    if (oa->kind == ATT_F32 && cx->plan.pr.normalize != FADEV_EAGER && cx->plan.pr.loop_order != FADEV_KV_OUTER) {
+        att_f32_update_n(o, factor, pv, D); /* the three events below in one pass */
+        return;
+    }
     att_scale_n(o, factor, tmp, D);
     att_round_n(oa, tmp, tmp, D);
     att_round_n(oa, pv, pv, D);
