@@ -115,6 +115,8 @@ ATT_INTERNAL void att_f32_scale_n(const double *x, double c, double *y, int64_t 
 ATT_INTERNAL void att_f32_update_n(double *o, double f, const double *pv, int64_t n);
 /* y[i] = (float)x[i]; returns 1 if every x[i] is finite. */
 ATT_INTERNAL int att_to_float_n(const double *x, float *y, int64_t n);
+/* acc[i] = R_st(acc[i] + x[i]) (nearest-even or toward-zero stages). */
+ATT_INTERNAL void att_add_round_n(const att_stage *st, double *acc, const double *x, int64_t n);
 /* z[i] = x[i] + y[i] in fp64. */
 ATT_INTERNAL void att_add_n(const double *x, const double *y, double *z, int64_t n);
 /* z[i] = x[i] * y[i] in fp64. */

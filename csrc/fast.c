@@ -129,6 +129,20 @@ ARITH_CLONES void att_f32_update_n(double *o, double f, const double *pv, int64_
     for (int64_t i = 0; i < n; i++) o[i] = (double)(float)((double)(float)(f * o[i]) + (double)(float)pv[i]);
 }
 
+ARITH_CLONES static void f32_add_n(double *acc, const double *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) acc[i] = (double)(float)(acc[i] + x[i]);
+}
+
+/* acc[i] = R_st(acc[i] + x[i]) (nearest-even or toward zero: no counters). */
+void att_add_round_n(const att_stage *st, double *acc, const double *x, int64_t n) {
+    if (st->kind == ATT_F32) {
+        f32_add_n(acc, x, n);
+    } else {
+        att_add_n(acc, x, acc, n);
+        att_round_n(st, acc, acc, n);
+    }
+}
+
 /* y[i] = (float)x[i]; 1 if all are finite. */
 FAST_CLONES int att_to_float_n(const double *x, float *y, int64_t n) {
     int ok = 1;
