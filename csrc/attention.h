@@ -95,6 +95,11 @@ ATT_INTERNAL void att_pv(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, 
 ATT_INTERNAL void att_softmax_row(const att_ctx *cx, int64_t bh, int64_t i, double *s, int64_t nv, double *p,
                                   double *m_out, double *l_out);
 
+/* att_softmax_row of rows i0 .. i0 + nr - 1 (nvis[r] scores each, row stride lds; rows with none untouched);
+ * the vector steps when cx->fast (p may be s). */
+ATT_INTERNAL void att_softmax_rows(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis,
+                                   double *s, int64_t lds, double *p, double *m, double *l);
+
 /* Row i of head bh written from its O (D values), m and l: out = R_out(O / l) (divide) or R_out(O);
  * lse = R_stats(m' + R_stats(log l)), m' = m, or R_stats(m R_stats(ln 2)) in the exp2 form; lse may be
  * NULL. A row that saw no key (seen = 0) gets out = 0 and lse = -inf, with no rounding events. */

@@ -205,10 +205,11 @@ static fadev_status baseline_stats_task(void *ctxp, size_t task) {
         if (maxv == 0) continue;
         att_scores(cx, bh, i0, nr, nvis, 0, s, lds);
         bwd_dp_products(bx, bh, i0, nr, nvis, 0, maxv, dp, lds);
+        double mr[STATS_GROUP], lr[STATS_GROUP];
+        att_softmax_rows(cx, bh, i0, nr, nvis, s, lds, s, mr, lr); /* P in place of the scores */
         for (int64_t r = 0; r < nr; r++) {
             const int64_t i = i0 + r, row = bh * Nq + i;
-            double *p = s + r * lds, m, l, acc = 0;
-            att_softmax_row(cx, bh, i, p, nvis[r], p, &m, &l); /* P in place of the scores */
+            double *p = s + r * lds, m = mr[r], l = lr[r], acc = 0;
             for (int64_t j = 0; j < nvis[r]; j++) {
                 uint64_t idx = ATT_INDEX(i, j, 0);
                 double ps = att_round(&bx->dsoft_p, p[j], b21, idx);
