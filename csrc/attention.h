@@ -136,6 +136,10 @@ ATT_INTERNAL double att_max_n(double m, const double *s, int64_t n);
  * value); nearest-even stages only. */
 ATT_INTERNAL void att_row_sums(const att_stage *acc, int terms_f32, const double *e, int64_t lde, const int64_t *nv,
                                int64_t nr, double *sum);
+/* out[r] = the chain acc = R_acc(acc + a[r][j] b[r][j]), j < nv[r] ascending, from 0 (row stride ld); nearest-even
+ * or toward-zero stages. */
+ATT_INTERNAL void att_row_dots(const att_stage *acc, const double *a, const double *b, int64_t ld, const int64_t *nv,
+                               int64_t nr, double *out);
 /* y[i] = R_st(E(x[i])), E = exp2 (exp2_form) or exp, libm's bits without libm where they cannot differ (fast.c). */
 ATT_INTERNAL void att_exp_round_n(const att_stage *st, int exp2_form, const double *x, double *y, int64_t n);
 /* s[j] = R_softmax(E(R_softmax(s[j] - m))), j < n, in place; E = exp2 (exp2_form) or exp. */

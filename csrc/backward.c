@@ -207,10 +207,18 @@ static fadev_status baseline_stats_task(void *ctxp, size_t task) {
         bwd_dp_products(bx, bh, i0, nr, nvis, 0, maxv, dp, lds);
         double mr[STATS_GROUP], lr[STATS_GROUP];
         att_softmax_rows(cx, bh, i0, nr, nvis, s, lds, s, mr, lr); /* P in place of the scores */
+        double dots[STATS_GROUP];
+        if (cx->fast) { /* the same events as vector passes, the rows' sums side by side */
+            for (int64_t r = 0; r < nr; r++) {
+                att_round_n(&bx->dsoft_p, s + r * lds, s + r * lds, nvis[r]);
+                att_round_n(&bx->dp, dp + r * lds, dp + r * lds, nvis[r]);
+            }
+            att_row_dots(&bx->delta_acc, s, dp, lds, nvis, nr, dots);
+        }
         for (int64_t r = 0; r < nr; r++) {
             const int64_t i = i0 + r, row = bh * Nq + i;
-            double *p = s + r * lds, m = mr[r], l = lr[r], acc = 0;
-            for (int64_t j = 0; j < nvis[r]; j++) {
+            double *p = s + r * lds, m = mr[r], l = lr[r], acc = cx->fast ? dots[r] : 0;
+            for (int64_t j = 0; !cx->fast && j < nvis[r]; j++) {
                 uint64_t idx = ATT_INDEX(i, j, 0);
                 double ps = att_round(&bx->dsoft_p, p[j], b21, idx);
                 acc = att_round(&bx->delta_acc, acc + ps * att_round(&bx->dp, dp[r * lds + j], b8, idx), b4, idx);

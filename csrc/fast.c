@@ -183,6 +183,7 @@ typedef double v4d __attribute__((vector_size(32)));
 typedef double v4du __attribute__((vector_size(32), aligned(8)));
 typedef long long v4l __attribute__((vector_size(32)));
 typedef unsigned long long v4u __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
 
 FAST_CLONES static double vec_max(const double *s, int64_t n, int *nan) {
     const double ninf = -__builtin_inf();
@@ -272,6 +273,42 @@ void att_row_sums(const att_stage *acc_st, int terms_f32, const double *e, int64
         double a = 0;
         for (int64_t j = 0; j < nv[r]; j++) a = att_round(acc_st, a + e[r * lde + j], 0, 0);
         sum[r] = a;
+    }
+}
+
+/* The same for dot products: acc = R_acc(acc + a[r][j] b[r][j]), j < nv[r] ascending, from 0. With an fp32
+ * accumulator: the fp64 product is exact when the factors' precisions add up to <= 53 bits and it does not
+ * underflow (true for values of formats inside fp32), so (double)(float)(acc + a b) is the spec's event,
+ * computed for four rows side by side; otherwise the events one by one. */
+void att_row_dots(const att_stage *acc_st, const double *a, const double *b, int64_t ld, const int64_t *nv,
+                  int64_t nr, double *out) {
+    int64_t r = 0;
+    if (acc_st->kind == ATT_F32) {
+        for (; r + 4 <= nr; r += 4) {
+            const double *a0 = a + r * ld, *b0 = b + r * ld;
+            int64_t common = nv[r];
+            for (int x = 1; x < 4; x++) common = nv[r + x] < common ? nv[r + x] : common;
+            /* lanes = rows, in explicit vectors: GCC 12 was seen to drop the float conversion when it combined
+             * four scalar chains of this kind into one vector by itself */
+            v4d acc = {0, 0, 0, 0};
+            for (int64_t j = 0; j < common; j++) {
+                v4d x = {a0[j], a0[ld + j], a0[2 * ld + j], a0[3 * ld + j]};
+                v4d y = {b0[j], b0[ld + j], b0[2 * ld + j], b0[3 * ld + j]};
+                acc = __builtin_convertvector(__builtin_convertvector(acc + x * y, v4f), v4d);
+            }
+            double s0 = acc[0], s1 = acc[1], s2 = acc[2], s3 = acc[3];
+            double sums[4] = {s0, s1, s2, s3};
+            for (int x = 0; x < 4; x++) {
+                for (int64_t j = common; j < nv[r + x]; j++)
+                    sums[x] = (double)(float)(sums[x] + a0[x * ld + j] * b0[x * ld + j]);
+                out[r + x] = sums[x];
+            }
+        }
+    }
+    for (; r < nr; r++) {
+        double acc = 0;
+        for (int64_t j = 0; j < nv[r]; j++) acc = att_round(acc_st, acc + a[r * ld + j] * b[r * ld + j], 0, 0);
+        out[r] = acc;
     }
 }
 
