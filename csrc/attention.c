@@ -195,7 +195,8 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
     const int possible = cx->plan.qk_float && cx->k_finite[bhk];
     const mag qm = possible ? float_magnitudes(cx->fma, cx->qf + q_at, nr, D, D, NULL) : MAG_EMPTY;
     att_mm m = {0};
-    m.tier = att_mm_tier(&cx->plan.score_acc, cx->fma, possible, qm.min, qm.max, qm.finite, cx->k_min[bhk], cx->k_max[bhk], 1);
+    m.tier = att_mm_tier(&cx->plan.score_acc, cx->fma, possible, qm.min, qm.max, qm.finite, cx->k_min[bhk],
+                         cx->k_max[bhk], 1);
     m.index = ATT_MM_ROW_COL_K, m.zero = 1, m.acc = &cx->plan.score_acc, m.stream = ATT_STREAM(ATT_SCORE_ACC, bh);
     m.row0 = i0, m.col0 = j0;
     m.a = cx->q + q_at, m.af = cx->qf ? cx->qf + q_at : NULL, m.lda = D;
@@ -244,7 +245,8 @@ void att_pv(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t
         pm = float_magnitudes(cx->fma, pbuf, nr, 0, ldp, nvis);
     }
     att_mm m = {0};
-    m.tier = att_mm_tier(&cx->plan.pv_acc, cx->fma, possible, pm.min, pm.max, pm.finite, cx->v_min[bhk], cx->v_max[bhk], 1);
+    m.tier = att_mm_tier(&cx->plan.pv_acc, cx->fma, possible, pm.min, pm.max, pm.finite, cx->v_min[bhk],
+                         cx->v_max[bhk], 1);
     m.index = ATT_MM_ROW_K_COL, m.zero = 1, m.acc = &cx->plan.pv_acc, m.stream = ATT_STREAM(ATT_PV_ACC, bh);
     m.row0 = i0, m.k0 = j0;
     m.a = p, m.af = pbuf, m.lda = ldp;

@@ -20,7 +20,8 @@
 
 void bwd_work_free(bwd_work *w) {
     free(w->nvis), free(w->kb), free(w->s), free(w->dp), free(w->pp), free(w->ds), free(w->af), free(w->pt);
-    free(w->dst), free(w->ptf), free(w->dstf), free(w->tmp), free(w->dv_part), free(w->dk_part), free(w->dv_acc), free(w->dk_acc);
+    free(w->dst), free(w->ptf), free(w->dstf), free(w->tmp), free(w->dv_part), free(w->dk_part), free(w->dv_acc);
+    free(w->dk_acc);
 }
 
 fadev_status bwd_work_alloc(bwd_work *w, const bwd_ctx *bx, int64_t keys) {
@@ -33,7 +34,8 @@ fadev_status bwd_work_alloc(bwd_work *w, const bwd_ctx *bx, int64_t keys) {
     w->pt = calloc(tk * tq, d), w->dst = calloc(tk * tq, d), w->ptf = calloc(tk * tq, f), w->dstf = calloc(tk * tq, f);
     w->dv_part = calloc(nk * ld, d), w->dk_part = calloc(nk * ld, d);
     w->dv_acc = calloc(nk * D, d), w->dk_acc = calloc(nk * D, d);
-    if (w->nvis && w->kb && w->s && w->dp && w->pp && w->ds && w->af && w->tmp && w->pt && w->dst && w->ptf && w->dstf &&
+    if (w->nvis && w->kb && w->s && w->dp && w->pp && w->ds && w->af && w->tmp && w->pt && w->dst && w->ptf &&
+        w->dstf &&
         w->dv_part && w->dk_part && w->dv_acc && w->dk_acc)
         return FADEV_OK;
     bwd_work_free(w);
@@ -127,8 +129,10 @@ int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr,
             for (int64_t c = 0; c < nv; c++) {
                 const uint64_t idx = ATT_INDEX(i, j0 + c, 0);
                 double x = att_round(&cx->plan.softmax, s[c] - m, s6, idx), p;
-                if (bx->baseline) p = att_round(&cx->plan.p, att_round(&cx->plan.softmax, exp(x), s7, idx) / l, s16, idx);
-                else p = att_round(&cx->plan.softmax, att_exp(cx, x), s7, idx);
+                if (bx->baseline)
+                    p = att_round(&cx->plan.p, att_round(&cx->plan.softmax, exp(x), s7, idx) / l, s16, idx);
+                else
+                    p = att_round(&cx->plan.softmax, att_exp(cx, x), s7, idx);
                 double pr = att_round(&bx->bwd_p, p, b6, idx), dpv = att_round(&bx->dp, dpa[c], b8, idx);
                 double t = att_round(&bx->dsoft, dpv - Di, b9, idx), ps = att_round(&bx->dsoft_p, p, b21, idx);
                 double u = att_round(&bx->dsoft, ps * t, b10, idx);

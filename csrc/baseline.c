@@ -44,7 +44,8 @@ void att_softmax_row(const att_ctx *cx, int64_t bh, int64_t i, double *s, int64_
 void att_softmax_rows(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis, double *s,
                       int64_t lds, double *p, double *m, double *l) {
     if (!cx->fast) {
-        for (int64_t r = 0; r < nr; r++) att_softmax_row(cx, bh, i0 + r, s + r * lds, nvis[r], p + r * lds, &m[r], &l[r]);
+        for (int64_t r = 0; r < nr; r++)
+            att_softmax_row(cx, bh, i0 + r, s + r * lds, nvis[r], p + r * lds, &m[r], &l[r]);
         return;
     }
     /* the vector steps (fast.c): the same events, the rows' sums side by side */

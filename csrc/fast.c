@@ -329,16 +329,16 @@ void att_exp_row(const att_ctx *cx, int exp2_form, double m, double *s, int64_t 
  * y = R_st(E(x)), E = exp or exp2 (libm's, the spec's), for a nearest-even stage of precision p <= 24 (ATT_F32,
  * ATT_RNE). A vector approximation a of E(x) is computed first: E(x) = 2^n e^t, n an integer, |t| <= ln2/2
  * (exp2: n = rint(x), t = (x - n) ln 2; exp: n = rint(x log2 e), t = (x - n ln2_hi) - n ln2_lo, Cody-Waite with
- * ln2_hi's 32 significant bits making n ln2_hi exact), e^t by its Taylor polynomial of degree 12 (truncation
- * |t|^13 / 13! < 2^-52 for |t| <= 0.347), 2^n put into the exponent. Its relative error is a few 2^-53 (measured:
- * at most 3 units of the last place of fp64 against glibc over every fp32 x of [-150, 0], exhaustively,
- * docs/numerics.md), which we bound by 2^10 units. libm's E is within 1 unit of the exact value. So where the
- * 53 - p bits that R_st drops from a lie more than 2^12 units away from the halfway point (and a is in the
- * format's normal range, after rounding too), a, the exact E(x) and libm's E(x) all lie strictly on the same
- * side of the same rounding midpoint, between the same two neighbours: R_st(libm E(x)) = R_st(a), which is
- * what is returned. Every other lane (about 2^-16 of them at fp32, none at bf16 in practice; x outside
- * [-700, 700], NaN, results below the normal range or overflowing) calls libm and att_round: the spec's own
- * path. */
+ * ln2_hi's 32 significant bits making n ln2_hi exact), e^t by its Taylor polynomial of degree 10 (truncation
+ * |t|^11 / 11! < 2^-42 for |t| <= 0.347, i.e. under 2^11 units of the last place of fp64, "ulps"; the
+ * polynomial's rounding adds a few), 2^n put into the exponent. Measured against glibc over every fp32 x of
+ * [-150, 0] (exp2) and [-104, 0] (exp), exhaustively: at most 1901 ulps for each (docs/numerics.md). libm's E is
+ * within 1 ulp of the exact value. So where the 53 - p bits that R_st drops from a lie more than EXP_MARGIN =
+ * 2^16 ulps from the halfway point (and a is in the format's normal range, after rounding too), a, the exact
+ * E(x) and libm's E(x) all lie strictly on the same side of the same rounding midpoint, between the same two
+ * neighbours: R_st(libm E(x)) = R_st(a), which is what is returned. Every other lane (2^-12 of them at fp32,
+ * 2^-28 at bf16, for spread-out inputs; x outside [-700, 700], NaN, results below the normal range or
+ * overflowing) calls libm and att_round: the spec's own path. */
 
 enum { EXP_MARGIN = 1 << 16 };
 
@@ -400,11 +400,13 @@ __attribute__((target("avx512f"))) static void exp_chunk512(const att_stage *st,
     static const double c[] = {0x1.27e4fb7789f5cp-22, 0x1.71de3a556c734p-19, 0x1.a01a01a01a01ap-16,
                                 0x1.a01a01a01a01ap-13, 0x1.6c16c16c16c17p-10, 0x1.1111111111111p-7,
                                 0x1.5555555555555p-5,  0x1.5555555555555p-3,  0x1.0p-1, 1.0, 1.0};
-    const __m512i abs = _mm512_set1_epi64(0x7FFFFFFFFFFFFFFFll), lim = _mm512_set1_epi64((long long)fadev_bits_of(700.0));
+    const __m512i abs = _mm512_set1_epi64(0x7FFFFFFFFFFFFFFFll);
+    const __m512i lim = _mm512_set1_epi64((long long)fadev_bits_of(700.0));
     const __m512d shifter = _mm512_set1_pd(0x1.8p52);
     const __m512i mask = _mm512_set1_epi64((1ll << st->shift) - 1), halfway = _mm512_set1_epi64(1ll << (st->shift - 1));
     const __m512i lo = _mm512_set1_epi64((long long)st->lo_bits), hi = _mm512_set1_epi64((long long)st->hi_bits);
-    const __m512i half_m1 = _mm512_set1_epi64((long long)st->half_m1), keep = _mm512_set1_epi64((long long)st->keep_mask);
+    const __m512i half_m1 = _mm512_set1_epi64((long long)st->half_m1);
+    const __m512i keep = _mm512_set1_epi64((long long)st->keep_mask);
     const __m512i one = _mm512_set1_epi64(1), margin = _mm512_set1_epi64(EXP_MARGIN);
     const __m128i shift = _mm_cvtsi32_si128(st->shift);
     for (int64_t i = 0; i < n; i += 8) {

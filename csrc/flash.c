@@ -34,7 +34,8 @@ typedef struct flash_scratch {
 
 static void scratch_free(flash_scratch *w) {
     free(w->s), free(w->p), free(w->pv), free(w->o), free(w->m), free(w->l);
-    free(w->factor), free(w->lnew), free(w->mnew), free(w->rowsum), free(w->tmp), free(w->pbuf), free(w->nvis), free(w->seen);
+    free(w->factor), free(w->lnew), free(w->mnew), free(w->rowsum), free(w->tmp), free(w->pbuf), free(w->nvis);
+    free(w->seen);
 }
 
 /* Steps 4-5 of one row for one block, given its old and new maximum and the row sum of its e_j: new l;
@@ -161,7 +162,8 @@ static fadev_status flash_task(void *ctxp, size_t task) {
     w.tmp = malloc((size_t)D * sizeof(double));
     w.nvis = malloc((size_t)nr * sizeof(int64_t));
     w.seen = calloc((size_t)nr, sizeof(int64_t));
-    if (!w.s || !w.p || !w.pbuf || !w.pv || !w.o || !w.m || !w.l || !w.factor || !w.lnew || !w.mnew || !w.rowsum || !w.tmp || !w.nvis || !w.seen) {
+    if (!w.s || !w.p || !w.pbuf || !w.pv || !w.o || !w.m || !w.l || !w.factor || !w.lnew || !w.mnew || !w.rowsum ||
+        !w.tmp || !w.nvis || !w.seen) {
         scratch_free(&w);
         return FADEV_ERR_NO_MEMORY;
     }

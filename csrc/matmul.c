@@ -330,7 +330,8 @@ static void mm_rows(const att_mm *m, int four, int64_t r, int64_t kb, int64_t ke
         return;
     }
     if (m->tier == ATT_MM_FMA) {
-        (four ? (att_cpu_avx512() ? mm4_fma512 : mm4_fma) : mm1_fma)(m->af + r * m->lda, m->lda, m->bf, m->ldb, kb, ke, ncols, c, m->ldc, zero);
+        void (*kernel)(MM_ARGS(float)) = four ? (att_cpu_avx512() ? mm4_fma512 : mm4_fma) : mm1_fma;
+        kernel(m->af + r * m->lda, m->lda, m->bf, m->ldb, kb, ke, ncols, c, m->ldc, zero);
         return;
     }
     if (m->tier == ATT_MM_F32) {

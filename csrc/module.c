@@ -7,7 +7,7 @@
  * parse_call, as module_cuda.c parses it), arrays out, kernel. Argument validation
  * that needs more than a type check is done by the Python layer (fadev/), which is what users call. */
 #include "module.h"
-#include "matmul.h"
+#include "attention.h"
 
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #define PY_ARRAY_UNIQUE_SYMBOL fadev_ARRAY_API
@@ -163,6 +163,32 @@ static PyObject *py_set_fast_paths(PyObject *self, PyObject *args) {
     int on;
     if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
     return PyBool_FromLong(att_set_fast(on));
+}
+
+typedef struct exp_options {
+    att_stage st;
+    int exp2;
+} exp_options;
+
+static fadev_status run_exp_round(PyObject *const *in, PyObject *out, const void *options) {
+    const exp_options *o = options;
+    att_exp_round_n(&o->st, o->exp2, DATA(in[0]), DATA(out), (int64_t)SIZE(in[0]));
+    return FADEV_OK;
+}
+
+/* _exp_round(x, fmt, exp2) -> R_fmt(exp2(x)) or R_fmt(exp(x)), nearest-even, by the CPU kernels' vector path
+ * (fast.c), which must equal libm's value rounded; for the tests. */
+static PyObject *py_exp_round(PyObject *self, PyObject *args) {
+    PyObject *x;
+    fadev_format fmt;
+    exp_options o;
+    if (!PyArg_ParseTuple(args, "OO&p", &x, parse_format, &fmt, &o.exp2)) return NULL;
+    fadev_policy pol;
+    memset(&pol, 0, sizeof pol);
+    pol.rounding = FADEV_ROUND_NEAREST_EVEN;
+    o.st = att_make_stage(&fmt, &pol);
+    PyObject *in = as_array(x, NPY_FLOAT64, "x");
+    return map_call(&in, 1, NPY_FLOAT64, run_exp_round, &o, "_exp_round", 0);
 }
 
 static PyObject *py_cuda_info(PyObject *self, PyObject *args) {
@@ -525,6 +551,7 @@ static PyMethodDef core_methods[] = {
     {"count_representable", py_count_representable, METH_VARARGS, "count_representable(x, fmt) -> int"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"set_num_threads", py_set_num_threads, METH_VARARGS, "set_num_threads(n)"},
+    {"_exp_round", py_exp_round, METH_VARARGS, "_exp_round(x, fmt, exp2) -> R_fmt(E(x)) (CPU fast path)"},
     {"_set_fast_paths", py_set_fast_paths, METH_VARARGS, "_set_fast_paths(on) -> previous (CPU fast paths)"},
     {"cuda_info", py_cuda_info, METH_NOARGS, "cuda_info() -> dict(compiled, devices)"},
     {"cuda_round", py_cuda_round, METH_VARARGS, "cuda_round(x, fmt, mode, seed, stream, offset) -> float64 array"},
