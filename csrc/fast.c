@@ -249,18 +249,17 @@ void att_row_sums(const att_stage *acc_st, int terms_f32, const double *e, int64
                   int64_t nr, double *sum) {
     int64_t r = 0;
     if (acc_st->kind == ATT_F32 && terms_f32) {
-        for (; r + 4 <= nr; r += 4) {
-            const double *e0 = e + r * lde, *e1 = e0 + lde, *e2 = e1 + lde, *e3 = e2 + lde;
+        for (; r + 8 <= nr; r += 8) { /* eight independent chains: the adds' latency is not the bound */
             int64_t common = nv[r];
-            for (int x = 1; x < 4; x++) common = nv[r + x] < common ? nv[r + x] : common;
-            float a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+            for (int x = 1; x < 8; x++) common = nv[r + x] < common ? nv[r + x] : common;
+            float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            const double *e0 = e + r * lde;
             for (int64_t j = 0; j < common; j++)
-                a0 += (float)e0[j], a1 += (float)e1[j], a2 += (float)e2[j], a3 += (float)e3[j];
-            for (int64_t j = common; j < nv[r]; j++) a0 += (float)e0[j];
-            for (int64_t j = common; j < nv[r + 1]; j++) a1 += (float)e1[j];
-            for (int64_t j = common; j < nv[r + 2]; j++) a2 += (float)e2[j];
-            for (int64_t j = common; j < nv[r + 3]; j++) a3 += (float)e3[j];
-            sum[r] = a0, sum[r + 1] = a1, sum[r + 2] = a2, sum[r + 3] = a3;
+                for (int x = 0; x < 8; x++) a[x] += (float)e0[x * lde + j];
+            for (int x = 0; x < 8; x++) {
+                for (int64_t j = common; j < nv[r + x]; j++) a[x] += (float)e0[x * lde + j];
+                sum[r + x] = a[x];
+            }
         }
         for (; r < nr; r++) {
             float a = 0;
@@ -459,8 +458,11 @@ void att_exp_round_n(const att_stage *st, int exp2_form, const double *x, double
         else
 #endif
             (exp2_form ? exp2_chunk : expe_chunk)(st, src, tmp, ok, m4);
-        for (int64_t t = 0; t < m; t++)
-            if (!ok[t]) tmp[t] = att_round(st, exp2_form ? exp2(x[i + t]) : exp(x[i + t]), 0, 0);
+        long long all = -1;
+        for (int64_t t = 0; t < m; t++) all &= ok[t];
+        if (!all) /* rare: some lane needs libm */
+            for (int64_t t = 0; t < m; t++)
+                if (!ok[t]) tmp[t] = att_round(st, exp2_form ? exp2(x[i + t]) : exp(x[i + t]), 0, 0);
         memcpy(y + i, tmp, (size_t)m * sizeof(double));
     }
 }
