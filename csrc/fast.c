@@ -177,8 +177,6 @@ FAST_CLONES int att_finite_f(const float *x, int64_t n) {
 /* The running maximum m = att_max(m, s[j]) over j ascending (NaN propagates; of equal values the first
  * is kept, which only matters for the sign of a zero): a vector maximum where no NaN is seen and the
  * maximum is not zero (then the value is the answer whatever the order), else the sequential loop. */
-/* the 32-byte vectors only pass between inlined functions (no ABI crossing) */
-#pragma GCC diagnostic ignored "-Wpsabi"
 typedef double v4d __attribute__((vector_size(32)));
 typedef double v4du __attribute__((vector_size(32), aligned(8)));
 typedef long long v4l __attribute__((vector_size(32)));
@@ -342,7 +340,8 @@ void att_exp_row(const att_ctx *cx, int exp2_form, double m, double *s, int64_t 
 enum { EXP_MARGIN = 1 << 16 };
 
 /* The approximation of E(v), |v| <= 700 (top comment), four lanes at a time. */
-__attribute__((always_inline)) static inline v4d exp_approx(int exp2_form, v4d v) {
+__attribute__((always_inline)) static inline void exp_approx(int exp2_form, const v4d *vp, v4d *out) {
+    const v4d v = *vp;
     const double shifter = 0x1.8p52, log2e = 0x1.71547652b82fep+0, ln2 = 0x1.62e42fefa39efp-1;
     const double ln2_hi = 0x1.62e42feep-1, ln2_lo = 0x1.a39ef35793c76p-33;
     v4d nf = ((exp2_form ? v : v * log2e) + shifter) - shifter;
@@ -359,7 +358,7 @@ __attribute__((always_inline)) static inline v4d exp_approx(int exp2_form, v4d v
     p = p * t + 1.0;
     /* 2^n: n = the integer in the low bits of nf + shifter; |n| <= 1010, so 1023 + n is a normal exponent */
     v4u nbits = (v4u)(nf + shifter) - fadev_bits_of(shifter);
-    return p * (v4d)((nbits + 1023ull) << 52);
+    *out = p * (v4d)((nbits + 1023ull) << 52);
 }
 
 /* y[i] = R_st(exp_approx(x[i])) and ok[i] != 0 where that is R_st(libm's E(x[i])) for sure; n a multiple of 4. */
@@ -374,7 +373,9 @@ __attribute__((always_inline)) static inline void exp_chunk(const att_stage *st,
         v4d v = *(const v4du *)(x + i);
         v4l inside = (v4l)((v4u)v & 0x7FFFFFFFFFFFFFFFull) <= (long long)fadev_bits_of(700.0); /* |v| <= 700 */
         v = (v4d)((v4l)v & inside);
-        v4l u = (v4l)exp_approx(exp2_form, v), d = u & mask;
+        v4d approx;
+        exp_approx(exp2_form, &v, &approx);
+        v4l u = (v4l)approx, d = u & mask;
         v4l dist = d - halfway;
         dist = (dist ^ (dist >> 63)) - (dist >> 63); /* |d - halfway| */
         v4l r = (u + half_m1 + ((u >> shift) & 1)) & keep;
