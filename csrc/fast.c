@@ -34,7 +34,25 @@ enum { CHUNK = 64 };
 #define X86 0
 #endif
 
-/* y = the fast rule of an ATT_RNE stage on n <= CHUNK values; 1 if some value is outside its range. */
+/* y = the fast rule of an ATT_RNE stage on n <= CHUNK values (rne_chunk512, rne_chunk); 1 if some value is
+ * outside its range: above the largest finite value, inf, NaN, or below the normal range without subnormals.
+ * Below the format's normal range (zeros included) with subnormals, nearest-even to a multiple of the quantum
+ * q = 2^(emin - p + 1) is the FPU's own rounding of |x| + S, S = 1.5 * 2^52 q, an fp64 number whose last place
+ * is q (|x| < 2^emin is far below S): ((|x| + S) - S) is |x| rounded to q, ties to even, exactly what
+ * fadev_round_one's subnormal branch computes; the sign is put back. Formats without subnormals go to att_round. */
+static double subnormal_shifter(const att_stage *st) {
+    return st->fmt.subnormals ? ldexp(1.5, st->fmt.emin - st->fmt.precision + 1 + 52) : 0.0;
+}
+
+__attribute__((always_inline)) static inline double rne_one(const att_stage *st, double shifter, double x, int *bad) {
+    uint64_t u = fadev_bits_of(x), a = u & 0x7FFFFFFFFFFFFFFFull;
+    uint64_t r = (a + st->half_m1 + ((a >> st->shift) & 1)) & st->keep_mask;
+    uint64_t below = fadev_bits_of((fadev_double_of(a) + shifter) - shifter);
+    int is_below = a < st->lo_bits;
+    *bad |= is_below ? shifter == 0.0 : (a - st->lo_bits > st->hi_bits - st->lo_bits) | (r > st->hi_bits);
+    return fadev_double_of((is_below ? below : r) | (u ^ a));
+}
+
 #if X86
 __attribute__((target("avx512f"))) static int rne_chunk512(const att_stage *st, const double *x, double *y, int64_t n) {
     const __m512i abs = _mm512_set1_epi64(0x7FFFFFFFFFFFFFFFll), lo = _mm512_set1_epi64((long long)st->lo_bits);
@@ -42,38 +60,33 @@ __attribute__((target("avx512f"))) static int rne_chunk512(const att_stage *st, 
     const __m512i hi = _mm512_set1_epi64((long long)st->hi_bits), half = _mm512_set1_epi64((long long)st->half_m1);
     const __m512i keep = _mm512_set1_epi64((long long)st->keep_mask), one = _mm512_set1_epi64(1);
     const __m128i shift = _mm_cvtsi32_si128(st->shift);
+    const double shifter = subnormal_shifter(st);
+    const __m512d sh = _mm512_set1_pd(shifter);
+    const __mmask8 no_sub = shifter == 0.0 ? 0xFF : 0;
     __mmask8 bad = 0;
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m512i u = _mm512_loadu_si512(x + i), a = _mm512_and_si512(u, abs);
         __m512i r = _mm512_add_epi64(_mm512_add_epi64(a, half), _mm512_and_si512(_mm512_srl_epi64(a, shift), one));
         r = _mm512_and_si512(r, keep);
-        bad |= _mm512_cmpgt_epu64_mask(_mm512_sub_epi64(a, lo), span) | _mm512_cmpgt_epu64_mask(r, hi);
+        __m512i below = _mm512_castpd_si512(_mm512_sub_pd(_mm512_add_pd(_mm512_castsi512_pd(a), sh), sh));
+        __mmask8 is_below = _mm512_cmplt_epu64_mask(a, lo);
+        bad |= (is_below & no_sub) |
+               (~is_below & (_mm512_cmpgt_epu64_mask(_mm512_sub_epi64(a, lo), span) | _mm512_cmpgt_epu64_mask(r, hi)));
+        r = _mm512_mask_mov_epi64(r, is_below, below);
         _mm512_storeu_si512(y + i, _mm512_or_si512(r, _mm512_andnot_si512(abs, u)));
     }
     int tail = 0;
-    for (; i < n; i++) {
-        uint64_t u = fadev_bits_of(x[i]), a = u & 0x7FFFFFFFFFFFFFFFull;
-        uint64_t r = (a + st->half_m1 + ((a >> st->shift) & 1)) & st->keep_mask;
-        tail |= (a - st->lo_bits > st->hi_bits - st->lo_bits) | (r > st->hi_bits);
-        y[i] = fadev_double_of(r | (u ^ a));
-    }
+    for (; i < n; i++) y[i] = rne_one(st, shifter, x[i], &tail);
     return bad != 0 || tail;
 }
 #endif
 
 FAST_CLONES static int rne_chunk(const att_stage *st, const double *x, double *y, int64_t n) {
-    const uint64_t lo = st->lo_bits, span = st->hi_bits - st->lo_bits, hi = st->hi_bits, half = st->half_m1;
-    const uint64_t keep = st->keep_mask;
-    const int shift = st->shift;
-    uint64_t bad = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint64_t u = fadev_bits_of(x[i]), a = u & 0x7FFFFFFFFFFFFFFFull;
-        uint64_t r = (a + half + ((a >> shift) & 1)) & keep;
-        bad |= (uint64_t)(a - lo > span) | (uint64_t)(r > hi);
-        y[i] = fadev_double_of(r | (u ^ a));
-    }
-    return bad != 0;
+    const double shifter = subnormal_shifter(st);
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) y[i] = rne_one(st, shifter, x[i], &bad);
+    return bad;
 }
 
 ARITH_CLONES static void f32_sub_n(const double *x, double m, double *y, int64_t n) {

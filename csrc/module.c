@@ -165,30 +165,32 @@ static PyObject *py_set_fast_paths(PyObject *self, PyObject *args) {
     return PyBool_FromLong(att_set_fast(on));
 }
 
-typedef struct exp_options {
+typedef struct fast_round_options {
     att_stage st;
-    int exp2;
-} exp_options;
+    int op;
+} fast_round_options;
 
-static fadev_status run_exp_round(PyObject *const *in, PyObject *out, const void *options) {
-    const exp_options *o = options;
-    att_exp_round_n(&o->st, o->exp2, DATA(in[0]), DATA(out), (int64_t)SIZE(in[0]));
+static fadev_status run_fast_round(PyObject *const *in, PyObject *out, const void *options) {
+    const fast_round_options *o = options;
+    if (o->op == 0) att_round_n(&o->st, DATA(in[0]), DATA(out), (int64_t)SIZE(in[0]));
+    else att_exp_round_n(&o->st, o->op == 1, DATA(in[0]), DATA(out), (int64_t)SIZE(in[0]));
     return FADEV_OK;
 }
 
-/* _exp_round(x, fmt, exp2) -> R_fmt(exp2(x)) or R_fmt(exp(x)), nearest-even, by the CPU kernels' vector path
- * (fast.c), which must equal libm's value rounded; for the tests. */
-static PyObject *py_exp_round(PyObject *self, PyObject *args) {
+/* _fast_round(x, fmt, op) -> R_fmt(x) (op 0), R_fmt(exp2(x)) (1) or R_fmt(exp(x)) (2), nearest-even, by the CPU
+ * kernels' vector passes (fast.c), which must equal fadev.round of libm's values; for the tests. */
+static PyObject *py_fast_round(PyObject *self, PyObject *args) {
     PyObject *x;
     fadev_format fmt;
-    exp_options o;
-    if (!PyArg_ParseTuple(args, "OO&p", &x, parse_format, &fmt, &o.exp2)) return NULL;
+    fast_round_options o;
+    if (!PyArg_ParseTuple(args, "OO&i", &x, parse_format, &fmt, &o.op)) return NULL;
+    if (o.op < 0 || o.op > 2) return PyErr_Format(PyExc_ValueError, "op must be 0, 1 or 2, got %d", o.op);
     fadev_policy pol;
     memset(&pol, 0, sizeof pol);
     pol.rounding = FADEV_ROUND_NEAREST_EVEN;
     o.st = att_make_stage(&fmt, &pol);
     PyObject *in = as_array(x, NPY_FLOAT64, "x");
-    return map_call(&in, 1, NPY_FLOAT64, run_exp_round, &o, "_exp_round", 0);
+    return map_call(&in, 1, NPY_FLOAT64, run_fast_round, &o, "_fast_round", 0);
 }
 
 static PyObject *py_cuda_info(PyObject *self, PyObject *args) {
@@ -551,7 +553,7 @@ static PyMethodDef core_methods[] = {
     {"count_representable", py_count_representable, METH_VARARGS, "count_representable(x, fmt) -> int"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"set_num_threads", py_set_num_threads, METH_VARARGS, "set_num_threads(n)"},
-    {"_exp_round", py_exp_round, METH_VARARGS, "_exp_round(x, fmt, exp2) -> R_fmt(E(x)) (CPU fast path)"},
+    {"_fast_round", py_fast_round, METH_VARARGS, "_fast_round(x, fmt, op) -> R_fmt(x, exp2(x), exp(x)) (CPU fast path)"},
     {"_set_fast_paths", py_set_fast_paths, METH_VARARGS, "_set_fast_paths(on) -> previous (CPU fast paths)"},
     {"cuda_info", py_cuda_info, METH_NOARGS, "cuda_info() -> dict(compiled, devices)"},
     {"cuda_round", py_cuda_round, METH_VARARGS, "cuda_round(x, fmt, mode, seed, stream, offset) -> float64 array"},

@@ -7,7 +7,7 @@ makes every call take the generic paths that existed before; every result must b
 included), forward and backward, flash and baseline, on shapes and data chosen to reach the paths' edges: odd N
 and D, causal with Nq != Nk, grouped-query heads, every tile from 16 to 256, subnormal products, overflowing
 scores, NaN and inf in the inputs. And the vector exp against libm itself (Python's math module) on inputs
-crowded near the rounding boundaries."""
+crowded near the rounding boundaries, and the vector rounding pass against fadev.round on every range of a format."""
 import math
 
 import numpy as np
@@ -185,7 +185,27 @@ def test_vector_exp_equals_libm(fmt, exp2, rng):
     x = near_boundaries(rng, fmt, exp2, 20000)
     x = np.concatenate([x, [0.0, -0.0, -1e-300, -126.0, -149.5, -150.0, -1000.0, 1000.0, 88.7, np.nan, -np.inf,
                             np.inf, 5e-324]])
-    got = _core._exp_round(x, fadev.formats[fmt]._c, exp2)
+    got = _core._fast_round(x, fadev.formats[fmt]._c, 1 if exp2 else 2)
     want = libm_rounded(x, fmt, exp2)
     assert_same_bits(got, want, f"R_{fmt}({'exp2' if exp2 else 'exp'}(x))", f"x = {x[:4]}...", nan="any",
                      names=("vector path", "libm"))
+
+
+# ------------------------------------------------------------------ the vector rounding pass against fadev.round
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "tf32", "fp32", "fp64",
+                                 fadev.custom_format(5, -6, 7, subnormals=False, name="no-subnormals")])
+def test_vector_rounding_equals_fadev_round(fmt, rng):
+    """Normal range, subnormal range (the FPU shifter trick), ties at the subnormal quantum, zeros of both signs,
+    overflow, inf and NaN, in runs long enough for the vector lanes and chunks of every kind."""
+    f = fadev.formats[fmt] if isinstance(fmt, str) else fmt
+    e = rng.integers(f.emin - f.precision - 3, f.emax + 2, 5000)
+    x = rng.uniform(1, 2, 5000) * np.exp2(e.astype(float)) * rng.choice([-1.0, 1.0], 5000)
+    quantum = 2.0 ** (f.emin - f.precision + 1)
+    ties = (rng.integers(0, 2 ** min(f.precision, 20), 2000) + 0.5) * quantum
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, f.largest, -f.largest, 5e-324, -5e-324, 2.0 ** f.emin])
+    x = np.concatenate([x, ties, -ties, special, rng.standard_normal(3000)])
+    for perm in (x, rng.permutation(x)):
+        assert_same_bits(_core._fast_round(perm, f._c, 0), fadev.round(perm, f), f"R_{f.name}", "vector pass",
+                         nan="any", names=("vector pass", "fadev.round"))
