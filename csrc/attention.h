@@ -108,8 +108,12 @@ ATT_INTERNAL void att_write_row(const att_ctx *cx, int64_t bh, int64_t i, int se
 
 /* ------------------------------------------------------------------ vector element-wise steps (fast.c) */
 
-/* y[i] = R_st(x[i]) for i < n (y may be x); nearest-even or toward-zero stages only (no counters). */
-ATT_INTERNAL void att_round_n(const att_stage *st, const double *x, double *y, int64_t n);
+/* y[i] = R_st(x[i]) for i < n (y may be x); nearest-even or toward-zero stages only (no counters). Returns 1 when
+ * it saw that every y[i] is finite (0: not known). */
+ATT_INTERNAL int att_round_n(const att_stage *st, const double *x, double *y, int64_t n);
+/* u[i] = R_fp32(R_fp32(p[i]) R_fp32(R_fp32(dp[i]) - d)), then R_fp32(c u[i]) when `scaled` (fp32 nearest-even). */
+ATT_INTERNAL void att_ds_f32_n(const double *p, const double *dp, double d, int scaled, double c, double *u,
+                               int64_t n);
 /* y[i] = x[i] - m, x[i] * m, x[i] / m in fp64 (y may be x). */
 ATT_INTERNAL void att_sub_n(const double *x, double m, double *y, int64_t n);
 ATT_INTERNAL void att_scale_n(const double *x, double m, double *y, int64_t n);

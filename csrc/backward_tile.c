@@ -66,6 +66,8 @@ static void tile_steps_fast(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t 
     const att_ctx *cx = &bx->cx;
     const int64_t Nq = cx->plan.pr.seq_q;
     double *p = w->tmp, *t = w->tmp + lds, *u = w->tmp + 2 * lds;
+    /* dP, the softmax backward and its P in fp32: the steps to R_ds in one pass (the same events) */
+    const int f32 = bx->dp.kind == ATT_F32 && bx->dsoft.kind == ATT_F32 && bx->dsoft_p.kind == ATT_F32;
     for (int64_t r = 0; r < nr; r++) {
         const int64_t row = bh * Nq + i0 + r, nv = w->nvis[r];
         const double m = bx->baseline ? bx->row_m[row] : bx->row_l[row];
@@ -77,21 +79,25 @@ static void tile_steps_fast(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t 
             att_div_n(p, bx->row_l[row], p, nv);
             att_round_n(&cx->plan.p, p, p, nv);
         }
-        att_round_n(&bx->bwd_p, p, pp, nv);
-        att_round_n(&bx->dp, w->dp + r * lds, t, nv);
-        att_sub_n(t, bx->row_d[row], t, nv);
-        att_round_n(&bx->dsoft, t, t, nv);
-        att_round_n(&bx->dsoft_p, p, u, nv);
-        att_mul_n(u, t, u, nv);
-        att_round_n(&bx->dsoft, u, u, nv);
-        if (bx->ds_scaled) {
-            att_scale_n(u, bx->c_ds, u, nv);
+        const int pp_finite = att_round_n(&bx->bwd_p, p, pp, nv);
+        if (f32) {
+            att_ds_f32_n(p, w->dp + r * lds, bx->row_d[row], bx->ds_scaled, bx->c_ds, u, nv);
+        } else {
+            att_round_n(&bx->dp, w->dp + r * lds, t, nv);
+            att_sub_n(t, bx->row_d[row], t, nv);
+            att_round_n(&bx->dsoft, t, t, nv);
+            att_round_n(&bx->dsoft_p, p, u, nv);
+            att_mul_n(u, t, u, nv);
             att_round_n(&bx->dsoft, u, u, nv);
+            if (bx->ds_scaled) {
+                att_scale_n(u, bx->c_ds, u, nv);
+                att_round_n(&bx->dsoft, u, u, nv);
+            }
         }
-        att_round_n(&bx->ds, u, ds, nv);
+        const int ds_finite = att_round_n(&bx->ds, u, ds, nv);
         if (cx->fma) {
-            pm->finite &= att_finite_d(pp, nv);
-            sm->finite &= att_finite_d(ds, nv);
+            pm->finite &= pp_finite || att_finite_d(pp, nv);
+            sm->finite &= ds_finite || att_finite_d(ds, nv);
         } else {
             for (int64_t c = 0; c < nv; c++) mag_add(pm, pp[c]), mag_add(sm, ds[c]);
         }

@@ -97,13 +97,15 @@ ARITH_CLONES static void f32_n(const double *x, double *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = (double)(float)x[i];
 }
 
-void att_round_n(const att_stage *st, const double *x, double *y, int64_t n) {
+int att_round_n(const att_stage *st, const double *x, double *y, int64_t n) {
+    int finite = 0;
     if (st->kind == ATT_EXACT) {
         if (x != y) memmove(y, x, (size_t)n * sizeof(double));
     } else if (st->kind == ATT_F32) {
         f32_n(x, y, n);
     } else if (st->kind == ATT_RNE) {
         double tmp[CHUNK];
+        finite = 1; /* no chunk outside the range the vector rule covers: every result finite */
         for (int64_t i = 0; i < n; i += CHUNK) {
             const int64_t m = n - i < CHUNK ? n - i : CHUNK;
             double *out = x == y ? tmp : y + i; /* in place: through tmp, x is read again below */
@@ -114,11 +116,13 @@ void att_round_n(const att_stage *st, const double *x, double *y, int64_t n) {
 #endif
             if (bad)
                 for (int64_t t = 0; t < m; t++) out[t] = att_round(st, x[i + t], 0, 0);
+            finite &= !bad;
             if (out == tmp) memcpy(y + i, tmp, (size_t)m * sizeof(double));
         }
     } else {
         for (int64_t i = 0; i < n; i++) y[i] = att_round_general(st, x[i], 0, 0);
     }
+    return finite;
 }
 
 /* y[i] = x[i] - m, x[i] * m, x[i] / m; z = x + y (fp64, no rounding; att_round_n follows). */
@@ -154,6 +158,16 @@ void att_add_round_n(const att_stage *st, double *acc, const double *x, int64_t 
         att_add_n(acc, x, acc, n);
         att_round_n(st, acc, acc, n);
     }
+}
+
+/* u[i] = R_fp32(R_fp32(p[i]) R_fp32(R_fp32(dp[i]) - d)), then R_fp32(c u[i]) when `scaled`: the backward's dS
+ * before R_ds where dp, dsoft and dsoft_p are fp32 (nearest-even), in one pass. */
+ARITH_CLONES void att_ds_f32_n(const double *p, const double *dp, double d, int scaled, double c, double *u,
+                               int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        u[i] = (double)(float)((double)(float)p[i] * (double)(float)((double)(float)dp[i] - d));
+    if (scaled)
+        for (int64_t i = 0; i < n; i++) u[i] = (double)(float)(c * u[i]);
 }
 
 /* y[i] = (float)x[i]; 1 if all are finite. */
