@@ -64,14 +64,15 @@ static fadev_status prep_task(void *ctxp, size_t task) {
             att_round_n(in, src, dst, Nq * D);
             if (dstf)
                 for (int64_t t = 0; t < Nq * D; t++) dstf[t] = (float)dst[t];
-            return FADEV_OK;
+        } else {
+            for (int64_t i = 0; i < Nq; i++)
+                for (int64_t d = 0; d < D; d++) {
+                    double x = att_round(in, src[i * D + d], ATT_STREAM(ATT_IN_Q, bh), ATT_INDEX(i, d, 0));
+                    dst[i * D + d] = x;
+                    if (dstf) dstf[i * D + d] = (float)x;
+                }
         }
-        for (int64_t i = 0; i < Nq; i++)
-            for (int64_t d = 0; d < D; d++) {
-                double x = att_round(in, src[i * D + d], ATT_STREAM(ATT_IN_Q, bh), ATT_INDEX(i, d, 0));
-                dst[i * D + d] = x;
-                if (dstf) dstf[i * D + d] = (float)x;
-            }
+        cx->q_finite[bh] = att_finite_d(dst, Nq * D);
         return FADEV_OK;
     }
     int is_v = (int64_t)task >= nqh + nkh;
@@ -127,6 +128,7 @@ void att_free(att_ctx *cx) {
     att_free_lines(cx->q), att_free_lines(cx->kt), att_free_lines(cx->v);
     att_free_lines(cx->qf), att_free_lines(cx->ktf), att_free_lines(cx->vf);
     free(cx->k_min), free(cx->k_max), free(cx->v_min), free(cx->v_max), free(cx->k_finite), free(cx->v_finite);
+    free(cx->q_finite);
     memset(cx, 0, sizeof *cx);
 }
 
@@ -155,7 +157,8 @@ fadev_status att_init(att_ctx *cx, const double *q, const double *k, const doubl
     cx->k_min = malloc(nkh * sizeof(double)), cx->k_max = malloc(nkh * sizeof(double));
     cx->v_min = malloc(nkh * sizeof(double)), cx->v_max = malloc(nkh * sizeof(double));
     cx->k_finite = malloc(nkh * sizeof(int)), cx->v_finite = malloc(nkh * sizeof(int));
-    ok = ok && cx->k_min && cx->k_max && cx->v_min && cx->v_max && cx->k_finite && cx->v_finite;
+    cx->q_finite = malloc((size_t)(params->batch * params->heads) * sizeof(int));
+    ok = ok && cx->k_min && cx->k_max && cx->v_min && cx->v_max && cx->k_finite && cx->v_finite && cx->q_finite;
     if (!ok) {
         att_free(cx);
         return FADEV_ERR_NO_MEMORY;
@@ -170,14 +173,9 @@ fadev_status att_init(att_ctx *cx, const double *q, const double *k, const doubl
 
 /* ------------------------------------------------------------------ the two products */
 
-/* Magnitudes of the first counts[r] (or cols) values of rows 0..rows-1 of a (row stride ld); with `fma` only
- * whether they are finite (all att_mm_tier reads then). */
-static mag float_magnitudes(int fma, const float *a, int64_t rows, int64_t cols, int64_t ld, const int64_t *counts) {
+/* Magnitudes of the first counts[r] (or cols) values of rows 0..rows-1 of a (row stride ld). */
+static mag float_magnitudes(const float *a, int64_t rows, int64_t cols, int64_t ld, const int64_t *counts) {
     mag m = MAG_EMPTY;
-    if (fma) {
-        for (int64_t r = 0; r < rows && m.finite; r++) m.finite = att_finite_f(a + r * ld, counts ? counts[r] : cols);
-        return m;
-    }
     for (int64_t r = 0; r < rows; r++) {
         int64_t n = counts ? counts[r] : cols;
         for (int64_t c = 0; c < n; c++) mag_add(&m, (double)a[r * ld + c]);
@@ -193,7 +191,9 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
     if (ncols == 0) return;
     const int64_t q_at = (bh * cx->q_rows + i0) * D, k_at = bhk * D * cx->kt_cols + j0;
     const int possible = cx->plan.qk_float && cx->k_finite[bhk];
-    const mag qm = possible ? float_magnitudes(cx->fma, cx->qf + q_at, nr, D, D, NULL) : MAG_EMPTY;
+    mag qm = MAG_EMPTY; /* the FMA tier reads only whether Q is finite: known per head */
+    if (possible && cx->fma) qm.finite = cx->q_finite[bh];
+    else if (possible) qm = float_magnitudes(cx->qf + q_at, nr, D, D, NULL);
     att_mm m = {0};
     m.tier = att_mm_tier(&cx->plan.score_acc, cx->fma, possible, qm.min, qm.max, qm.finite, cx->k_min[bhk],
                          cx->k_max[bhk], 1);
@@ -232,17 +232,20 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
 }
 
 void att_pv(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis, int64_t j0,
-            const double *p, int64_t ldp, double *pv, int64_t ldo, float *pbuf) {
+            const double *p, int64_t ldp, double *pv, int64_t ldo, float *pbuf, int p_finite) {
     const int64_t D = cx->plan.pr.dim, dpad = cx->d_pad, bhk = att_kv_head(cx, bh);
     const int64_t v_at = (bhk * cx->plan.pr.seq_kv + j0) * dpad;
     const int possible = cx->plan.pv_float && cx->v_finite[bhk];
     mag pm = MAG_EMPTY;
-    if (possible && cx->fma) { /* the FMA tier reads only whether P is finite */
-        for (int64_t r = 0; r < nr; r++) pm.finite &= att_to_float_n(p + r * ldp, pbuf + r * ldp, nvis[r]);
+    if (possible && cx->fma) { /* the FMA tier reads only whether P is finite (p_finite: known to be) */
+        for (int64_t r = 0; r < nr; r++) {
+            if (p_finite) att_to_float_f(p + r * ldp, pbuf + r * ldp, nvis[r]);
+            else pm.finite &= att_to_float_n(p + r * ldp, pbuf + r * ldp, nvis[r]);
+        }
     } else if (possible) {
         for (int64_t r = 0; r < nr; r++)
             for (int64_t jj = 0; jj < nvis[r]; jj++) pbuf[r * ldp + jj] = (float)p[r * ldp + jj];
-        pm = float_magnitudes(cx->fma, pbuf, nr, 0, ldp, nvis);
+        pm = float_magnitudes(pbuf, nr, 0, ldp, nvis);
     }
     att_mm m = {0};
     m.tier = att_mm_tier(&cx->plan.pv_acc, cx->fma, possible, pm.min, pm.max, pm.finite, cx->v_min[bhk],
@@ -266,7 +269,10 @@ void att_write_row(const att_ctx *cx, int64_t bh, int64_t i, int seen, const dou
         return;
     }
     const uint64_t s23 = ATT_STREAM(ATT_OUT, bh);
-    if (divide)
+    if (cx->fast) { /* the same events as vector passes */
+        if (divide) att_div_n(o, l, out, D);
+        att_round_n(&cx->plan.out, divide ? out : o, out, D);
+    } else if (divide)
         for (int64_t d = 0; d < D; d++) out[d] = att_round(&cx->plan.out, o[d] / l, s23, ATT_INDEX(i, d, 0));
     else
         for (int64_t d = 0; d < D; d++) out[d] = att_round(&cx->plan.out, o[d], s23, ATT_INDEX(i, d, 0));

@@ -32,6 +32,7 @@ typedef struct att_ctx {
     /* per K/V head: smallest nonzero and largest magnitude, and 1 if every value is finite */
     double *k_min, *k_max, *v_min, *v_max;
     int *k_finite, *v_finite;
+    int *q_finite;  /* per query head: 1 if every rounded Q value is finite */
 } att_ctx;
 
 /* Checks params and policy (flash: 1 also checks tiles and enums). */
@@ -86,9 +87,10 @@ ATT_INTERNAL void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t 
                 double *s, int64_t lds);
 
 /* pv[r * ldo + d] = P.V of row i0 + r over keys j0 .. j0 + nvis[r] - 1 (P[r * ldp + jj], pv_acc), for
- * d < D. pv needs nr rows of ldo >= d_pad doubles; pbuf nr * ldp floats. */
+ * d < D. pv needs nr rows of ldo >= d_pad doubles; pbuf nr * ldp floats. p_finite: 1 when the caller knows
+ * every P is finite (0: not known). */
 ATT_INTERNAL void att_pv(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis, int64_t j0,
-            const double *p, int64_t ldp, double *pv, int64_t ldo, float *pbuf);
+            const double *p, int64_t ldp, double *pv, int64_t ldo, float *pbuf, int p_finite);
 
 /* The baseline's softmax of row i of head bh (baseline.c): s (nv scores) -> P in p (p may be s), with
  * m = max s and l = R_stats(sum e) (docs/numerics.md, "Baseline"). */
@@ -122,7 +124,8 @@ ATT_INTERNAL void att_div_n(const double *x, double m, double *y, int64_t n);
 ATT_INTERNAL void att_f32_scale_n(const double *x, double c, double *y, int64_t n);
 /* o[i] = R_fp32(R_fp32(f o[i]) + R_fp32(pv[i])) (fp32 nearest-even). */
 ATT_INTERNAL void att_f32_update_n(double *o, double f, const double *pv, int64_t n);
-/* y[i] = (float)x[i]; returns 1 if every x[i] is finite. */
+/* y[i] = (float)x[i]; returns 1 if every x[i] is finite (att_to_float_f: without the check). */
+ATT_INTERNAL void att_to_float_f(const double *x, float *y, int64_t n);
 ATT_INTERNAL int att_to_float_n(const double *x, float *y, int64_t n);
 /* acc[i] = R_st(acc[i] + x[i]) (nearest-even or toward-zero stages). */
 ATT_INTERNAL void att_add_round_n(const att_stage *st, double *acc, const double *x, int64_t n);
@@ -132,8 +135,6 @@ ATT_INTERNAL void att_add_n(const double *x, const double *y, double *z, int64_t
 ATT_INTERNAL void att_mul_n(const double *x, const double *y, double *z, int64_t n);
 /* 1 if all n doubles are finite. */
 ATT_INTERNAL int att_finite_d(const double *x, int64_t n);
-/* 1 if all n floats are finite. */
-ATT_INTERNAL int att_finite_f(const float *x, int64_t n);
 /* att_max(...att_max(att_max(m, s[0]), s[1])..., s[n-1]), the same value and sign. */
 ATT_INTERNAL double att_max_n(double m, const double *s, int64_t n);
 /* sum[r] = the row sum acc = R_acc(acc + e[r][j]), j < nv[r] ascending, from 0 (terms_f32: every term is an fp32

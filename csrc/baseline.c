@@ -87,7 +87,7 @@ static fadev_status baseline_task(void *ctxp, size_t task) {
         for (int64_t r = 0; r < nr; r++) nvis[r] = att_visible(cx, i0 + r, 0, Nk);
         att_scores(cx, bh, i0, nr, nvis, 0, s, lds);
         att_softmax_rows(cx, bh, i0, nr, nvis, s, lds, p, m, l);
-        att_pv(cx, bh, i0, nr, nvis, 0, p, lds, pv, ldo, pbuf);
+        att_pv(cx, bh, i0, nr, nvis, 0, p, lds, pv, ldo, pbuf, 0);
         for (int64_t r = 0; r < nr; r++) {
             const int64_t i = i0 + r;
             att_write_row(cx, bh, i, nvis[r] > 0, pv + r * ldo, 0, m[r], l[r], job->out + (bh * Nq + i) * D,

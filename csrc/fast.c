@@ -170,6 +170,10 @@ ARITH_CLONES void att_ds_f32_n(const double *p, const double *dp, double d, int 
         for (int64_t i = 0; i < n; i++) u[i] = (double)(float)(c * u[i]);
 }
 
+ARITH_CLONES void att_to_float_f(const double *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = (float)x[i];
+}
+
 /* y[i] = (float)x[i]; 1 if all are finite. */
 FAST_CLONES int att_to_float_n(const double *x, float *y, int64_t n) {
     int ok = 1;
@@ -191,13 +195,6 @@ ARITH_CLONES void att_mul_n(const double *x, const double *y, double *z, int64_t
 FAST_CLONES int att_finite_d(const double *x, int64_t n) {
     int ok = 1;
     for (int64_t i = 0; i < n; i++) ok &= __builtin_fabs(x[i]) <= 1.7976931348623157e308;
-    return ok;
-}
-
-/* 1 if all n floats are finite. */
-FAST_CLONES int att_finite_f(const float *x, int64_t n) {
-    int ok = 1;
-    for (int64_t i = 0; i < n; i++) ok &= __builtin_fabsf(x[i]) <= 3.40282347e+38f;
     return ok;
 }
 

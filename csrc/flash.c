@@ -30,6 +30,7 @@ typedef struct flash_scratch {
     double *s, *p, *pv, *o, *m, *l, *factor, *lnew, *mnew, *rowsum, *tmp;
     float *pbuf;
     int64_t *nvis, *seen;
+    int p_finite; /* 1: block_softmax_fast saw that every P of the block is finite */
 } flash_scratch;
 
 static void scratch_free(flash_scratch *w) {
@@ -79,12 +80,13 @@ static double row_softmax(const att_ctx *cx, int64_t bh, int64_t i, int64_t jb, 
  * The scores in s are overwritten with e_j. */
 static void block_softmax_fast(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, int64_t jb, flash_scratch *w,
                                int64_t lds) {
+    w->p_finite = 1;
     for (int64_t r = 0; r < nr; r++) {
         if (!w->nvis[r]) continue;
         double *s = w->s + r * lds;
         w->mnew[r] = att_max_n(w->m[r], s, w->nvis[r]);
         att_exp_row(cx, cx->plan.exp2, w->mnew[r], s, w->nvis[r]);
-        att_round_n(&cx->plan.p, s, w->p + r * lds, w->nvis[r]);
+        w->p_finite &= att_round_n(&cx->plan.p, s, w->p + r * lds, w->nvis[r]);
     }
     att_row_sums(&cx->plan.sum_acc, att_inside_fp32(&cx->plan.softmax.fmt), w->s, lds, w->nvis, nr, w->rowsum);
     for (int64_t r = 0; r < nr; r++) {
@@ -168,6 +170,7 @@ static fadev_status flash_task(void *ctxp, size_t task) {
         return FADEV_ERR_NO_MEMORY;
     }
     for (int64_t r = 0; r < nr; r++) w.m[r] = -INFINITY, w.l[r] = 0;
+    w.p_finite = 0;
     const int64_t n_blocks = (Nk + bkv - 1) / bkv;
     for (int64_t jb = 0; jb < n_blocks; jb++) {
         const int64_t j0 = jb * bkv, n = j0 + bkv < Nk ? bkv : Nk - j0;
@@ -189,7 +192,7 @@ static fadev_status flash_task(void *ctxp, size_t task) {
                     w.factor[r] = row_softmax(cx, bh, i0 + r, jb, j0, w.s + r * lds, w.nvis[r], w.p + r * lds,
                                               &w.m[r], &w.l[r], &w.lnew[r]);
         }
-        att_pv(cx, bh, i0, nr, w.nvis, j0, w.p, lds, w.pv, ldo, w.pbuf);
+        att_pv(cx, bh, i0, nr, w.nvis, j0, w.p, lds, w.pv, ldo, w.pbuf, w.p_finite);
         for (int64_t r = 0; r < nr; r++) {
             if (!w.nvis[r]) continue;
             w.seen[r] = 1;
