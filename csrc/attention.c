@@ -165,6 +165,7 @@ fadev_status att_init(att_ctx *cx, const double *q, const double *k, const doubl
     }
     cx->fma = att_fma_ok();
     cx->fast = att_fast_enabled() && pol->rounding == FADEV_ROUND_NEAREST_EVEN;
+    att_fast_count(cx->fast, 0);
     prep_job job = {cx, q, k, v};
     fadev_status st = fadev_parallel_for((size_t)(params->batch * params->heads) + 2 * nkh, prep_task, &job);
     if (st != FADEV_OK) att_free(cx);

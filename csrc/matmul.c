@@ -51,8 +51,19 @@
 #endif
 
 static int fast_on = 1;
+static unsigned long long fast_calls, fma_products; /* what the tests read (att_fast_counts) */
 
 int att_fast_enabled(void) { return __atomic_load_n(&fast_on, __ATOMIC_RELAXED); }
+
+void att_fast_count(int call, int fma) {
+    if (call) __atomic_fetch_add(&fast_calls, 1, __ATOMIC_RELAXED);
+    if (fma) __atomic_fetch_add(&fma_products, 1, __ATOMIC_RELAXED);
+}
+
+void att_fast_counts(unsigned long long *calls, unsigned long long *products) {
+    *calls = __atomic_load_n(&fast_calls, __ATOMIC_RELAXED);
+    *products = __atomic_load_n(&fma_products, __ATOMIC_RELAXED);
+}
 
 int att_set_fast(int on) { return __atomic_exchange_n(&fast_on, on ? 1 : 0, __ATOMIC_RELAXED); }
 
@@ -345,6 +356,7 @@ static void mm_rows(const att_mm *m, int four, int64_t r, int64_t kb, int64_t ke
 
 void att_mm_run(const att_mm *m, int64_t nrows, const int64_t *kb, const int64_t *ke, int64_t k_end,
                 const int64_t *ncol, int64_t ncols) {
+    if (m->tier == ATT_MM_FMA) att_fast_count(0, 1);
 #define KB(x) (kb ? kb[x] : 0)
 #define KE(x) (ke ? ke[x] : k_end)
     if (m->tier == ATT_MM_SCALAR) {

@@ -34,6 +34,10 @@ typedef struct att_mm {
  * the two; _core._set_fast_paths). */
 ATT_INTERNAL int att_fast_enabled(void);
 ATT_INTERNAL int att_set_fast(int on);
+/* Counters of what took the fast paths since the module loaded: calls that ran the vector element-wise steps
+ * (att_fast_count(1, 0), from att_init) and products that ran the FMA tier; for the tests. */
+ATT_INTERNAL void att_fast_count(int call, int fma);
+ATT_INTERNAL void att_fast_counts(unsigned long long *calls, unsigned long long *products);
 /* 1 when att_fast_enabled() and this CPU runs the FMA kernels (x86-64 with AVX2 and FMA); a call asks once
  * (att_ctx.fma) and passes the answer to att_mm_tier. */
 ATT_INTERNAL int att_fma_ok(void);

@@ -193,6 +193,16 @@ static PyObject *py_fast_round(PyObject *self, PyObject *args) {
     return map_call(&in, 1, NPY_FLOAT64, run_fast_round, &o, "_fast_round", 0);
 }
 
+/* _fast_path_counts() -> (calls that ran the vector element-wise steps, products that ran the FMA tier, 1 if this
+ * CPU runs the FMA kernels). */
+static PyObject *py_fast_path_counts(PyObject *self, PyObject *args) {
+    unsigned long long calls, products;
+    att_fast_counts(&calls, &products);
+    int old = att_set_fast(1), fma = att_fma_ok();
+    att_set_fast(old);
+    return Py_BuildValue("KKi", calls, products, fma);
+}
+
 static PyObject *py_cuda_info(PyObject *self, PyObject *args) {
     int compiled = fadev_cuda_compiled();
     int count = fadev_cuda_device_count();
@@ -554,6 +564,7 @@ static PyMethodDef core_methods[] = {
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"set_num_threads", py_set_num_threads, METH_VARARGS, "set_num_threads(n)"},
     {"_fast_round", py_fast_round, METH_VARARGS, "_fast_round(x, fmt, op) -> R_fmt(x, exp2(x), exp(x)) (CPU fast path)"},
+    {"_fast_path_counts", py_fast_path_counts, METH_NOARGS, "_fast_path_counts() -> (calls, FMA products, FMA CPU)"},
     {"_set_fast_paths", py_set_fast_paths, METH_VARARGS, "_set_fast_paths(on) -> previous (CPU fast paths)"},
     {"cuda_info", py_cuda_info, METH_NOARGS, "cuda_info() -> dict(compiled, devices)"},
     {"cuda_round", py_cuda_round, METH_VARARGS, "cuda_round(x, fmt, mode, seed, stream, offset) -> float64 array"},

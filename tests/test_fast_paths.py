@@ -61,12 +61,33 @@ def inputs(rng, B, H, Hkv, Nq, Nk, D, q_scale=1.0, k_scale=1.0, v_scale=1.0):
     return q, k, v, rng.standard_normal((B, H, Nq, D))
 
 
+def fast_runs(fn):
+    """How many calls took the vector steps and how many products the FMA tier while fn() ran."""
+    calls, products, _ = _core._fast_path_counts()
+    fn()
+    after = _core._fast_path_counts()
+    return after[0] - calls, after[1] - products
+
+
 def test_the_switch_and_the_comparison_work():
-    """_set_fast_paths returns the previous setting; the bit comparison this file relies on fails on one ulp."""
+    """_set_fast_paths returns the previous setting and decides which paths run (the counters say so: the
+    comparisons below compare two different computations); the bit comparison this file relies on fails on one
+    ulp."""
     assert _core._set_fast_paths(True) is True
     assert _core._set_fast_paths(False) is True
     assert _core._set_fast_paths(True) is False
     q, k, v, dout = inputs(np.random.default_rng(1), 1, 1, 1, 20, 20, 8)
+    run = lambda: forward_backward("fa2", "bf16", q, k, v, dout, True, (16, 16))  # noqa: E731
+    calls, products = fast_runs(run)
+    assert calls == 2  # the forward and the backward
+    assert products > 0 or not _core._fast_path_counts()[2]  # where the CPU has AVX2 + FMA
+    rtz = fadev.Policy.fa2("bf16").replace(rounding="rtz")
+    assert fast_runs(lambda: fadev.flash_attention(q, k, v, rtz)) == (0, 0)
+    _core._set_fast_paths(False)
+    try:
+        assert fast_runs(run) == (0, 0)
+    finally:
+        _core._set_fast_paths(True)
     out = fadev.flash_attention(q, k, v, "fa2:bf16")
     nudged = out.copy()
     nudged[0, 0, 3, 2] = np.nextafter(nudged[0, 0, 3, 2], np.inf)
@@ -127,7 +148,6 @@ def test_other_presets(preset, rng):
     """The presets beside fa2/paper/naive reach the other branches: kv_outer and eager (fa1), dS scaled
     (efficient, cudnn), fp32 P (torch_math)."""
     q, k, v, dout = inputs(rng, 1, 2, 1, 40, 56, 20)
-    fast, generic = both_paths(lambda: forward_backward("paper", "bf16", q, k, v, dout, True, (16, 16)))
     for fmt in FORMATS:
         pol = fadev.Policy.preset(preset, fmt)
         for fn in (lambda: fadev.flash_attention(q, k, v, pol, causal=True, block_q=16, block_kv=32, return_lse=True),
