@@ -65,9 +65,14 @@ void att_fast_counts(unsigned long long *calls, unsigned long long *products) {
     *products = __atomic_load_n(&fma_products, __ATOMIC_RELAXED);
 }
 
-int att_set_fast(int on) { return __atomic_exchange_n(&fast_on, on ? 1 : 0, __ATOMIC_RELAXED); }
+static int avx512_on = 1;
 
-int att_fma_ok(void) {
+int att_set_fast(int on, int avx512) {
+    __atomic_store_n(&avx512_on, avx512 ? 1 : 0, __ATOMIC_RELAXED);
+    return __atomic_exchange_n(&fast_on, on ? 1 : 0, __ATOMIC_RELAXED);
+}
+
+int att_cpu_fma(void) {
 #if MM_FMA
     static int cpu = -1; /* -1: not asked yet; the answer never changes, so a race only asks twice */
     int have = __atomic_load_n(&cpu, __ATOMIC_RELAXED);
@@ -76,11 +81,13 @@ int att_fma_ok(void) {
         have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
         __atomic_store_n(&cpu, have, __ATOMIC_RELAXED);
     }
-    return have && att_fast_enabled();
+    return have;
 #else
     return 0;
 #endif
 }
+
+int att_fma_ok(void) { return att_cpu_fma() && att_fast_enabled(); }
 
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(FADEV_NO_CLONES)
 #define MM_CLONES __attribute__((target_clones("avx2", "default")))
@@ -279,7 +286,7 @@ int att_cpu_avx512(void) {
         have = __builtin_cpu_supports("avx512f");
         __atomic_store_n(&cpu, have, __ATOMIC_RELAXED);
     }
-    return have;
+    return have && __atomic_load_n(&avx512_on, __ATOMIC_RELAXED);
 }
 #else
 #define mm4_fma mm4_f32 /* never chosen: att_fma_ok() is 0 */

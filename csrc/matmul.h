@@ -33,7 +33,7 @@ typedef struct att_mm {
  * element-wise steps (fast.c). 0 forces the generic paths that they must equal bit for bit (the tests compare
  * the two; _core._set_fast_paths). */
 ATT_INTERNAL int att_fast_enabled(void);
-ATT_INTERNAL int att_set_fast(int on);
+ATT_INTERNAL int att_set_fast(int on, int avx512); /* returns the previous `on`; avx512 0: the AVX2 kernels */
 /* Counters of what took the fast paths since the module loaded: calls that ran the vector element-wise steps
  * (att_fast_count(1, 0), from att_init) and products that ran the FMA tier; for the tests. */
 ATT_INTERNAL void att_fast_count(int call, int fma);
@@ -41,7 +41,10 @@ ATT_INTERNAL void att_fast_counts(unsigned long long *calls, unsigned long long 
 /* 1 when att_fast_enabled() and this CPU runs the FMA kernels (x86-64 with AVX2 and FMA); a call asks once
  * (att_ctx.fma) and passes the answer to att_mm_tier. */
 ATT_INTERNAL int att_fma_ok(void);
-/* 1 if this CPU has AVX-512F (x86-64 builds; where the FMA kernels run it picks their 16-lane versions). */
+/* 1 if this CPU runs the FMA kernels (x86-64 with AVX2 and FMA), whatever att_set_fast says. */
+ATT_INTERNAL int att_cpu_fma(void);
+/* 1 if this CPU has AVX-512F (x86-64 builds; where the FMA kernels run it picks their 16-lane versions) and
+ * att_set_fast did not turn them off. */
 ATT_INTERNAL int att_cpu_avx512(void);
 
 /* Tier of a product accumulated in `acc` whose float tier is `possible` for these formats (both factors are

@@ -157,12 +157,13 @@ static PyObject *py_set_num_threads(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* _set_fast_paths(on) -> the previous setting: 0 makes the CPU kernels take their generic paths (no FMA tier, no
- * vector element-wise steps), which the fast ones must equal bit for bit; for the tests and benchmarks. */
+/* _set_fast_paths(on, avx512=True) -> the previous `on`: False makes the CPU kernels take their generic paths (no
+ * FMA tier, no vector element-wise steps), which the fast ones must equal bit for bit; avx512=False keeps the fast
+ * paths but runs their AVX2 kernels where the CPU has AVX-512. For the tests and benchmarks. */
 static PyObject *py_set_fast_paths(PyObject *self, PyObject *args) {
-    int on;
-    if (!PyArg_ParseTuple(args, "p", &on)) return NULL;
-    return PyBool_FromLong(att_set_fast(on));
+    int on, avx512 = 1;
+    if (!PyArg_ParseTuple(args, "p|p", &on, &avx512)) return NULL;
+    return PyBool_FromLong(att_set_fast(on, avx512));
 }
 
 typedef struct fast_round_options {
@@ -198,9 +199,7 @@ static PyObject *py_fast_round(PyObject *self, PyObject *args) {
 static PyObject *py_fast_path_counts(PyObject *self, PyObject *args) {
     unsigned long long calls, products;
     att_fast_counts(&calls, &products);
-    int old = att_set_fast(1), fma = att_fma_ok();
-    att_set_fast(old);
-    return Py_BuildValue("KKi", calls, products, fma);
+    return Py_BuildValue("KKi", calls, products, att_cpu_fma());
 }
 
 static PyObject *py_cuda_info(PyObject *self, PyObject *args) {
@@ -565,7 +564,7 @@ static PyMethodDef core_methods[] = {
     {"set_num_threads", py_set_num_threads, METH_VARARGS, "set_num_threads(n)"},
     {"_fast_round", py_fast_round, METH_VARARGS, "_fast_round(x, fmt, op) -> R_fmt(x, exp2(x), exp(x)) (CPU fast path)"},
     {"_fast_path_counts", py_fast_path_counts, METH_NOARGS, "_fast_path_counts() -> (calls, FMA products, FMA CPU)"},
-    {"_set_fast_paths", py_set_fast_paths, METH_VARARGS, "_set_fast_paths(on) -> previous (CPU fast paths)"},
+    {"_set_fast_paths", py_set_fast_paths, METH_VARARGS, "_set_fast_paths(on, avx512=True) -> previous on (CPU fast paths)"},
     {"cuda_info", py_cuda_info, METH_NOARGS, "cuda_info() -> dict(compiled, devices)"},
     {"cuda_round", py_cuda_round, METH_VARARGS, "cuda_round(x, fmt, mode, seed, stream, offset) -> float64 array"},
     /* metrics methods */

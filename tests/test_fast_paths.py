@@ -22,14 +22,19 @@ FORMATS = ("bf16", "fp16")
 
 
 def both_paths(fn):
-    """(fn() with the fast paths, fn() with the generic paths); the setting is restored after."""
+    """(fn() with the fast paths, fn() with the generic paths), after checking that the fast paths' AVX2 kernels
+    give fn()'s bits too where the CPU would run their AVX-512 ones; the setting is restored after."""
     old = _core._set_fast_paths(True)
     try:
         fast = fn()
+        _core._set_fast_paths(True, False)
+        avx2 = fn()
         _core._set_fast_paths(False)
         generic = fn()
     finally:
         _core._set_fast_paths(old)
+    for a, b in zip(fast if isinstance(fast, tuple) else (fast,), avx2 if isinstance(avx2, tuple) else (avx2,)):
+        assert_same_bits(a, b, "result", "AVX-512 vs AVX2 kernels", nan="exact", names=("AVX-512", "AVX2"))
     return fast, generic
 
 
@@ -205,10 +210,15 @@ def test_vector_exp_equals_libm(fmt, exp2, rng):
     x = near_boundaries(rng, fmt, exp2, 20000)
     x = np.concatenate([x, [0.0, -0.0, -1e-300, -126.0, -149.5, -150.0, -1000.0, 1000.0, 88.7, np.nan, -np.inf,
                             np.inf, 5e-324]])
-    got = _core._fast_round(x, fadev.formats[fmt]._c, 1 if exp2 else 2)
     want = libm_rounded(x, fmt, exp2)
-    assert_same_bits(got, want, f"R_{fmt}({'exp2' if exp2 else 'exp'}(x))", f"x = {x[:4]}...", nan="any",
-                     names=("vector path", "libm"))
+    for avx512 in (True, False):
+        _core._set_fast_paths(True, avx512)
+        try:
+            got = _core._fast_round(x, fadev.formats[fmt]._c, 1 if exp2 else 2)
+        finally:
+            _core._set_fast_paths(True)
+        assert_same_bits(got, want, f"R_{fmt}({'exp2' if exp2 else 'exp'}(x))", f"avx512={avx512}", nan="any",
+                         names=("vector path", "libm"))
 
 
 # ------------------------------------------------------------------ the vector rounding pass against fadev.round
@@ -226,6 +236,11 @@ def test_vector_rounding_equals_fadev_round(fmt, rng):
     ties = (rng.integers(0, 2 ** min(f.precision, 20), 2000) + 0.5) * quantum
     special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, f.largest, -f.largest, 5e-324, -5e-324, 2.0 ** f.emin])
     x = np.concatenate([x, ties, -ties, special, rng.standard_normal(3000)])
-    for perm in (x, rng.permutation(x)):
-        assert_same_bits(_core._fast_round(perm, f._c, 0), fadev.round(perm, f), f"R_{f.name}", "vector pass",
-                         nan="any", names=("vector pass", "fadev.round"))
+    for perm, avx512 in ((x, True), (rng.permutation(x), True), (x, False)):
+        _core._set_fast_paths(True, avx512)
+        try:
+            got = _core._fast_round(perm, f._c, 0)
+        finally:
+            _core._set_fast_paths(True)
+        assert_same_bits(got, fadev.round(perm, f), f"R_{f.name}", f"vector pass, avx512={avx512}", nan="any",
+                         names=("vector pass", "fadev.round"))
