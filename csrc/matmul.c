@@ -39,6 +39,7 @@
  *              gives the same bits.
  * Compiled for AVX2 and a portable default at once (target_clones); -ffp-contract=off keeps every
  * multiply and add separately rounded, as the spec requires; the FMA kernels fuse only by intrinsics. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "matmul.h"
@@ -53,7 +54,11 @@
 static int fast_on = 1;
 static unsigned long long fast_calls, fma_products; /* what the tests read (att_fast_counts) */
 
-int att_fast_enabled(void) { return __atomic_load_n(&fast_on, __ATOMIC_RELAXED); }
+int att_fast_enabled(void) {
+    /* FADEV_EMU_GENERIC=1 forces the generic paths on the CPU as on the GPU (cuda/emu_forward_fast.cu) */
+    const char *generic = getenv("FADEV_EMU_GENERIC");
+    return __atomic_load_n(&fast_on, __ATOMIC_RELAXED) && !(generic && strcmp(generic, "1") == 0);
+}
 
 void att_fast_count(int call, int fma) {
     if (call) __atomic_fetch_add(&fast_calls, 1, __ATOMIC_RELAXED);

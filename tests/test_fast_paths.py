@@ -93,6 +93,15 @@ def test_the_switch_and_the_comparison_work():
         assert fast_runs(run) == (0, 0)
     finally:
         _core._set_fast_paths(True)
+
+
+def test_the_environment_switch(monkeypatch):
+    """FADEV_EMU_GENERIC=1 (the GPU kernels' switch) forces the CPU's generic paths too, per call."""
+    q, k, v, dout = inputs(np.random.default_rng(2), 1, 1, 1, 20, 20, 8)
+    monkeypatch.setenv("FADEV_EMU_GENERIC", "1")
+    assert fast_runs(lambda: fadev.flash_attention(q, k, v, "fa2:bf16")) == (0, 0)
+    monkeypatch.setenv("FADEV_EMU_GENERIC", "0")
+    assert fast_runs(lambda: fadev.flash_attention(q, k, v, "fa2:bf16"))[0] == 1
     out = fadev.flash_attention(q, k, v, "fa2:bf16")
     nudged = out.copy()
     nudged[0, 0, 3, 2] = np.nextafter(nudged[0, 0, 3, 2], np.inf)
