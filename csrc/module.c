@@ -7,7 +7,6 @@
  * parse_call, as module_cuda.c parses it), arrays out, kernel. Argument validation
  * that needs more than a type check is done by the Python layer (fadev/), which is what users call. */
 #include "module.h"
-#include "attention.h"
 
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #define PY_ARRAY_UNIQUE_SYMBOL fadev_ARRAY_API
@@ -155,51 +154,6 @@ static PyObject *py_set_num_threads(PyObject *self, PyObject *args) {
     if (fadev_set_num_threads(n) != FADEV_OK)
         return PyErr_Format(PyExc_ValueError, "n must be between 1 and 256, got %d", n);
     Py_RETURN_NONE;
-}
-
-/* _set_fast_paths(on, avx512=True) -> the previous `on`: False makes the CPU kernels take their generic paths (no
- * FMA tier, no vector element-wise steps), which the fast ones must equal bit for bit; avx512=False keeps the fast
- * paths but runs their AVX2 kernels where the CPU has AVX-512. For the tests and benchmarks. */
-static PyObject *py_set_fast_paths(PyObject *self, PyObject *args) {
-    int on, avx512 = 1;
-    if (!PyArg_ParseTuple(args, "p|p", &on, &avx512)) return NULL;
-    return PyBool_FromLong(att_set_fast(on, avx512));
-}
-
-typedef struct fast_round_options {
-    att_stage st;
-    int op;
-} fast_round_options;
-
-static fadev_status run_fast_round(PyObject *const *in, PyObject *out, const void *options) {
-    const fast_round_options *o = options;
-    if (o->op == 0) att_round_n(&o->st, DATA(in[0]), DATA(out), (int64_t)SIZE(in[0]));
-    else att_exp_round_n(&o->st, o->op == 1, DATA(in[0]), DATA(out), (int64_t)SIZE(in[0]));
-    return FADEV_OK;
-}
-
-/* _fast_round(x, fmt, op) -> R_fmt(x) (op 0), R_fmt(exp2(x)) (1) or R_fmt(exp(x)) (2), nearest-even, by the CPU
- * kernels' vector passes (fast.c), which must equal fadev.round of libm's values; for the tests. */
-static PyObject *py_fast_round(PyObject *self, PyObject *args) {
-    PyObject *x;
-    fadev_format fmt;
-    fast_round_options o;
-    if (!PyArg_ParseTuple(args, "OO&i", &x, parse_format, &fmt, &o.op)) return NULL;
-    if (o.op < 0 || o.op > 2) return PyErr_Format(PyExc_ValueError, "op must be 0, 1 or 2, got %d", o.op);
-    fadev_policy pol;
-    memset(&pol, 0, sizeof pol);
-    pol.rounding = FADEV_ROUND_NEAREST_EVEN;
-    o.st = att_make_stage(&fmt, &pol);
-    PyObject *in = as_array(x, NPY_FLOAT64, "x");
-    return map_call(&in, 1, NPY_FLOAT64, run_fast_round, &o, "_fast_round", 0);
-}
-
-/* _fast_path_counts() -> (calls that ran the vector element-wise steps, products that ran the FMA tier, 1 if this
- * CPU runs the FMA kernels). */
-static PyObject *py_fast_path_counts(PyObject *self, PyObject *args) {
-    unsigned long long calls, products;
-    att_fast_counts(&calls, &products);
-    return Py_BuildValue("KKi", calls, products, att_cpu_fma());
 }
 
 static PyObject *py_cuda_info(PyObject *self, PyObject *args) {
@@ -562,9 +516,6 @@ static PyMethodDef core_methods[] = {
     {"count_representable", py_count_representable, METH_VARARGS, "count_representable(x, fmt) -> int"},
     {"get_num_threads", py_get_num_threads, METH_NOARGS, "get_num_threads() -> int"},
     {"set_num_threads", py_set_num_threads, METH_VARARGS, "set_num_threads(n)"},
-    {"_fast_round", py_fast_round, METH_VARARGS, "_fast_round(x, fmt, op) -> R_fmt(x, exp2(x), exp(x)) (CPU fast path)"},
-    {"_fast_path_counts", py_fast_path_counts, METH_NOARGS, "_fast_path_counts() -> (calls, FMA products, FMA CPU)"},
-    {"_set_fast_paths", py_set_fast_paths, METH_VARARGS, "_set_fast_paths(on, avx512=True) -> previous on (CPU fast paths)"},
     {"cuda_info", py_cuda_info, METH_NOARGS, "cuda_info() -> dict(compiled, devices)"},
     {"cuda_round", py_cuda_round, METH_VARARGS, "cuda_round(x, fmt, mode, seed, stream, offset) -> float64 array"},
     /* metrics methods */
@@ -600,5 +551,6 @@ PyMODINIT_FUNC PyInit__core(void) {
     import_array();
     PyObject *module = PyModule_Create(&core_module);
     if (module && PyModule_AddFunctions(module, cuda_methods) < 0) Py_CLEAR(module);
+    if (module && PyModule_AddFunctions(module, fast_methods) < 0) Py_CLEAR(module);
     return module;
 }
