@@ -57,7 +57,8 @@ def run(preset, fmt, q, k, v, dout, causal, backward=True, device=None):
 
 
 def describe(args):
-    return f"B {args.batch}, H {args.heads}/{args.heads_kv}, N {args.n}, D {args.dim}" + (", causal" if args.causal else "")
+    causal = ", causal" if args.causal else ""
+    return f"B {args.batch}, H {args.heads}/{args.heads_kv}, N {args.n}, D {args.dim}{causal}"
 
 
 def same(a, b):
