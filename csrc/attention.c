@@ -60,19 +60,38 @@ static fadev_status prep_task(void *ctxp, size_t task) {
         const double *src = job->q + bh * Nq * D;
         double *dst = cx->q + bh * cx->q_rows * D;
         float *dstf = cx->qf ? cx->qf + bh * cx->q_rows * D : NULL;
-        for (int64_t i = 0; i < Nq; i++)
-            for (int64_t d = 0; d < D; d++) {
-                double x = att_round(in, src[i * D + d], ATT_STREAM(ATT_IN_Q, bh), ATT_INDEX(i, d, 0));
-                dst[i * D + d] = x;
-                if (dstf) dstf[i * D + d] = (float)x;
-            }
+        if (cx->fast) { /* nearest-even: no counters, the vector events */
+            att_round_n(in, src, dst, Nq * D);
+            if (dstf)
+                for (int64_t t = 0; t < Nq * D; t++) dstf[t] = (float)dst[t];
+        } else {
+            for (int64_t i = 0; i < Nq; i++)
+                for (int64_t d = 0; d < D; d++) {
+                    double x = att_round(in, src[i * D + d], ATT_STREAM(ATT_IN_Q, bh), ATT_INDEX(i, d, 0));
+                    dst[i * D + d] = x;
+                    if (dstf) dstf[i * D + d] = (float)x;
+                }
+        }
+        cx->q_finite[bh] = att_finite_d(dst, Nq * D);
         return FADEV_OK;
     }
     int is_v = (int64_t)task >= nqh + nkh;
     int64_t bh = (int64_t)task - nqh - (is_v ? nkh : 0);
     const double *src = (is_v ? job->v : job->k) + bh * Nk * D;
     mag mg = MAG_EMPTY;
-    for (int64_t j = 0; j < Nk; j++)
+    for (int64_t j = 0; cx->fast && j < Nk; j++) { /* the same with the vector events, one row at a time */
+        double row[256];
+        att_round_n(in, src + j * D, row, D);
+        if (cx->fma) mg.finite &= att_finite_d(row, D);
+        else for (int64_t d = 0; d < D; d++) mag_add(&mg, row[d]);
+        for (int64_t d = 0; d < D; d++) {
+            size_t at = is_v ? (size_t)((bh * Nk + j) * cx->d_pad + d) : (size_t)((bh * D + d) * cx->kt_cols + j);
+            (is_v ? cx->v : cx->kt)[at] = row[d];
+            float *f = is_v ? cx->vf : cx->ktf;
+            if (f) f[at] = (float)row[d];
+        }
+    }
+    for (int64_t j = 0; !cx->fast && j < Nk; j++)
         for (int64_t d = 0; d < D; d++) {
             double x = att_round(in, src[j * D + d], ATT_STREAM(is_v ? ATT_IN_V : ATT_IN_K, bh), ATT_INDEX(j, d, 0));
             mag_add(&mg, x);
@@ -109,6 +128,7 @@ void att_free(att_ctx *cx) {
     att_free_lines(cx->q), att_free_lines(cx->kt), att_free_lines(cx->v);
     att_free_lines(cx->qf), att_free_lines(cx->ktf), att_free_lines(cx->vf);
     free(cx->k_min), free(cx->k_max), free(cx->v_min), free(cx->v_max), free(cx->k_finite), free(cx->v_finite);
+    free(cx->q_finite);
     memset(cx, 0, sizeof *cx);
 }
 
@@ -137,11 +157,15 @@ fadev_status att_init(att_ctx *cx, const double *q, const double *k, const doubl
     cx->k_min = malloc(nkh * sizeof(double)), cx->k_max = malloc(nkh * sizeof(double));
     cx->v_min = malloc(nkh * sizeof(double)), cx->v_max = malloc(nkh * sizeof(double));
     cx->k_finite = malloc(nkh * sizeof(int)), cx->v_finite = malloc(nkh * sizeof(int));
-    ok = ok && cx->k_min && cx->k_max && cx->v_min && cx->v_max && cx->k_finite && cx->v_finite;
+    cx->q_finite = malloc((size_t)(params->batch * params->heads) * sizeof(int));
+    ok = ok && cx->k_min && cx->k_max && cx->v_min && cx->v_max && cx->k_finite && cx->v_finite && cx->q_finite;
     if (!ok) {
         att_free(cx);
         return FADEV_ERR_NO_MEMORY;
     }
+    cx->fma = att_fma_ok();
+    cx->fast = att_fast_enabled() && pol->rounding == FADEV_ROUND_NEAREST_EVEN;
+    att_fast_count(cx->fast, 0);
     prep_job job = {cx, q, k, v};
     fadev_status st = fadev_parallel_for((size_t)(params->batch * params->heads) + 2 * nkh, prep_task, &job);
     if (st != FADEV_OK) att_free(cx);
@@ -168,9 +192,12 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
     if (ncols == 0) return;
     const int64_t q_at = (bh * cx->q_rows + i0) * D, k_at = bhk * D * cx->kt_cols + j0;
     const int possible = cx->plan.qk_float && cx->k_finite[bhk];
-    const mag qm = possible ? float_magnitudes(cx->qf + q_at, nr, D, D, NULL) : MAG_EMPTY;
+    mag qm = MAG_EMPTY; /* the FMA tier reads only whether Q is finite: known per head */
+    if (possible && cx->fma) qm.finite = cx->q_finite[bh];
+    else if (possible) qm = float_magnitudes(cx->qf + q_at, nr, D, D, NULL);
     att_mm m = {0};
-    m.tier = att_mm_tier(&cx->plan.score_acc, possible, qm.min, qm.max, qm.finite, cx->k_min[bhk], cx->k_max[bhk], 1);
+    m.tier = att_mm_tier(&cx->plan.score_acc, cx->fma, possible, qm.min, qm.max, qm.finite, cx->k_min[bhk],
+                         cx->k_max[bhk], 1);
     m.index = ATT_MM_ROW_COL_K, m.zero = 1, m.acc = &cx->plan.score_acc, m.stream = ATT_STREAM(ATT_SCORE_ACC, bh);
     m.row0 = i0, m.col0 = j0;
     m.a = cx->q + q_at, m.af = cx->qf ? cx->qf + q_at : NULL, m.lda = D;
@@ -185,8 +212,14 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
     const att_stage *sc = &cx->plan.score;
     for (int64_t r = 0; r < nr; r++) {
         double *row = s + r * lds;
-        if (sc->kind == ATT_EXACT) {
+        if (cx->fast && sc->kind == ATT_RNE) {
+            att_round_n(sc, row, row, nvis[r]);
+            att_scale_n(row, c, row, nvis[r]);
+            att_round_n(sc, row, row, nvis[r]);
+        } else if (sc->kind == ATT_EXACT) {
             for (int64_t jj = 0; jj < nvis[r]; jj++) row[jj] = c * row[jj];
+        } else if (cx->fast && sc->kind == ATT_F32) {
+            att_f32_scale_n(row, c, row, nvis[r]);
         } else if (sc->kind == ATT_F32) {
             for (int64_t jj = 0; jj < nvis[r]; jj++) row[jj] = (double)(float)(c * (double)(float)row[jj]);
         } else {
@@ -200,18 +233,24 @@ void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int
 }
 
 void att_pv(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis, int64_t j0,
-            const double *p, int64_t ldp, double *pv, int64_t ldo, float *pbuf) {
+            const double *p, int64_t ldp, double *pv, int64_t ldo, float *pbuf, int p_finite) {
     const int64_t D = cx->plan.pr.dim, dpad = cx->d_pad, bhk = att_kv_head(cx, bh);
     const int64_t v_at = (bhk * cx->plan.pr.seq_kv + j0) * dpad;
     const int possible = cx->plan.pv_float && cx->v_finite[bhk];
     mag pm = MAG_EMPTY;
-    if (possible) {
+    if (possible && cx->fma) { /* the FMA tier reads only whether P is finite (p_finite: known to be) */
+        for (int64_t r = 0; r < nr; r++) {
+            if (p_finite) att_to_float_f(p + r * ldp, pbuf + r * ldp, nvis[r]);
+            else pm.finite &= att_to_float_n(p + r * ldp, pbuf + r * ldp, nvis[r]);
+        }
+    } else if (possible) {
         for (int64_t r = 0; r < nr; r++)
             for (int64_t jj = 0; jj < nvis[r]; jj++) pbuf[r * ldp + jj] = (float)p[r * ldp + jj];
         pm = float_magnitudes(pbuf, nr, 0, ldp, nvis);
     }
     att_mm m = {0};
-    m.tier = att_mm_tier(&cx->plan.pv_acc, possible, pm.min, pm.max, pm.finite, cx->v_min[bhk], cx->v_max[bhk], 1);
+    m.tier = att_mm_tier(&cx->plan.pv_acc, cx->fma, possible, pm.min, pm.max, pm.finite, cx->v_min[bhk],
+                         cx->v_max[bhk], 1);
     m.index = ATT_MM_ROW_K_COL, m.zero = 1, m.acc = &cx->plan.pv_acc, m.stream = ATT_STREAM(ATT_PV_ACC, bh);
     m.row0 = i0, m.k0 = j0;
     m.a = p, m.af = pbuf, m.lda = ldp;
@@ -231,7 +270,10 @@ void att_write_row(const att_ctx *cx, int64_t bh, int64_t i, int seen, const dou
         return;
     }
     const uint64_t s23 = ATT_STREAM(ATT_OUT, bh);
-    if (divide)
+    if (cx->fast) { /* the same events as vector passes */
+        if (divide) att_div_n(o, l, out, D);
+        att_round_n(&cx->plan.out, divide ? out : o, out, D);
+    } else if (divide)
         for (int64_t d = 0; d < D; d++) out[d] = att_round(&cx->plan.out, o[d] / l, s23, ATT_INDEX(i, d, 0));
     else
         for (int64_t d = 0; d < D; d++) out[d] = att_round(&cx->plan.out, o[d], s23, ATT_INDEX(i, d, 0));

@@ -25,11 +25,14 @@ typedef struct att_ctx {
      * (B*Hkv, D, kt_cols), columns past seq_kv zero. v: (B*Hkv, seq_kv, d_pad), columns past D zero.
      * qf, ktf, vf: the same as float32, present only when the float tier can be used. */
     int64_t q_rows, kt_cols, d_pad;
+    int fma;        /* att_fma_ok() when the call began: the products' FMA tier applies */
+    int fast;       /* the vector element-wise steps (fast.c) apply: nearest-even policy, fast paths on */
     double *q, *kt, *v;
     float *qf, *ktf, *vf;
     /* per K/V head: smallest nonzero and largest magnitude, and 1 if every value is finite */
     double *k_min, *k_max, *v_min, *v_max;
     int *k_finite, *v_finite;
+    int *q_finite;  /* per query head: 1 if every rounded Q value is finite */
 } att_ctx;
 
 /* Checks params and policy (flash: 1 also checks tiles and enums). */
@@ -84,19 +87,67 @@ ATT_INTERNAL void att_scores(const att_ctx *cx, int64_t bh, int64_t i0, int64_t 
                 double *s, int64_t lds);
 
 /* pv[r * ldo + d] = P.V of row i0 + r over keys j0 .. j0 + nvis[r] - 1 (P[r * ldp + jj], pv_acc), for
- * d < D. pv needs nr rows of ldo >= d_pad doubles; pbuf nr * ldp floats. */
+ * d < D. pv needs nr rows of ldo >= d_pad doubles; pbuf nr * ldp floats. p_finite: 1 when the caller knows
+ * every P is finite (0: not known). */
 ATT_INTERNAL void att_pv(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis, int64_t j0,
-            const double *p, int64_t ldp, double *pv, int64_t ldo, float *pbuf);
+            const double *p, int64_t ldp, double *pv, int64_t ldo, float *pbuf, int p_finite);
 
 /* The baseline's softmax of row i of head bh (baseline.c): s (nv scores) -> P in p (p may be s), with
  * m = max s and l = R_stats(sum e) (docs/numerics.md, "Baseline"). */
 ATT_INTERNAL void att_softmax_row(const att_ctx *cx, int64_t bh, int64_t i, double *s, int64_t nv, double *p,
                                   double *m_out, double *l_out);
 
+/* att_softmax_row of rows i0 .. i0 + nr - 1 (nvis[r] scores each, row stride lds; rows with none untouched);
+ * the vector steps when cx->fast (p may be s). */
+ATT_INTERNAL void att_softmax_rows(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis,
+                                   double *s, int64_t lds, double *p, double *m, double *l);
+
 /* Row i of head bh written from its O (D values), m and l: out = R_out(O / l) (divide) or R_out(O);
  * lse = R_stats(m' + R_stats(log l)), m' = m, or R_stats(m R_stats(ln 2)) in the exp2 form; lse may be
  * NULL. A row that saw no key (seen = 0) gets out = 0 and lse = -inf, with no rounding events. */
 ATT_INTERNAL void att_write_row(const att_ctx *cx, int64_t bh, int64_t i, int seen, const double *o, int divide,
                                 double m, double l, double *out, double *lse);
+
+/* ------------------------------------------------------------------ vector element-wise steps (fast.c) */
+
+/* y[i] = R_st(x[i]) for i < n (y may be x); nearest-even or toward-zero stages only (no counters). Returns 1 when
+ * it saw that every y[i] is finite (0: not known). */
+ATT_INTERNAL int att_round_n(const att_stage *st, const double *x, double *y, int64_t n);
+/* u[i] = R_fp32(R_fp32(p[i]) R_fp32(R_fp32(dp[i]) - d)), then R_fp32(c u[i]) when `scaled` (fp32 nearest-even). */
+ATT_INTERNAL void att_ds_f32_n(const double *p, const double *dp, double d, int scaled, double c, double *u,
+                               int64_t n);
+/* y[i] = x[i] - m, x[i] * m, x[i] / m in fp64 (y may be x). */
+ATT_INTERNAL void att_sub_n(const double *x, double m, double *y, int64_t n);
+ATT_INTERNAL void att_scale_n(const double *x, double m, double *y, int64_t n);
+ATT_INTERNAL void att_div_n(const double *x, double m, double *y, int64_t n);
+/* y[i] = R_fp32(c R_fp32(x[i])) (fp32 nearest-even). */
+ATT_INTERNAL void att_f32_scale_n(const double *x, double c, double *y, int64_t n);
+/* o[i] = R_fp32(R_fp32(f o[i]) + R_fp32(pv[i])) (fp32 nearest-even). */
+ATT_INTERNAL void att_f32_update_n(double *o, double f, const double *pv, int64_t n);
+/* y[i] = (float)x[i]; returns 1 if every x[i] is finite (att_to_float_f: without the check). */
+ATT_INTERNAL void att_to_float_f(const double *x, float *y, int64_t n);
+ATT_INTERNAL int att_to_float_n(const double *x, float *y, int64_t n);
+/* acc[i] = R_st(acc[i] + x[i]) (nearest-even or toward-zero stages). */
+ATT_INTERNAL void att_add_round_n(const att_stage *st, double *acc, const double *x, int64_t n);
+/* z[i] = x[i] + y[i] in fp64. */
+ATT_INTERNAL void att_add_n(const double *x, const double *y, double *z, int64_t n);
+/* z[i] = x[i] * y[i] in fp64. */
+ATT_INTERNAL void att_mul_n(const double *x, const double *y, double *z, int64_t n);
+/* 1 if all n doubles are finite. */
+ATT_INTERNAL int att_finite_d(const double *x, int64_t n);
+/* att_max(...att_max(att_max(m, s[0]), s[1])..., s[n-1]), the same value and sign. */
+ATT_INTERNAL double att_max_n(double m, const double *s, int64_t n);
+/* sum[r] = the row sum acc = R_acc(acc + e[r][j]), j < nv[r] ascending, from 0 (terms_f32: every term is an fp32
+ * value); nearest-even stages only. */
+ATT_INTERNAL void att_row_sums(const att_stage *acc, int terms_f32, const double *e, int64_t lde, const int64_t *nv,
+                               int64_t nr, double *sum);
+/* out[r] = the chain acc = R_acc(acc + a[r][j] b[r][j]), j < nv[r] ascending, from 0 (row stride ld); nearest-even
+ * or toward-zero stages. */
+ATT_INTERNAL void att_row_dots(const att_stage *acc, const double *a, const double *b, int64_t ld, const int64_t *nv,
+                               int64_t nr, double *out);
+/* y[i] = R_st(E(x[i])), E = exp2 (exp2_form) or exp, libm's bits without libm where they cannot differ (fast.c). */
+ATT_INTERNAL void att_exp_round_n(const att_stage *st, int exp2_form, const double *x, double *y, int64_t n);
+/* s[j] = R_softmax(E(R_softmax(s[j] - m))), j < n, in place; E = exp2 (exp2_form) or exp. */
+ATT_INTERNAL void att_exp_row(const att_ctx *cx, int exp2_form, double m, double *s, int64_t n);
 
 #endif /* FADEV_ATTENTION_H */

@@ -39,6 +39,10 @@ static void add_dq_block(const bwd_ctx *bx, int64_t bh, int64_t i0, int64_t nr, 
     const uint64_t stream = BWD_STREAM(EV_DQ_ACC, bh);
     for (int64_t r = 0; r < nr; r++) {
         if (last_key(&bx->cx, i0 + r) < k0) continue;
+        if (bx->cx.fast) { /* the same events as vector passes (nearest-even: no counters) */
+            att_add_round_n(&bx->dq_acc, acc + r * D, part + r * bx->ld, D);
+            continue;
+        }
         for (int64_t d = 0; d < D; d++)
             acc[r * D + d] = att_round(&bx->dq_acc, acc[r * D + d] + part[r * bx->ld + d], stream,
                                        ATT_INDEX(i0 + r, jb, d));
@@ -51,7 +55,11 @@ static void add_dkv_block(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t qb
                           int64_t nk) {
     const int64_t D = bx->cx.plan.pr.dim, ld = bx->ld, seen = last_key(&bx->cx, q_last) - k0 + 1;
     const uint64_t sv = BWD_STREAM(EV_DKV_DV, bh), sk = BWD_STREAM(EV_DKV_DK, bh);
-    for (int64_t c = 0; c < nk && c < seen; c++)
+    for (int64_t c = 0; bx->cx.fast && c < nk && c < seen; c++) {
+        att_add_round_n(&bx->dkv_acc, w->dv_acc + c * D, w->dv_part + c * ld, D);
+        att_add_round_n(&bx->dkv_acc, w->dk_acc + c * D, w->dk_part + c * ld, D);
+    }
+    for (int64_t c = 0; !bx->cx.fast && c < nk && c < seen; c++)
         for (int64_t d = 0; d < D; d++) {
             uint64_t idx = ATT_INDEX(qb, k0 + c, d);
             w->dv_acc[c * D + d] = att_round(&bx->dkv_acc, w->dv_acc[c * D + d] + w->dv_part[c * ld + d], sv, idx);
@@ -97,6 +105,29 @@ typedef struct bwd_job {
     const double *out, *lse, *dout;
 } bwd_job;
 
+/* prep_task's work on row i of query head bh with the vector events (cx->fast): the copies of dO and Q, their
+ * magnitudes (only whether they are finite under the FMA tier), and for flash the sum of D_i before R_dsoft. */
+static double prep_row_fast(bwd_ctx *bx, const bwd_job *job, int64_t bh, int64_t i, mag *dm, mag *qm) {
+    const att_ctx *cx = &bx->cx;
+    const int64_t D = cx->plan.pr.dim, row = bh * cx->plan.pr.seq_q + i, ld = bx->ld;
+    double x[256], o[256], acc = 0;
+    const double *qx = cx->q + (bh * cx->q_rows + i) * D;
+    att_round_n(&cx->plan.input, job->dout + row * D, x, D);
+    memcpy(bx->dout + row * ld, x, (size_t)D * sizeof(double));
+    memcpy(bx->q + row * ld, qx, (size_t)D * sizeof(double));
+    if (bx->doutf) (void)att_to_float_n(x, bx->doutf + row * ld, D);
+    if (bx->qf) (void)att_to_float_n(qx, bx->qf + row * ld, D);
+    if (cx->fma) {
+        dm->finite &= att_finite_d(x, D), qm->finite &= att_finite_d(qx, D);
+    } else {
+        for (int64_t t = 0; t < D; t++) mag_add(dm, x[t]), mag_add(qm, qx[t]);
+    }
+    if (bx->baseline) return 0;
+    att_round_n(&cx->plan.out, job->out + row * D, o, D);
+    for (int64_t t = 0; t < D; t++) acc = att_round(&bx->delta_acc, acc + x[t] * o[t], 0, 0);
+    return acc;
+}
+
 /* Query head task < B*H: dO and the Q copy (with magnitudes), and for flash L_i and D_i (steps 2, 5).
  * K/V head task: the K and V^T copies. */
 static fadev_status prep_task(void *ctxp, size_t task) {
@@ -124,7 +155,8 @@ static fadev_status prep_task(void *ctxp, size_t task) {
     for (int64_t i = 0; i < Nq; i++) {
         const int64_t row = bh * Nq + i;
         double acc = 0;
-        for (int64_t d = 0; d < D; d++) {
+        if (cx->fast) acc = prep_row_fast(bx, job, bh, i, &dm, &qm);
+        for (int64_t d = 0; !cx->fast && d < D; d++) {
             double x = att_round(&cx->plan.input, job->dout[row * D + d], s0, ATT_INDEX(i, d, 0));
             double qx = cx->q[(bh * cx->q_rows + i) * D + d];
             bx->dout[row * ld + d] = x, bx->q[row * ld + d] = qx;
@@ -173,11 +205,20 @@ static fadev_status baseline_stats_task(void *ctxp, size_t task) {
         if (maxv == 0) continue;
         att_scores(cx, bh, i0, nr, nvis, 0, s, lds);
         bwd_dp_products(bx, bh, i0, nr, nvis, 0, maxv, dp, lds);
+        double mr[STATS_GROUP], lr[STATS_GROUP];
+        att_softmax_rows(cx, bh, i0, nr, nvis, s, lds, s, mr, lr); /* P in place of the scores */
+        double dots[STATS_GROUP];
+        if (cx->fast) { /* the same events as vector passes, the rows' sums side by side */
+            for (int64_t r = 0; r < nr; r++) {
+                att_round_n(&bx->dsoft_p, s + r * lds, s + r * lds, nvis[r]);
+                att_round_n(&bx->dp, dp + r * lds, dp + r * lds, nvis[r]);
+            }
+            att_row_dots(&bx->delta_acc, s, dp, lds, nvis, nr, dots);
+        }
         for (int64_t r = 0; r < nr; r++) {
             const int64_t i = i0 + r, row = bh * Nq + i;
-            double *p = s + r * lds, m, l, acc = 0;
-            att_softmax_row(cx, bh, i, p, nvis[r], p, &m, &l); /* P in place of the scores */
-            for (int64_t j = 0; j < nvis[r]; j++) {
+            double *p = s + r * lds, m = mr[r], l = lr[r], acc = cx->fast ? dots[r] : 0;
+            for (int64_t j = 0; !cx->fast && j < nvis[r]; j++) {
                 uint64_t idx = ATT_INDEX(i, j, 0);
                 double ps = att_round(&bx->dsoft_p, p[j], b21, idx);
                 acc = att_round(&bx->delta_acc, acc + ps * att_round(&bx->dp, dp[r * lds + j], b8, idx), b4, idx);

@@ -54,6 +54,7 @@ typedef struct bwd_work {
     int64_t *nvis, *kb;
     double *s, *dp, *pp, *ds; /* att_rows(tile_q) x att_score_ld(tile_kv): scores, dP sums, P', dS */
     float *af;                /* the same shape in float: dS for the dQ product */
+    double *tmp;              /* 3 x att_score_ld(tile_kv): the vector steps' rows */
     double *pt, *dst;         /* tile_kv x tile_q: P' and dS transposed (the dV and dK products) */
     float *ptf, *dstf;
     double *dv_part, *dk_part;/* keys x ld: the grad_acc sums of dV, dK within one query block */

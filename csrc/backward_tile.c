@@ -20,7 +20,8 @@
 
 void bwd_work_free(bwd_work *w) {
     free(w->nvis), free(w->kb), free(w->s), free(w->dp), free(w->pp), free(w->ds), free(w->af), free(w->pt);
-    free(w->dst), free(w->ptf), free(w->dstf), free(w->dv_part), free(w->dk_part), free(w->dv_acc), free(w->dk_acc);
+    free(w->dst), free(w->ptf), free(w->dstf), free(w->tmp), free(w->dv_part), free(w->dk_part), free(w->dv_acc);
+    free(w->dk_acc);
 }
 
 fadev_status bwd_work_alloc(bwd_work *w, const bwd_ctx *bx, int64_t keys) {
@@ -29,11 +30,12 @@ fadev_status bwd_work_alloc(bwd_work *w, const bwd_ctx *bx, int64_t keys) {
     const size_t n_idx = (tq > tk ? tq : tk) + 4, d = sizeof(double), f = sizeof(float);
     w->nvis = calloc(n_idx, sizeof(int64_t)), w->kb = calloc(n_idx, sizeof(int64_t));
     w->s = calloc(tile, d), w->dp = calloc(tile, d), w->pp = calloc(tile, d), w->ds = calloc(tile, d);
-    w->af = calloc(tile, f);
+    w->af = calloc(tile, f), w->tmp = calloc(3 * (size_t)att_score_ld(bx->tile_kv), d);
     w->pt = calloc(tk * tq, d), w->dst = calloc(tk * tq, d), w->ptf = calloc(tk * tq, f), w->dstf = calloc(tk * tq, f);
     w->dv_part = calloc(nk * ld, d), w->dk_part = calloc(nk * ld, d);
     w->dv_acc = calloc(nk * D, d), w->dk_acc = calloc(nk * D, d);
-    if (w->nvis && w->kb && w->s && w->dp && w->pp && w->ds && w->af && w->pt && w->dst && w->ptf && w->dstf &&
+    if (w->nvis && w->kb && w->s && w->dp && w->pp && w->ds && w->af && w->tmp && w->pt && w->dst && w->ptf &&
+        w->dstf &&
         w->dv_part && w->dk_part && w->dv_acc && w->dk_acc)
         return FADEV_OK;
     bwd_work_free(w);
@@ -45,7 +47,7 @@ void bwd_dp_products(const bwd_ctx *bx, int64_t bh, int64_t i0, int64_t nr, cons
     const att_ctx *cx = &bx->cx;
     const int64_t D = cx->plan.pr.dim, bhk = att_kv_head(cx, bh);
     att_mm m = {0};
-    m.tier = att_mm_tier(&bx->dp_acc, bx->dp_float, bx->do_min[bh], bx->do_max[bh], bx->do_finite[bh],
+    m.tier = att_mm_tier(&bx->dp_acc, cx->fma, bx->dp_float, bx->do_min[bh], bx->do_max[bh], bx->do_finite[bh],
                          cx->v_min[bhk], cx->v_max[bhk], cx->v_finite[bhk]);
     m.index = ATT_MM_ROW_COL_K, m.zero = 1, m.acc = &bx->dp_acc, m.stream = BWD_STREAM(EV_DP_ACC, bh);
     m.row0 = i0, m.col0 = j0;
@@ -54,6 +56,52 @@ void bwd_dp_products(const bwd_ctx *bx, int64_t bh, int64_t i0, int64_t nr, cons
     m.b = bx->vt + b_at, m.bf = bx->vtf ? bx->vtf + b_at : NULL, m.ldb = bx->vt_cols;
     m.c = dp, m.ldc = lds;
     att_mm_run(&m, nr, NULL, NULL, D, nvis, maxv);
+}
+
+/* Steps 2, 3, 5, 6 of the tile's rows with the vector steps (cx->fast, fast.c): the same events on the same
+ * values as bwd_tile's loop; P' into w->pp, dS into w->ds; pm, sm: the magnitudes the products' tiers read
+ * (with the FMA tier only whether they are finite). */
+static void tile_steps_fast(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr, int64_t lds, mag *pm,
+                            mag *sm) {
+    const att_ctx *cx = &bx->cx;
+    const int64_t Nq = cx->plan.pr.seq_q;
+    double *p = w->tmp, *t = w->tmp + lds, *u = w->tmp + 2 * lds;
+    /* dP, the softmax backward and its P in fp32: the steps to R_ds in one pass (the same events) */
+    const int f32 = bx->dp.kind == ATT_F32 && bx->dsoft.kind == ATT_F32 && bx->dsoft_p.kind == ATT_F32;
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t row = bh * Nq + i0 + r, nv = w->nvis[r];
+        const double m = bx->baseline ? bx->row_m[row] : bx->row_l[row];
+        double *pp = w->pp + r * lds, *ds = w->ds + r * lds;
+        att_sub_n(w->s + r * lds, m, p, nv);
+        att_round_n(&cx->plan.softmax, p, p, nv);
+        att_exp_round_n(&cx->plan.softmax, !bx->baseline && cx->plan.exp2, p, p, nv);
+        if (bx->baseline) {
+            att_div_n(p, bx->row_l[row], p, nv);
+            att_round_n(&cx->plan.p, p, p, nv);
+        }
+        const int pp_finite = att_round_n(&bx->bwd_p, p, pp, nv);
+        if (f32) {
+            att_ds_f32_n(p, w->dp + r * lds, bx->row_d[row], bx->ds_scaled, bx->c_ds, u, nv);
+        } else {
+            att_round_n(&bx->dp, w->dp + r * lds, t, nv);
+            att_sub_n(t, bx->row_d[row], t, nv);
+            att_round_n(&bx->dsoft, t, t, nv);
+            att_round_n(&bx->dsoft_p, p, u, nv);
+            att_mul_n(u, t, u, nv);
+            att_round_n(&bx->dsoft, u, u, nv);
+            if (bx->ds_scaled) {
+                att_scale_n(u, bx->c_ds, u, nv);
+                att_round_n(&bx->dsoft, u, u, nv);
+            }
+        }
+        const int ds_finite = att_round_n(&bx->ds, u, ds, nv);
+        if (cx->fma) {
+            pm->finite &= pp_finite || att_finite_d(pp, nv);
+            sm->finite &= ds_finite || att_finite_d(ds, nv);
+        } else {
+            for (int64_t c = 0; c < nv; c++) mag_add(pm, pp[c]), mag_add(sm, ds[c]);
+        }
+    }
 }
 
 int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr, int64_t j0, int64_t n,
@@ -76,33 +124,39 @@ int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr,
     const uint64_t b9 = BWD_STREAM(EV_DSOFT_SUB, bh), b10 = BWD_STREAM(EV_DSOFT_MUL, bh), b11 = BWD_STREAM(EV_DS, bh);
     const uint64_t b21 = BWD_STREAM(EV_DSOFT_P, bh), b22 = BWD_STREAM(EV_DSOFT_SCALE, bh);
     mag pm = MAG_EMPTY, sm = MAG_EMPTY;
-    for (int64_t r = 0; r < nr; r++) {
-        const int64_t i = i0 + r, row = bh * Nq + i, nv = w->nvis[r];
-        const double *s = w->s + r * lds, *dpa = w->dp + r * lds;
-        double *pp = w->pp + r * lds, *ds = w->ds + r * lds;
-        const double m = bx->baseline ? bx->row_m[row] : bx->row_l[row], l = bx->row_l[row], Di = bx->row_d[row];
-        for (int64_t c = 0; c < nv; c++) {
-            const uint64_t idx = ATT_INDEX(i, j0 + c, 0);
-            double x = att_round(&cx->plan.softmax, s[c] - m, s6, idx), p;
-            if (bx->baseline) p = att_round(&cx->plan.p, att_round(&cx->plan.softmax, exp(x), s7, idx) / l, s16, idx);
-            else p = att_round(&cx->plan.softmax, att_exp(cx, x), s7, idx);
-            double pr = att_round(&bx->bwd_p, p, b6, idx), dpv = att_round(&bx->dp, dpa[c], b8, idx);
-            double t = att_round(&bx->dsoft, dpv - Di, b9, idx), ps = att_round(&bx->dsoft_p, p, b21, idx);
-            double u = att_round(&bx->dsoft, ps * t, b10, idx);
-            if (bx->ds_scaled) u = att_round(&bx->dsoft, bx->c_ds * u, b22, idx);
-            pp[c] = pr;
-            ds[c] = att_round(&bx->ds, u, b11, idx);
+    if (cx->fast) {
+        tile_steps_fast(bx, w, bh, i0, nr, lds, &pm, &sm);
+    } else {
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t i = i0 + r, row = bh * Nq + i, nv = w->nvis[r];
+            const double *s = w->s + r * lds, *dpa = w->dp + r * lds;
+            double *pp = w->pp + r * lds, *ds = w->ds + r * lds;
+            const double m = bx->baseline ? bx->row_m[row] : bx->row_l[row], l = bx->row_l[row], Di = bx->row_d[row];
+            for (int64_t c = 0; c < nv; c++) {
+                const uint64_t idx = ATT_INDEX(i, j0 + c, 0);
+                double x = att_round(&cx->plan.softmax, s[c] - m, s6, idx), p;
+                if (bx->baseline)
+                    p = att_round(&cx->plan.p, att_round(&cx->plan.softmax, exp(x), s7, idx) / l, s16, idx);
+                else
+                    p = att_round(&cx->plan.softmax, att_exp(cx, x), s7, idx);
+                double pr = att_round(&bx->bwd_p, p, b6, idx), dpv = att_round(&bx->dp, dpa[c], b8, idx);
+                double t = att_round(&bx->dsoft, dpv - Di, b9, idx), ps = att_round(&bx->dsoft_p, p, b21, idx);
+                double u = att_round(&bx->dsoft, ps * t, b10, idx);
+                if (bx->ds_scaled) u = att_round(&bx->dsoft, bx->c_ds * u, b22, idx);
+                pp[c] = pr;
+                ds[c] = att_round(&bx->ds, u, b11, idx);
+            }
+            if (bx->dv_float)
+                for (int64_t c = 0; c < nv; c++) mag_add(&pm, pp[c]);
+            if (bx->dq_float)
+                for (int64_t c = 0; c < nv; c++) mag_add(&sm, ds[c]);
         }
-        if (bx->dv_float)
-            for (int64_t c = 0; c < nv; c++) mag_add(&pm, pp[c]);
-        if (bx->dq_float)
-            for (int64_t c = 0; c < nv; c++) mag_add(&sm, ds[c]);
     }
 
     /* dS as bwd_tile_dq's product will read it */
-    w->dq_tier = att_mm_tier(&bx->grad_acc, bx->dq_float, sm.min, sm.max, sm.finite, cx->k_min[bhk],
+    w->dq_tier = att_mm_tier(&bx->grad_acc, cx->fma, bx->dq_float, sm.min, sm.max, sm.finite, cx->k_min[bhk],
                              cx->k_max[bhk], cx->k_finite[bhk]);
-    if (w->dq_tier == ATT_MM_F32)
+    if (att_mm_float(w->dq_tier))
         for (int64_t r = 0; r < nr; r++)
             for (int64_t c = 0; c < w->nvis[r]; c++) w->af[r * lds + c] = (float)w->ds[r * lds + c];
     /* dV[j] += sum_i P'_ij dO_i and dK[j] += sum_i dS_ij Q_i over the rows that see key j (a suffix), ascending */
@@ -114,15 +168,15 @@ int bwd_tile(const bwd_ctx *bx, bwd_work *w, int64_t bh, int64_t i0, int64_t nr,
         const int is_v = pass == 0;
         const double *src = is_v ? w->pp : w->ds;
         att_mm m = {0};
-        m.tier = is_v ? att_mm_tier(&bx->grad_acc, bx->dv_float, pm.min, pm.max, pm.finite, bx->do_min[bh],
+        m.tier = is_v ? att_mm_tier(&bx->grad_acc, cx->fma, bx->dv_float, pm.min, pm.max, pm.finite, bx->do_min[bh],
                                     bx->do_max[bh], bx->do_finite[bh])
-                      : att_mm_tier(&bx->grad_acc, bx->dk_float, sm.min, sm.max, sm.finite, bx->q_min[bh],
+                      : att_mm_tier(&bx->grad_acc, cx->fma, bx->dk_float, sm.min, sm.max, sm.finite, bx->q_min[bh],
                                     bx->q_max[bh], bx->q_finite[bh]);
         double *t = is_v ? w->pt : w->dst;
         float *tf = is_v ? w->ptf : w->dstf;
         for (int64_t c = 0; c < n; c++)
             for (int64_t r = w->kb[c]; r < nr; r++) {
-                if (m.tier == ATT_MM_F32) tf[c * tq + r] = (float)src[r * lds + c];
+                if (att_mm_float(m.tier)) tf[c * tq + r] = (float)src[r * lds + c];
                 else t[c * tq + r] = src[r * lds + c];
             }
         const double *b = is_v ? bx->dout : bx->q;

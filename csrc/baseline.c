@@ -41,6 +41,29 @@ void att_softmax_row(const att_ctx *cx, int64_t bh, int64_t i, double *s, int64_
     *l_out = l;
 }
 
+void att_softmax_rows(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, const int64_t *nvis, double *s,
+                      int64_t lds, double *p, double *m, double *l) {
+    if (!cx->fast) {
+        for (int64_t r = 0; r < nr; r++)
+            att_softmax_row(cx, bh, i0 + r, s + r * lds, nvis[r], p + r * lds, &m[r], &l[r]);
+        return;
+    }
+    /* the vector steps (fast.c): the same events, the rows' sums side by side */
+    for (int64_t r = 0; r < nr; r++) {
+        m[r] = -INFINITY, l[r] = 0; /* att_softmax_row's answer for a row without keys */
+        if (nvis[r] <= 0) continue;
+        m[r] = att_max_n(-INFINITY, s + r * lds, nvis[r]);
+        att_exp_row(cx, 0, m[r], s + r * lds, nvis[r]);
+    }
+    att_row_sums(&cx->plan.sum_acc, att_inside_fp32(&cx->plan.softmax.fmt), s, lds, nvis, nr, l);
+    for (int64_t r = 0; r < nr; r++) {
+        if (nvis[r] <= 0) continue;
+        l[r] = att_round(&cx->plan.stats, l[r], 0, 0);
+        att_div_n(s + r * lds, l[r], p + r * lds, nvis[r]);
+        att_round_n(&cx->plan.p, p + r * lds, p + r * lds, nvis[r]);
+    }
+}
+
 static fadev_status baseline_task(void *ctxp, size_t task) {
     const baseline_job *job = (const baseline_job *)ctxp;
     const att_ctx *cx = job->cx;
@@ -63,9 +86,8 @@ static fadev_status baseline_task(void *ctxp, size_t task) {
         double m[GROUP] = {0}, l[GROUP] = {0};
         for (int64_t r = 0; r < nr; r++) nvis[r] = att_visible(cx, i0 + r, 0, Nk);
         att_scores(cx, bh, i0, nr, nvis, 0, s, lds);
-        for (int64_t r = 0; r < nr; r++)
-            if (nvis[r] > 0) att_softmax_row(cx, bh, i0 + r, s + r * lds, nvis[r], p + r * lds, &m[r], &l[r]);
-        att_pv(cx, bh, i0, nr, nvis, 0, p, lds, pv, ldo, pbuf);
+        att_softmax_rows(cx, bh, i0, nr, nvis, s, lds, p, m, l);
+        att_pv(cx, bh, i0, nr, nvis, 0, p, lds, pv, ldo, pbuf, 0);
         for (int64_t r = 0; r < nr; r++) {
             const int64_t i = i0 + r;
             att_write_row(cx, bh, i, nvis[r] > 0, pv + r * ldo, 0, m[r], l[r], job->out + (bh * Nq + i) * D,

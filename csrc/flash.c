@@ -27,18 +27,37 @@ typedef struct flash_job {
 } flash_job;
 
 typedef struct flash_scratch {
-    double *s, *p, *pv, *o, *m, *l, *factor, *lnew;
+    double *s, *p, *pv, *o, *m, *l, *factor, *lnew, *mnew, *rowsum, *tmp;
     float *pbuf;
     int64_t *nvis, *seen;
+    int p_finite; /* 1: block_softmax_fast saw that every P of the block is finite */
 } flash_scratch;
 
 static void scratch_free(flash_scratch *w) {
     free(w->s), free(w->p), free(w->pv), free(w->o), free(w->m), free(w->l);
-    free(w->factor), free(w->lnew), free(w->pbuf), free(w->nvis), free(w->seen);
+    free(w->factor), free(w->lnew), free(w->mnew), free(w->rowsum), free(w->tmp), free(w->pbuf), free(w->nvis);
+    free(w->seen);
 }
 
-/* Steps 1-5 of one row for one block: scores s (nv of them) -> P_j in p, new m and l; returns alpha (or
- * a_l in the eager form, the factor O is multiplied by). */
+/* Steps 4-5 of one row for one block, given its old and new maximum and the row sum of its e_j: new l;
+ * returns alpha (or a_l in the eager form, the factor O is multiplied by). */
+static double row_stats(const att_ctx *cx, int64_t bh, int64_t i, int64_t jb, double m, double m_new, double rowsum,
+                        double *l_io, double *l_new_out) {
+    const uint64_t idx = ATT_INDEX(i, jb, 0);
+    double alpha = 0;
+    if (m != -INFINITY) {
+        double diff = att_round(&cx->plan.rescale, m - m_new, ATT_STREAM(ATT_RESCALE_DIFF, bh), idx);
+        alpha = att_round(&cx->plan.rescale, att_exp(cx, diff), ATT_STREAM(ATT_RESCALE_ALPHA, bh), idx);
+    }
+    double a_l = att_round(&cx->plan.stats, alpha * *l_io, ATT_STREAM(ATT_STATS_AL, bh), idx);
+    double rs = att_round(&cx->plan.stats, rowsum, ATT_STREAM(ATT_STATS_ROWSUM, bh), idx);
+    double l_new = att_round(&cx->plan.stats, a_l + rs, ATT_STREAM(ATT_STATS_LNEW, bh), idx);
+    *l_io = l_new;
+    *l_new_out = l_new;
+    return cx->plan.pr.normalize == FADEV_EAGER ? a_l : alpha;
+}
+
+/* Steps 1-5 of one row for one block: scores s (nv of them) -> P_j in p, new m and l; returns row_stats'. */
 static double row_softmax(const att_ctx *cx, int64_t bh, int64_t i, int64_t jb, int64_t j0, const double *s,
                           int64_t nv, double *p, double *m_io, double *l_io, double *l_new_out) {
     double m = *m_io, m_new = m;
@@ -53,19 +72,28 @@ static double row_softmax(const att_ctx *cx, int64_t bh, int64_t i, int64_t jb, 
         rowsum = att_round(&cx->plan.sum_acc, rowsum + e, s8, idx);
         p[jj] = att_round(&cx->plan.p, e, s16, idx);
     }
-    const uint64_t idx = ATT_INDEX(i, jb, 0);
-    double alpha = 0;
-    if (m != -INFINITY) {
-        double diff = att_round(&cx->plan.rescale, m - m_new, ATT_STREAM(ATT_RESCALE_DIFF, bh), idx);
-        alpha = att_round(&cx->plan.rescale, att_exp(cx, diff), ATT_STREAM(ATT_RESCALE_ALPHA, bh), idx);
-    }
-    double a_l = att_round(&cx->plan.stats, alpha * *l_io, ATT_STREAM(ATT_STATS_AL, bh), idx);
-    double rs = att_round(&cx->plan.stats, rowsum, ATT_STREAM(ATT_STATS_ROWSUM, bh), idx);
-    double l_new = att_round(&cx->plan.stats, a_l + rs, ATT_STREAM(ATT_STATS_LNEW, bh), idx);
     *m_io = m_new;
-    *l_io = l_new;
-    *l_new_out = l_new;
-    return cx->plan.pr.normalize == FADEV_EAGER ? a_l : alpha;
+    return row_stats(cx, bh, i, jb, m, m_new, rowsum, l_io, l_new_out);
+}
+
+/* The same for the block's rows with the vector steps (cx->fast, fast.c): the same events on the same values.
+ * The scores in s are overwritten with e_j. */
+static void block_softmax_fast(const att_ctx *cx, int64_t bh, int64_t i0, int64_t nr, int64_t jb, flash_scratch *w,
+                               int64_t lds) {
+    w->p_finite = 1;
+    for (int64_t r = 0; r < nr; r++) {
+        if (!w->nvis[r]) continue;
+        double *s = w->s + r * lds;
+        w->mnew[r] = att_max_n(w->m[r], s, w->nvis[r]);
+        att_exp_row(cx, cx->plan.exp2, w->mnew[r], s, w->nvis[r]);
+        w->p_finite &= att_round_n(&cx->plan.p, s, w->p + r * lds, w->nvis[r]);
+    }
+    att_row_sums(&cx->plan.sum_acc, att_inside_fp32(&cx->plan.softmax.fmt), w->s, lds, w->nvis, nr, w->rowsum);
+    for (int64_t r = 0; r < nr; r++) {
+        if (!w->nvis[r]) continue;
+        w->factor[r] = row_stats(cx, bh, i0 + r, jb, w->m[r], w->mnew[r], w->rowsum[r], &w->l[r], &w->lnew[r]);
+        w->m[r] = w->mnew[r];
+    }
 }
 
 /* Step 7 (and 9) for one row: O updated in place from pv. */
@@ -88,6 +116,30 @@ static void row_update(const att_ctx *cx, int64_t bh, int64_t i, int64_t jb, dou
     }
 }
 
+/* row_update with the vector steps (cx->fast): the same events; pv is overwritten, tmp holds D doubles. */
+static void row_update_fast(const att_ctx *cx, double factor, double l_new, double *pv, double *o, double *tmp,
+                            double *l_io) {
+    const int64_t D = cx->plan.pr.dim;
+    const att_stage *oa = &cx->plan.out_acc;
+    if (oa->kind == ATT_F32 && cx->plan.pr.normalize != FADEV_EAGER && cx->plan.pr.loop_order != FADEV_KV_OUTER) {
+        att_f32_update_n(o, factor, pv, D); /* the three events below in one pass */
+        return;
+    }
+    att_scale_n(o, factor, tmp, D);
+    att_round_n(oa, tmp, tmp, D);
+    att_round_n(oa, pv, pv, D);
+    att_add_n(tmp, pv, o, D);
+    att_round_n(oa, o, o, D);
+    if (cx->plan.pr.normalize == FADEV_EAGER) {
+        att_div_n(o, l_new, o, D);
+        att_round_n(oa, o, o, D);
+    }
+    if (cx->plan.pr.loop_order == FADEV_KV_OUTER) {
+        att_round_n(&cx->plan.state_out, o, o, D);
+        *l_io = att_round(&cx->plan.state_stats, *l_io, 0, 0);
+    }
+}
+
 static fadev_status flash_task(void *ctxp, size_t task) {
     const flash_job *job = (const flash_job *)ctxp;
     const att_ctx *cx = job->cx;
@@ -107,13 +159,18 @@ static fadev_status flash_task(void *ctxp, size_t task) {
     w.l = malloc((size_t)nr * sizeof(double));
     w.factor = malloc((size_t)nr * sizeof(double));
     w.lnew = malloc((size_t)nr * sizeof(double));
+    w.mnew = malloc((size_t)nr * sizeof(double));
+    w.rowsum = malloc((size_t)nr * sizeof(double));
+    w.tmp = malloc((size_t)D * sizeof(double));
     w.nvis = malloc((size_t)nr * sizeof(int64_t));
     w.seen = calloc((size_t)nr, sizeof(int64_t));
-    if (!w.s || !w.p || !w.pbuf || !w.pv || !w.o || !w.m || !w.l || !w.factor || !w.lnew || !w.nvis || !w.seen) {
+    if (!w.s || !w.p || !w.pbuf || !w.pv || !w.o || !w.m || !w.l || !w.factor || !w.lnew || !w.mnew || !w.rowsum ||
+        !w.tmp || !w.nvis || !w.seen) {
         scratch_free(&w);
         return FADEV_ERR_NO_MEMORY;
     }
     for (int64_t r = 0; r < nr; r++) w.m[r] = -INFINITY, w.l[r] = 0;
+    w.p_finite = 0;
     const int64_t n_blocks = (Nk + bkv - 1) / bkv;
     for (int64_t jb = 0; jb < n_blocks; jb++) {
         const int64_t j0 = jb * bkv, n = j0 + bkv < Nk ? bkv : Nk - j0;
@@ -127,15 +184,20 @@ static fadev_status flash_task(void *ctxp, size_t task) {
             continue;
         }
         att_scores(cx, bh, i0, nr, w.nvis, j0, w.s, lds);
-        for (int64_t r = 0; r < nr; r++)
-            if (w.nvis[r])
-                w.factor[r] = row_softmax(cx, bh, i0 + r, jb, j0, w.s + r * lds, w.nvis[r], w.p + r * lds, &w.m[r],
-                                          &w.l[r], &w.lnew[r]);
-        att_pv(cx, bh, i0, nr, w.nvis, j0, w.p, lds, w.pv, ldo, w.pbuf);
+        if (cx->fast) {
+            block_softmax_fast(cx, bh, i0, nr, jb, &w, lds);
+        } else {
+            for (int64_t r = 0; r < nr; r++)
+                if (w.nvis[r])
+                    w.factor[r] = row_softmax(cx, bh, i0 + r, jb, j0, w.s + r * lds, w.nvis[r], w.p + r * lds,
+                                              &w.m[r], &w.l[r], &w.lnew[r]);
+        }
+        att_pv(cx, bh, i0, nr, w.nvis, j0, w.p, lds, w.pv, ldo, w.pbuf, w.p_finite);
         for (int64_t r = 0; r < nr; r++) {
             if (!w.nvis[r]) continue;
             w.seen[r] = 1;
-            row_update(cx, bh, i0 + r, jb, w.factor[r], w.lnew[r], w.pv + r * ldo, w.o + r * D, &w.l[r]);
+            if (cx->fast) row_update_fast(cx, w.factor[r], w.lnew[r], w.pv + r * ldo, w.o + r * D, w.tmp, &w.l[r]);
+            else row_update(cx, bh, i0 + r, jb, w.factor[r], w.lnew[r], w.pv + r * ldo, w.o + r * D, &w.l[r]);
         }
     }
     for (int64_t r = 0; r < nr; r++) {

@@ -15,11 +15,84 @@
  *              [2^-126, 2^128) (att_mm_tier, on the data), so the float product is the exact product and
  *              the float sum of two fp32 values equals R_fp32 of their fp64 sum (53 >= 2*24 + 2, so the
  *              double rounding is innocuous). NaN/Inf data always take the fp64 or scalar tier.
+ *   FMA        acc in float, acc = fmaf(a, b, acc) (ATT_MM_FMA, x86-64 with AVX2 + FMA, chosen at run time):
+ *              the same condition on the formats, finite data, and no magnitude test. Why the bits are the
+ *              spec's R32(R64(acc + R64(a b))) (R32, R64: nearest-even to fp32, fp64), for fp32 acc:
+ *              (1) a b is exact in fp64: its significand has <= 24 bits and |a b| >= 2^-298 (a, b >= 2^-149
+ *              when nonzero), far inside fp64's range, so R64(a b) = a b. (2) R32(R64(z)) = R32(z) for
+ *              z = acc + a b: if z is an fp64 number there is nothing to show. Otherwise let L be the larger of
+ *              acc, a b in magnitude, S the other, e_L, e_S their exponents. Both are multiples of their
+ *              lowest significant bit (>= 2^(e - 23)); if e_S >= e_L - 28, z is a multiple of 2^(e_L - 51)
+ *              below 2^(e_L + 2), i.e. an fp64 number; so e_S <= e_L - 29 and |S| < 2^(e_L - 28).
+ *              If L is an fp32 number (acc always is; a b when in fp32's range), its fp32 rounding midpoints
+ *              lie at least 2^(e_L - 25) away (2^-150 in the subnormal range, where e_L <= -127), while z
+ *              and, by monotonicity, R64(z) lie within 2^(e_L - 28) of L: both round to L. If L = a b is not
+ *              an fp32 number, either |a b| >= 2^128: then |z|, |R64(z)| >= 2^128 - 2^100, beyond the
+ *              overflow threshold 2^128 - 2^103, both give the same infinity; or |a b| < 2^-126: then
+ *              |acc| < 2^-154, so acc = 0 and z = a b is an fp64 number. Signed zeros: both are IEEE
+ *              roundings of the same exact value, so an exact zero sum gets +0 (or -0 + -0 = -0) either way,
+ *              and a nonzero z that underflows keeps its sign. An infinite acc stays that infinity in both.
+ *              (3) fmaf computes R32(acc + a b) in one rounding. Hence fmaf(a, b, acc) is the spec's value
+ *              for every finite a, b of such formats (bf16, fp16, fp8 x bf16, fp16, fp8 ...) and every acc:
+ *              the chain over k runs in the spec's order, one fmaf per term, lanes = independent outputs.
+ *              Where the CPU has no FMA the float tier (when the magnitude test passes) or the fp64 tier
+ *              gives the same bits.
  * Compiled for AVX2 and a portable default at once (target_clones); -ffp-contract=off keeps every
- * multiply and add separately rounded, as the spec requires. */
+ * multiply and add separately rounded, as the spec requires; the FMA kernels fuse only by intrinsics. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "matmul.h"
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(FADEV_NO_FMA)
+#include <immintrin.h>
+#define MM_FMA 1
+#else
+#define MM_FMA 0
+#endif
+
+static int fast_on = 1;
+static unsigned long long fast_calls, fma_products; /* what the tests read (att_fast_counts) */
+
+int att_fast_enabled(void) {
+    /* FADEV_EMU_GENERIC=1 forces the generic paths on the CPU as on the GPU (cuda/emu_forward_fast.cu) */
+    const char *generic = getenv("FADEV_EMU_GENERIC");
+    return __atomic_load_n(&fast_on, __ATOMIC_RELAXED) && !(generic && strcmp(generic, "1") == 0);
+}
+
+void att_fast_count(int call, int fma) {
+    if (call) __atomic_fetch_add(&fast_calls, 1, __ATOMIC_RELAXED);
+    if (fma) __atomic_fetch_add(&fma_products, 1, __ATOMIC_RELAXED);
+}
+
+void att_fast_counts(unsigned long long *calls, unsigned long long *products) {
+    *calls = __atomic_load_n(&fast_calls, __ATOMIC_RELAXED);
+    *products = __atomic_load_n(&fma_products, __ATOMIC_RELAXED);
+}
+
+static int avx512_on = 1;
+
+int att_set_fast(int on, int avx512) {
+    __atomic_store_n(&avx512_on, avx512 ? 1 : 0, __ATOMIC_RELAXED);
+    return __atomic_exchange_n(&fast_on, on ? 1 : 0, __ATOMIC_RELAXED);
+}
+
+int att_cpu_fma(void) {
+#if MM_FMA
+    static int cpu = -1; /* -1: not asked yet; the answer never changes, so a race only asks twice */
+    int have = __atomic_load_n(&cpu, __ATOMIC_RELAXED);
+    if (have < 0) {
+        __builtin_cpu_init();
+        have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        __atomic_store_n(&cpu, have, __ATOMIC_RELAXED);
+    }
+    return have;
+#else
+    return 0;
+#endif
+}
+
+int att_fma_ok(void) { return att_cpu_fma() && att_fast_enabled(); }
 
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(FADEV_NO_CLONES)
 #define MM_CLONES __attribute__((target_clones("avx2", "default")))
@@ -124,6 +197,109 @@ MM_CLONES static void mm1_f32(MM_ARGS(float)) {
     }
 }
 
+#if MM_FMA
+/* The FMA tier (top comment): 4 rows (or 1) x 16 columns per step, acc = fmaf(a[r][k], b[k][col], acc). */
+#define FMA_T __attribute__((target("avx2,fma")))
+FMA_T static inline __m256 fma_load(const double *p, int zero) {
+    if (zero) return _mm256_setzero_ps();
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm256_cvtpd_ps(_mm256_loadu_pd(p))),
+                                _mm256_cvtpd_ps(_mm256_loadu_pd(p + 4)), 1);
+}
+FMA_T static inline void fma_store(double *p, __m256 x) {
+    _mm256_storeu_pd(p, _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+    _mm256_storeu_pd(p + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+}
+
+FMA_T static void mm4_fma(MM_ARGS(float)) {
+    for (int64_t col = 0; col < ncols; col += 16) {
+        double *o = c + col;
+        __m256 a0 = fma_load(o, zero), b0 = fma_load(o + 8, zero), a1 = fma_load(o + ldc, zero);
+        __m256 b1 = fma_load(o + ldc + 8, zero), a2 = fma_load(o + 2 * ldc, zero), b2 = fma_load(o + 2 * ldc + 8, zero);
+        __m256 a3 = fma_load(o + 3 * ldc, zero), b3 = fma_load(o + 3 * ldc + 8, zero);
+        const float *bp = b + kb * ldb + col;
+        for (int64_t k = kb; k < ke; k++, bp += ldb) {
+            __m256 v0 = _mm256_loadu_ps(bp), v1 = _mm256_loadu_ps(bp + 8);
+            __m256 x0 = _mm256_set1_ps(a[k]), x1 = _mm256_set1_ps(a[lda + k]);
+            __m256 x2 = _mm256_set1_ps(a[2 * lda + k]), x3 = _mm256_set1_ps(a[3 * lda + k]);
+            a0 = _mm256_fmadd_ps(x0, v0, a0), b0 = _mm256_fmadd_ps(x0, v1, b0);
+            a1 = _mm256_fmadd_ps(x1, v0, a1), b1 = _mm256_fmadd_ps(x1, v1, b1);
+            a2 = _mm256_fmadd_ps(x2, v0, a2), b2 = _mm256_fmadd_ps(x2, v1, b2);
+            a3 = _mm256_fmadd_ps(x3, v0, a3), b3 = _mm256_fmadd_ps(x3, v1, b3);
+        }
+        fma_store(o, a0), fma_store(o + 8, b0), fma_store(o + ldc, a1), fma_store(o + ldc + 8, b1);
+        fma_store(o + 2 * ldc, a2), fma_store(o + 2 * ldc + 8, b2);
+        fma_store(o + 3 * ldc, a3), fma_store(o + 3 * ldc + 8, b3);
+    }
+}
+
+FMA_T static void mm1_fma(MM_ARGS(float)) {
+    (void)lda, (void)ldc;
+    for (int64_t col = 0; col < ncols; col += 16) {
+        __m256 a0 = fma_load(c + col, zero), a1 = fma_load(c + col + 8, zero);
+        const float *bp = b + kb * ldb + col;
+        for (int64_t k = kb; k < ke; k++, bp += ldb) {
+            __m256 x = _mm256_set1_ps(a[k]);
+            a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(bp), a0), a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(bp + 8), a1);
+        }
+        fma_store(c + col, a0), fma_store(c + col + 8, a1);
+    }
+}
+
+/* The same with AVX-512F (chosen where the CPU has it): 4 rows x 32 columns per step (8 independent chains),
+ * then 4 x 16; fmaf of every lane, so the bits are mm4_fma's. */
+#define FMA512_T __attribute__((target("avx512f")))
+FMA512_T static inline __m512 fma512_load(const double *p, int zero) {
+    if (zero) return _mm512_setzero_ps();
+    __m256 lo = _mm512_cvtpd_ps(_mm512_loadu_pd(p)), hi = _mm512_cvtpd_ps(_mm512_loadu_pd(p + 8));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+FMA512_T static inline void fma512_store(double *p, __m512 x) {
+    _mm512_storeu_pd(p, _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+    _mm512_storeu_pd(p + 8, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
+}
+
+FMA512_T static void mm4_fma512(MM_ARGS(float)) {
+    int64_t col = 0;
+    for (; col + 32 <= ncols; col += 32) {
+        double *o = c + col;
+        __m512 a0 = fma512_load(o, zero), b0 = fma512_load(o + 16, zero);
+        __m512 a1 = fma512_load(o + ldc, zero), b1 = fma512_load(o + ldc + 16, zero);
+        __m512 a2 = fma512_load(o + 2 * ldc, zero), b2 = fma512_load(o + 2 * ldc + 16, zero);
+        __m512 a3 = fma512_load(o + 3 * ldc, zero), b3 = fma512_load(o + 3 * ldc + 16, zero);
+        const float *bp = b + kb * ldb + col;
+        for (int64_t k = kb; k < ke; k++, bp += ldb) {
+            __m512 v0 = _mm512_loadu_ps(bp), v1 = _mm512_loadu_ps(bp + 16);
+            __m512 x0 = _mm512_set1_ps(a[k]), x1 = _mm512_set1_ps(a[lda + k]);
+            __m512 x2 = _mm512_set1_ps(a[2 * lda + k]), x3 = _mm512_set1_ps(a[3 * lda + k]);
+            a0 = _mm512_fmadd_ps(x0, v0, a0), b0 = _mm512_fmadd_ps(x0, v1, b0);
+            a1 = _mm512_fmadd_ps(x1, v0, a1), b1 = _mm512_fmadd_ps(x1, v1, b1);
+            a2 = _mm512_fmadd_ps(x2, v0, a2), b2 = _mm512_fmadd_ps(x2, v1, b2);
+            a3 = _mm512_fmadd_ps(x3, v0, a3), b3 = _mm512_fmadd_ps(x3, v1, b3);
+        }
+        fma512_store(o, a0), fma512_store(o + 16, b0), fma512_store(o + ldc, a1), fma512_store(o + ldc + 16, b1);
+        fma512_store(o + 2 * ldc, a2), fma512_store(o + 2 * ldc + 16, b2);
+        fma512_store(o + 3 * ldc, a3), fma512_store(o + 3 * ldc + 16, b3);
+    }
+    if (col < ncols) mm4_fma(a, lda, b + col, ldb, kb, ke, ncols - col, c + col, ldc, zero);
+}
+
+int att_cpu_avx512(void) {
+    static int cpu = -1;
+    int have = __atomic_load_n(&cpu, __ATOMIC_RELAXED);
+    if (have < 0) {
+        __builtin_cpu_init();
+        have = __builtin_cpu_supports("avx512f");
+        __atomic_store_n(&cpu, have, __ATOMIC_RELAXED);
+    }
+    return have && __atomic_load_n(&avx512_on, __ATOMIC_RELAXED);
+}
+#else
+#define mm4_fma mm4_f32 /* never chosen: att_fma_ok() is 0 */
+#define mm1_fma mm1_f32
+#define mm4_fma512 mm4_f32
+int att_cpu_avx512(void) { return 0; }
+#endif
+
 /* Row r, columns 0..ncol-1, k in [kb, ke), rounding after every add. The event of the term (row, k, col)
  * is ATT_INDEX(i, u, w) = i << 42 | u << 21 | w with (i, u, w) the three in the order m->index names:
  * row, k and col are shifted by sr, sk and sc. `general`: the stage is ATT_GENERAL and its event is
@@ -176,6 +352,11 @@ static void mm_rows(const att_mm *m, int four, int64_t r, int64_t kb, int64_t ke
         if (zero) memset(c, 0, (size_t)ncols * sizeof(double));
         return;
     }
+    if (m->tier == ATT_MM_FMA) {
+        void (*kernel)(MM_ARGS(float)) = four ? (att_cpu_avx512() ? mm4_fma512 : mm4_fma) : mm1_fma;
+        kernel(m->af + r * m->lda, m->lda, m->bf, m->ldb, kb, ke, ncols, c, m->ldc, zero);
+        return;
+    }
     if (m->tier == ATT_MM_F32) {
         (four ? mm4_f32 : mm1_f32)(m->af + r * m->lda, m->lda, m->bf, m->ldb, kb, ke, ncols, c, m->ldc, zero);
         return;
@@ -187,6 +368,7 @@ static void mm_rows(const att_mm *m, int four, int64_t r, int64_t kb, int64_t ke
 
 void att_mm_run(const att_mm *m, int64_t nrows, const int64_t *kb, const int64_t *ke, int64_t k_end,
                 const int64_t *ncol, int64_t ncols) {
+    if (m->tier == ATT_MM_FMA) att_fast_count(0, 1);
 #define KB(x) (kb ? kb[x] : 0)
 #define KE(x) (ke ? ke[x] : k_end)
     if (m->tier == ATT_MM_SCALAR) {

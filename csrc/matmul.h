@@ -11,7 +11,7 @@
 /* Round n up to a multiple of m. */
 static inline int64_t att_round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-enum att_mm_tier { ATT_MM_SCALAR, ATT_MM_F64, ATT_MM_F64_R32, ATT_MM_F32 };
+enum att_mm_tier { ATT_MM_SCALAR, ATT_MM_F64, ATT_MM_F64_R32, ATT_MM_F32, ATT_MM_FMA };
 /* how the term (row, k, col) of a product names its stochastic counter ATT_INDEX(i, u, w) */
 enum att_mm_index { ATT_MM_ROW_COL_K, ATT_MM_K_ROW_COL, ATT_MM_ROW_K_COL };
 
@@ -29,15 +29,41 @@ typedef struct att_mm {
     int64_t ldc;
 } att_mm;
 
-/* Tier of a product accumulated in `acc` whose float tier is `possible` for these formats, given the
- * magnitudes of its two factors (smallest nonzero, largest, all finite). */
-static inline int att_mm_tier(const att_stage *acc, int possible, double amin, double amax, int afin, double bmin,
-                              double bmax, int bfin) {
+/* 1 when the fast paths may be used (the default): the FMA tier of the products (att_mm_tier) and the vector
+ * element-wise steps (fast.c). 0 forces the generic paths that they must equal bit for bit (the tests compare
+ * the two; _core._set_fast_paths). */
+ATT_INTERNAL int att_fast_enabled(void);
+ATT_INTERNAL int att_set_fast(int on, int avx512); /* returns the previous `on`; avx512 0: the AVX2 kernels */
+/* Counters of what took the fast paths since the module loaded: calls that ran the vector element-wise steps
+ * (att_fast_count(1, 0), from att_init) and products that ran the FMA tier; for the tests. */
+ATT_INTERNAL void att_fast_count(int call, int fma);
+ATT_INTERNAL void att_fast_counts(unsigned long long *calls, unsigned long long *products);
+/* 1 when att_fast_enabled() and this CPU runs the FMA kernels (x86-64 with AVX2 and FMA); a call asks once
+ * (att_ctx.fma) and passes the answer to att_mm_tier. */
+ATT_INTERNAL int att_fma_ok(void);
+/* 1 if this CPU runs the FMA kernels (x86-64 with AVX2 and FMA), whatever att_set_fast says. */
+ATT_INTERNAL int att_cpu_fma(void);
+/* 1 if this CPU has AVX-512F (x86-64 builds; where the FMA kernels run it picks their 16-lane versions) and
+ * att_set_fast did not turn them off. */
+ATT_INTERNAL int att_cpu_avx512(void);
+
+/* Tier of a product accumulated in `acc` whose float tier is `possible` for these formats (both factors are
+ * values of formats inside fp32 whose precisions add up to <= 24 bits), given the magnitudes of its two
+ * factors (smallest nonzero, largest, all finite; with `fma`, only `finite` is read). With finite factors and
+ * `fma` (att_fma_ok()) the FMA tier needs no magnitude test
+ * (matmul.c, top comment: fmaf(a, b, acc) is R_fp32(R_fp64(acc + a b)) for every such a, b and fp32 acc);
+ * the plain float tier needs every nonzero product in [2^-126, 2^128). */
+static inline int att_mm_tier(const att_stage *acc, int fma, int possible, double amin, double amax, int afin,
+                              double bmin, double bmax, int bfin) {
     if (acc->kind == ATT_EXACT) return ATT_MM_F64;
     if (acc->kind != ATT_F32) return ATT_MM_SCALAR;
+    if (possible && afin && bfin && fma) return ATT_MM_FMA;
     int exact = possible && afin && bfin && amin * bmin >= 0x1p-126 && amax * bmax < 0x1p128;
     return exact ? ATT_MM_F32 : ATT_MM_F64_R32;
 }
+
+/* 1 if the tier reads the float copies (att_mm.af, .bf). */
+static inline int att_mm_float(int tier) { return tier == ATT_MM_F32 || tier == ATT_MM_FMA; }
 
 /* Row r < nrows of C sums k in [kb ? kb[r] : 0, ke ? ke[r] : k_end) ascending onto its current value (or 0).
  * The scalar tier computes ncol ? ncol[r] : ncols columns; the vector tiers att_round_up(ncols, 16) for

@@ -551,5 +551,6 @@ PyMODINIT_FUNC PyInit__core(void) {
     import_array();
     PyObject *module = PyModule_Create(&core_module);
     if (module && PyModule_AddFunctions(module, cuda_methods) < 0) Py_CLEAR(module);
+    if (module && PyModule_AddFunctions(module, fast_methods) < 0) Py_CLEAR(module);
     return module;
 }

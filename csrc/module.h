@@ -57,5 +57,7 @@ FADEV_HIDDEN PyObject *deviation_dict(const fadev_deviation *dev);
 
 /* module_cuda.c's methods, added to fadev._core by PyInit__core. */
 extern FADEV_HIDDEN PyMethodDef cuda_methods[];
+/* module_fast.c: the CPU fast paths' private methods (tests, benchmarks). */
+extern FADEV_HIDDEN PyMethodDef fast_methods[];
 
 #endif /* FADEV_MODULE_H */
