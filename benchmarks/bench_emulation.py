@@ -2,6 +2,7 @@
 
     python benchmarks/bench_emulation.py --device cpu     # B 1, H 4, N 1024, D 64; ratios to NumPy fp32 attention
     python benchmarks/bench_emulation.py --device cuda    # B 1, H 16, N 4096, D 64; TFLOP/s beside fp32 SIMT matmul
+    python benchmarks/bench_emulation.py --device cuda --step   # and the Llama training step (sdpa, native, fa2, paper)
 
 (fadev importable: an installed build, or PYTHONPATH=. for an in-place one.) naive runs fadev's baseline
 (materialised) kernel, fa2 and paper its flash kernel with the preset's tiles.
@@ -21,6 +22,7 @@ small problem the GPU's outputs equal the CPU's bit for bit (any NaN equal to an
 """
 import argparse
 import math
+import os
 import sys
 import time
 
@@ -198,16 +200,41 @@ def bench_cuda(args):
         for fmt in FORMATS:
             pol = f"{preset}:{fmt}"
             out, lse = fwd(q, k, v, pol, causal=args.causal, return_lse=True)
-            t_f = cuda_ms(lambda: fwd(q, k, v, pol, causal=args.causal, return_lse=True), args.repeat)
-            t_b = cuda_ms(lambda: bwd(q, k, v, out, lse, dout, pol, causal=args.causal), args.repeat)
-            for direction, ms, flops in (("forward", t_f, 4 * base), ("backward", t_b, 10 * base)):
+            times = {}
+            for generic in ((False,) if args.fast_only else (False, True)):  # the GPU's generic kernels beside
+                os.environ["FADEV_EMU_GENERIC"] = "1" if generic else "0"
+                reps = 1 if generic else args.repeat
+                times[generic] = (cuda_ms(lambda: fwd(q, k, v, pol, causal=args.causal, return_lse=True), reps),
+                                  cuda_ms(lambda: bwd(q, k, v, out, lse, dout, pol, causal=args.causal), reps))
+            os.environ.pop("FADEV_EMU_GENERIC", None)
+            for x, (direction, flops) in enumerate((("forward", 4 * base), ("backward", 10 * base))):
+                ms = times[False][x]
                 tf = flops / (ms * 1e-3) / 1e12
-                rows.append(f"| {pol} | {direction} | {ms:.1f} | {tf:.2f} | {100 * tf / simt:.1f}% |")
+                gen = f"{times[True][x]:.1f} | {times[True][x] / ms:.1f}x" if True in times else "- | -"
+                rows.append(f"| {pol} | {direction} | {ms:.1f} | {tf:.2f} | {100 * tf / simt:.1f}% | {gen} |")
     shape = describe(args)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; {shape}; CUDA float64 in/out; median of "
-          f"{args.repeat}; fp32 SIMT matmul (TF32 off) {simt:.1f} TFLOP/s in this run\n")
-    print("| preset | direction | ms | TFLOP/s | of fp32 SIMT |\n|---|---|---|---|---|")
+          f"{args.repeat}; fp32 SIMT matmul (TF32 off) {simt:.1f} TFLOP/s in this run; generic: the same call "
+          f"with FADEV_EMU_GENERIC=1 (one timed run)\n")
+    print("| preset | direction | ms | TFLOP/s | of fp32 SIMT | generic ms | speed-up |\n|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    if args.step:
+        llama_step(args.step_steps)
+
+
+def llama_step(steps):
+    """The training step of bench_step.py (its Llama, data and optimizer) on sdpa, fadev native and the emulated
+    presets, in this program (benchmarks/bench_step.py documents it)."""
+    import bench_step
+    from fadev.training import lm
+    config = lm.LMConfig(hidden=512, layers=8, heads=8, heads_kv=4, ffn=1376, seq=1024, batch=8, lr=3e-4)
+    data = bench_step.batches(config, steps + 2, "cuda")
+    results = {a: bench_step.run_arm(a, config, data, steps, "cuda") for a in ("sdpa", "native", "fa2", "paper")}
+    ref = results["sdpa"][1]
+    print(f"\nLlama {lm.parameters(config):,} parameters, batch 8 x 1024, bf16 autocast, AdamW; median of {steps} "
+          f"steps\n\n| attention | ms / step | / sdpa | loss after 2 updates |\n|---|---|---|---|")
+    for a, (loss, sec) in results.items():
+        print(f"| {a} | {sec * 1e3:.1f} | {sec / ref:.2f} | {loss:.4f} |")
 
 
 def main():
@@ -220,7 +247,9 @@ def main():
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--fast-only", action="store_true", help="cpu: skip timing the generic paths")
+    p.add_argument("--fast-only", action="store_true", help="skip timing the generic paths")
+    p.add_argument("--step", action="store_true", help="cuda: also the Llama training step (bench_step.py's)")
+    p.add_argument("--step-steps", type=int, default=10, help="timed steps per arm with --step")
     args = p.parse_args()
     cpu = args.device == "cpu"
     args.heads = args.heads or (4 if cpu else 16)
