@@ -1,10 +1,10 @@
 """Hugging Face transformers models on fadev's attention kernels. Needs ``pip install 'fadev[hf]'``.
 
 ``import fadev.hf`` registers fadev with transformers (:func:`register`): the attention function under
-the name "fadev" in ``AttentionInterface``, and transformers' SDPA mask builder under the same name in
-``AttentionMaskInterface``, so a model built with ``attn_implementation="fadev"`` hands fadev exactly
-the arguments its "sdpa" implementation would get (None where causal is enough, else a boolean
-(B, 1, N_q, N_kv) mask). What "fadev" computes is chosen by :class:`use`, a context manager:
+the name "fadev" in ``AttentionInterface``, and transformers' SDPA mask builder (:func:`mask`: it also skips a
+causal mask without padding under torch.compile) under the same name in ``AttentionMaskInterface``, so a model
+built with ``attn_implementation="fadev"`` hands fadev the arguments its "sdpa" implementation would get (None
+where causal is enough, else a boolean (B, 1, N_q, N_kv) mask). What "fadev" computes is chosen by :class:`use`, a context manager:
 
 * ``use(policy, kernel="flash", **tiling)`` / ``kernel="baseline"``: fadev's emulated kernels under a
   precision policy (:func:`fadev.torch.attention`; CPU or CUDA tensors, forward and backward);
@@ -48,7 +48,7 @@ import torch
 import torch.nn.attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from . import _args
 from .backends import subset
@@ -112,14 +112,17 @@ DEFAULT = Setting("sdpa")
 _CURRENT = contextvars.ContextVar("fadev.hf.setting", default=DEFAULT)
 
 
-class _Mirror(threading.local):
-    """This thread's innermost ``use`` block's setting and run counter, as ``_CURRENT`` and ``_RUNS`` hold them:
-    torch.compile cannot read a ContextVar but reads (and guards on) a thread-local, so a compiled model's
-    attention reads this. (Per thread, not per asyncio task: tasks of one thread that interleave ``use`` blocks
-    around a compiled model see the latest block entered.)"""
+class _Mirror:
+    """The innermost ``use`` block's setting and run counter, as ``_CURRENT`` and ``_RUNS`` hold them, for
+    torch.compile: dynamo cannot read a ContextVar, and it reads a ``threading.local``'s class attributes, not this
+    thread's values (measured: a compiled model then ran plain SDPA inside ``use(kernel="native")``). A plain
+    object's attributes it reads and guards on, so a compiled model's attention reads this and a changed setting
+    recompiles. One per process: threads or asyncio tasks that interleave ``use`` blocks around a compiled model
+    see the latest block entered or left."""
 
-    setting = DEFAULT
-    runs = None
+    def __init__(self):
+        self.setting = DEFAULT
+        self.runs = None
 
 
 _MIRROR = _Mirror()
@@ -331,13 +334,29 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.transpose(1, 2).contiguous(), None
 
 
+def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+         attention_mask=None, local_size=None, allow_is_causal_skip=True, **kwargs):
+    """transformers' ``sdpa_mask`` (the "fadev" mask builder), except that a causal mask with no padding mask is
+    skipped (None: the attention then runs is_causal) under torch.compile too, where transformers before torch 2.14
+    never skips: nothing data-dependent decides it, and a materialised mask would make fadev read its values on
+    the host (a graph break per layer). The conditions are transformers' own eager ones (q_length 1 or equal to
+    kv_length, or an empty cache's prefill, no sliding window within reach)."""
+    if (allow_is_causal_skip and attention_mask is None and mask_function is causal_mask_function
+            and not isinstance(q_offset, torch.Tensor) and (local_size is None or kv_length < local_size)
+            and (q_length == 1 or kv_length == q_length or q_offset == 0)):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                     mask_function=mask_function, attention_mask=attention_mask, local_size=local_size,
+                     allow_is_causal_skip=allow_is_causal_skip, **kwargs)
+
+
 def register(name=NAME) -> None:
     """Register :func:`attention_forward` (AttentionInterface) and transformers' SDPA mask builder
-    (AttentionMaskInterface) under ``name``; idempotent. Done for "fadev" on import."""
+    (AttentionMaskInterface: :func:`mask`) under ``name``; idempotent. Done for "fadev" on import."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, mask)
 
 
 # ---------------------------------------------------------------- an SDPA flash implementation

@@ -97,12 +97,31 @@ def _worst(run_a, run_b, keep):
 
 def test_registered_and_idempotent():
     assert AttentionInterface._global_mapping["fadev"] is hf.attention_forward
-    assert AttentionMaskInterface._global_mapping["fadev"] is sdpa_mask
+    assert AttentionMaskInterface._global_mapping["fadev"] is hf.mask
     hf.register()
     hf.register("fadev")
     assert AttentionInterface._global_mapping["fadev"] is hf.attention_forward
     with pytest.raises(TypeError, match="name"):
         hf.register("")
+
+
+def test_mask_skips_only_where_transformers_does():
+    """hf.mask is transformers' sdpa_mask except that a causal mask without padding is None under torch.compile
+    too: None where sdpa_mask gives None in eager, sdpa_mask's own tensor wherever a padding mask, another mask
+    function or a sliding window within reach needs one."""
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    assert hf.mask(2, 16, 16) is None and sdpa_mask(2, 16, 16) is None
+    assert hf.mask(2, 1, 40, q_offset=39, kv_offset=0) is None
+    compiled = torch.compile(lambda: hf.mask(2, 16, 16), backend="eager", fullgraph=True)
+    assert compiled() is None
+    pad = torch.ones(2, 16, dtype=torch.bool)
+    pad[0, :3] = False
+    for kw in (dict(attention_mask=pad), dict(mask_function=sliding_window_causal_mask_function(4), local_size=4),
+               dict(q_offset=torch.tensor(0))):
+        want = sdpa_mask(2, 16, 16, **kw)
+        got = hf.mask(2, 16, 16, **kw)
+        assert (got is None) == (want is None) and (got is None or torch.equal(got, want)), kw
+    assert hf.mask(2, 16, 16, mask_function=causal_mask_function) is None
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["causal", "padded"])
