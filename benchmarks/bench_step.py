@@ -1,6 +1,7 @@
 """A training step on each attention, and fadev's host time per attention call (validate, then time).
 
-    python benchmarks/bench_step.py [--steps 20] [--arms sdpa,eager,native,fa2,paper] [--quick] [--device cpu]
+    python benchmarks/bench_step.py [--steps 20] [--arms sdpa,eager,native,fa2,paper] [--model llama64|gqa128|mha128]
+                                    [--quick] [--device cpu]
     python benchmarks/bench_step.py --host-only     # no GPU needed: fadev's host time per native call
 
 (fadev importable: an installed build, or PYTHONPATH=. for an in-place one.)
@@ -38,6 +39,11 @@ import time
 import torch
 
 ARMS = ("sdpa", "eager", "native", "fa2", "paper")
+MODELS = {  # issue 25: the drift study's Llama (head dim 64, grouped-query), and head dim 128 with and without GQA
+    "llama64": dict(hidden=512, layers=8, heads=8, heads_kv=4, ffn=1376),
+    "gqa128": dict(hidden=1024, layers=8, heads=8, heads_kv=4, ffn=2752),
+    "mha128": dict(hidden=1024, layers=8, heads=8, heads_kv=8, ffn=2752),
+}
 
 
 def model_and_context(arm, config, device):
@@ -218,7 +224,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--quick", action="store_true", help="a small model (hidden 128, 2 layers, sequence 256)")
+    p.add_argument("--model", choices=tuple(MODELS), default="llama64",
+                   help="llama64: hidden 512, 8 / 4 heads (D 64); gqa128: hidden 1024, 8 / 4 heads (D 128); "
+                        "mha128: hidden 1024, 8 / 8 heads (D 128); all 8 layers, batch 8 x 1024")
+    p.add_argument("--quick", action="store_true", help="a small model of the same head dim (2 layers, sequence 256)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a check of this program without a GPU (no native arm; CPU timings mean little)")
     p.add_argument("--host-only", action="store_true", help="only fadev's host time per native call (no GPU needed)")
@@ -233,8 +242,10 @@ def main():
     unknown = [a for a in arms if a not in ARMS or (a == "native" and args.device != "cuda")]
     if unknown or "sdpa" not in arms:
         sys.exit(f"--arms: choose from {', '.join(ARMS)}, sdpa included; got {args.arms!r}")
-    size = dict(hidden=128, layers=2, heads=4, heads_kv=2, ffn=344, seq=256) if args.quick else \
-        dict(hidden=512, layers=8, heads=8, heads_kv=4, ffn=1376, seq=1024)
+    size = dict(MODELS[args.model], seq=1024)
+    if args.quick:  # the same head dim and grouping, two layers, a quarter of the width
+        size.update(hidden=size["hidden"] // 4, heads=size["heads"] // 4, heads_kv=max(1, size["heads_kv"] // 4),
+                    ffn=size["ffn"] // 4, layers=2, seq=256)
     config = lm.LMConfig(**size, batch=8, lr=3e-4)
     data = batches(config, args.steps + 2, args.device)
     results = {a: run_arm(a, config, data, args.steps, args.device) for a in arms}
@@ -244,8 +255,9 @@ def main():
         sys.exit(f"validation failed: loss after 2 updates {({a: results[a][0] for a in bad})} vs sdpa's {ref_loss}")
     host = host_us_per_call(args.device)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"\n{where}, torch {torch.__version__}; Llama {lm.parameters(config):,} parameters, "
-          f"batch {config.batch} x {config.seq}, bf16 autocast, AdamW; median of {args.steps} steps\n")
+    print(f"\n{where}, torch {torch.__version__}; Llama {args.model} ({lm.parameters(config):,} parameters, "
+          f"{config.heads} / {config.heads_kv} heads of D {config.hidden // config.heads}), batch {config.batch} x "
+          f"{config.seq}, bf16 autocast, AdamW; median of {args.steps} steps\n")
     print("| attention | ms / step | / sdpa | loss after 2 updates |\n|---|---|---|---|")
     for a, (loss, s) in results.items():
         print(f"| {a} | {s * 1e3:.1f} | {s / ref_s:.2f} | {loss:.4f} |")
