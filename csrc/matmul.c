@@ -210,26 +210,28 @@ FMA_T static inline void fma_store(double *p, __m256 x) {
     _mm256_storeu_pd(p + 4, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
 }
 
+/* The 4-row x 2-vector step at column `col` of mm4_fma (AVX2: V __m256, W 8 lanes) and mm4_fma512 (AVX-512: __m512,
+ * 16): one loop for both instruction sets, 8 independent fmaf chains over k ascending. */
+#define MM4_TILE(V, W, LOAD, STORE, LOADU, SET1, FMADD)                                                        \
+    do {                                                                                                      \
+        double *o = c + col;                                                                                  \
+        V a0 = LOAD(o, zero), b0 = LOAD(o + W, zero), a1 = LOAD(o + ldc, zero), b1 = LOAD(o + ldc + W, zero); \
+        V a2 = LOAD(o + 2 * ldc, zero), b2 = LOAD(o + 2 * ldc + W, zero);                                     \
+        V a3 = LOAD(o + 3 * ldc, zero), b3 = LOAD(o + 3 * ldc + W, zero);                                     \
+        const float *bp = b + kb * ldb + col;                                                                 \
+        for (int64_t k = kb; k < ke; k++, bp += ldb) {                                                        \
+            V v0 = LOADU(bp), v1 = LOADU(bp + W);                                                             \
+            V x0 = SET1(a[k]), x1 = SET1(a[lda + k]), x2 = SET1(a[2 * lda + k]), x3 = SET1(a[3 * lda + k]);   \
+            a0 = FMADD(x0, v0, a0), b0 = FMADD(x0, v1, b0), a1 = FMADD(x1, v0, a1), b1 = FMADD(x1, v1, b1);   \
+            a2 = FMADD(x2, v0, a2), b2 = FMADD(x2, v1, b2), a3 = FMADD(x3, v0, a3), b3 = FMADD(x3, v1, b3);   \
+        }                                                                                                     \
+        STORE(o, a0), STORE(o + W, b0), STORE(o + ldc, a1), STORE(o + ldc + W, b1);                           \
+        STORE(o + 2 * ldc, a2), STORE(o + 2 * ldc + W, b2), STORE(o + 3 * ldc, a3), STORE(o + 3 * ldc + W, b3); \
+    } while (0)
+
 FMA_T static void mm4_fma(MM_ARGS(float)) {
-    for (int64_t col = 0; col < ncols; col += 16) {
-        double *o = c + col;
-        __m256 a0 = fma_load(o, zero), b0 = fma_load(o + 8, zero), a1 = fma_load(o + ldc, zero);
-        __m256 b1 = fma_load(o + ldc + 8, zero), a2 = fma_load(o + 2 * ldc, zero), b2 = fma_load(o + 2 * ldc + 8, zero);
-        __m256 a3 = fma_load(o + 3 * ldc, zero), b3 = fma_load(o + 3 * ldc + 8, zero);
-        const float *bp = b + kb * ldb + col;
-        for (int64_t k = kb; k < ke; k++, bp += ldb) {
-            __m256 v0 = _mm256_loadu_ps(bp), v1 = _mm256_loadu_ps(bp + 8);
-            __m256 x0 = _mm256_set1_ps(a[k]), x1 = _mm256_set1_ps(a[lda + k]);
-            __m256 x2 = _mm256_set1_ps(a[2 * lda + k]), x3 = _mm256_set1_ps(a[3 * lda + k]);
-            a0 = _mm256_fmadd_ps(x0, v0, a0), b0 = _mm256_fmadd_ps(x0, v1, b0);
-            a1 = _mm256_fmadd_ps(x1, v0, a1), b1 = _mm256_fmadd_ps(x1, v1, b1);
-            a2 = _mm256_fmadd_ps(x2, v0, a2), b2 = _mm256_fmadd_ps(x2, v1, b2);
-            a3 = _mm256_fmadd_ps(x3, v0, a3), b3 = _mm256_fmadd_ps(x3, v1, b3);
-        }
-        fma_store(o, a0), fma_store(o + 8, b0), fma_store(o + ldc, a1), fma_store(o + ldc + 8, b1);
-        fma_store(o + 2 * ldc, a2), fma_store(o + 2 * ldc + 8, b2);
-        fma_store(o + 3 * ldc, a3), fma_store(o + 3 * ldc + 8, b3);
-    }
+    for (int64_t col = 0; col < ncols; col += 16)
+        MM4_TILE(__m256, 8, fma_load, fma_store, _mm256_loadu_ps, _mm256_set1_ps, _mm256_fmadd_ps);
 }
 
 FMA_T static void mm1_fma(MM_ARGS(float)) {
@@ -260,26 +262,8 @@ FMA512_T static inline void fma512_store(double *p, __m512 x) {
 
 FMA512_T static void mm4_fma512(MM_ARGS(float)) {
     int64_t col = 0;
-    for (; col + 32 <= ncols; col += 32) {
-        double *o = c + col;
-        __m512 a0 = fma512_load(o, zero), b0 = fma512_load(o + 16, zero);
-        __m512 a1 = fma512_load(o + ldc, zero), b1 = fma512_load(o + ldc + 16, zero);
-        __m512 a2 = fma512_load(o + 2 * ldc, zero), b2 = fma512_load(o + 2 * ldc + 16, zero);
-        __m512 a3 = fma512_load(o + 3 * ldc, zero), b3 = fma512_load(o + 3 * ldc + 16, zero);
-        const float *bp = b + kb * ldb + col;
-        for (int64_t k = kb; k < ke; k++, bp += ldb) {
-            __m512 v0 = _mm512_loadu_ps(bp), v1 = _mm512_loadu_ps(bp + 16);
-            __m512 x0 = _mm512_set1_ps(a[k]), x1 = _mm512_set1_ps(a[lda + k]);
-            __m512 x2 = _mm512_set1_ps(a[2 * lda + k]), x3 = _mm512_set1_ps(a[3 * lda + k]);
-            a0 = _mm512_fmadd_ps(x0, v0, a0), b0 = _mm512_fmadd_ps(x0, v1, b0);
-            a1 = _mm512_fmadd_ps(x1, v0, a1), b1 = _mm512_fmadd_ps(x1, v1, b1);
-            a2 = _mm512_fmadd_ps(x2, v0, a2), b2 = _mm512_fmadd_ps(x2, v1, b2);
-            a3 = _mm512_fmadd_ps(x3, v0, a3), b3 = _mm512_fmadd_ps(x3, v1, b3);
-        }
-        fma512_store(o, a0), fma512_store(o + 16, b0), fma512_store(o + ldc, a1), fma512_store(o + ldc + 16, b1);
-        fma512_store(o + 2 * ldc, a2), fma512_store(o + 2 * ldc + 16, b2);
-        fma512_store(o + 3 * ldc, a3), fma512_store(o + 3 * ldc + 16, b3);
-    }
+    for (; col + 32 <= ncols; col += 32)
+        MM4_TILE(__m512, 16, fma512_load, fma512_store, _mm512_loadu_ps, _mm512_set1_ps, _mm512_fmadd_ps);
     if (col < ncols) mm4_fma(a, lda, b + col, ldb, kb, ke, ncols - col, c + col, ldc, zero);
 }
 

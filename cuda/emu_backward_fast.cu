@@ -30,6 +30,22 @@ __device__ __forceinline__ float add_round(const att_stage &st, float acc, float
     return (float)emu_round(st, (double)acc + (double)part, stream, idx);
 }
 
+/* One rank-1 step of a thread's 4 x 4 tile: part[r][c] += a[kk][4g + r] b[kk][tx + 16c] (one fmaf each) for the rows
+ * r whose bit is set in `rows` (0xF: all; a constant there compiles to the plain FMA block). */
+__device__ __forceinline__ void rank1(const float *as, const float *bs, int kk, int g, int tx, unsigned rows,
+                                      float part[4][4]) {
+    const float4 a4 = *(const float4 *)(as + kk * AP + g * 4);
+    const float av[4] = {a4.x, a4.y, a4.z, a4.w};
+    float bv[4];
+#pragma unroll
+    for (int c = 0; c < 4; c++) bv[c] = bs[kk * TN + tx + 16 * c];
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+        if (rows >> r & 1u)
+#pragma unroll
+            for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
+}
+
 /* One CTA of dq: virtual rows rl0.. of the chunk's K/V head g0 + blockIdx.z, columns d0...; the scratch holds
  * T (fp64 from the generic pair kernels, fp32 from the fast one: the same values). */
 template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const __grid_constant__ bwd_args a, const T *sb) {
@@ -93,29 +109,10 @@ template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const
             if (next_end - 1 - k0 < stop) stop = next_end - 1 - k0;
             if (nvmin - 1 - k0 < stop) stop = nvmin - 1 - k0;
 #pragma unroll 4
-            for (; kk < stop; kk++) {
-                const float4 a4 = *(const float4 *)(as + kk * AP + g * 4);
-                const float av[4] = {a4.x, a4.y, a4.z, a4.w};
-                float bv[4];
-#pragma unroll
-                for (int c = 0; c < 4; c++) bv[c] = bs[kk * TN + tx + 16 * c];
-#pragma unroll
-                for (int r = 0; r < 4; r++)
-#pragma unroll
-                    for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
-            }
+            for (; kk < stop; kk++) rank1(as, bs, kk, g, tx, 0xFu, part);
             if (kk >= kn) break;
             const int k = k0 + kk;
-            const float4 a4 = *(const float4 *)(as + kk * AP + g * 4);
-            const float av[4] = {a4.x, a4.y, a4.z, a4.w};
-            float bv[4];
-#pragma unroll
-            for (int c = 0; c < 4; c++) bv[c] = bs[kk * TN + tx + 16 * c];
-#pragma unroll
-            for (int r = 0; r < 4; r++)
-                if (k < nv[r])
-#pragma unroll
-                    for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
+            rank1(as, bs, kk, g, tx, (k < nv[0]) | (k < nv[1]) << 1 | (k < nv[2]) << 2 | (k < nv[3]) << 3, part);
             const int blk_end = k + 1 == next_end;
 #pragma unroll
             for (int r = 0; r < 4; r++) {
@@ -208,30 +205,12 @@ __global__ void __launch_bounds__(NT) dkv_fast_kernel(const __grid_constant__ bw
             const int last = ends ? __ffs(ends) - 1 : kn - 1; /* the segment's last row */
             if (all_see) {
 #pragma unroll 4
-                for (; kk <= last; kk++) {
-                    const float4 a4 = *(const float4 *)(as + kk * AP + g * 4);
-                    const float av[4] = {a4.x, a4.y, a4.z, a4.w};
-                    float bv[4];
-#pragma unroll
-                    for (int c = 0; c < 4; c++) bv[c] = bs[kk * TN + tx + 16 * c];
-#pragma unroll
-                    for (int r = 0; r < 4; r++)
-#pragma unroll
-                        for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
-                }
+                for (; kk <= last; kk++) rank1(as, bs, kk, g, tx, 0xFu, part);
             } else {
                 for (; kk <= last; kk++) {
                     const int64_t i = row_i[kk];
-                    const float4 a4 = *(const float4 *)(as + kk * AP + g * 4);
-                    const float av[4] = {a4.x, a4.y, a4.z, a4.w};
-                    float bv[4];
-#pragma unroll
-                    for (int c = 0; c < 4; c++) bv[c] = bs[kk * TN + tx + 16 * c];
-#pragma unroll
-                    for (int r = 0; r < 4; r++)
-                        if (i >= first[r])
-#pragma unroll
-                            for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
+                    rank1(as, bs, kk, g, tx,
+                          (i >= first[0]) | (i >= first[1]) << 1 | (i >= first[2]) << 2 | (i >= first[3]) << 3, part);
                 }
             }
             if (ends & (1u << last)) { /* the query block's last row: its sum joins the running sum */
