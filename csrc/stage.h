@@ -79,6 +79,10 @@ ATT_EVENT int att_round_fast(const att_stage *st, double x, double *y) {
     }
     if (st->kind == ATT_RNE) {
         uint64_t u = fadev_bits_of(x), a = u & 0x7FFFFFFFFFFFFFFFull;
+        if (a == 0) { /* a zero is itself in every format, its sign kept (fadev_round_one's subnormal branch) */
+            *y = x;
+            return 1;
+        }
         if (a - st->lo_bits <= st->hi_bits - st->lo_bits) {
             uint64_t r = (a + st->half_m1 + ((a >> st->shift) & 1)) & st->keep_mask;
             if (r <= st->hi_bits) {

@@ -63,6 +63,45 @@ __device__ __forceinline__ int emu_products_fit_f32(double amin, double amax, do
 __device__ __forceinline__ double emu_mag_min(const emu_mag &m) { return fadev_double_of(m.min_bits); }
 __device__ __forceinline__ double emu_mag_max(const emu_mag &m) { return fadev_double_of(m.max_bits); }
 
+/* The records' starting values (no value seen yet), set on the device (no host copy, no synchronisation). */
+static __global__ void emu_mag_reset_kernel(emu_mag *m, int64_t n) {
+    for (int64_t x = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; x < n; x += (int64_t)gridDim.x * blockDim.x)
+        m[x] = emu_mag{0x7FF0000000000000ull, 0, 1};
+}
+
+/* Folds one value into a thread's running magnitudes (mag_add's rules on the fp64 bits). */
+__device__ __forceinline__ void emu_mag_put(unsigned long long &lo, unsigned long long &hi, int &finite, double x) {
+    const unsigned long long m = fadev_bits_of(x) & 0x7FFFFFFFFFFFFFFFull;
+    if (m >= 0x7FF0000000000000ull) finite = 0;
+    else if (m) lo = m < lo ? m : lo, hi = m > hi ? m : hi;
+}
+
+/* The block's magnitudes into *rec: warp shuffles, shared memory, then one atomic per block; every thread of the
+ * block calls it (it synchronises the block). One atomic per thread, or per warp, is what it replaces: the records
+ * of all heads share a few L2 lines, and their atomics serialised there (0.76 ms a call at B 8, H 8, N 1024, D 64
+ * on an H200, a third of the emulated Llama step; torch.profiler, benchmarks/README.md). */
+__device__ __forceinline__ void emu_mag_flush(emu_mag *rec, unsigned long long lo, unsigned long long hi, int finite) {
+    __shared__ unsigned long long lo_w[32], hi_w[32];
+    __shared__ int finite_w[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long lo2 = __shfl_xor_sync(0xFFFFFFFFu, lo, o), hi2 = __shfl_xor_sync(0xFFFFFFFFu, hi, o);
+        lo = lo2 < lo ? lo2 : lo, hi = hi2 > hi ? hi2 : hi;
+    }
+    finite = __all_sync(0xFFFFFFFFu, finite);
+    const unsigned warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
+    __syncthreads(); /* an earlier call's reads of lo_w ... are done */
+    if (threadIdx.x % 32 == 0) lo_w[warp] = lo, hi_w[warp] = hi, finite_w[warp] = finite;
+    __syncthreads();
+    if (threadIdx.x) return;
+    for (unsigned w = 1; w < warps; w++) {
+        lo = lo_w[w] < lo ? lo_w[w] : lo, hi = hi_w[w] > hi ? hi_w[w] : hi;
+        finite &= finite_w[w];
+    }
+    atomicMin(&rec->min_bits, lo);
+    atomicMax(&rec->max_bits, hi);
+    if (!finite) atomicAnd(&rec->finite, 0);
+}
+
 /* One accumulation step acc = R_acc(acc + a * b) of a dot product whose accumulator stage is not ATT_EXACT or
  * ATT_F32 (those have their own loops), with the event's counter. */
 __device__ __forceinline__ double emu_mac(const att_stage &acc_stage, double acc, double a, double b,

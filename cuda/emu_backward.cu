@@ -41,32 +41,6 @@ __device__ __forceinline__ int products_exact(const emu_mag &x, const emu_mag &y
 
 /* ------------------------------------------------------------------ set-up kernels */
 
-__global__ void mag_reset_kernel(emu_mag *m, int64_t n) {
-    for (int64_t x = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; x < n; x += (int64_t)gridDim.x * blockDim.x)
-        m[x] = emu_mag{0x7FF0000000000000ull, 0, 1};
-}
-
-/* Folds one value into a thread's running magnitudes (mag_add's rules on the fp64 bits). */
-__device__ __forceinline__ void mag_put(unsigned long long &lo, unsigned long long &hi, int &finite, double x) {
-    const unsigned long long m = fadev_bits_of(x) & 0x7FFFFFFFFFFFFFFFull;
-    if (m >= 0x7FF0000000000000ull) finite = 0;
-    else if (m) lo = m < lo ? m : lo, hi = m > hi ? m : hi;
-}
-
-/* The warp's magnitudes into *rec; every lane of the warp calls it. */
-__device__ void mag_flush(emu_mag *rec, unsigned long long lo, unsigned long long hi, int finite) {
-    for (int off = 16; off; off >>= 1) {
-        const unsigned long long lo2 = __shfl_xor_sync(FULL, lo, off), hi2 = __shfl_xor_sync(FULL, hi, off);
-        lo = lo2 < lo ? lo2 : lo, hi = hi2 > hi ? hi2 : hi;
-        finite &= __shfl_xor_sync(FULL, finite, off);
-    }
-    if ((threadIdx.x & 31) == 0) {
-        atomicMin(&rec->min_bits, lo);
-        atomicMax(&rec->max_bits, hi);
-        if (!finite) atomicAnd(&rec->finite, 0);
-    }
-}
-
 /* dO = R_input(dout) with the backward's event 0, and the magnitudes of Q and dO per K/V head (for the float
  * tier of the scores and dP). blockIdx.y: query head head0 + y; blockDim.x = THREADS. */
 __global__ void __launch_bounds__(THREADS) round_dout_kernel(const __grid_constant__ bwd_args a, int64_t head0) {
@@ -80,11 +54,11 @@ __global__ void __launch_bounds__(THREADS) round_dout_kernel(const __grid_consta
         const double x = emu_round(cx.input, a.dout_in[at], stream, ATT_INDEX(e / D, e % D, 0));
         a.dout[at] = x;
         if (a.doutf) a.doutf[at] = (float)x;
-        mag_put(dlo, dhi, dfin, x);
-        mag_put(qlo, qhi, qfin, cx.q[at]);
+        emu_mag_put(dlo, dhi, dfin, x);
+        emu_mag_put(qlo, qhi, qfin, cx.q[at]);
     }
-    mag_flush(a.domag + bg, dlo, dhi, dfin);
-    mag_flush(a.qmag + bg, qlo, qhi, qfin);
+    emu_mag_flush(a.domag + bg, dlo, dhi, dfin);
+    emu_mag_flush(a.qmag + bg, qlo, qhi, qfin);
 }
 
 /* Flash, per query row: D_i = R_dsoft(sum_d dO O) with O = R_out(out) (step 5), L_i = R_stats(lse), or
@@ -427,7 +401,7 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
     CUDA_TRY(cudaMemset(dk_part.ptr, 0, n_kv * sizeof(double)));
     CUDA_TRY(cudaMemset(dv_part.ptr, 0, n_kv * sizeof(double)));
 
-    mag_reset_kernel<<<grid_of(2 * G, THREADS) < 1024 ? grid_of(2 * G, THREADS) : 1024, THREADS>>>(mags.ptr, 2 * G);
+    emu_mag_reset_kernel<<<grid_of(2 * G, THREADS) < 1024 ? grid_of(2 * G, THREADS) : 1024, THREADS>>>(mags.ptr, 2 * G);
     CUDA_TRY(cudaGetLastError());
     unsigned per_head = emu_blocks((size_t)(Nq * D), THREADS);
     per_head = per_head > 64 ? 64 : per_head;

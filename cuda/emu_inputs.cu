@@ -7,7 +7,7 @@
 #include "emu.cuh"
 
 /* One launch per tensor: blockIdx.y is the head; each thread walks a stride of that head's rows x D values
- * and folds its magnitudes into the head's record with one atomic per thread. */
+ * and the block folds its magnitudes into the head's record (emu_mag_flush: one atomic per block). */
 __global__ void round_inputs_kernel(const double *src, double *dst, float *dstf, int64_t rows, int64_t dim,
                                     att_stage in, int stage_id, emu_mag *mag, int64_t head0) {
     const int64_t head = head0 + blockIdx.y, per_head = rows * dim;
@@ -22,15 +22,9 @@ __global__ void round_inputs_kernel(const double *src, double *dst, float *dstf,
         const double x = emu_round(in, s[e], stream, ATT_INDEX(row, col, 0));
         d_out[e] = x;
         if (f_out) f_out[e] = (float)x;
-        const unsigned long long a = fadev_bits_of(x) & 0x7FFFFFFFFFFFFFFFull;
-        if (a >= 0x7FF0000000000000ull) finite = 0;
-        else if (a) lo = a < lo ? a : lo, hi = a > hi ? a : hi;
+        emu_mag_put(lo, hi, finite, x);
     }
-    if (mag) {
-        atomicMin(&mag[head].min_bits, lo);
-        atomicMax(&mag[head].max_bits, hi);
-        if (!finite) atomicAnd(&mag[head].finite, 0);
-    }
+    if (mag) emu_mag_flush(mag + head, lo, hi, finite);
 }
 
 static fadev_status round_tensor(const double *src, device_buffer<double> &dst, device_buffer<float> &dstf,
@@ -41,12 +35,8 @@ static fadev_status round_tensor(const double *src, device_buffer<double> &dst, 
     if (want_float) FADEV_TRY(dstf.alloc(n, "emulated attention: fp32 inputs"));
     if (mag) {
         FADEV_TRY(mag->alloc((size_t)heads, "emulated attention: magnitudes"));
-        emu_mag *init = (emu_mag *)malloc((size_t)heads * sizeof(emu_mag));
-        if (!init) return FADEV_ERR_NO_MEMORY;
-        for (int64_t h = 0; h < heads; h++) init[h] = emu_mag{0x7FF0000000000000ull, 0, 1};
-        const cudaError_t err = cudaMemcpy(mag->ptr, init, (size_t)heads * sizeof(emu_mag), cudaMemcpyHostToDevice);
-        free(init);
-        if (err != cudaSuccess) return fadev_cuda_fail(err, "emulated attention: magnitudes");
+        emu_mag_reset_kernel<<<emu_blocks((size_t)heads, 256), 256>>>(mag->ptr, heads);
+        CUDA_TRY(cudaGetLastError());
     }
     const unsigned threads = 256;
     unsigned per_head = emu_blocks((size_t)(rows * dim), threads);
