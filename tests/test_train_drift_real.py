@@ -225,3 +225,39 @@ def test_emulated_real_study_on_the_cpu(tmp_path):
     report = open(os.path.join(out, "train_drift.md")).read()
     assert "the emulated FA2 drifts from its baseline as the real flash kernel" in report and "nan" not in report
     assert "--kernels emulated_real" in report
+
+
+def test_a_stopped_run_cut_where_every_arm_got(tmp_path):
+    """A run whose lease ended before every arm was done (here: the emulated baseline's rows after update 5 removed,
+    as if it had stopped at 5) gets no verdict; `report DIR --until 5` reads it up to update 5, which every arm
+    reached, computes the verdicts there, says so, draws the figures from those rows, and a later rendering keeps
+    the cut. A cut past an arm's progress, or off the logged steps, or of another experiment, is refused."""
+    from fadev.experiments import rerender
+    out = str(tmp_path / "stopped")
+    assert main(["train-drift", "--model", "llama", "--kernels", "emulated_real", "--quick", "--out", out,
+                 "--steps", "8", "--log-points", "5", "--log-every", "8", "--checkpoint-every", "8"]) == 0
+    drift = pd.read_csv(os.path.join(out, "train_drift.csv"))
+    loss = pd.read_csv(os.path.join(out, "train_drift_loss.csv"))
+    late = (drift["step"] > 5) & ((drift["a"] == "baseline_emulated") | (drift["b"] == "baseline_emulated"))
+    drift[~late].to_csv(os.path.join(out, "train_drift.csv"), index=False)
+    loss[~((loss["run"] == "baseline_emulated") & (loss["step"] > 5))].to_csv(
+        os.path.join(out, "train_drift_loss.csv"), index=False)
+    os.remove(os.path.join(out, "train_drift_loss.png"))
+    _, results = rerender.rerender(out)
+    assert all(f.holds is None for f in results["train_drift"]["findings"])  # partial: no verdict
+    for bad, match in ((8, "did not reach it"), (4, "not a logged step"), (0, "positive integer")):
+        with pytest.raises(ValueError, match=match):
+            rerender.rerender(out, until=bad)
+    _, results = rerender.rerender(out, until=5)
+    judged = {f.claim.split(" (rel_l2)")[0]: f.holds for f in results["train_drift"]["findings"]}
+    assert judged["flash fa2(bf16) vs emulated baseline / flash (SDPA) vs baseline"] is not None
+    report = open(os.path.join(out, "train_drift.md")).read()
+    assert "**Cut at update 5 of 8**" in report and "`baseline_emulated` 5" in report
+    assert os.path.getsize(os.path.join(out, "train_drift_loss.png")) > 0  # drawn again from the cut rows
+    rerender.rerender(out)
+    assert open(os.path.join(out, "train_drift.md")).read().count("**Cut at update 5 of 8**") == 2
+    assert main(["report", out, "--until", "5"]) == 0
+    other = str(tmp_path / "digits")
+    assert main(["train-drift", "--quick", "--out", other, "--steps", "4", "--log-every", "2"]) == 0
+    with pytest.raises(ValueError, match="only a train-drift --model llama run"):
+        rerender.rerender(other, until=2)

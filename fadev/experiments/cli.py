@@ -223,7 +223,7 @@ def _cmd_experiment(name, command):
 
 def cmd_report(args) -> int:
     try:
-        path, results = rerender(args.dir, out=args.out, size=args.size)
+        path, results = rerender(args.dir, out=args.out, size=args.size, until=args.until)
     except (OSError, ValueError, KeyError) as e:
         print(f"fadev report: {e}", file=sys.stderr)
         return 1
@@ -253,6 +253,10 @@ def add_subcommands(sub):
     rp.add_argument("dir", metavar="DIR", help="a results folder, e.g. docs/results/kernels-quick-h100-2026-11-22")
     rp.add_argument("--out", default=None, metavar="FILE",
                     help="write the report here instead (a folder where DIR holds one report per experiment)")
+    rp.add_argument("--until", type=int, default=None, metavar="STEP",
+                    help="train-drift --model llama runs: read the run up to update STEP (a logged step every arm "
+                         "reached), for a run whose lease ended before every arm was done; the report says so, later "
+                         "renderings keep the cut, and the figures are drawn again from those rows")
     group = rp.add_mutually_exclusive_group()
     for size in ("quick", "full"):
         group.add_argument(f"--{size}", dest="size", action="store_const", const=size,

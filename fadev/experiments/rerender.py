@@ -19,6 +19,7 @@ import pandas as pd
 
 from .. import __version__, report
 from . import EXPERIMENTS, METHOD, PAPER
+from . import train_drift_real
 from .headline import headline
 
 ATTR_TABLES = {"kernels": {"backward": "kernels_backward.csv", "tiles": "kernels_tiles.csv"},
@@ -79,7 +80,10 @@ def _candidates(text):
     return rows
 
 
-def _result(folder, name, size, device, text):
+def _result(folder, name, size, device, text, until=None, figures_dir=None):
+    """One experiment's results read back from ``folder``; ``until``: cut a train-drift --model llama run there
+    (train_drift_real.cut; a cut recorded in ``text`` is applied again without it) and draw its figures again in
+    ``figures_dir``."""
     exp = EXPERIMENTS[name]
     df = pd.read_csv(os.path.join(folder, f"{name}.csv"))
     for col in df.columns:  # text columns: an empty cell was "" when written, not NaN
@@ -96,8 +100,17 @@ def _result(folder, name, size, device, text):
             intro = _llama_attrs(folder, df, text, size)
             notes.append("The workload's prose, the sizes and the arms skipped are read back from the recorded "
                          "report; how far each arm got, from the loss CSV.")
+            recorded = re.search(re.escape(train_drift_real.CUT).replace(r"\{until\}", r"(\d+)")
+                                 .replace(r"\{steps\}", r"\d+"), text)
+            at = until if until is not None else int(recorded.group(1)) if recorded else None
+            if at is not None:
+                df = train_drift_real.cut(df, at)
+                if until is not None:
+                    exp.figures(df, figures_dir or folder)
         else:
             df.attrs["settings"] = exp.SIZES[size]
+    if until is not None and "cut" not in df.attrs:
+        raise ValueError(f"until: only a train-drift --model llama run can be cut, not {folder}'s {name}")
     if name == "ring" and _candidates(text):
         df.attrs["candidates"] = _candidates(text)
         notes.append("The candidate causes are read back from the recorded report's table (they were never written "
@@ -142,7 +155,8 @@ def _llama_attrs(folder, df, text, size):
     loss = df.attrs["loss"]
     head_dim = settings["hidden"] // settings["heads"]
     if kernels in train_drift_real.KINDS:
-        arms = train_drift_real.runs_and_pairs("cuda", head_dim, ("all",) + train_drift_real.EXTRA, kernels)[0]
+        extra = train_drift_real.EXTRA if kernels == "real" else ()  # the named arms only the real set has
+        arms = train_drift_real.runs_and_pairs("cuda", head_dim, ("all",) + extra, kernels)[0]
     else:  # the CPU's arms, and the native ones (which need no GPU to describe) from their names
         from ..training.lm import Arm
         arms = train_drift.llama_runs_and_pairs("cpu", settings["native_tiles"], settings["flash_block"],
@@ -182,14 +196,19 @@ def reports(folder):
     return own
 
 
-def rerender(folder, out=None, size=None):
+def rerender(folder, out=None, size=None, until=None):
     """Render DIR's report again from DIR/NAME.csv of every experiment found there; writes ``out`` (default:
     the recorded report's path, replaced) and returns (path, results). ``size``: "quick" or "full" (default:
     as the recorded report says). A folder with one report per experiment (:func:`reports`) gets each rendered
-    again in its own file: ``out`` is then a folder (default: DIR) and the path returned is a list of paths."""
+    again in its own file: ``out`` is then a folder (default: DIR) and the path returned is a list of paths.
+    ``until``: cut a train-drift --model llama run at that update (train_drift_real.cut: for a run whose lease
+    ended before every arm was done), its figures drawn again beside the report; the report records the cut, so
+    later renderings keep it."""
     groups = reports(folder)
     if len(groups) == 1:
-        return _render(folder, groups[0][0], groups[0][1], out, size)
+        return _render(folder, groups[0][0], groups[0][1], out, size, until)
+    if until is not None:
+        raise ValueError(f"until: only a train-drift --model llama run can be cut, not the experiments of {folder}")
     paths, results = [], {}
     for path, names in groups:
         target = os.path.join(out, os.path.basename(path)) if out else None
@@ -201,7 +220,7 @@ def rerender(folder, out=None, size=None):
     return paths, results
 
 
-def _render(folder, path, names, out, size):
+def _render(folder, path, names, out, size, until=None):
     with open(path) as fh:
         text = fh.read()
     size = size or _size(text, folder)
@@ -209,7 +228,8 @@ def _render(folder, path, names, out, size):
         raise ValueError(f"size must be 'quick' or 'full', got {size!r}")
     header = _header(text)
     device = "cuda" if re.search(r"cuda|GPU", header) else "cpu"
-    results = {n: _result(folder, n, size, device, text) for n in names}
+    target = os.path.dirname(out) if out else folder
+    results = {n: _result(folder, n, size, device, text, until, target) for n in names}
     if len(names) == 1:
         command = names[0].replace("_", "-")
         title = f"{EXPERIMENTS[names[0]].TITLE} (`python -m fadev {command}`)"
@@ -223,6 +243,8 @@ def _render(folder, path, names, out, size):
     rendered = (f"Re-rendered from the recorded CSVs ({', '.join(csvs)}) by `python -m fadev "
                 f"report DIR` (fadev {__version__}, {datetime.date.today().isoformat()}): the numbers are the "
                 f"recorded run's, the findings and tables are computed from them by the current code.")
+    if any("cut" in r["df"].attrs for r in results.values()):
+        rendered += " The run is read up to the update it was cut at (below); its figures are drawn from those rows."
     sampled = any("n_query" in r["experiment"].SIZES[size] for r in results.values())
     report.write(out or path, results, title=title, command="python -m fadev report DIR", size=size,
                  header=[f"Recorded run: {header}", rendered], preamble=[METHOD] if sampled else [],

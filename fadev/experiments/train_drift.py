@@ -570,6 +570,8 @@ def _progress(df):
         cells.append(f"`{name}` {reached}/{steps}{rate}{latest}")
     lines = [("**Complete**: " if not _partial(df) else "**Partial run** (continue with the same command): ") +
              "updates done per arm: " + "; ".join(cells) + "."]
+    if real.cut_line(df):
+        lines.insert(0, real.cut_line(df))
     if df.attrs.get("skipped"):
         lines.append("Skipped arms: " + "; ".join(f"`{n}` ({why})" for n, why in df.attrs["skipped"].items()) + ".")
     return lines

@@ -265,6 +265,54 @@ def verdict(drift, num, den, lo, hi, metric=METRIC):
     return holds, text, partly
 
 
+CUT = "**Cut at update {until} of {steps}**"
+"""How a cut run's report says so (:func:`cut`); the re-rendering reads it back (fadev.experiments.rerender)."""
+
+
+def cut(df, until):
+    """The llama run ``df`` (its rows, ``df.attrs`` as run_llama or the re-rendering fill them) read up to update
+    ``until``: the rows, losses and per-layer rows at logged steps <= ``until``, every arm counted as having reached
+    it (its s/update kept), and ``df.attrs["cut"] = (until, the run's steps, {arm: updates it reached})``. For a run
+    whose lease ended before every arm was done: its verdicts then read the updates every arm reached, and the
+    report says what was cut. ValueError naming ``until`` unless every arm reached it and every pair has a row there
+    (a logged step)."""
+    reached = df.attrs.get("reached")
+    if not reached:
+        raise ValueError("until: only a train-drift --model llama run (its arms' progress recorded) can be cut")
+    if isinstance(until, bool) or not isinstance(until, (int, np.integer)) or until < 1:
+        raise ValueError(f"until must be a positive integer (an update), got {until!r}")
+    short = {n: r for n, (r, _) in reached.items() if r < until}
+    if short:
+        raise ValueError(f"until={until}: arm(s) {', '.join(f'{n} (reached {r})' for n, r in short.items())} did not "
+                         f"reach it; cut at most at {min(r for r, _ in reached.values())}")
+    missing = sorted(set(df["pair"]) - set(df.loc[df["step"] == until, "pair"]))
+    if missing:
+        logged = sorted(int(s) for s in df["step"].unique() if s <= min(r for r, _ in reached.values()))
+        raise ValueError(f"until={until} is not a logged step of pair(s) {', '.join(missing)}; the logged steps every "
+                         f"arm reached: {', '.join(map(str, logged[-5:]))}")
+    out = df[df["step"] <= until].copy()
+    out.attrs = dict(df.attrs)
+    for key in ("loss", "layers"):
+        if key in df.attrs:
+            table = df.attrs[key]
+            out.attrs[key] = table[table["step"] <= until].reset_index(drop=True)
+    out.attrs["reached"] = {n: (until, s * until / r if r else s) for n, (r, s) in reached.items()}
+    out.attrs["cut"] = (int(until), int(df.attrs["steps"]), {n: int(r) for n, (r, _) in reached.items()})
+    out.attrs["steps"] = int(until)
+    return out
+
+
+def cut_line(df):
+    """The report's sentence on a cut run (:func:`cut`), or None."""
+    if "cut" not in df.attrs:
+        return None
+    until, steps, reached = df.attrs["cut"]
+    return (CUT.format(until=until, steps=steps) + f" (`python -m fadev report DIR --until {until}`): the run "
+            f"stopped before every arm was done, the arms' last logged updates " +
+            ", ".join(f"`{n}` {r}" for n, r in reached.items()) + f" of {steps}; everything below reads the updates "
+            f"up to {until}, which every arm reached.")
+
+
 def _finding(claim, judged, paper, source):
     holds, text, partly = judged
     return Finding(claim, text, paper, holds, source if holds is not None else "", partly=partly)
