@@ -4,6 +4,7 @@ are computed from the rows -- each verdict shown to hold on data where it must a
 and per-layer distances add up to the model's."""
 import math
 import os
+import re
 
 import numpy as np
 import pandas as pd
@@ -236,6 +237,9 @@ def test_a_stopped_run_cut_where_every_arm_got(tmp_path):
     out = str(tmp_path / "stopped")
     assert main(["train-drift", "--model", "llama", "--kernels", "emulated_real", "--quick", "--out", out,
                  "--steps", "8", "--log-points", "5", "--log-every", "8", "--checkpoint-every", "8"]) == 0
+    again = re.search(r"Regenerate with `([^`]*)`", open(os.path.join(out, "train_drift.md")).read()).group(1)
+    assert again.startswith("python -m fadev train-drift --model llama --kernels emulated_real --quick ")
+    assert set(again.split()[9:-2]) == {"--steps", "8", "--log-points", "5", "--log-every", "--checkpoint-every"}
     drift = pd.read_csv(os.path.join(out, "train_drift.csv"))
     loss = pd.read_csv(os.path.join(out, "train_drift_loss.csv"))
     late = (drift["step"] > 5) & ((drift["a"] == "baseline_emulated") | (drift["b"] == "baseline_emulated"))

@@ -201,6 +201,12 @@ def _cmd_experiment(name, command):
         for key in getattr(exp, "SHOWN_OPTIONS", ()):  # settings that choose the study, not its size
             if overrides.get(key) not in (None, sizes.get(key)):
                 shown += f" --{key.replace('_', '-')} {overrides[key]}"
+        # the regenerate command: every other setting the command line changed (not those that only say how this
+        # call runs, an experiment's RUN_OPTIONS), and the device
+        again = "".join(f" --{key.replace('_', '-')} {_shown(value)}" for key, value in overrides.items()
+                        if key not in getattr(exp, "SHOWN_OPTIONS", ()) + getattr(exp, "RUN_OPTIONS", ())
+                        and (not variants or key != variants[0]) and value != sizes.get(key))
+        again += f" --device {args.device}" if getattr(args, "device", "cpu") != "cpu" else ""
         try:
             result = run_one(name, size=args.size, out=args.out, device=args.device, workers=args.workers,
                              progress=args.progress, cluster=run_options(args), **overrides)
@@ -208,7 +214,7 @@ def _cmd_experiment(name, command):
             print(f"fadev {command}: {e}", file=sys.stderr)
             return 1
         path = document(os.path.join(args.out, f"{name}.md"), {name: result}, args.size, args.device,
-                        command=f"python -m fadev {shown} --{args.size} --out DIR",
+                        command=f"python -m fadev {shown} --{args.size}{again} --out DIR",
                         title=f"{exp.TITLE} (`python -m fadev {shown}`)")
         for f in result["findings"]:
             print(f.markdown())

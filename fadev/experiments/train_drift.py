@@ -51,7 +51,9 @@ NAME = "train_drift"
 TITLE = "Training drift: does flash attention change the trained weights?"
 FIGURES = ("train_drift_linear", "train_drift_log", "train_drift_loss")
 SHOWN_OPTIONS = ("kernels",)
-"""Settings named in the report's regenerate command when not the default: they choose the study."""
+"""Settings named in the report's title and regenerate command when not the default: they choose the study."""
+RUN_OPTIONS = ("budget_s",)
+"""Settings left out of the report's regenerate command: they say how one call runs, not what it computes."""
 EXTRA_FIGURES = ("train_drift_loglog", "train_drift_layers")
 """Drawn for ``--kernels real`` only."""
 REPRODUCE = False
