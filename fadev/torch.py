@@ -122,7 +122,7 @@ def _run_forward(kern, q, k, v, causal, scale, sink=None):
     out = out.reshape(q.shape)
     if sink is not None:
         sink.append(out)
-    result = _to_dtype(out, q.dtype)
+    result = _to_dtype(out, q.dtype, kern.policy.out)
     return result, (result if q.dtype == torch.float64 else _as_tensor(out)), _as_tensor(lse)
 
 
@@ -133,8 +133,9 @@ def _run_backward(kern, causal, scale, q, k, v, out, lse, dout):
                                                            (out, None, qs), (dout, "dout", qs),
                                                            (lse, None, tuple(lse.shape)))]
     dq, dk, dv = kern.backward(*arrays[:4], arrays[5], arrays[4], causal, scale)
-    return (_to_dtype(dq.reshape(q.shape), q.dtype), _to_dtype(dk.reshape(k.shape), q.dtype),
-            _to_dtype(dv.reshape(v.shape), q.dtype))
+    grad = kern.policy.grad  # the stage every gradient is rounded to last
+    return (_to_dtype(dq.reshape(q.shape), q.dtype, grad), _to_dtype(dk.reshape(k.shape), q.dtype, grad),
+            _to_dtype(dv.reshape(v.shape), q.dtype, grad))
 
 
 class _AttentionFunction(torch.autograd.Function):

@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from .formats import as_format
 from .formats import to_bits as _to_bits
 
 _FORMAT_OF = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -101,12 +102,26 @@ def _cast_on_device(t: torch.Tensor, dtype) -> torch.Tensor:
     return torch.where(back == t, f, odd).to(dtype)
 
 
-def _to_dtype(arr, dtype) -> torch.Tensor:
+def values_within(fmt, dtype) -> bool:
+    """Whether every value of fadev format ``fmt`` is a value of torch ``dtype`` (float16, bfloat16, float32,
+    float64): no more significant bits, no larger finite magnitude, no finer grid at the bottom (its smallest
+    subnormal, or its smallest normal without subnormals). Then a float64 tensor of ``fmt`` values converts exactly
+    with torch's own cast, which for float16 / bfloat16 goes through float32 (exact too: both hold every such value)."""
+    target = as_format(_FORMAT_OF[dtype])
+    return (fmt.precision <= target.precision and fmt.largest <= target.largest
+            and fmt.smallest_subnormal >= target.smallest_subnormal)
+
+
+def _to_dtype(arr, dtype, values=None) -> torch.Tensor:
     """A float64 result as a tensor of ``dtype``, rounded to nearest-even once (exact when the values are
     in the dtype already, e.g. an fa2(bf16) output in bfloat16 or float32). float64 shares ``arr``'s
     memory. (torch's own float64 -> float16/bfloat16 cast rounds twice, through float32.) A CUDA result
-    (a tensor) is cast on the device."""
+    (a tensor) is cast on the device: by torch's one cast where ``values``, the format the kernel rounded the
+    result to (its policy's stage), has only values of ``dtype`` (:func:`values_within`: the round-to-odd
+    sequence of :func:`_cast_on_device` would leave them unchanged; one kernel instead of nine per tensor)."""
     if isinstance(arr, torch.Tensor):
+        if values is not None and values_within(values, dtype):
+            return arr.to(dtype)
         return _cast_on_device(arr, dtype)
     if dtype == torch.float64:
         return torch.from_numpy(arr)

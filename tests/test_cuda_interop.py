@@ -154,6 +154,31 @@ def test_device_cast_rounds_once():
         assert not same_bits(host(torch.from_numpy(values).to(dtype)), host(want))  # torch's cast rounds twice
 
 
+def test_device_cast_of_values_already_in_the_dtype():
+    """A CUDA result whose policy stage has only values of the target dtype (fa2(bf16)'s output and gradients into
+    bfloat16) is cast by torch's one cast: the same bits as the round-to-odd sequence, because nothing rounds. A
+    stage with values outside the dtype takes the sequence. Checked on CPU tensors, as above."""
+    import fadev.torch as ft
+    from fadev.torch_tensors import values_within
+    fmts = fadev.formats
+    assert values_within(fmts["bf16"], torch.bfloat16) and values_within(fmts["bf16"], torch.float32)
+    assert values_within(fmts["fp16"], torch.float32) and values_within(fmts["fp8_e4m3"], torch.bfloat16)
+    assert values_within(fmts["fp8_e4m3"], torch.float16) and values_within(fmts["fp32"], torch.float64)
+    assert not values_within(fmts["bf16"], torch.float16)  # range: 2^127 is no float16
+    assert not values_within(fmts["fp16"], torch.bfloat16)  # 11 bits; and 2^-24 is a bfloat16, 1 + 2^-10 is not
+    assert not values_within(fmts["fp32"], torch.bfloat16) and not values_within(fmts["fp64"], torch.float32)
+    rng = np.random.default_rng(8)
+    for dtype, fmt in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.bfloat16, "fp8_e4m3")):
+        f = fmts[fmt]
+        x = fadev.round(rng.standard_normal(20000) * np.exp2(rng.integers(-40, 20, 20000)), fmt)
+        x = np.concatenate([x, [0.0, -0.0, np.inf, -np.inf, np.nan, f.largest, -f.smallest_subnormal]])
+        got = ft._to_dtype(torch.from_numpy(x), dtype, f)
+        assert same_bits(host(got), host(ft._cast_on_device(torch.from_numpy(x), dtype))), fmt
+    wide = rng.standard_normal(1000)  # fp64 values: the stage says they may not be bfloat16 values
+    assert same_bits(host(ft._to_dtype(torch.from_numpy(wide), torch.bfloat16, fmts["fp64"])),
+                     host(ft._to_dtype(wide, torch.bfloat16)))
+
+
 # ---------------------------------------------------------------- DeviceArray and interop (GPU)
 
 @pytest.mark.gpu
