@@ -7,6 +7,7 @@ computations; ``pol.replace(p="fp32")`` changes one stage.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import numpy as np
@@ -184,14 +185,14 @@ class Policy:
         body = " ".join(f"{s}={getattr(self, s)}" for s in STAGES if getattr(self, s) is not None)
         return f"Policy[{self.name}]({body}, rounding={self.rounding})"
 
-    @property
+    @functools.cached_property  # a Policy is frozen: built once per policy, not per call (issue 24's host time)
     def _c(self):
         """The tuple the C binding turns into a fadev_policy."""
         fmts = [self.input, self.score_acc, self.score, self.softmax, self.sum_acc, self.stats, self.rescale, self.p,
                 self.pv_acc, self.out_acc, self.state_out, self.state_stats, self.out]
         return tuple(f._c for f in fmts) + (ROUNDING_MODES[self.rounding], int(self.seed))
 
-    @property
+    @functools.cached_property
     def _c_backward(self):
         """The tuple the C binding turns into a fadev_policy_backward: the formats in BACKWARD_STAGES order, then
         1 when the scale multiplies dS (bwd_scale "ds"), else 0."""
