@@ -1,7 +1,7 @@
 """A training step on each attention, and fadev's host time per attention call (validate, then time).
 
-    python benchmarks/bench_step.py [--steps 20] [--arms sdpa,eager,native,fa2,paper] [--model llama64|gqa128|mha128]
-                                    [--quick] [--device cpu]
+    python benchmarks/bench_step.py [--steps 20] [--arms sdpa,eager,native,fa2,paper,naive]
+                                    [--model llama64|gqa128|mha128] [--quick] [--device cpu] [--profile]
     python benchmarks/bench_step.py --host-only     # no GPU needed: fadev's host time per native call
 
 (fadev importable: an installed build, or PYTHONPATH=. for an in-place one.)
@@ -15,6 +15,10 @@ The model is the training-drift study's Llama (fadev.training.lm: transformers' 
   native  fadev's native kernel through fadev.hf, defaults (``use(kernel="native")``)
   fa2     fadev's emulated fa2(bf16) through fadev.hf (``use("fa2:bf16")``)
   paper   fadev's emulated paper(bf16)
+  naive   fadev's emulated naive(bf16) baseline (``use("naive:bf16", kernel="baseline")``: the drift studies' baseline)
+
+``--profile``: after the timing, one more step per arm under torch.profiler, and the kernels that took the most
+device time (CPU time on ``--device cpu``), so that a step's time can be read kernel by kernel.
 
 Validation first: every arm's loss after the same 2 updates from the same init is finite and within 2% of
 sdpa's (the kernels differ only by rounding). Then the median wall time of ``--steps`` updates (each ended by a
@@ -38,7 +42,7 @@ import time
 
 import torch
 
-ARMS = ("sdpa", "eager", "native", "fa2", "paper")
+ARMS = ("sdpa", "eager", "native", "fa2", "paper", "naive")
 MODELS = {  # issue 25: the drift study's Llama (head dim 64, grouped-query), and head dim 128 with and without GQA
     "llama64": dict(hidden=512, layers=8, heads=8, heads_kv=4, ffn=1376),
     "gqa128": dict(hidden=1024, layers=8, heads=8, heads_kv=4, ffn=2752),
@@ -55,6 +59,8 @@ def model_and_context(arm, config, device):
         ctx = hf.use(kernel="native")
     elif arm in ("fa2", "paper"):
         ctx = hf.use(f"{arm}:bf16")
+    elif arm == "naive":
+        ctx = hf.use("naive:bf16", kernel="baseline")
     else:
         ctx = hf.use(kernel="sdpa")
     return model, ctx
@@ -86,7 +92,8 @@ def step_fn(model, ctx, opt, device):
     return step
 
 
-def run_arm(arm, config, data, steps, device):
+def run_arm(arm, config, data, steps, device, profile=0):
+    """(loss after 2 updates, median step seconds[, the profile's table of the ``profile`` costliest kernels])."""
     model, ctx = model_and_context(arm, config, device)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
     step = step_fn(model, ctx, opt, device)
@@ -98,8 +105,21 @@ def run_arm(arm, config, data, steps, device):
         step(*data[(i + 2) % len(data)])
         sync(device)
         times.append(time.perf_counter() - t0)
+    table = kernels(step, data[0], device, profile) if profile else None
     del model, opt
-    return losses[-1], statistics.median(times[1:] if len(times) > 1 else times)
+    return (losses[-1], statistics.median(times[1:] if len(times) > 1 else times)) + ((table,) if profile else ())
+
+
+def kernels(step, batch, device, rows):
+    """torch.profiler's table of one step: the ``rows`` operations and kernels with the most self device time
+    (self CPU time on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step(*batch)
+        sync(device)
+    key = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
 
 
 def host_us_per_call(device, calls=200):
@@ -231,6 +251,8 @@ def main():
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a check of this program without a GPU (no native arm; CPU timings mean little)")
     p.add_argument("--host-only", action="store_true", help="only fadev's host time per native call (no GPU needed)")
+    p.add_argument("--profile", type=int, nargs="?", const=15, default=0, metavar="ROWS",
+                   help="then one step per arm under torch.profiler: its ROWS (15) costliest kernels")
     args = p.parse_args()
     if args.host_only:
         return print_host_only()
@@ -248,7 +270,9 @@ def main():
                     ffn=size["ffn"] // 4, layers=2, seq=256)
     config = lm.LMConfig(**size, batch=8, lr=3e-4)
     data = batches(config, args.steps + 2, args.device)
-    results = {a: run_arm(a, config, data, args.steps, args.device) for a in arms}
+    results = {a: run_arm(a, config, data, args.steps, args.device, args.profile) for a in arms}
+    tables = {a: r[2] for a, r in results.items() if len(r) > 2}
+    results = {a: r[:2] for a, r in results.items()}
     ref_loss, ref_s = results["sdpa"]
     bad = [a for a, (loss, _) in results.items() if not (math.isfinite(loss) and abs(loss / ref_loss - 1) <= 0.02)]
     if bad:
@@ -264,6 +288,8 @@ def main():
     print("\nper attention call, forward + backward, tiny problem (wall time of 200 calls): " +
           ", ".join(f"{k} {us:.0f} us" for k, us in host.items()))
     print_host_only()
+    for a, table in tables.items():
+        print(f"\none step of {a}, torch.profiler (the costliest {args.profile}):\n{table}")
 
 
 if __name__ == "__main__":
