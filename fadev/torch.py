@@ -29,7 +29,9 @@ row log-sum-exp; the backward recomputes nothing else.
 CUDA tensors are computed by fadev's GPU kernels (the same policy kernels, the same bits as on the CPU)
 with no host copies: fadev.cuda reads float64 contiguous tensors in place and converts others on the
 device; results are float64 CUDA tensors, cast to the input dtype on the device with one rounding
-(round-to-odd through float32, then nearest-even). Streams: see :mod:`fadev.cuda`. Other devices
+(round-to-odd through float32, then nearest-even), or by torch's one cast where the policy's ``out`` /
+``grad`` format holds only values of the dtype (nothing rounds: fadev.torch_tensors.values_within). Streams: see
+:mod:`fadev.cuda`. Other devices
 raise NotImplementedError (or fall back with ``fallback=True``).
 """
 from __future__ import annotations
