@@ -174,9 +174,13 @@ def test_device_cast_of_values_already_in_the_dtype():
         x = np.concatenate([x, [0.0, -0.0, np.inf, -np.inf, np.nan, f.largest, -f.smallest_subnormal]])
         got = ft._to_dtype(torch.from_numpy(x), dtype, f)
         assert same_bits(host(got), host(ft._cast_on_device(torch.from_numpy(x), dtype))), fmt
-    wide = rng.standard_normal(1000)  # fp64 values: the stage says they may not be bfloat16 values
-    assert same_bits(host(ft._to_dtype(torch.from_numpy(wide), torch.bfloat16, fmts["fp64"])),
-                     host(ft._to_dtype(wide, torch.bfloat16)))
+    # fp64 values just off bfloat16's ties, where torch's cast (through float32) rounds twice: the stage (fp64) says
+    # they may not be bfloat16 values, so the round-to-odd sequence must be taken
+    x = fadev.round(rng.standard_normal(1000), "bf16")
+    wide = x + np.abs(x) * fmts["bf16"].unit_roundoff * (1 + 2.0**-30)
+    want = ft._to_dtype(wide, torch.bfloat16)
+    assert same_bits(host(ft._to_dtype(torch.from_numpy(wide), torch.bfloat16, fmts["fp64"])), host(want))
+    assert not same_bits(host(torch.from_numpy(wide).to(torch.bfloat16)), host(want))  # the one cast would be wrong
 
 
 # ---------------------------------------------------------------- DeviceArray and interop (GPU)

@@ -257,6 +257,7 @@ def test_a_stopped_run_cut_where_every_arm_got(tmp_path):
     assert judged["flash fa2(bf16) vs emulated baseline / flash (SDPA) vs baseline"] is not None
     report = open(os.path.join(out, "train_drift.md")).read()
     assert "**Cut at update 5 of 8**" in report and "`baseline_emulated` 5" in report
+    assert "the run stopped before every arm was done" in report
     assert os.path.getsize(os.path.join(out, "train_drift_loss.png")) > 0  # drawn again from the cut rows
     rerender.rerender(out)
     assert open(os.path.join(out, "train_drift.md")).read().count("**Cut at update 5 of 8**") == 2

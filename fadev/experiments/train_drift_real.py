@@ -307,10 +307,11 @@ def cut_line(df):
     if "cut" not in df.attrs:
         return None
     until, steps, reached = df.attrs["cut"]
-    return (CUT.format(until=until, steps=steps) + f" (`python -m fadev report DIR --until {until}`): the run "
-            f"stopped before every arm was done, the arms' last logged updates " +
-            ", ".join(f"`{n}` {r}" for n, r in reached.items()) + f" of {steps}; everything below reads the updates "
-            f"up to {until}, which every arm reached.")
+    stopped = any(r < steps for r in reached.values())
+    return (CUT.format(until=until, steps=steps) + f" (`python -m fadev report DIR --until {until}`): " +
+            ("the run stopped before every arm was done" if stopped else "every arm finished") +
+            "; the arms' last logged updates " + ", ".join(f"`{n}` {r}" for n, r in reached.items()) +
+            f" of {steps}; everything below reads the updates up to {until}, which every arm reached.")
 
 
 def _finding(claim, judged, paper, source):
