@@ -9,7 +9,9 @@
  * with CUDA's message, out of device memory (FADEV_ERR_NO_MEMORY) -> MemoryError with it, FADEV_ERR_NO_CUDA
  * -> RuntimeError). Each kernel is one entry, named by its method (no kernel numbers), run by one dispatcher. Every call is synchronous:
  * the C side runs on the legacy default stream and synchronises before returning -- except a native call whose
- * options name a stream, 0 included (fadev.torch_native's path): its kernels are queued there and it returns at once. */
+ * options name a stream, 0 included (fadev.torch_native's path): its kernels are queued there and it returns at once;
+ * and an emulated call (flash, baseline, forward or backward) given a trailing stream argument, which must be 0 (the
+ * legacy default stream, PyTorch's default; fadev.cuda passes it for PyTorch tensors there): its kernels stay queued. */
 #include "module.h"
 
 /* CPython passes (self, args) to every method; most of ours use neither self nor, for METH_NOARGS, args. */
@@ -116,6 +118,7 @@ typedef struct device_entry {
     int needs;        /* what of the call spec it reads (enum call_needs) */
     int native;       /* 1: then the native options (dtype, deterministic, warp_rows, mma) */
     device_fn run;
+    int queued;       /* 1: a trailing stream argument (0, the legacy default stream) may make the call asynchronous */
 } device_entry;
 
 static fadev_status run_baseline(void *const *p, const device_options *o) {
@@ -150,15 +153,16 @@ static fadev_status run_native_backward(void *const *p, const device_options *o)
 
 #define POLICIES (NEEDS_POLICY | NEEDS_POLICY_BACKWARD)
 
-static const device_entry baseline_entry = {"baseline_attention (cuda)", 5, NEEDS_POLICY, 0, run_baseline};
-static const device_entry flash_entry = {"flash_attention (cuda)", 5, NEEDS_POLICY, 0, run_flash};
-static const device_entry golden_entry = {"golden_attention (cuda)", 5, 0, 0, run_golden};
+static const device_entry baseline_entry = {"baseline_attention (cuda)", 5, NEEDS_POLICY, 0, run_baseline, 1};
+static const device_entry flash_entry = {"flash_attention (cuda)", 5, NEEDS_POLICY, 0, run_flash, 1};
+static const device_entry golden_entry = {"golden_attention (cuda)", 5, 0, 0, run_golden, 0};
 static const device_entry baseline_backward_entry = {"baseline_attention_backward (cuda)", 9, POLICIES, 0,
-                                                     run_baseline_backward};
+                                                     run_baseline_backward, 1};
 static const device_entry flash_backward_entry = {"flash_attention_backward (cuda)", 9, POLICIES, 0,
-                                                  run_flash_backward};
-static const device_entry native_forward_entry = {"native_attention (cuda)", 5, 0, 1, run_native_forward};
-static const device_entry native_backward_entry = {"native_attention_backward (cuda)", 10, 0, 1, run_native_backward};
+                                                  run_flash_backward, 1};
+static const device_entry native_forward_entry = {"native_attention (cuda)", 5, 0, 1, run_native_forward, 0};
+static const device_entry native_backward_entry = {"native_attention_backward (cuda)", 10, 0, 1, run_native_backward,
+                                                   0};
 
 /* The shape, the call spec and (native) the native options at items first.. of args into o; 0 with an exception. */
 static int parse_tail(const device_entry *e, PyObject *args, Py_ssize_t first, device_options *o) {
@@ -174,13 +178,22 @@ static PyObject *device_call(const device_entry *e, PyObject *args) {
     void *p[10];
     device_options o;
     memset(&o, 0, sizeof o);
-    Py_ssize_t n_args = e->n_ptrs + 2 + e->native;
-    if (PyTuple_GET_SIZE(args) != n_args)
-        return PyErr_Format(PyExc_TypeError, "%s: expected %zd arguments (%d device pointers, shape, call%s), got %zd",
-                            e->name, n_args, e->n_ptrs, e->native ? ", native options" : "", PyTuple_GET_SIZE(args));
+    Py_ssize_t n_args = e->n_ptrs + 2 + e->native, given = PyTuple_GET_SIZE(args);
+    if (given != n_args && !(e->queued && given == n_args + 1))
+        return PyErr_Format(PyExc_TypeError, "%s: expected %zd arguments (%d device pointers, shape, call%s%s), got %zd",
+                            e->name, n_args, e->n_ptrs, e->native ? ", native options" : "",
+                            e->queued ? "[, stream]" : "", given);
     for (int x = 0; x < e->n_ptrs; x++)
         if (!parse_ptr(PyTuple_GET_ITEM(args, x), &p[x])) return NULL;
     if (!parse_tail(e, args, e->n_ptrs, &o)) return NULL;
+    if (given == n_args + 1) {
+        const unsigned long long stream = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, n_args));
+        if (PyErr_Occurred()) return NULL;
+        if (stream != 0)
+            return PyErr_Format(PyExc_ValueError, "%s: stream must be 0 (the legacy default stream: the emulated "
+                                "kernels queue there only), got %llu", e->name, stream);
+        o.c.pr.asynchronous = 1;
+    }
     fadev_status st;
     Py_BEGIN_ALLOW_THREADS
     st = e->run(p, &o);
@@ -286,14 +299,15 @@ PyMethodDef cuda_methods[] = {
     {"cuda_pointer_device", py_cuda_pointer_device, METH_VARARGS,
      "cuda_pointer_device(ptr) -> device index owning ptr, -1 for host memory"},
     {"cuda_baseline_attention", py_cuda_baseline, METH_VARARGS,
-     "cuda_baseline_attention(q, k, v, out, lse, shape, call); shape (B, H, Hkv, Nq, Nk, D), call fadev._args.Call.c"},
-    {"cuda_flash_attention", py_cuda_flash, METH_VARARGS, "cuda_flash_attention(q, k, v, out, lse, shape, call)"},
+     "cuda_baseline_attention(q, k, v, out, lse, shape, call[, stream]); shape (B, H, Hkv, Nq, Nk, D), call "
+     "fadev._args.Call.c, stream 0: queued on the legacy default stream, no synchronisation"},
+    {"cuda_flash_attention", py_cuda_flash, METH_VARARGS, "cuda_flash_attention(q, k, v, out, lse, shape, call[, stream])"},
     {"cuda_golden_attention", py_cuda_golden, METH_VARARGS,
      "cuda_golden_attention(q, k, v, out, lse, shape, call); the call's policy not read"},
     {"cuda_baseline_attention_backward", py_cuda_baseline_backward, METH_VARARGS,
-     "cuda_baseline_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, shape, call)"},
+     "cuda_baseline_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, shape, call[, stream])"},
     {"cuda_flash_attention_backward", py_cuda_flash_backward, METH_VARARGS,
-     "cuda_flash_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, shape, call)"},
+     "cuda_flash_attention_backward(q, k, v, out, lse, dout, dq, dk, dv, shape, call[, stream])"},
     {"cuda_deviation", py_cuda_deviation, METH_VARARGS, "cuda_deviation(test, ref, n) -> dict of metrics"},
     {"cuda_wasserstein", py_cuda_wasserstein, METH_VARARGS, "cuda_wasserstein(a, n_a, b, n_b) -> w1"},
     {"cuda_ulp_error", py_cuda_ulp_error, METH_VARARGS, "cuda_ulp_error(test, ref, n, fmt, out)"},

@@ -17,6 +17,9 @@ fadev_status fadev_cuda_fail_msg(fadev_status st, const char *message);
 fadev_status fadev_cuda_require_device(void);
 /* Reports a failed launch, then waits for the device and reports an asynchronous fault. */
 fadev_status fadev_cuda_finish(const char *where);
+/* The end of an entry point: fadev_cuda_finish, or with `asynchronous` (the kernels queued on a caller's stream,
+ * as a CUDA library call leaves them) only the launch errors. */
+fadev_status fadev_cuda_end(int asynchronous, const char *where);
 
 #define CUDA_TRY(call)                                                   \
     do {                                                                 \

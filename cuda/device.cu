@@ -57,6 +57,12 @@ fadev_status fadev_cuda_finish(const char *where) {
     return err == cudaSuccess ? FADEV_OK : fadev_cuda_fail(err, where);
 }
 
+fadev_status fadev_cuda_end(int asynchronous, const char *where) {
+    if (!asynchronous) return fadev_cuda_finish(where);
+    const cudaError_t err = cudaGetLastError();
+    return err == cudaSuccess ? FADEV_OK : fadev_cuda_fail(err, where);
+}
+
 extern "C" const char *fadev_cuda_last_error(void) { return last_error; }
 
 extern "C" int fadev_cuda_compiled(void) { return 1; }

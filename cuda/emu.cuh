@@ -30,6 +30,7 @@ struct emu_mag {
 struct emu_ctx : att_plan {
     const double *q, *k, *v;
     const float *qf, *kf, *vf;
+    const emu_mag *qmag;        /* per query head */
     const emu_mag *kmag, *vmag; /* per K/V head */
 };
 
@@ -127,13 +128,18 @@ static inline unsigned emu_blocks(size_t n, unsigned threads) {
     return (unsigned)(b > 1u << 30 ? 1u << 30 : (b ? b : 1));
 }
 
-/* 1 if every rounded input (q, k, v) is finite: the magnitudes emu_prepare recorded, read back. */
-fadev_status emu_inputs_finite(const emu_ctx *cx, const emu_inputs *store, int *finite);
+/* 1 if query head bh and its K/V head bhk hold only finite rounded inputs (the magnitudes emu_prepare recorded).
+ * The forward's fast path needs finite inputs; each CTA of either path reads this on the device, so the choice
+ * costs the host no read-back (no synchronisation): a head is computed by exactly one of the two launches. */
+__device__ __forceinline__ int emu_head_finite(const emu_ctx &cx, int64_t bh, int64_t bhk) {
+    return cx.qmag[bh].finite && cx.kmag[bhk].finite && cx.vmag[bhk].finite;
+}
 
-/* The forward's fast path (emu_forward_fast.cu): whether it applies to this plan and policy (inputs finite, fp32
- * FMA chains exact, the intermediate values fp32 values; FADEV_EMU_GENERIC=1 in the environment turns it off),
- * and the launch. Same bits as the generic kernels. */
-int emu_fast_forward_ok(const emu_ctx &cx, const fadev_policy *pol, int finite);
+/* The forward's fast path (emu_forward_fast.cu): whether it applies to this plan and policy (fp32 FMA chains exact,
+ * the intermediate values fp32 values; FADEV_EMU_GENERIC=1 in the environment turns it off), and the launch, whose
+ * CTAs compute the heads whose inputs are finite (emu_head_finite; the generic launch the others). Same bits as the
+ * generic kernels. */
+int emu_fast_forward_ok(const emu_ctx &cx, const fadev_policy *pol);
 fadev_status emu_fast_forward(const emu_ctx &cx, double *out, double *lse, int baseline);
 
 #endif /* FADEV_EMU_CUH */

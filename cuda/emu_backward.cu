@@ -442,7 +442,8 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
             CUDA_TRY(cudaGetLastError());
         }
     }
-    return fadev_cuda_finish(baseline ? "emulated baseline attention backward" : "emulated flash attention backward");
+    return fadev_cuda_end(pr->asynchronous, baseline ? "emulated baseline attention backward"
+                                                     : "emulated flash attention backward");
 }
 
 } // namespace

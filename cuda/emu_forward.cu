@@ -31,6 +31,8 @@ struct fwd_args {
     int64_t tiles;                  /* CTAs per head */
     int chunk;                      /* keys per shared-memory chunk */
     int narrow;                     /* scores, e and P are all fp32 values: the chunk is kept in fp32 */
+    int fast_heads;                 /* 1: the fast path was launched first, and computes the heads whose inputs are
+                                     * finite (emu_head_finite): this launch leaves them */
 };
 
 /* Shared memory of a CTA: q (fp32 when the policy allows the float tier: every input is then an fp32 value,
@@ -181,8 +183,8 @@ __global__ void __launch_bounds__(ROWS) flash_kernel(const fwd_args a) {
     const emu_ctx &cx = a.cx;
     const int col = threadIdx.x;
     const int64_t cta = blockIdx.x, bh = cta / a.tiles, i = (cta % a.tiles) * ROWS + col;
-    if (i >= cx.pr.seq_q) return; /* no barrier follows */
     const int64_t D = cx.pr.dim, Nk = cx.pr.seq_kv, bkv = a.block_kv, bhk = emu_kv_head(cx, bh);
+    if (i >= cx.pr.seq_q || (a.fast_heads && emu_head_finite(cx, bh, bhk))) return; /* no barrier follows */
     const smem_view sm = carve(cx, a.chunk, a.narrow, smem);
     const int CHUNK = a.chunk;
     const int qk_tier = load_row(cx, sm, col, bh, bhk, i);
@@ -272,8 +274,8 @@ __global__ void __launch_bounds__(ROWS) baseline_kernel(const fwd_args a) {
     const emu_ctx &cx = a.cx;
     const int col = threadIdx.x;
     const int64_t cta = blockIdx.x, bh = cta / a.tiles, i = (cta % a.tiles) * ROWS + col;
-    if (i >= cx.pr.seq_q) return;
     const int64_t D = cx.pr.dim, bhk = emu_kv_head(cx, bh);
+    if (i >= cx.pr.seq_q || (a.fast_heads && emu_head_finite(cx, bh, bhk))) return;
     const smem_view sm = carve(cx, a.chunk, a.narrow, smem);
     const int CHUNK = a.chunk;
     const int qk_tier = load_row(cx, sm, col, bh, bhk, i);
@@ -339,13 +341,12 @@ fadev_status run_forward(const double *q, const double *k, const double *v, doub
     emu_ctx cx;
     emu_inputs store;
     FADEV_TRY(emu_prepare(&cx, &store, q, k, v, params, policy, flash && params->exp_form == FADEV_EXP2));
-    if (cx.qk_float && cx.pv_float) { /* the fast path (emu_forward_fast.cu), when the data allow it */
-        int finite = 0;
-        FADEV_TRY(emu_inputs_finite(&cx, &store, &finite));
-        if (emu_fast_forward_ok(cx, policy, finite)) return emu_fast_forward(cx, out, lse, !flash);
-    }
     fwd_args a;
     a.cx = cx;
+    /* the fast path (emu_forward_fast.cu) where the policy allows it: its launch computes the heads with finite
+     * inputs, the generic launch below the others (each CTA reads its head's magnitudes on the device) */
+    a.fast_heads = emu_fast_forward_ok(cx, policy);
+    if (a.fast_heads) FADEV_TRY(emu_fast_forward(cx, out, lse, !flash));
     a.out = out;
     a.lse = lse;
     a.tiles = (params->seq_q + ROWS - 1) / ROWS;
@@ -370,7 +371,7 @@ fadev_status run_forward(const double *q, const double *k, const double *v, doub
     CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if (flash) flash_kernel<<<(unsigned)ctas, ROWS, smem>>>(a);
     else baseline_kernel<<<(unsigned)ctas, ROWS, smem>>>(a);
-    return fadev_cuda_finish(flash ? "emulated flash attention" : "emulated baseline attention");
+    return fadev_cuda_end(params->asynchronous, flash ? "emulated flash attention" : "emulated baseline attention");
 }
 
 } // namespace

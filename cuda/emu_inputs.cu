@@ -63,28 +63,6 @@ fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const 
                            cx->input, ATT_IN_V));
     cx->q = store->q.ptr, cx->k = store->k.ptr, cx->v = store->v.ptr;
     cx->qf = store->qf.ptr, cx->kf = store->kf.ptr, cx->vf = store->vf.ptr;
-    cx->kmag = store->kmag.ptr, cx->vmag = store->vmag.ptr;
-    return FADEV_OK;
-}
-
-fadev_status emu_inputs_finite(const emu_ctx *cx, const emu_inputs *store, int *finite) {
-    const int64_t hq = cx->pr.batch * cx->pr.heads, hk = cx->pr.batch * cx->pr.heads_kv;
-    *finite = 0;
-    if (!store->qmag.ptr || !store->kmag.ptr || !store->vmag.ptr) return FADEV_OK;
-    emu_mag *host = (emu_mag *)malloc((size_t)(hq + 2 * hk) * sizeof(emu_mag));
-    if (!host) return FADEV_ERR_NO_MEMORY;
-    cudaError_t err = cudaMemcpy(host, store->qmag.ptr, (size_t)hq * sizeof(emu_mag), cudaMemcpyDeviceToHost);
-    if (err == cudaSuccess)
-        err = cudaMemcpy(host + hq, store->kmag.ptr, (size_t)hk * sizeof(emu_mag), cudaMemcpyDeviceToHost);
-    if (err == cudaSuccess)
-        err = cudaMemcpy(host + hq + hk, store->vmag.ptr, (size_t)hk * sizeof(emu_mag), cudaMemcpyDeviceToHost);
-    if (err != cudaSuccess) {
-        free(host);
-        return fadev_cuda_fail(err, "emulated attention: reading the input magnitudes");
-    }
-    int ok = 1;
-    for (int64_t h = 0; h < hq + 2 * hk; h++) ok &= host[h].finite != 0;
-    free(host);
-    *finite = ok;
+    cx->qmag = store->qmag.ptr, cx->kmag = store->kmag.ptr, cx->vmag = store->vmag.ptr;
     return FADEV_OK;
 }

@@ -316,12 +316,9 @@ static inline fadev_status native_bad(fadev_status st, const char *message) {
     return fadev_cuda_fail_msg(st, message);
 }
 
-/* The end of an entry point: a device-wide synchronisation, as every fadev entry point; asynchronous (on a caller's
- * stream) only the launch errors (the kernels stay queued, as a library call's). */
+/* The end of an entry point (fadev_cuda_end): asynchronous on a caller's stream, or a device synchronisation. */
 static inline fadev_status native_finish(const fadev_native_params *p, const char *where) {
-    if (!p->asynchronous) return fadev_cuda_finish(where);
-    const cudaError_t err = cudaGetLastError();
-    return err == cudaSuccess ? FADEV_OK : fadev_cuda_fail(err, where);
+    return fadev_cuda_end(p->asynchronous, where);
 }
 
 /* Shapes, tiles, dtype and sizes (both entry points; the grid bound is checked for the smallest tiles). */

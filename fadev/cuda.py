@@ -22,7 +22,12 @@ Streams. The kernels run on the legacy default stream and the device is synchron
 that reads another library's memory and after every call, so arrays written on any stream are complete
 when fadev reads them and fadev's results are complete when it returns. Work that another library
 queues on a stream *during* a fadev call (another thread) is not ordered with it; synchronise such
-streams yourself (``torch.cuda.current_stream().synchronize()``).
+streams yourself (``torch.cuda.current_stream().synchronize()``). One exception, for training loops: the
+emulated kernels (flash and baseline, forward and backward) called with PyTorch tensors while PyTorch's current
+stream is the legacy default stream (its default) are queued there like PyTorch's own operations: no
+synchronisation before or after, and the results are ready for whatever PyTorch runs next on that stream (and
+for the host after the synchronisation any read of them to the host makes). A device synchronisation per call
+was most of fadev's host time in a training step (issue 24: each one stalls the host until the GPU drains).
 """
 from __future__ import annotations
 
@@ -165,6 +170,13 @@ class DeviceArray:
 
 
 # ---------------------------------------------------------------- recognising CUDA arrays
+
+def torch_stream(index) -> int:
+    """PyTorch's current CUDA stream on device ``index`` as an int (0: the legacy default stream)."""
+    import torch
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
+
 
 def _torch_tensor(x):
     torch = sys.modules.get("torch")
@@ -312,6 +324,8 @@ class _Gpu:
         else:
             self.kind = "device"
         self._foreign = False  # another library's memory is involved: synchronise before the kernel
+        # PyTorch's current stream is the legacy default stream: the emulated kernels queue there (module docstring)
+        self._queued = self.kind == "torch" and torch_stream(index) == 0
 
     # -------------------------------------------------------------- operands and results
 
@@ -425,10 +439,18 @@ class _Gpu:
 
     # -------------------------------------------------------------- emulated and golden attention
 
+    def _queue(self, kernel) -> tuple:
+        """The binding's trailing stream argument: (0,) to queue an emulated kernel on the legacy default stream
+        (module docstring), else () after the device-wide barrier."""
+        if self._queued and kernel != "golden":
+            return (0,)
+        self._before()
+        return ()
+
     def _forward(self, kernel, q, k, v, call):
         out, lse = self.empty(q.shape), self.empty(q.shape[:3])
-        self._before()
-        getattr(_core, f"cuda_{kernel}_attention")(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, _shape(q, k), call)
+        getattr(_core, f"cuda_{kernel}_attention")(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, _shape(q, k), call,
+                                                   *self._queue(kernel))
         return self.result(out), self.result(lse)
 
     def baseline_attention(self, q, k, v, call):
@@ -442,9 +464,8 @@ class _Gpu:
 
     def _backward(self, kernel, q, k, v, out, lse, dout, call):
         dq, dk, dv = self.empty(q.shape), self.empty(k.shape), self.empty(v.shape)
-        self._before()
         getattr(_core, f"cuda_{kernel}_attention_backward")(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, dout.ptr, dq.ptr,
-                                                            dk.ptr, dv.ptr, _shape(q, k), call)
+                                                            dk.ptr, dv.ptr, _shape(q, k), call, *self._queue(kernel))
         return self.result(dq), self.result(dk), self.result(dv)
 
     def baseline_attention_backward(self, q, k, v, out, lse, dout, call):

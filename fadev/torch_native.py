@@ -37,7 +37,7 @@ import torch
 from . import _args
 from . import _core
 from . import native as _native
-from .cuda import device_count, no_gpu
+from .cuda import device_count, no_gpu, torch_stream
 from .formats import boolean
 from .native import MMA, MMA_CHOICES, fit_tile, native_tiles, resolve_mma
 
@@ -166,11 +166,7 @@ def _stream(device) -> int:
     if device.index != current:
         raise ValueError(f"query: a tensor on {device}, but the current CUDA device is cuda:{current}; make it "
                          f"current first (torch.cuda.set_device({device.index}) or with torch.cuda.device(...))")
-    return _raw_stream(current)
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-    lambda index: torch.cuda.current_stream(index).cuda_stream)
+    return torch_stream(current)
 
 
 def run_forward(p: Plan, q, k, v):

@@ -96,6 +96,22 @@ def test_extreme_values_fast_is_generic(case, monkeypatch):
             assert_fast_is_generic(kind, q, k, v, policy, monkeypatch, cpu=True, causal=False)
 
 
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_one_nonfinite_head_fast_is_generic(where, monkeypatch):
+    """The fast and generic forward launches split the heads on the device (each CTA reads its head's input
+    magnitudes): one head with a NaN or an infinity goes generic, the others fast, and every head has the CPU's
+    bits."""
+    q, k, v = make_qkv(28, 2, 4, 2, 80, 72, 48)
+    if where == "q":
+        q[1, 1, 5, 3] = np.nan           # query head 1 of batch 1 only
+    elif where == "k":
+        k[0, 1, 9, 0] = np.inf           # K/V head 1 of batch 0: its query heads 2 and 3
+    else:
+        v[1, 0, 70, 7] = -np.inf
+    for kind in ("flash", "baseline"):
+        assert_fast_is_generic(kind, q, k, v, Policy.fa2("bf16"), monkeypatch, cpu=True, causal=True)
+
+
 @pytest.mark.parametrize("options", [dict(loop_order="kv_outer"), dict(normalize="eager"), dict(exp="exp2")])
 def test_flash_options_fast_is_generic(options, monkeypatch):
     q, k, v = make_qkv(26, 1, 2, 2, 100, 100, 64)
