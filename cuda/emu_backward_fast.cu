@@ -143,14 +143,16 @@ template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const
 }
 
 /* One CTA of dK (IS_K) or dV: keys j0.. of K/V head g0 + blockIdx.z, columns d0..; the chains go on through the
- * chunk's virtual rows from the state in memory and leave it there, or write the result after the last chunk. */
+ * chunk's virtual rows from the state in memory and leave it there, or write the result after the last chunk.
+ * A slice of rows none of which sees a key of the tile (causal: every row before the tile's first key's first
+ * row) adds no term and flushes no sum: it is skipped whole (half the causal work; the same events). */
 template <int IS_K, typename T>
 __global__ void __launch_bounds__(NT) dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk) {
     __shared__ __align__(16) float as[TK * AP];
     __shared__ float bs[TK * TN];
     __shared__ long long row_i[TK], row_bh[TK];
-    __shared__ unsigned slice_mask[2]; /* bit kk: the row ends its query block (its sum joins the running sum);
-                                        * and bit kk: the row sees every key of the tile */
+    __shared__ unsigned slice_mask[3]; /* bit kk: the row ends its query block (its sum joins the running sum);
+                                        * bit kk: the row sees every key of the tile; and a row sees some key */
     const emu_ctx &cx = a.cx;
     const int64_t D = cx.pr.dim, Nq = cx.pr.seq_q, Nk = cx.pr.seq_kv, bq = a.block_q;
     const int64_t gl = blockIdx.z, bg = a.g0 + gl, j0 = (int64_t)blockIdx.x * TM, d0 = (int64_t)blockIdx.y * TN;
@@ -171,6 +173,7 @@ __global__ void __launch_bounds__(NT) dkv_fast_kernel(const __grid_constant__ bw
             acc[r][c] = ok ? (float)acc_mem[at] : 0.f;
         }
     }
+    const int64_t first_min = cx.pr.causal && j0 > Nk - Nq ? j0 - (Nk - Nq) : 0; /* the tile's first key's */
     {
         const int64_t jl = (j0 + TM - 1 < Nk ? j0 + TM - 1 : Nk - 1);
         first_max = cx.pr.causal && jl > Nk - Nq ? jl - (Nk - Nq) : 0;
@@ -183,9 +186,12 @@ __global__ void __launch_bounds__(NT) dkv_fast_kernel(const __grid_constant__ bw
             row_i[tid] = w.i, row_bh[tid] = w.bh;
             const unsigned ends = __ballot_sync(0xFFFFFFFFu, tid < kn && ((w.i + 1) % bq == 0 || w.i + 1 == Nq));
             const unsigned seen = __ballot_sync(0xFFFFFFFFu, tid >= kn || w.i >= first_max);
-            if (tid == 0) slice_mask[0] = ends, slice_mask[1] = seen;
+            const unsigned some = __ballot_sync(0xFFFFFFFFu, tid < kn && w.i >= first_min);
+            if (tid == 0) slice_mask[0] = ends, slice_mask[1] = seen, slice_mask[2] = some;
         }
         __syncthreads();
+        if (!slice_mask[2]) continue; /* no row of the slice sees a key of the tile (uniform: the next pass begins
+                                       * with a barrier) */
         for (int e = tid; e < TK * TM; e += NT) {
             const int kk = e / TM, m = e % TM;
             const int64_t j = j0 + m;
