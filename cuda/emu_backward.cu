@@ -178,8 +178,11 @@ __device__ __forceinline__ double chain_step(const att_stage &st, double acc, do
 /* Baseline, a warp per virtual row: m = max_j s_j, e_j (in place of s_j) and l = R_stats(sum e_j) exactly as
  * att_softmax_row; P_j = R_p(e_j / l) (in place of e_j), D_i = R_dsoft(sum_j R_dsoft_p(P_j) dP); then dS in place of
  * dP and P' = R_bwd_p(P_j) in place of P_j.
- * Lane L handles keys j = L mod 32; the sums are chains over j ascending, run by lane 0 (chain_step). */
-__global__ void __launch_bounds__(THREADS) baseline_rows_kernel(const __grid_constant__ bwd_args a) {
+ * Lane L handles keys j = L mod 32; the sums are chains over j ascending, run by lane 0 (chain_step). The scratch
+ * holds T: fp64 (the generic pair kernel's), or fp32 (the fast one's, when every value stored there, s, dP, e, P,
+ * dS and P', is an fp32 value: emu_bwd_fast_pairs_ok). */
+template <typename T>
+__global__ void __launch_bounds__(THREADS) baseline_rows_kernel(const __grid_constant__ bwd_args a, T *sa, T *sb) {
     const emu_ctx &cx = a.cx;
     const int lane = threadIdx.x & 31;
     const int64_t gl = blockIdx.y, bg = a.g0 + gl, rl = (int64_t)blockIdx.x * ROW_WARPS + (threadIdx.x >> 5);
@@ -188,7 +191,7 @@ __global__ void __launch_bounds__(THREADS) baseline_rows_kernel(const __grid_con
     const vrow w = vrow_of(a, bg, a.r0 + rl);
     const int64_t bh = w.bh, i = w.i, nv = emu_visible(cx.pr, i, 0, Nk);
     if (nv == 0) return; /* no pair: nothing reads this row */
-    double *s = a.sa + (gl * a.chunk_rows + rl) * Nk, *dp = a.sb + (gl * a.chunk_rows + rl) * Nk;
+    T *s = sa + (gl * a.chunk_rows + rl) * Nk, *dp = sb + (gl * a.chunk_rows + rl) * Nk;
     __shared__ double terms_all[ROW_WARPS][32];
     double *terms = terms_all[threadIdx.x >> 5];
     /* max is exact: any order gives m (a zero's sign aside, which no later value depends on: exp(+-0) = 1) */
@@ -426,7 +429,9 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
                 CUDA_TRY(cudaGetLastError());
             }
             if (baseline) {
-                baseline_rows_kernel<<<dim3(grid_of(args.rn, ROW_WARPS), (unsigned)gn), THREADS>>>(args);
+                const dim3 grid(grid_of(args.rn, ROW_WARPS), (unsigned)gn);
+                if (args.saf) baseline_rows_kernel<float><<<grid, THREADS>>>(args, args.saf, args.sbf);
+                else baseline_rows_kernel<double><<<grid, THREADS>>>(args, args.sa, args.sb);
                 CUDA_TRY(cudaGetLastError());
             }
             if (fast) {

@@ -255,10 +255,11 @@ __global__ void __launch_bounds__(NT) dkv_fast_kernel(const __grid_constant__ bw
     }
 }
 
-/* The flash backward's pairs of one CTA: virtual rows rl0.. (blockIdx.y) x keys j0.. (blockIdx.x) of K/V head
+/* The backward's pairs of one CTA: virtual rows rl0.. (blockIdx.y) x keys j0.. (blockIdx.x) of K/V head
  * g0 + blockIdx.z; a thread owns 4 rows x 4 keys (rows 4g.., keys tx + 16c) and runs their s and dP chains over t
  * ascending as fp32 FMAs (pair_kernel's float tier, register-blocked), then the pair_kernel's element-wise steps
- * (the same events), and writes P' and dS to the fp32 scratch. */
+ * (the same events), and writes to the fp32 scratch P' and dS (flash) or s and dP (the baseline, whose rows kernel
+ * goes on from them). */
 __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ bwd_args a) {
     constexpr int BP = TN + 1; /* pitch of the staged keys [t][key] */
     __shared__ __align__(16) float qs[TK * AP], dos[TK * AP];
@@ -331,7 +332,7 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
         const long long row = row_at[m];
         if (row < 0) continue;
         const int64_t bh = row / Nq, i = row % Nq;
-        const double L = a.row_l[row], Di = a.row_d[row];
+        const double L = a.baseline ? 0.0 : a.row_l[row], Di = a.baseline ? 0.0 : a.row_d[row];
         float *pa = a.saf + (gl * a.chunk_rows + rl0 + m) * Nk, *pb = a.sbf + (gl * a.chunk_rows + rl0 + m) * Nk;
 #pragma unroll
         for (int c = 0; c < 4; c++) {
@@ -341,6 +342,10 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
             const double s = emu_round(cx.score, cx.c * emu_round(cx.score, (double)sacc[r][c], ATT_STREAM(ATT_SCORE_DOT, bh), idx),
                                        ATT_STREAM(ATT_SCORE_SCALED, bh), idx);
             const double dpv = emu_round(a.dp, (double)pacc[r][c], bwd_stream(EV_DP, bh), idx);
+            if (a.baseline) { /* s and dP for the rows kernel (fp32 values: emu_bwd_fast_pairs_ok) */
+                pa[j] = (float)s, pb[j] = (float)dpv;
+                continue;
+            }
             const double x = emu_round(cx.softmax, s - L, ATT_STREAM(ATT_SOFTMAX_SUB, bh), idx);
             const double p = emu_round(cx.softmax, emu_exp(cx.exp2, x), ATT_STREAM(ATT_SOFTMAX_EXP, bh), idx);
             pa[j] = (float)emu_round(a.bwd_p, p, bwd_stream(EV_BWD_P, bh), idx);
@@ -380,7 +385,11 @@ fadev_status emu_bwd_fast_sums(const bwd_args &a, int64_t gn, int last_chunk) {
 }
 
 int emu_bwd_fast_pairs_ok(const bwd_args &a) {
-    return !a.baseline && a.cx.qk_float && a.cx.pv_float && a.dp_float && a.dp_acc.kind == ATT_F32;
+    /* the baseline's scratch holds s and dP, then the rows kernel's e, P, dS and P' in their place: all fp32 values */
+    const int stored = !a.baseline || (att_inside_fp32(&a.cx.score.fmt) && att_inside_fp32(&a.dp.fmt) &&
+                                       att_inside_fp32(&a.cx.softmax.fmt) && att_inside_fp32(&a.cx.p.fmt) &&
+                                       att_inside_fp32(&a.ds.fmt) && att_inside_fp32(&a.bwd_p.fmt));
+    return stored && a.cx.qk_float && a.cx.pv_float && a.dp_float && a.dp_acc.kind == ATT_F32;
 }
 
 fadev_status emu_bwd_fast_pairs(const bwd_args &a, int64_t gn) {
