@@ -34,11 +34,25 @@ struct emu_ctx : att_plan {
     const emu_mag *kmag, *vmag; /* per K/V head */
 };
 
-/* One rounding event, bit-identical to att_round (the same fast paths and fadev_round_one, stage.h). */
-__device__ __forceinline__ double emu_round(const att_stage &st, double x, uint64_t stream, uint64_t index) {
+/* The general rounding (other formats, stochastic rounding, values off the fast paths' range) out of line. */
+static __device__ __noinline__ double emu_round_general(const att_stage *st, double x, uint64_t stream, uint64_t index) {
+    return att_round_general(st, x, stream, index);
+}
+
+/* One rounding event, bit-identical to att_round (the same fast paths and fadev_round_one, stage.h). LEAN keeps the
+ * general path out of line: a kernel whose loops are rounding events (the baseline's rows kernel: 128 registers and
+ * spills with it inlined, 64 without) then does not pay fadev_round_one's registers in every loop; where a kernel
+ * keeps many values live across the events (the generic pair and forward kernels), the call's saved registers cost
+ * more, so it is a choice per kernel. */
+template <bool LEAN = false>
+__device__ __forceinline__ double emu_rnd(const att_stage &st, double x, uint64_t stream, uint64_t index) {
     double y;
     if (att_round_fast(&st, x, &y)) return y;
-    return att_round_general(&st, x, stream, index);
+    return LEAN ? emu_round_general(&st, x, stream, index) : att_round_general(&st, x, stream, index);
+}
+
+__device__ __forceinline__ double emu_round(const att_stage &st, double x, uint64_t stream, uint64_t index) {
+    return emu_rnd<false>(st, x, stream, index);
 }
 
 __device__ __forceinline__ double emu_exp(int exp2_form, double x) { return exp2_form ? exp2(x) : exp(x); }

@@ -165,12 +165,13 @@ __global__ void __launch_bounds__(PAIR_KEYS * PAIR_ROWS) pair_kernel(const __gri
 /* 32 more steps of a row's chain acc = R(acc + term_j), j = j0 .. j0 + cnt - 1 ascending, the terms one per lane:
  * lane 0 runs the chain on the terms passed through shared memory (a serial chain needs one thread; the other
  * lanes computing it too would only wait on each other's shuffles). acc is lane 0's. */
+template <bool LEAN = false>
 __device__ __forceinline__ double chain_step(const att_stage &st, double acc, double term, double *terms, int lane,
                                              int cnt, uint64_t stream, int64_t i, int64_t j0) {
     terms[lane] = term;
     __syncwarp();
     if (lane == 0)
-        for (int c = 0; c < cnt; c++) acc = emu_round(st, acc + terms[c], stream, ATT_INDEX(i, j0 + c, 0));
+        for (int c = 0; c < cnt; c++) acc = emu_rnd<LEAN>(st, acc + terms[c], stream, ATT_INDEX(i, j0 + c, 0));
     __syncwarp();
     return acc;
 }
@@ -207,33 +208,33 @@ __global__ void __launch_bounds__(THREADS) baseline_rows_kernel(const __grid_con
         double e = 0;
         if (j < nv) {
             const uint64_t idx = ATT_INDEX(i, j, 0);
-            e = emu_round(cx.softmax, exp(emu_round(cx.softmax, s[j] - m, s6, idx)), s7, idx);
+            e = emu_rnd<true>(cx.softmax, exp(emu_rnd<true>(cx.softmax, s[j] - m, s6, idx)), s7, idx);
             s[j] = e;
         }
         const int cnt = (int)(nv - j0 < 32 ? nv - j0 : 32);
-        acc = chain_step(cx.sum_acc, acc, e, terms, lane, cnt, s8, i, j0);
+        acc = chain_step<true>(cx.sum_acc, acc, e, terms, lane, cnt, s8, i, j0);
     }
     acc = __shfl_sync(FULL, acc, 0);
-    const double l = emu_round(cx.stats, acc, ATT_STREAM(ATT_STATS_AL, bh), ATT_INDEX(i, 0, 0));
+    const double l = emu_rnd<true>(cx.stats, acc, ATT_STREAM(ATT_STATS_AL, bh), ATT_INDEX(i, 0, 0));
     acc = 0;
     for (int64_t j0 = 0; j0 < nv; j0 += 32) {
         const int64_t j = j0 + lane;
         double term = 0;
         if (j < nv) {
             const uint64_t idx = ATT_INDEX(i, j, 0);
-            const double p = emu_round(cx.p, s[j] / l, s16, idx);
+            const double p = emu_rnd<true>(cx.p, s[j] / l, s16, idx);
             s[j] = p;
-            term = ps_of(a, p, bh, idx) * dp[j];
+            term = ps_of<true>(a, p, bh, idx) * dp[j];
         }
         const int cnt = (int)(nv - j0 < 32 ? nv - j0 : 32);
-        acc = chain_step(a.delta_acc, acc, term, terms, lane, cnt, b4, i, j0);
+        acc = chain_step<true>(a.delta_acc, acc, term, terms, lane, cnt, b4, i, j0);
     }
     acc = __shfl_sync(FULL, acc, 0);
-    const double di = emu_round(a.dsoft, acc, bwd_stream(EV_DELTA, bh), ATT_INDEX(i, 0, 0));
+    const double di = emu_rnd<true>(a.dsoft, acc, bwd_stream(EV_DELTA, bh), ATT_INDEX(i, 0, 0));
     for (int64_t j = lane; j < nv; j += 32) {
         const uint64_t idx = ATT_INDEX(i, j, 0);
-        dp[j] = ds_of(a, s[j], dp[j], di, bh, idx);
-        s[j] = emu_round(a.bwd_p, s[j], b6, idx);
+        dp[j] = ds_of<true>(a, s[j], dp[j], di, bh, idx);
+        s[j] = emu_rnd<true>(a.bwd_p, s[j], b6, idx);
     }
 }
 

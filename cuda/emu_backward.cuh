@@ -66,16 +66,18 @@ int emu_bwd_fast_pairs_ok(const bwd_args &a);
 fadev_status emu_bwd_fast_pairs(const bwd_args &a, int64_t gn);
 
 /* R_dsoft_p(P), the softmax backward's P (steps 5 and 6). */
+template <bool LEAN = false>
 __device__ __forceinline__ double ps_of(const bwd_args &a, double p, int64_t bh, uint64_t idx) {
-    return emu_round(a.dsoft_p, p, bwd_stream(EV_DSOFT_P, bh), idx);
+    return emu_rnd<LEAN>(a.dsoft_p, p, bwd_stream(EV_DSOFT_P, bh), idx);
 }
 
 /* dS = R_ds(R_dsoft(R_dsoft_p(P) R_dsoft(dP - D_i))), ds_scaled: R_dsoft(c .) before R_ds (step 6). */
+template <bool LEAN = false>
 __device__ __forceinline__ double ds_of(const bwd_args &a, double p, double dpv, double di, int64_t bh, uint64_t idx) {
-    const double t = emu_round(a.dsoft, dpv - di, bwd_stream(EV_DSOFT_SUB, bh), idx);
-    double u = emu_round(a.dsoft, ps_of(a, p, bh, idx) * t, bwd_stream(EV_DSOFT_MUL, bh), idx);
-    if (a.ds_scaled) u = emu_round(a.dsoft, a.c_ds * u, bwd_stream(EV_DSOFT_SCALE, bh), idx);
-    return emu_round(a.ds, u, bwd_stream(EV_DS, bh), idx);
+    const double t = emu_rnd<LEAN>(a.dsoft, dpv - di, bwd_stream(EV_DSOFT_SUB, bh), idx);
+    double u = emu_rnd<LEAN>(a.dsoft, ps_of<LEAN>(a, p, bh, idx) * t, bwd_stream(EV_DSOFT_MUL, bh), idx);
+    if (a.ds_scaled) u = emu_rnd<LEAN>(a.dsoft, a.c_ds * u, bwd_stream(EV_DSOFT_SCALE, bh), idx);
+    return emu_rnd<LEAN>(a.ds, u, bwd_stream(EV_DS, bh), idx);
 }
 
 #endif /* FADEV_EMU_BACKWARD_CUH */

@@ -97,15 +97,10 @@ __device__ smem_t carve(int64_t D, char *base) {
     return sm;
 }
 
-/* One rounding event, as emu_round, with the general path (other formats, stochastic rounding) kept out of line:
- * the kernel's register blocks must not pay for fadev_round_one's registers. */
-__device__ __noinline__ double round_slow(const att_stage *st, double x, uint64_t stream, uint64_t idx) {
-    return att_round_general(st, x, stream, idx);
-}
+/* One rounding event with the general path out of line (emu_rnd<true>): the kernel's register blocks must not pay
+ * for fadev_round_one's registers. */
 __device__ __forceinline__ double rnd(const att_stage &st, double x, uint64_t stream, uint64_t idx) {
-    double y;
-    if (att_round_fast(&st, x, &y)) return y;
-    return round_slow(&st, x, stream, idx);
+    return emu_rnd<true>(st, x, stream, idx);
 }
 
 /* R(x) of an fp32 value x for a stage of kind fk (flt_kind). */
