@@ -45,6 +45,11 @@ constexpr int SP = BM + 4;   /* pitch of S[key][row] (float4 reads of 4 rows) */
 constexpr int KP = KT + 1;   /* pitch of K[t][key] */
 constexpr int MAXD = 128;
 constexpr unsigned FULL = 0xFFFFFFFFu;
+#ifndef EMU_FWD_MIN_BLOCKS
+#define EMU_FWD_MIN_BLOCKS 2 /* CTAs per SM the register budget is cut for: 2 caps it at 128 (spills: ~0.8 KB per
+                              * thread at D <= 64); 1 lets it grow (no spills, one CTA's warps per SM). To measure
+                              * both: FADEV_NVCC_FLAGS=-DEMU_FWD_MIN_BLOCKS=1 */
+#endif
 
 struct fast_args {
     emu_ctx cx;
@@ -305,7 +310,7 @@ __device__ void pv_terms(const fast_args &a, const smem_t &sm, int64_t bhk, int6
     }
 }
 
-template <int DC> __global__ void __launch_bounds__(NT, 2) fast_kernel(const __grid_constant__ fast_args a) {
+template <int DC> __global__ void __launch_bounds__(NT, EMU_FWD_MIN_BLOCKS) fast_kernel(const __grid_constant__ fast_args a) {
     extern __shared__ __align__(16) char smem[];
     const emu_ctx &cx = a.cx;
     const int tid = threadIdx.x, g = tid >> 4, tx = tid & 15;
