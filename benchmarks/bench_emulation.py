@@ -228,13 +228,10 @@ def llama_step(steps):
     import bench_step
     from fadev.training import lm
     config = lm.LMConfig(hidden=512, layers=8, heads=8, heads_kv=4, ffn=1376, seq=1024, batch=8, lr=3e-4)
-    data = bench_step.batches(config, steps + 2, "cuda")
-    results = {a: bench_step.run_arm(a, config, data, steps, "cuda") for a in ("sdpa", "native", "fa2", "paper")}
-    ref = results["sdpa"][1]
-    print(f"\nLlama {lm.parameters(config):,} parameters, batch 8 x 1024, bf16 autocast, AdamW; median of {steps} "
-          f"steps\n\n| attention | ms / step | / sdpa | loss after 2 updates |\n|---|---|---|---|")
-    for a, (loss, sec) in results.items():
-        print(f"| {a} | {sec * 1e3:.1f} | {sec / ref:.2f} | {loss:.4f} |")
+    losses, times, _ = bench_step.measure(("sdpa", "native", "fa2", "paper"), config, steps, 2, "cuda")
+    print(f"\nLlama {lm.parameters(config):,} parameters, batch 8 x 1024, bf16 autocast, AdamW; 2 rounds of {steps} "
+          f"steps per arm, alternating\n")
+    bench_step.print_steps(losses, times)
 
 
 def main():

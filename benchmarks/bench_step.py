@@ -21,8 +21,9 @@ The model is the training-drift study's Llama (fadev.training.lm: transformers' 
 device time (CPU time on ``--device cpu``), so that a step's time can be read kernel by kernel.
 
 Validation first: every arm's loss after the same 2 updates from the same init is finite and within 2% of
-sdpa's (the kernels differ only by rounding). Then the median wall time of ``--steps`` updates (each ended by a
-CUDA synchronize), and the ratio to sdpa's in the same run.
+sdpa's (the kernels differ only by rounding). Then ``--rounds`` rounds, each ``--steps`` updates of every arm in turn
+(each ended by a CUDA synchronize; alternating, as a shared host's slow spells come and go): the median step time per
+arm and its ratio to sdpa's, and the ratio within each round (its median and range: the run's own spread).
 
 Host time per call: fadev.hf.attention_forward + backward on a tiny problem (B 1, H 8 / 4, N 128, D 64), whose
 GPU work is a few microseconds, timed as the wall time of 200 back-to-back calls without synchronizing inside
@@ -92,22 +93,57 @@ def step_fn(model, ctx, opt, device):
     return step
 
 
-def run_arm(arm, config, data, steps, device, profile=0):
-    """(loss after 2 updates, median step seconds[, the profile's table of the ``profile`` costliest kernels])."""
+def build_arm(arm, config, data, device):
+    """(step function, loss after 2 updates) of a fresh model and AdamW under ``arm`` (the same init every arm)."""
     model, ctx = model_and_context(arm, config, device)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr)
     step = step_fn(model, ctx, opt, device)
     losses = [float(step(*data[i]).detach()) for i in range(2)]
-    times = []
-    for i in range(steps):
-        sync(device)
-        t0 = time.perf_counter()
-        step(*data[(i + 2) % len(data)])
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    table = kernels(step, data[0], device, profile) if profile else None
-    del model, opt
-    return (losses[-1], statistics.median(times[1:] if len(times) > 1 else times)) + ((table,) if profile else ())
+    return step, losses[-1]
+
+
+def time_arms(steps_of, data, steps, rounds, device):
+    """{arm: [[seconds of each step] per round]}: ``rounds`` rounds, each ``steps`` updates of every arm in turn
+    (alternating, so that a slow spell of a shared host falls on every arm), each step ended by a synchronize."""
+    times = {a: [] for a in steps_of}
+    for r in range(rounds):
+        for arm, step in steps_of.items():
+            got = []
+            for i in range(steps):
+                sync(device)
+                t0 = time.perf_counter()
+                step(*data[(r * steps + i + 2) % len(data)])
+                sync(device)
+                got.append(time.perf_counter() - t0)
+            times[arm].append(got[1:] if len(got) > 1 else got)
+    return times
+
+
+def measure(arms, config, steps, rounds, device, profile=0):
+    """(losses after 2 updates, time_arms' times, {arm: profiler table} when ``profile``) of ``arms`` (sdpa among
+    them); exits naming the arms whose loss is not finite or not within 2% of sdpa's."""
+    data = batches(config, rounds * steps + 2, device)
+    built = {a: build_arm(a, config, data, device) for a in arms}
+    losses = {a: loss for a, (_, loss) in built.items()}
+    bad = [a for a, loss in losses.items() if not (math.isfinite(loss) and abs(loss / losses["sdpa"] - 1) <= 0.02)]
+    if bad:
+        sys.exit(f"validation failed: loss after 2 updates {({a: losses[a] for a in bad})} vs sdpa's "
+                 f"{losses['sdpa']}")
+    times = time_arms({a: step for a, (step, _) in built.items()}, data, steps, rounds, device)
+    tables = {a: kernels(step, data[0], device, profile) for a, (step, _) in built.items()} if profile else {}
+    return losses, times, tables
+
+
+def print_steps(losses, times):
+    """The table of record: per arm the median step, its ratio to sdpa's, and the ratio within each round."""
+    print("| attention | ms / step (median) | / sdpa | / sdpa per round (median, range) | loss after 2 updates |\n"
+          "|---|---|---|---|---|")
+    ref = statistics.median(t for r in times["sdpa"] for t in r)
+    for a, per_round in times.items():
+        med = statistics.median(t for r in per_round for t in r)
+        ratios = [statistics.median(r) / statistics.median(s) for r, s in zip(per_round, times["sdpa"])]
+        print(f"| {a} | {med * 1e3:.1f} | {med / ref:.2f} | {statistics.median(ratios):.2f} "
+              f"({min(ratios):.2f}-{max(ratios):.2f}) | {losses[a]:.4f} |")
 
 
 def kernels(step, batch, device, rows):
@@ -242,7 +278,8 @@ def print_host_only():
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per arm in each round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; each runs --steps steps of every arm in turn")
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--model", choices=tuple(MODELS), default="llama64",
                    help="llama64: hidden 512, 8 / 4 heads (D 64); gqa128: hidden 1024, 8 / 4 heads (D 128); "
@@ -254,6 +291,8 @@ def main():
     p.add_argument("--profile", type=int, nargs="?", const=15, default=0, metavar="ROWS",
                    help="then one step per arm under torch.profiler: its ROWS (15) costliest kernels")
     args = p.parse_args()
+    if args.steps < 1 or args.rounds < 1:
+        p.error(f"--steps and --rounds must be at least 1, got {args.steps} and {args.rounds}")
     if args.host_only:
         return print_host_only()
     import fadev
@@ -269,22 +308,13 @@ def main():
         size.update(hidden=size["hidden"] // 4, heads=size["heads"] // 4, heads_kv=max(1, size["heads_kv"] // 4),
                     ffn=size["ffn"] // 4, layers=2, seq=256)
     config = lm.LMConfig(**size, batch=8, lr=3e-4)
-    data = batches(config, args.steps + 2, args.device)
-    results = {a: run_arm(a, config, data, args.steps, args.device, args.profile) for a in arms}
-    tables = {a: r[2] for a, r in results.items() if len(r) > 2}
-    results = {a: r[:2] for a, r in results.items()}
-    ref_loss, ref_s = results["sdpa"]
-    bad = [a for a, (loss, _) in results.items() if not (math.isfinite(loss) and abs(loss / ref_loss - 1) <= 0.02)]
-    if bad:
-        sys.exit(f"validation failed: loss after 2 updates {({a: results[a][0] for a in bad})} vs sdpa's {ref_loss}")
+    losses, times, tables = measure(arms, config, args.steps, args.rounds, args.device, args.profile)
     host = host_us_per_call(args.device)
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"\n{where}, torch {torch.__version__}; Llama {args.model} ({lm.parameters(config):,} parameters, "
           f"{config.heads} / {config.heads_kv} heads of D {config.hidden // config.heads}), batch {config.batch} x "
-          f"{config.seq}, bf16 autocast, AdamW; median of {args.steps} steps\n")
-    print("| attention | ms / step | / sdpa | loss after 2 updates |\n|---|---|---|---|")
-    for a, (loss, s) in results.items():
-        print(f"| {a} | {s * 1e3:.1f} | {s / ref_s:.2f} | {loss:.4f} |")
+          f"{config.seq}, bf16 autocast, AdamW; {args.rounds} rounds of {args.steps} steps per arm, alternating\n")
+    print_steps(losses, times)
     print("\nper attention call, forward + backward, tiny problem (wall time of 200 calls): " +
           ", ".join(f"{k} {us:.0f} us" for k, us in host.items()))
     print_host_only()

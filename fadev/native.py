@@ -78,9 +78,9 @@ def _warp_rows(warp_rows):
 
 def native_tiles(dim, *, backward=False, warp_rows=16, mma="sync") -> list:
     """The (block_q, block_kv) tiles the native forward (``backward=False``) or backward kernel supports for
-    head dim ``dim`` (the first is the default); an empty list for a head dim they do not support. The two
-    lists differ: the backward holds dK and dV in registers besides the score tile, so its query tiles are
-    smaller. ``warp_rows``: the tile rows a warp owns, 16 or 32 (query rows in the forward, key rows in the
+    head dim ``dim`` (the first is the default unless :data:`DEFAULT_TILES` names another); an empty list for a
+    head dim they do not support. The two lists differ: the backward holds dK and dV in registers besides the score
+    tile, so its query tiles are smaller. ``warp_rows``: the tile rows a warp owns, 16 or 32 (query rows in the forward, key rows in the
     backward; 32 runs two row blocks side by side, half the shared-memory reads per product; the same
     arithmetic, so the same bits), each with its own list (the backward's 32 only at D 64). ``mma="wgmma"``:
     the tiles of the Hopper kernels (forward: block_q / 64 warpgroups; backward: block_kv / 64, D 64 only;
@@ -127,11 +127,24 @@ def _host(x, name, code):
     return _round(_numeric(x, name), DTYPES[code]).astype(_NP_DTYPES[code])
 
 
-def fit_tile(dim, block_q=None, block_kv=None, *, backward=False, warp_rows=16, mma="sync",
+DEFAULT_TILES = {
+    ("wgmma", False, 64, False): (64, 64), ("wgmma", False, 64, True): (64, 64),
+    ("wgmma", False, 128, False): (128, 128), ("wgmma", False, 128, True): (64, 64),
+}
+"""The tile a call with no tile argument runs, per (instruction, backward, head dim, causal), where it is not the first
+of :func:`native_tiles`: the fastest measured (benchmarks/README.md, "Default tiles": every wgmma forward tile at D 64
+and 128, N 1k / 4k / 16k, causal or not, on an H200 -- 64x64 was the fastest or within 3% of it in every D 64 cell
+and every causal D 128 one, 128x128 in non-causal D 128). A table, not an autotuner: a tile changes the bits, and
+a default must give the same bits on every run and every machine with the instruction."""
+
+
+def fit_tile(dim, block_q=None, block_kv=None, *, backward=False, warp_rows=16, mma="sync", causal=False,
              names="block_q, block_kv") -> tuple:
-    """The one tile fitter of the native kernels: the (block_q, block_kv) they run for head dim ``dim``, the
-    first of :func:`native_tiles` matching the given entries (None matches any). ValueError naming ``names``
-    and the supported tiles when none does (``mma`` or ``warp_rows`` when they leave no tile at that head dim)."""
+    """The one tile fitter of the native kernels: the (block_q, block_kv) they run for head dim ``dim``: with no
+    tile entry given, :data:`DEFAULT_TILES`' tile for (``mma``, ``backward``, ``dim``, ``causal``) where it has one,
+    else the first of :func:`native_tiles` matching the given entries (None matches any). ValueError naming
+    ``names`` and the supported tiles when none does (``mma`` or ``warp_rows`` when they leave no tile at that head
+    dim)."""
     tiles = native_tiles(dim, backward=backward, warp_rows=warp_rows, mma=mma)
     if not tiles and mma == "wgmma" and native_tiles(dim, backward=backward):
         raise ValueError(f"mma: the wgmma {'backward' if backward else 'forward'} has no tile at head dim {dim}")
@@ -140,6 +153,10 @@ def fit_tile(dim, block_q=None, block_kv=None, *, backward=False, warp_rows=16, 
                          f"warp at head dim {dim}")
     if not tiles:
         raise ValueError(f"q: the native kernels do not support head dim {dim}")
+    if block_q is None and block_kv is None:
+        table = DEFAULT_TILES.get((mma, bool(backward), int(dim), bool(causal)))
+        if table in tiles:
+            return table
     fits = [t for t in tiles if block_q in (None, t[0]) and block_kv in (None, t[1])]
     if not fits:
         direction = ("backward" if backward else "forward") + ("" if warp_rows == 16 or mma == "wgmma" else
@@ -156,8 +173,9 @@ def _params(q4, causal, scale, block_q, block_kv, code, gpu, backward=False, det
     dim = q4.shape[3]
     mma = resolve_mma(mma, dim, backward=backward, block_q=block_q, block_kv=block_kv, warp_rows=warp_rows,
                       device=gpu.index)
-    tile = fit_tile(dim, block_q, block_kv, backward=backward, warp_rows=warp_rows, mma=mma)
-    call = _args.Call(None, _args.scale_of(scale, dim), _args.causal_of(causal), *tile)
+    causal = _args.causal_of(causal)
+    tile = fit_tile(dim, block_q, block_kv, backward=backward, warp_rows=warp_rows, mma=mma, causal=causal)
+    call = _args.Call(None, _args.scale_of(scale, dim), causal, *tile)
     return call, (code, deterministic, warp_rows, MMA.index(mma))
 
 
@@ -167,10 +185,10 @@ def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k
     and output, fp32 accumulation and online softmax (exp2). Shapes, ``causal`` and ``scale`` as
     :func:`fadev.flash_attention`; head dim 64 or 128; (``block_q``, ``block_kv``) one of
     :func:`native_tiles` for ``warp_rows`` (16 or 32 query rows per warp: the same bits, another speed;
-    default: the list's first). ``mma="wgmma"`` runs the Hopper kernel (cuda/native_forward_wgmma.cu: the same
-    algorithm and rounding steps, products by warpgroup MMA; its own tiles, ``native_tiles(D, mma="wgmma")``;
-    compute capability 9.0 only); ``"sync"`` the mma.sync kernel; ``"auto"`` (the default) the faster of the two for
-    this GPU, head dim and tile request (:func:`auto_mma`). PyTorch CUDA tensors of float16 / bfloat16 give tensors
+    default: :func:`fit_tile`'s, the measured :data:`DEFAULT_TILES` entry or the list's first). ``mma="wgmma"``
+    runs the Hopper kernel (cuda/native_forward_wgmma.cu: the same algorithm and rounding steps, products by
+    warpgroup MMA; its own tiles, ``native_tiles(D, mma="wgmma")``; compute capability 9.0 only); ``"sync"`` the
+    mma.sync kernel; ``"auto"`` (the default) the faster of the two for this GPU, head dim and tile request (:func:`auto_mma`). PyTorch CUDA tensors of float16 / bfloat16 give tensors
     (``lse`` float32, natural log); NumPy (or ml_dtypes) arrays are rounded to ``dtype`` ("bf16" or
     "fp16"; inferred from a float16 / bfloat16 array), copied to the GPU, and come back as float64
     NumPy arrays holding the fp16 / bf16 (lse: fp32) values. Not differentiable: see

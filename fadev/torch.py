@@ -377,7 +377,10 @@ def autocast_inputs(q, k, v):
         dtype = torch.get_autocast_cpu_dtype() if kind == "cpu" else torch.get_autocast_gpu_dtype()
     if not on:
         return q, k, v
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in (q, k, v))
+    # a cast copies anyway: the copy is written contiguous (B, H, N, D), which a kernel reading that layout (the
+    # native one) then takes as it is, where a cast keeping a model's transposed strides would be copied again
+    cast = (lambda t: isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype)  # noqa: E731
+    return tuple(t.to(dtype, memory_format=torch.contiguous_format) if cast(t) else t for t in (q, k, v))
 
 
 class patch_sdpa(_SdpaRoute):  # noqa: N801 (used as a context manager, like torch's own)

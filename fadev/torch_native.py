@@ -95,14 +95,14 @@ def _device_index(device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _choose_tiles(dim, index, options):
+def _choose_tiles(dim, index, options, causal):
     """((forward tile, backward tile), (forward mma, backward mma)) of the native options."""
     block_q, block_kv, backward_block_q, backward_block_kv, _, mma, backward_mma = options
     if not native_tiles(dim):
         raise ValueError(f"query: the native kernel has no tiles for head dim {dim} (supported: those "
                          f"fadev.native_tiles lists, 64 and 128)")
     fmma = resolve_mma(mma, dim, block_q=block_q, block_kv=block_kv, device=index)
-    forward = fit_tile(dim, block_q, block_kv, mma=fmma)
+    forward = fit_tile(dim, block_q, block_kv, mma=fmma, causal=causal)
     if backward_mma is None:  # explicit instructions are the forward's; the backward then runs mma.sync, as before
         backward_mma = "auto" if mma == "auto" else "sync"
     explicit = backward_block_q is not None or backward_block_kv is not None
@@ -110,7 +110,7 @@ def _choose_tiles(dim, index, options):
                        device=index)
     if not explicit and forward in native_tiles(dim, backward=True, mma=bmma):
         return (forward, forward), (fmma, bmma)
-    backward = fit_tile(dim, backward_block_q, backward_block_kv, backward=True, mma=bmma,
+    backward = fit_tile(dim, backward_block_q, backward_block_kv, backward=True, mma=bmma, causal=causal,
                         names="backward_block_q, backward_block_kv")
     return (forward, backward), (fmma, bmma)
 
@@ -127,7 +127,7 @@ def _build(q, k, v, is_causal, scale, enable_gqa, options) -> Plan:
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     index = _device_index(q.device)
     (b, h, nq, dim), (_, hkv, nk, _) = q.shape, k.shape
-    tiles, mma_pair = _choose_tiles(dim, index, options)
+    tiles, mma_pair = _choose_tiles(dim, index, options, bool(is_causal))
     shape = (b, h, hkv, nq, nk, dim)
     scale, causal, code = _args.scale_of(scale, dim), bool(is_causal), _CODE[q.dtype]
     calls = tuple((_args.Call(None, scale, causal, *tile).c, (code, bool(deterministic) and i == 1, 16, MMA.index(m)))
@@ -298,8 +298,9 @@ def native_attention(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, 
     (query head h reads K/V head h // (H / H_kv)). D is 64 or 128. ``mma``: the forward's instruction,
     "auto" (the default: :func:`fadev.native.auto_mma`, Hopper's wgmma on an H100, else mma.sync), "sync" or
     "wgmma"; ``backward_mma`` the backward's (default: "auto" when ``mma`` is, else "sync"). The forward's tile
-    (``block_q``, ``block_kv``) is one of ``fadev.native_tiles(D, mma=...)`` for its instruction (default: the
-    list's first); the backward has its own lists and uses (``backward_block_q``, ``backward_block_kv``) when
+    (``block_q``, ``block_kv``) is one of ``fadev.native_tiles(D, mma=...)`` for its instruction (default:
+    :func:`fadev.native.fit_tile`'s, the measured ``DEFAULT_TILES`` entry for D and ``is_causal``, else the list's
+    first); the backward has its own lists and uses (``backward_block_q``, ``backward_block_kv``) when
     given, else the forward's tile where its list has it, else its own default. ``deterministic``: dq by the
     backward's separate pass in key order (the same bits on every run, so a training run repeats exactly);
     False: by atomic adds, as FlashAttention-2. The output has q's dtype and the bits of

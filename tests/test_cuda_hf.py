@@ -260,7 +260,8 @@ def test_native_padding_mask_flash_rule():
 
 def test_native_defaults_are_the_auto_table():
     """With default arguments the op runs what fadev.native.auto_mma picks (wgmma forward on an H100; wgmma backward
-    at D 64) on each instruction's first tile, and its bits are those kernels' own."""
+    at D 64) on the default tiles (fadev.native.DEFAULT_TILES, else the list's first), and its bits are those
+    kernels' own."""
     for dim in (64, 128):
         q, k, v, dout = _inputs((1, 2, 2, 256, 256), dim, torch.bfloat16, "auto")
         p = tn.plan(q, k, v, True)

@@ -50,21 +50,44 @@ def test_choose_mma_table():
     assert native.choose_mma((9, 0), wgmma, block_q=16, block_kv=16) == "sync"
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("capability, dim, want", [((9, 0), 64, ("wgmma", "wgmma")), ((9, 0), 128, ("wgmma", "sync")),
                                                    ((8, 0), 64, ("sync", "sync")), ((8, 0), 128, ("sync", "sync"))])
-def test_auto_defaults_per_gpu_and_head_dim(capability, dim, want):
+def test_auto_defaults_per_gpu_and_head_dim(capability, dim, want, causal):
     """With every default: the forward on wgmma where the GPU and build have it, the backward on wgmma at D 64 (the
-    only wgmma backward) else mma.sync, deterministic; tiles the first of each instruction's list, the backward on
-    the forward's tile where its list has it."""
+    only wgmma backward) else mma.sync, deterministic; tiles: native.DEFAULT_TILES' (the measured table) where it has
+    one for the instruction, head dim and causal, else the first of the list; the backward on the forward's tile where
+    its list has it."""
     q, k, v = _qkv(d=dim)
     with tn._dry_run(tiles=TILES, capability=capability):
-        p = tn.plan(q, k, v, True, None, True)
+        p = tn.plan(q, k, v, causal, None, True)
     assert p.mma == want
-    forward = TILES[(dim, False, 16, want[0] == "wgmma")][0]
+    table = native.DEFAULT_TILES.get((want[0], False, dim, causal))
+    forward = table or TILES[(dim, False, 16, want[0] == "wgmma")][0]
     backward_list = TILES[(dim, True, 16, want[1] == "wgmma")]
     assert p.tiles == (forward, forward if forward in backward_list else backward_list[0])
     assert p.forward[1] == (1, False, 16, int(want[0] == "wgmma"))  # bf16, (not read), 16 rows, instruction
     assert p.backward[1] == (1, True, 16, int(want[1] == "wgmma"))  # deterministic dq
+
+
+def test_default_tile_table():
+    """The table's defaults (benchmarks/README.md, "Default tiles"), and what it does not touch: a given tile entry
+    (the first matching tile, as before), the backward, mma.sync, head dims without an entry."""
+    wgmma = lambda dim: TILES[(dim, False, 16, 1)]  # noqa: E731
+    with tn._dry_run(tiles=TILES, capability=(9, 0)):
+        assert native.fit_tile(64, mma="wgmma") == (64, 64)
+        assert native.fit_tile(64, mma="wgmma", causal=True) == (64, 64)
+        assert native.fit_tile(128, mma="wgmma") == (128, 128)
+        assert native.fit_tile(128, mma="wgmma", causal=True) == (64, 64)
+        assert native.fit_tile(64, 128, mma="wgmma") == next(t for t in wgmma(64) if t[0] == 128)  # an entry given
+        assert native.fit_tile(64, None, 64, mma="wgmma", causal=True) == next(t for t in wgmma(64) if t[1] == 64)
+        assert native.fit_tile(64) == TILES[(64, False, 16, 0)][0]  # mma.sync: the list's first
+        assert native.fit_tile(64, backward=True, mma="wgmma") == TILES[(64, True, 16, 1)][0]
+        q, k, v = _qkv(d=128)
+        assert tn.plan(q, k, v, True, None, True).tiles[0] == (64, 64)
+        assert tn.plan(q, k, v, False, None, True).tiles[0] == (128, 128)
+    for (mma, backward, dim, _), tile in native.DEFAULT_TILES.items():  # every entry is a tile the build has
+        assert tile in TILES[(dim, backward, 16, native.MMA.index(mma))]
 
 
 def test_explicit_choices_kept():
@@ -156,3 +179,19 @@ def test_binding_parses_the_stream():
             core.cuda_native_forward(0, 0, 0, 0, 0, shape, call, options)
     with pytest.raises(TypeError, match=r"native options must be \(dtype, deterministic, warp_rows, mma\[, stream\]\)"):
         core.cuda_native_forward(0, 0, 0, 0, 0, shape, call, (1, True, 16, 0, 0, 0))
+
+
+def test_autocast_cast_is_written_contiguous():
+    """Under autocast, q and k reach attention as float32 views of a model's (B, N, H, D) projections: the bf16 cast
+    is written contiguous (B, H, N, D), the layout the native kernel reads, so the native path makes no second copy;
+    a tensor already of the autocast dtype passes as it is (no copy), and the values are the plain cast's."""
+    from fadev.torch import autocast_inputs
+    g = torch.Generator().manual_seed(0)
+    q32 = torch.randn(2, 16, 4, 8, generator=g).transpose(1, 2)  # (B, H, N, D) view of (B, N, H, D)
+    v16 = torch.randn(2, 16, 4, 8, generator=g).to(torch.bfloat16).transpose(1, 2)
+    assert not q32.is_contiguous()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        q, k, v = autocast_inputs(q32, q32, v16)
+    assert q.dtype == torch.bfloat16 and q.is_contiguous() and torch.equal(q, q32.to(torch.bfloat16))
+    assert v is v16
+    assert autocast_inputs(q32, q32, v16)[0] is q32  # autocast off: nothing changes
