@@ -27,6 +27,7 @@
  *     O (registers); V is staged in slices of 32 keys, P read as float4 from S;
  *   a flash block of at most 128 keys is one subtile, its scores computed once; a larger block (and the baseline,
  *   whose one block is every key) computes its scores again in each pass (the same events, the same values). */
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -143,9 +144,11 @@ __device__ void scores_cn(const fast_args &a, const smem_t &sm, int64_t bh, int6
     for (int64_t t0 = 0; t0 < D; t0 += TS) {
         const int tn = (int)(D - t0 < TS ? D - t0 : TS);
         __syncthreads(); /* the previous slice, V slice or S is consumed */
+        const int di = (int)D, t0i = (int)t0; /* 32-bit offsets: key * D + t < 128 * 128 */
+#pragma unroll 4
         for (int e = tid; e < TS * 32 * CN; e += NT) {
             const int tt = e % TS, key = e / TS;
-            sm.kv[tt * KP + key] = tt < tn && key < kn ? kh[key * D + t0 + tt] : 0.f;
+            sm.kv[tt * KP + key] = tt < tn && key < kn ? kh[key * di + t0i + tt] : 0.f;
         }
         __syncthreads();
         const float *qs = sm.q + t0 * BM + w * 8;
@@ -261,6 +264,23 @@ __device__ void row_sums(const fast_args &a, const smem_t &sm, int64_t bh, int64
     __syncthreads();
 }
 
+/* dst[0 .. len) = src[0 .. have) and zeros after it: the slice's rows are contiguous in global memory (a row of D
+ * floats per key), so no division by D (an int64 division per element cost more instructions than the slice's P.V
+ * products, and its loads went one at a time); float4 loads where src is 16-byte aligned and the lengths allow
+ * (D a multiple of 4; dst, sm.kv, is). Ends without a barrier. */
+__device__ __forceinline__ void stage_rows(float *dst, const float *src, int have, int len) {
+    const int tid = threadIdx.x;
+    if (((have | len) & 3) == 0 && (reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+        const float4 *s4 = reinterpret_cast<const float4 *>(src);
+        float4 *d4 = reinterpret_cast<float4 *>(dst);
+#pragma unroll 4
+        for (int e = tid; e < len / 4; e += NT) d4[e] = e < have / 4 ? s4[e] : make_float4(0.f, 0.f, 0.f, 0.f);
+        return;
+    }
+#pragma unroll 4
+    for (int e = tid; e < len; e += NT) dst[e] = e < have ? src[e] : 0.f;
+}
+
 /* P.V of the subtile added onto the block's chains pv (thread: rows 4g..4g+3, columns tx + 16c), V staged in
  * slices of JS keys; a term enters only where the row sees the key. */
 template <int DC>
@@ -274,10 +294,7 @@ __device__ void pv_terms(const fast_args &a, const smem_t &sm, int64_t bhk, int6
     for (int js = 0; js < kn; js += JS) {
         const int jn = kn - js < JS ? kn - js : JS;
         __syncthreads(); /* the previous V slice is consumed */
-        for (int e = tid; e < JS * D; e += NT) {
-            const int jj = (int)(e / D);
-            sm.kv[e] = jj < jn ? vh[(js + jj) * D + e % D] : 0.f;
-        }
+        stage_rows(sm.kv, vh + (int64_t)js * D, jn * (int)D, JS * (int)D);
         __syncthreads();
         const float *pp = sm.p + js * SP + g * 4, *vs = sm.kv + tx;
         if (kb0 + js + jn <= nvmin && full_d) { /* every row sees every key of the slice, every column is real */
