@@ -23,6 +23,7 @@ namespace {
 
 constexpr int TM = 64, TN = 64, TK = 32, NT = 256;
 constexpr int AP = TM + 4; /* pitch of the staged scratch operand [k][m] */
+static_assert(NT % TK == 0, "pair_fast_kernel stages one t per thread");
 
 /* R(acc + part) of two fp32 values for a running-sum stage (dq_acc, dkv_acc). */
 __device__ __forceinline__ float add_round(const att_stage &st, float acc, float part, uint64_t stream, uint64_t idx) {
@@ -265,6 +266,7 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
     __shared__ __align__(16) float qs[TK * AP], dos[TK * AP];
     __shared__ float ks[TK * BP], vs[TK * BP];
     __shared__ long long row_at[TM]; /* bh * Nq + i of each row, -1 when out of range */
+    __shared__ long long row_off[TM]; /* row_at * D, -1 when out of range */
     __shared__ int row_last[TM];     /* the last key each row sees (-1: none) */
     __shared__ int any;
     const emu_ctx &cx = a.cx;
@@ -283,7 +285,7 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
             last = (int)(lk < Nk - 1 ? lk : Nk - 1);
             if (last >= j0) atomicOr(&any, 1);
         }
-        row_at[tid] = at, row_last[tid] = last;
+        row_at[tid] = at, row_off[tid] = at < 0 ? -1 : at * D, row_last[tid] = last;
     }
     __syncthreads();
     if (!any) return; /* every pair of the tile is masked (uniform) */
@@ -293,23 +295,28 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
 #pragma unroll
         for (int c = 0; c < 4; c++) sacc[r][c] = 0.f, pacc[r][c] = 0.f;
     const float *kh = cx.kf + bg * Nk * D, *vh = cx.vf + bg * Nk * D;
+    const int di = (int)D;
     for (int64_t t0 = 0; t0 < D; t0 += TK) {
         const int tn = (int)(D - t0 < TK ? D - t0 : TK);
         __syncthreads();
-        for (int e = tid; e < TK * TM; e += NT) {
-            const int tt = e % TK, m = e / TK;
-            const long long at = row_at[m];
-            const int ok = tt < tn && at >= 0;
-            qs[tt * AP + m] = ok ? cx.qf[at * D + t0 + tt] : 0.f;
-            dos[tt * AP + m] = ok ? a.doutf[at * D + t0 + tt] : 0.f;
+        /* NT is a multiple of TK: a thread stages one t (t1 = tid % TK) of rows / keys tid / TK + 8k; offsets from
+         * the row's element offset (row_at * D, computed once) and, for K and V, 32-bit (Nk D < 2^31) */
+        const int t1 = tid % TK, tok = t1 < tn, ti = (int)t0 + t1;
+#pragma unroll 4
+        for (int m = tid / TK; m < TM; m += NT / TK) {
+            const long long off = row_off[m];
+            const int ok = tok && off >= 0;
+            qs[t1 * AP + m] = ok ? cx.qf[off + ti] : 0.f;
+            dos[t1 * AP + m] = ok ? a.doutf[off + ti] : 0.f;
         }
-        for (int e = tid; e < TK * TN; e += NT) {
-            const int tt = e % TK, n = e / TK;
-            const int ok = tt < tn && j0 + n < Nk;
-            ks[tt * BP + n] = ok ? kh[(j0 + n) * D + t0 + tt] : 0.f;
-            vs[tt * BP + n] = ok ? vh[(j0 + n) * D + t0 + tt] : 0.f;
+#pragma unroll 4
+        for (int n = tid / TK; n < TN; n += NT / TK) {
+            const int ok = tok && j0 + n < Nk;
+            ks[t1 * BP + n] = ok ? kh[(int)(j0 + n) * di + ti] : 0.f;
+            vs[t1 * BP + n] = ok ? vh[(int)(j0 + n) * di + ti] : 0.f;
         }
         __syncthreads();
+#pragma unroll 4
         for (int tt = 0; tt < tn; tt++) {
             const float4 q4 = *(const float4 *)(qs + tt * AP + g * 4), d4 = *(const float4 *)(dos + tt * AP + g * 4);
             const float qv[4] = {q4.x, q4.y, q4.z, q4.w}, dv[4] = {d4.x, d4.y, d4.z, d4.w};
