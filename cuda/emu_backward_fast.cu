@@ -23,12 +23,17 @@ namespace {
 
 constexpr int TM = 64, TN = 64, TK = 32, NT = 256;
 constexpr int AP = TM + 4; /* pitch of the staged scratch operand [k][m] */
-static_assert(NT % TK == 0, "pair_fast_kernel stages one t per thread");
+#ifndef EMU_DKV_MIN_BLOCKS
+#define EMU_DKV_MIN_BLOCKS 1 /* CTAs per SM dkv_fast_kernel's registers are cut for: 1 leaves them at 98 (two CTAs
+                              * fit), 3 caps them at 80 (a few bytes of spills): 4.2 ms against 4.5 per dK or dV sum
+                              * (H200, fa2 bf16, N 4096, H 16, D 64). FADEV_NVCC_FLAGS=-DEMU_DKV_MIN_BLOCKS=3 */
+#endif
+static_assert(NT % TK == 0 && NT % TM == 0 && NT % TN == 0, "the staging loops give a thread one t, key or column");
 
 /* R(acc + part) of two fp32 values for a running-sum stage (dq_acc, dkv_acc). */
 __device__ __forceinline__ float add_round(const att_stage &st, float acc, float part, uint64_t stream, uint64_t idx) {
     if (st.kind == ATT_F32) return __fadd_rn(acc, part);
-    return (float)emu_round(st, (double)acc + (double)part, stream, idx);
+    return (float)emu_rnd<true>(st, (double)acc + (double)part, stream, idx);
 }
 
 /* One rank-1 step of a thread's 4 x 4 tile: part[r][c] += a[kk][4g + r] b[kk][tx + 16c] (one fmaf each) for the rows
@@ -92,14 +97,19 @@ template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const
     for (int k0 = 0; k0 < nvmax; k0 += TK) {
         const int kn = nvmax - k0 < TK ? nvmax - k0 : TK;
         __syncthreads();
-        for (int e = tid; e < TK * TM; e += NT) {
-            const int kk = e % TK, m = e / TK;
-            /* keys a row does not see hold no value in the scratch: read, never used */
-            as[kk * AP + m] = kk < kn && rl0 + m < a.rn && k0 + kk < nv_s[m] ? (float)ds[m * Nk + k0 + kk] : 0.f;
-        }
-        for (int e = tid; e < TK * TN; e += NT) {
-            const int kk = e / TN, n = e % TN;
-            bs[e] = kk < kn && d0 + n < D ? kf[(k0 + kk) * D + n] : 0.f;
+        { /* a thread stages one key kk of rows tid / TK + 8k and one column n of keys tid / TN + 4k, walking
+           * pointers (no int64 multiply per element) */
+            const int kk = tid % TK, n = tid % TN;
+            const T *p = ds + (int64_t)(tid / TK) * Nk + k0 + kk;
+#pragma unroll 4
+            for (int m = tid / TK; m < TM; m += NT / TK, p += (NT / TK) * Nk)
+                /* keys a row does not see hold no value in the scratch: read, never used */
+                as[kk * AP + m] = kk < kn && rl0 + m < a.rn && k0 + kk < nv_s[m] ? (float)*p : 0.f;
+            const float *q = kf + (k0 + tid / TN) * D + n;
+            const int nok = d0 + n < D;
+#pragma unroll 4
+            for (int kb = tid / TN; kb < TK; kb += NT / TN, q += (NT / TN) * D)
+                bs[kb * TN + n] = kb < kn && nok ? *q : 0.f;
         }
         __syncthreads();
         /* Pure segments: keys before the next block end and below nvmin (every row with a key sees them, so no
@@ -138,7 +148,7 @@ template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const
             const int64_t d = d0 + tx + 16 * c;
             if (d >= D) continue;
             a.dq[(bh * Nq + i) * D + d] = nv[r] == 0 ? 0.0 /* no visible key: exactly 0, no events */
-                : emu_round(a.grad, a.c_grad * (double)acc[r][c], bwd_stream(EV_GRAD_DQ, bh), ATT_INDEX(i, d, 0));
+                : emu_rnd<true>(a.grad, a.c_grad * (double)acc[r][c], bwd_stream(EV_GRAD_DQ, bh), ATT_INDEX(i, d, 0));
         }
     }
 }
@@ -148,10 +158,10 @@ template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const
  * A slice of rows none of which sees a key of the tile (causal: every row before the tile's first key's first
  * row) adds no term and flushes no sum: it is skipped whole (half the causal work; the same events). */
 template <int IS_K, typename T>
-__global__ void __launch_bounds__(NT) dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk) {
+__global__ void __launch_bounds__(NT, EMU_DKV_MIN_BLOCKS) dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk) {
     __shared__ __align__(16) float as[TK * AP];
     __shared__ float bs[TK * TN];
-    __shared__ long long row_i[TK], row_bh[TK];
+    __shared__ long long row_i[TK], row_bh[TK], row_off[TK]; /* row_off: (bh * Nq + i) * D */
     __shared__ unsigned slice_mask[3]; /* bit kk: the row ends its query block (its sum joins the running sum);
                                         * bit kk: the row sees every key of the tile; and a row sees some key */
     const emu_ctx &cx = a.cx;
@@ -184,7 +194,7 @@ __global__ void __launch_bounds__(NT) dkv_fast_kernel(const __grid_constant__ bw
         __syncthreads();
         if (tid < TK) { /* warp 0 */
             const vrow w = vrow_of(a, bg, a.r0 + k0 + (tid < kn ? tid : 0));
-            row_i[tid] = w.i, row_bh[tid] = w.bh;
+            row_i[tid] = w.i, row_bh[tid] = w.bh, row_off[tid] = (w.bh * Nq + w.i) * D;
             const unsigned ends = __ballot_sync(0xFFFFFFFFu, tid < kn && ((w.i + 1) % bq == 0 || w.i + 1 == Nq));
             const unsigned seen = __ballot_sync(0xFFFFFFFFu, tid >= kn || w.i >= first_max);
             const unsigned some = __ballot_sync(0xFFFFFFFFu, tid < kn && w.i >= first_min);
@@ -193,15 +203,18 @@ __global__ void __launch_bounds__(NT) dkv_fast_kernel(const __grid_constant__ bw
         __syncthreads();
         if (!slice_mask[2]) continue; /* no row of the slice sees a key of the tile (uniform: the next pass begins
                                        * with a barrier) */
-        for (int e = tid; e < TK * TM; e += NT) {
-            const int kk = e / TM, m = e % TM;
-            const int64_t j = j0 + m;
-            const int ok = kk < kn && j < Nk && row_i[kk] >= (cx.pr.causal && j > Nk - Nq ? j - (Nk - Nq) : 0);
-            as[kk * AP + m] = ok ? (float)xs[(gl * a.chunk_rows + k0 + kk) * Nk + j] : 0.f;
-        }
-        for (int e = tid; e < TK * TN; e += NT) {
-            const int kk = e / TN, n = e % TN;
-            bs[e] = kk < kn && d0 + n < D ? ys[(row_bh[kk] * Nq + row_i[kk]) * D + d0 + n] : 0.f;
+        { /* NT is a multiple of TM and TN: a thread stages one key m (one column n) of rows tid / TM + 4k; the
+           * scratch column is walked by a pointer, the rows of Q / dO start at row_off (computed once per slice) */
+            const int m = tid % TM, n = tid % TN;
+            const int64_t j = j0 + m, fj = cx.pr.causal && j > Nk - Nq ? j - (Nk - Nq) : 0;
+            const int jok = j < Nk, nok = d0 + n < D;
+            const T *col = xs + (gl * a.chunk_rows + k0 + tid / TM) * Nk + j;
+#pragma unroll 4
+            for (int kk = tid / TM; kk < TK; kk += NT / TM, col += (NT / TM) * Nk)
+                as[kk * AP + m] = jok && kk < kn && row_i[kk] >= fj ? (float)*col : 0.f;
+#pragma unroll 4
+            for (int kk = tid / TN; kk < TK; kk += NT / TN)
+                bs[kk * TN + n] = kk < kn && nok ? ys[row_off[kk] + d0 + n] : 0.f;
         }
         __syncthreads();
         /* segments up to the next row that ends its query block; without a test where every row of the slice
@@ -250,8 +263,8 @@ __global__ void __launch_bounds__(NT) dkv_fast_kernel(const __grid_constant__ bw
                 continue;
             }
             const uint64_t idx = ATT_INDEX(j, d, 0);
-            acc_mem[at] = IS_K ? emu_round(a.grad, a.c_grad * (double)acc[r][c], bwd_stream(EV_GRAD_DK, bg), idx)
-                               : emu_round(a.grad, (double)acc[r][c], bwd_stream(EV_GRAD_DV, bg), idx);
+            acc_mem[at] = IS_K ? emu_rnd<true>(a.grad, a.c_grad * (double)acc[r][c], bwd_stream(EV_GRAD_DK, bg), idx)
+                               : emu_rnd<true>(a.grad, (double)acc[r][c], bwd_stream(EV_GRAD_DV, bg), idx);
         }
     }
 }
@@ -346,17 +359,19 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
             const int64_t j = j0 + tx + 16 * c;
             if (j > row_last[m]) continue;
             const uint64_t idx = ATT_INDEX(i, j, 0);
-            const double s = emu_round(cx.score, cx.c * emu_round(cx.score, (double)sacc[r][c], ATT_STREAM(ATT_SCORE_DOT, bh), idx),
-                                       ATT_STREAM(ATT_SCORE_SCALED, bh), idx);
-            const double dpv = emu_round(a.dp, (double)pacc[r][c], bwd_stream(EV_DP, bh), idx);
+            /* emu_rnd<true>: the general rounding out of line. Inlined, the 16 unrolled elements' 10 events made
+             * the kernel ~59k instructions, and instruction-cache misses its largest stall (ncu) */
+            const double s = emu_rnd<true>(cx.score, cx.c * emu_rnd<true>(cx.score, (double)sacc[r][c],
+                                           ATT_STREAM(ATT_SCORE_DOT, bh), idx), ATT_STREAM(ATT_SCORE_SCALED, bh), idx);
+            const double dpv = emu_rnd<true>(a.dp, (double)pacc[r][c], bwd_stream(EV_DP, bh), idx);
             if (a.baseline) { /* s and dP for the rows kernel (fp32 values: emu_bwd_fast_pairs_ok) */
                 pa[j] = (float)s, pb[j] = (float)dpv;
                 continue;
             }
-            const double x = emu_round(cx.softmax, s - L, ATT_STREAM(ATT_SOFTMAX_SUB, bh), idx);
-            const double p = emu_round(cx.softmax, emu_exp(cx.exp2, x), ATT_STREAM(ATT_SOFTMAX_EXP, bh), idx);
-            pa[j] = (float)emu_round(a.bwd_p, p, bwd_stream(EV_BWD_P, bh), idx);
-            pb[j] = (float)ds_of(a, p, dpv, Di, bh, idx);
+            const double x = emu_rnd<true>(cx.softmax, s - L, ATT_STREAM(ATT_SOFTMAX_SUB, bh), idx);
+            const double p = emu_rnd<true>(cx.softmax, emu_exp(cx.exp2, x), ATT_STREAM(ATT_SOFTMAX_EXP, bh), idx);
+            pa[j] = (float)emu_rnd<true>(a.bwd_p, p, bwd_stream(EV_BWD_P, bh), idx);
+            pb[j] = (float)ds_of<true>(a, p, dpv, Di, bh, idx);
         }
     }
 }
