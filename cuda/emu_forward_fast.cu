@@ -227,6 +227,16 @@ __device__ void softmax_terms(const fast_args &a, const smem_t &sm, int64_t bh, 
     const float mf = (float)m;
     const int sub32 = cx.softmax.kind == ATT_F32;
     const int64_t i = i0 + row;
+    if (sub32 && mode == TERMS_E_P && a.p_kind != FLT_EVENT) { /* fa2's stages: no event needs an index */
+#pragma unroll 2
+        for (int key = threadIdx.x / BM; key < n; key += NT / BM) {
+            const float e = __double2float_rn(emu_exp(cx.exp2, (double)__fsub_rn(sm.s[key * SP + row], mf)));
+            sm.s[key * SP + row] = e;
+            sm.p[key * SP + row] = r_flt(cx.p, a.p_kind, e, s16, 0);
+        }
+        __syncthreads();
+        return;
+    }
     for (int key = threadIdx.x / BM; key < n; key += NT / BM) {
         const uint64_t idx = ATT_INDEX(i, jb0 + kb0 + key, 0);
         const float s = sm.s[key * SP + row];
