@@ -11,6 +11,8 @@
 #ifndef FADEV_EMU_CUH
 #define FADEV_EMU_CUH
 
+#include <cuda_fp16.h>
+
 #include "common.cuh"
 
 extern "C" {
@@ -147,6 +149,31 @@ static inline unsigned emu_blocks(size_t n, unsigned threads) {
  * costs the host no read-back (no synchronisation): a head is computed by exactly one of the two launches. */
 __device__ __forceinline__ int emu_head_finite(const emu_ctx &cx, int64_t bh, int64_t bhk) {
     return cx.qmag[bh].finite && cx.kmag[bhk].finite && cx.vmag[bhk].finite;
+}
+
+/* How a stage rounds a value that is an fp32 value (the fast kernels' stages between fp32 operations): the event on
+ * its fp64 value, the identity (an fp32 stage), or IEEE bf16 / fp16 nearest-even done on the fp32 encoding (the same
+ * value: the same format, subnormals, ties and overflow). */
+enum flt_kind { FLT_EVENT = 0, FLT_F32 = 1, FLT_BF16 = 2, FLT_F16 = 3 };
+
+/* The flt_kind of a stage (host side). */
+static inline int flt_kind_of(const att_stage &st) {
+    if (st.kind == ATT_F32) return FLT_F32;
+    const fadev_format &f = st.fmt;
+    const int ieee = st.kind == ATT_RNE && f.subnormals && f.has_inf && f.overflow == FADEV_OVERFLOW_INF;
+    if (ieee && f.precision == 8 && f.emin == -126 && f.emax == 127 && f.largest == 0x1.FEp127) return FLT_BF16;
+    if (ieee && f.precision == 11 && f.emin == -14 && f.emax == 15 && f.largest == 65504.0) return FLT_F16;
+    return FLT_EVENT;
+}
+
+/* R(x) of an fp32 value x for a stage of kind fk other than FLT_EVENT (and a NaN x as itself for every kind). */
+__device__ __forceinline__ float flt_round(int fk, float x) {
+    if (fk == FLT_F32 || x != x) return x; /* NaN stays NaN (payloads are not part of the spec) */
+    if (fk == FLT_BF16) {
+        const unsigned u = __float_as_uint(x);
+        return __uint_as_float((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
+    }
+    return __half2float(__float2half_rn(x)); /* FLT_F16 */
 }
 
 /* The forward's fast path (emu_forward_fast.cu): whether it applies to this plan and policy (fp32 FMA chains exact,

@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(NT, EMU_DKV_MIN_BLOCKS) dkv_fast_kernel(const 
  * ascending as fp32 FMAs (pair_kernel's float tier, register-blocked), then the pair_kernel's element-wise steps
  * (the same events), and writes to the fp32 scratch P' and dS (flash) or s and dP (the baseline, whose rows kernel
  * goes on from them). */
-__global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ bwd_args a) {
+__global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ bwd_args a, const int lean) {
     constexpr int BP = TN + 1; /* pitch of the staged keys [t][key] */
     __shared__ __align__(16) float qs[TK * AP], dos[TK * AP];
     __shared__ float ks[TK * BP], vs[TK * BP];
@@ -358,6 +358,16 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
         for (int c = 0; c < 4; c++) {
             const int64_t j = j0 + tx + 16 * c;
             if (j > row_last[m]) continue;
+            if (lean) { /* pair_lean's stages: each event one conversion of an fp64 or fp32 value, no index */
+                const double s = (double)__double2float_rn(cx.c * (double)sacc[r][c]), dpv = (double)pacc[r][c];
+                const double x = (double)__double2float_rn(s - L);
+                const float p = __double2float_rn(emu_exp(cx.exp2, x));
+                pa[j] = flt_round(lean >> 4 & 15, p);
+                float u = __double2float_rn((double)p * (double)__double2float_rn(dpv - Di));
+                if (a.ds_scaled) u = __double2float_rn(a.c_ds * (double)u);
+                pb[j] = flt_round(lean >> 8 & 15, u);
+                continue;
+            }
             const uint64_t idx = ATT_INDEX(i, j, 0);
             /* emu_rnd<true>: the general rounding out of line. Inlined, the 16 unrolled elements' 10 events made
              * the kernel ~59k instructions, and instruction-cache misses its largest stall (ncu) */
@@ -414,9 +424,21 @@ int emu_bwd_fast_pairs_ok(const bwd_args &a) {
     return stored && a.cx.qk_float && a.cx.pv_float && a.dp_float && a.dp_acc.kind == ATT_F32;
 }
 
+/* The pair kernel's lean element-wise steps (flash): where the score, dP, softmax, dsoft_p and dsoft stages are fp32
+ * under nearest-even (fa2's), every event on the way is one conversion to fp32 (att_round_fast's ATT_F32 path: the
+ * value the event gives, whatever the value), and P' and dS round fp32 values (flt_kind, not an event). Returns
+ * 1 | R_bwd_p's flt_kind << 4 | R_ds's << 8, or 0 (every event through emu_rnd). */
+static int pair_lean(const bwd_args &a) {
+    const int bk = flt_kind_of(a.bwd_p), dk = flt_kind_of(a.ds);
+    const int f32 = a.cx.score.kind == ATT_F32 && a.dp.kind == ATT_F32 && a.cx.softmax.kind == ATT_F32 &&
+                    a.dsoft_p.kind == ATT_F32 && a.dsoft.kind == ATT_F32;
+    return !a.baseline && f32 && bk != FLT_EVENT && dk != FLT_EVENT ? 1 | bk << 4 | dk << 8 : 0;
+}
+
 fadev_status emu_bwd_fast_pairs(const bwd_args &a, int64_t gn) {
     const int64_t Nk = a.cx.pr.seq_kv;
-    pair_fast_kernel<<<dim3((unsigned)((Nk + TN - 1) / TN), (unsigned)((a.rn + TM - 1) / TM), (unsigned)gn), NT>>>(a);
+    pair_fast_kernel<<<dim3((unsigned)((Nk + TN - 1) / TN), (unsigned)((a.rn + TM - 1) / TM), (unsigned)gn), NT>>>(
+        a, pair_lean(a));
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }

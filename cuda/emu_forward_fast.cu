@@ -31,8 +31,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <cuda_fp16.h>
-
 #include "emu.cuh"
 
 namespace {
@@ -64,10 +62,6 @@ struct fast_args {
                        * O update's operations are on fp32 values and round once in fp32 (double rounding is
                        * innocuous for *, +, /) */
 };
-
-/* How a stage rounds an fp32 value: the event on its fp64 value, the identity (an fp32 stage), or IEEE bf16 / fp16
- * nearest-even done on the fp32 encoding (the same value: the same format, subnormals, ties and overflow). */
-enum flt_kind { FLT_EVENT = 0, FLT_F32 = 1, FLT_BF16 = 2, FLT_F16 = 3 };
 
 /* Per-row state in shared memory. */
 struct rows_view {
@@ -111,13 +105,7 @@ __device__ __forceinline__ double rnd(const att_stage &st, double x, uint64_t st
 
 /* R(x) of an fp32 value x for a stage of kind fk (flt_kind). */
 __device__ __forceinline__ float r_flt(const att_stage &st, int fk, float x, uint64_t stream, uint64_t idx) {
-    if (fk == FLT_F32 || x != x) return x; /* NaN stays NaN (payloads are not part of the spec) */
-    if (fk == FLT_BF16) {
-        const unsigned u = __float_as_uint(x);
-        return __uint_as_float((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
-    }
-    if (fk == FLT_F16) return __half2float(__float2half_rn(x));
-    return (float)rnd(st, (double)x, stream, idx);
+    return fk == FLT_EVENT && x == x ? (float)rnd(st, (double)x, stream, idx) : flt_round(fk, x);
 }
 
 /* R(x) of an fp64 value for a stage whose values are fp32 values. */
@@ -492,16 +480,6 @@ template <int DC> __global__ void __launch_bounds__(NT, EMU_FWD_MIN_BLOCKS) fast
 }
 
 } // namespace
-
-/* The flt_kind of a stage (host side). */
-static int flt_kind_of(const att_stage &st) {
-    if (st.kind == ATT_F32) return FLT_F32;
-    const fadev_format &f = st.fmt;
-    const int ieee = st.kind == ATT_RNE && f.subnormals && f.has_inf && f.overflow == FADEV_OVERFLOW_INF;
-    if (ieee && f.precision == 8 && f.emin == -126 && f.emax == 127 && f.largest == 0x1.FEp127) return FLT_BF16;
-    if (ieee && f.precision == 11 && f.emin == -14 && f.emax == 15 && f.largest == 65504.0) return FLT_F16;
-    return FLT_EVENT;
-}
 
 int emu_fast_forward_ok(const emu_ctx &cx, const fadev_policy *pol) {
     const char *generic = getenv("FADEV_EMU_GENERIC"); /* tests: the generic kernels, to compare the two paths */
