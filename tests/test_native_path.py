@@ -153,15 +153,37 @@ def test_non_contiguous_inputs_are_copied_once():
     assert calls[0][0] != qt.data_ptr() and calls[0][1:3] == (k.data_ptr(), v.data_ptr())
 
 
-def test_host_time_per_call_is_measured():
-    """benchmarks/bench_step.py's CPU mode: fadev's host time per forward + backward, and torch's own autograd cost
-    beside it, both positive and finite (the numbers themselves are the benchmark's, not a test's)."""
+def _bench_step():
     import importlib.util
     import os
     path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_step.py")
     spec = importlib.util.spec_from_file_location("bench_step", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_step_rounds_alternate_and_ratios_are_per_round(capsys):
+    """bench_step's timing: every round runs each arm's steps in turn (a, a, b, b, then a, a, b, b), on the batches
+    after the two validation updates, and the table's per-round ratio divides medians of the same round."""
+    bench = _bench_step()
+    order = []
+    steps = {arm: (lambda x, y, arm=arm: order.append((arm, x))) for arm in ("sdpa", "native")}
+    data = [(i, i) for i in range(8)]
+    times = bench.time_arms(steps, data, 2, 2, "cpu")
+    assert [a for a, _ in order] == ["sdpa", "sdpa", "native", "native"] * 2
+    assert [x for _, x in order] == [2, 3, 2, 3, 4, 5, 4, 5]
+    assert {a: len(r) for a, r in times.items()} == {"sdpa": 2, "native": 2}
+    assert all(len(r) == 1 for rounds in times.values() for r in rounds)  # each round's first step dropped
+    bench.print_steps({"sdpa": 1.0, "native": 1.0}, {"sdpa": [[1.0], [2.0]], "native": [[3.0], [2.0]]})
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| native")][0]
+    assert row == "| native | 2500.0 | 1.67 | 2.00 (1.00-3.00) | 1.0000 |"
+
+
+def test_host_time_per_call_is_measured():
+    """benchmarks/bench_step.py's CPU mode: fadev's host time per forward + backward, and torch's own autograd cost
+    beside it, both positive and finite (the numbers themselves are the benchmark's, not a test's)."""
+    bench = _bench_step()
     result = bench.host_only(calls=20)
     assert set(result) >= {"fadev native (hf)", "fadev native (torch_native)", "autograd.Function, no work"}
     assert all(math.isfinite(x) and x > 0 for x in result.values()), result
