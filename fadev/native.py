@@ -77,14 +77,14 @@ def _warp_rows(warp_rows):
 
 
 def native_tiles(dim, *, backward=False, warp_rows=16, mma="sync") -> list:
-    """The (block_q, block_kv) tiles the native forward (``backward=False``) or backward kernel supports for
-    head dim ``dim`` (the first is the default unless :data:`DEFAULT_TILES` names another); an empty list for a
-    head dim they do not support. The two lists differ: the backward holds dK and dV in registers besides the score
-    tile, so its query tiles are smaller. ``warp_rows``: the tile rows a warp owns, 16 or 32 (query rows in the forward, key rows in the
-    backward; 32 runs two row blocks side by side, half the shared-memory reads per product; the same
-    arithmetic, so the same bits), each with its own list (the backward's 32 only at D 64). ``mma="wgmma"``:
-    the tiles of the Hopper kernels (forward: block_q / 64 warpgroups; backward: block_kv / 64, D 64 only;
-    ``warp_rows`` not read)."""
+    """The (block_q, block_kv) tiles the native forward (``backward=False``) or backward kernel supports for head
+    dim ``dim`` (the first is the default unless :data:`DEFAULT_TILES` names another); an empty list for a head dim
+    they do not support. The two lists differ: the backward holds dK and dV in registers besides the score tile, so
+    its query tiles are smaller. ``warp_rows``: the tile rows a warp owns, 16 or 32 (query rows in the forward, key
+    rows in the backward; 32 runs two row blocks side by side, half the shared-memory reads per product; the same
+    arithmetic, so the same bits), each with its own list (the backward's 32 only at D 64). ``mma="wgmma"``: the
+    tiles of the Hopper kernels (forward: block_q / 64 warpgroups; backward: block_kv / 64, D 64 only; ``warp_rows``
+    not read)."""
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
         raise ValueError(f"dim must be a positive integer, got {dim!r}")
     tiles = _tiles(int(dim), bool(_args.boolean(backward, "backward")), _warp_rows(warp_rows),
@@ -131,11 +131,11 @@ DEFAULT_TILES = {
     ("wgmma", False, 64, False): (64, 64), ("wgmma", False, 64, True): (64, 64),
     ("wgmma", False, 128, False): (128, 128), ("wgmma", False, 128, True): (64, 64),
 }
-"""The tile a call with no tile argument runs, per (instruction, backward, head dim, causal), where it is not the first
-of :func:`native_tiles`: the fastest measured (benchmarks/README.md, "Default tiles": every wgmma forward tile at D 64
-and 128, N 1k / 4k / 16k, causal or not, on an H200 -- 64x64 was the fastest or within 3% of it in every D 64 cell
-and every causal D 128 one, 128x128 in non-causal D 128). A table, not an autotuner: a tile changes the bits, and
-a default must give the same bits on every run and every machine with the instruction."""
+"""The tile a call with no tile argument runs, per (instruction, backward, head dim, causal); keys it lacks take the
+first of :func:`native_tiles`. Measured (benchmarks/README.md, "The measured tile table": every wgmma forward tile at
+D 64 and 128, N 1k / 4k / 16k, causal or not, on an H200): each entry was the fastest tile or within 2% of it in
+every N. A table, not an autotuner: a tile changes the bits, and a default must give the same bits on every run
+and every machine with the instruction."""
 
 
 def fit_tile(dim, block_q=None, block_kv=None, *, backward=False, warp_rows=16, mma="sync", causal=False,
@@ -181,18 +181,17 @@ def _params(q4, causal, scale, block_q, block_kv, code, gpu, backward=False, det
 
 def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_kv=None, warp_rows=16, mma="auto",
                      return_lse=False, dtype=None):
-    """FlashAttention-2-style forward on the tensor cores (cuda/native_forward.cu): fp16 or bf16 inputs
-    and output, fp32 accumulation and online softmax (exp2). Shapes, ``causal`` and ``scale`` as
-    :func:`fadev.flash_attention`; head dim 64 or 128; (``block_q``, ``block_kv``) one of
-    :func:`native_tiles` for ``warp_rows`` (16 or 32 query rows per warp: the same bits, another speed;
-    default: :func:`fit_tile`'s, the measured :data:`DEFAULT_TILES` entry or the list's first). ``mma="wgmma"``
-    runs the Hopper kernel (cuda/native_forward_wgmma.cu: the same algorithm and rounding steps, products by
-    warpgroup MMA; its own tiles, ``native_tiles(D, mma="wgmma")``; compute capability 9.0 only); ``"sync"`` the
-    mma.sync kernel; ``"auto"`` (the default) the faster of the two for this GPU, head dim and tile request (:func:`auto_mma`). PyTorch CUDA tensors of float16 / bfloat16 give tensors
-    (``lse`` float32, natural log); NumPy (or ml_dtypes) arrays are rounded to ``dtype`` ("bf16" or
-    "fp16"; inferred from a float16 / bfloat16 array), copied to the GPU, and come back as float64
-    NumPy arrays holding the fp16 / bf16 (lse: fp32) values. Not differentiable: see
-    :func:`native_attention_backward`."""
+    """FlashAttention-2-style forward on the tensor cores (cuda/native_forward.cu): fp16 or bf16 inputs and output,
+    fp32 accumulation and online softmax (exp2). Shapes, ``causal`` and ``scale`` as :func:`fadev.flash_attention`;
+    head dim 64 or 128; (``block_q``, ``block_kv``) one of :func:`native_tiles` for ``warp_rows`` (16 or 32 query
+    rows per warp: the same bits, another speed; default: :func:`fit_tile`'s, the measured :data:`DEFAULT_TILES`
+    entry or the list's first). ``mma="wgmma"`` runs the Hopper kernel (cuda/native_forward_wgmma.cu: the same
+    algorithm and rounding steps, products by warpgroup MMA; its own tiles, ``native_tiles(D, mma="wgmma")``;
+    compute capability 9.0 only); ``"sync"`` the mma.sync kernel; ``"auto"`` (the default) the faster of the two for
+    this GPU, head dim and tile request (:func:`auto_mma`). PyTorch CUDA tensors of float16 / bfloat16 give tensors
+    (``lse`` float32, natural log); NumPy (or ml_dtypes) arrays are rounded to ``dtype`` ("bf16" or "fp16"; inferred
+    from a float16 / bfloat16 array), copied to the GPU, and come back as float64 NumPy arrays holding the fp16 /
+    bf16 (lse: fp32) values. Not differentiable: see :func:`native_attention_backward`."""
     _args.boolean(return_lse, "return_lse")
     rows = _warp_rows(warp_rows)
     _args.choice("mma", mma, MMA_CHOICES)
