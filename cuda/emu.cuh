@@ -176,6 +176,17 @@ __device__ __forceinline__ float flt_round(int fk, float x) {
     return __half2float(__float2half_rn(x)); /* FLT_F16 */
 }
 
+/* R(x) of an fp64 value x for a stage of kind fk other than FLT_EVENT, as one event at that stage gives it: an fp32
+ * stage converts; bf16 and fp16 round x to odd at fp32 first (truncate, then set the last bit if inexact), whose
+ * nearest-even rounding to a format of p <= 22 bits with fp32's or a narrower exponent range is x's own (round to
+ * odd with 24 >= p + 2 bits; subnormals, ties and overflow to inf included), then round that fp32 value. */
+__device__ __forceinline__ float dbl_round(int fk, double x) {
+    if (fk == FLT_F32) return __double2float_rn(x);
+    float f = __double2float_rz(x);
+    if ((double)f != x && f == f) f = __uint_as_float(__float_as_uint(f) | 1u);
+    return flt_round(fk, f);
+}
+
 /* The forward's fast path (emu_forward_fast.cu): whether it applies to this plan and policy (fp32 FMA chains exact,
  * the intermediate values fp32 values; FADEV_EMU_GENERIC=1 in the environment turns it off), and the launch, whose
  * CTAs compute the heads whose inputs are finite (emu_head_finite; the generic launch the others). Same bits as the

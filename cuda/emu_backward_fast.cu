@@ -359,14 +359,18 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
         for (int c = 0; c < 4; c++) {
             const int64_t j = j0 + tx + 16 * c;
             if (j > row_last[m]) continue;
-            if (LEAN) { /* pair_lean's stages: each event one conversion of an fp64 or fp32 value, no index */
-                const double s = (double)__double2float_rn(cx.c * (double)sacc[r][c]), dpv = (double)pacc[r][c];
-                const double x = (double)__double2float_rn(s - L);
-                const float p = __double2float_rn(emu_exp(cx.exp2, x));
-                pa[j] = flt_round(lean >> 4 & 15, p);
-                float u = __double2float_rn((double)p * (double)__double2float_rn(dpv - Di));
-                if (a.ds_scaled) u = __double2float_rn(a.c_ds * (double)u);
-                pb[j] = flt_round(lean >> 8 & 15, u);
+            if (LEAN) { /* pair_lean's stages: each event a conversion (dbl_round), no index */
+                const int ks = lean >> 2 & 3, kdp = lean >> 4 & 3, ksm = lean >> 6 & 3, kbp = lean >> 8 & 3;
+                const int kdsp = lean >> 10 & 3, kdso = lean >> 12 & 3, kds = lean >> 14 & 3;
+                const double s = dbl_round(ks, cx.c * (double)dbl_round(ks, (double)sacc[r][c]));
+                const double dpv = dbl_round(kdp, (double)pacc[r][c]);
+                const double x = dbl_round(ksm, s - L);
+                const double p = dbl_round(ksm, emu_exp(cx.exp2, x));
+                pa[j] = dbl_round(kbp, p);
+                const double t = dbl_round(kdso, dpv - Di);
+                double u = dbl_round(kdso, (double)dbl_round(kdsp, p) * t);
+                if (a.ds_scaled) u = dbl_round(kdso, a.c_ds * u);
+                pb[j] = dbl_round(kds, u);
                 continue;
             }
             const uint64_t idx = ATT_INDEX(i, j, 0);
@@ -425,15 +429,20 @@ int emu_bwd_fast_pairs_ok(const bwd_args &a) {
     return stored && a.cx.qk_float && a.cx.pv_float && a.dp_float && a.dp_acc.kind == ATT_F32;
 }
 
-/* The pair kernel's lean element-wise steps (flash): where the score, dP, softmax, dsoft_p and dsoft stages are fp32
- * under nearest-even (fa2's), every event on the way is one conversion to fp32 (att_round_fast's ATT_F32 path: the
- * value the event gives, whatever the value), and P' and dS round fp32 values (flt_kind, not an event). Returns
- * 1 | R_bwd_p's flt_kind << 4 | R_ds's << 8, or 0 (every event through emu_rnd). */
+/* The pair kernel's lean element-wise steps (flash): where the score, dP, softmax, bwd_p, dsoft_p, dsoft and ds
+ * stages are each fp32, bf16 or fp16 under nearest-even (fa2's and paper's), every event on the way is dbl_round of
+ * its fp64 value (emu.cuh: the value the event gives, whatever the value) and no event needs an index. Returns
+ * 1 | each stage's flt_kind in two bits from bit 2 (score, dp, softmax, bwd_p, dsoft_p, dsoft, ds), or 0 (every
+ * event through emu_rnd). */
 static int pair_lean(const bwd_args &a) {
-    const int bk = flt_kind_of(a.bwd_p), dk = flt_kind_of(a.ds);
-    const int f32 = a.cx.score.kind == ATT_F32 && a.dp.kind == ATT_F32 && a.cx.softmax.kind == ATT_F32 &&
-                    a.dsoft_p.kind == ATT_F32 && a.dsoft.kind == ATT_F32;
-    return !a.baseline && f32 && bk != FLT_EVENT && dk != FLT_EVENT ? 1 | bk << 4 | dk << 8 : 0;
+    const att_stage *stages[7] = {&a.cx.score, &a.dp, &a.cx.softmax, &a.bwd_p, &a.dsoft_p, &a.dsoft, &a.ds};
+    int lean = 1;
+    for (int k = 0; k < 7; k++) {
+        const int fk = flt_kind_of(*stages[k]);
+        if (fk == FLT_EVENT) return 0;
+        lean |= fk << (2 + 2 * k);
+    }
+    return a.baseline ? 0 : lean;
 }
 
 fadev_status emu_bwd_fast_pairs(const bwd_args &a, int64_t gn) {

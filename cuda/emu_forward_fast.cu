@@ -58,6 +58,7 @@ struct fast_args {
     int baseline;
     int p_kind;       /* how R_p rounds an fp32 value (flt_kind) */
     int so_kind;      /* flt_kind of state_out */
+    int lean;         /* the lean kernel's stage kinds (fast_lean): score, softmax, out_acc, state_out in two bits each */
     int o32;          /* out_acc is fp32 nearest-even and the stats and rescale stages' values are fp32 values: the
                        * O update's operations are on fp32 values and round once in fp32 (double rounding is
                        * innocuous for *, +, /) */
@@ -117,7 +118,7 @@ __device__ __forceinline__ float r_dbl(const att_stage &st, double x, uint64_t s
 /* Scores of the subtile's keys kb0 .. kb0 + kn - 1 of the block starting at key jb0 (kn <= 32 CN) for the CTA's
  * rows, into S[key][row]; a row's keys beyond its visible count are written but never read. With `track`, the
  * rows' maxima over their visible keys are folded into mnew. Begins with a barrier; ends without one. */
-template <int CN>
+template <int CN, bool LEAN>
 __device__ void scores_cn(const fast_args &a, const smem_t &sm, int64_t bh, int64_t bhk, int64_t i0, int64_t jb0,
                           int kb0, int kn, int track) {
     const emu_ctx &cx = a.cx;
@@ -170,6 +171,8 @@ __device__ void scores_cn(const fast_args &a, const smem_t &sm, int64_t bh, int6
             float s;
             if (cx.score.kind == ATT_F32) {
                 s = __fmul_rn(cf, acc[r][c]);
+            } else if (LEAN) {
+                s = dbl_round(a.lean & 3, cx.c * (double)dbl_round(a.lean & 3, (double)acc[r][c]));
             } else {
                 const uint64_t idx = ATT_INDEX(i0 + row, jb0 + kb0 + key, 0);
                 s = (float)rnd(cx.score, cx.c * rnd(cx.score, (double)acc[r][c], s4, idx), s5, idx);
@@ -191,12 +194,13 @@ __device__ void scores_cn(const fast_args &a, const smem_t &sm, int64_t bh, int6
     }
 }
 
+template <bool LEAN>
 __device__ __forceinline__ void scores(const fast_args &a, const smem_t &sm, int64_t bh, int64_t bhk, int64_t i0,
                                        int64_t jb0, int kb0, int kn, int track) {
-    if (kn <= 32) scores_cn<1>(a, sm, bh, bhk, i0, jb0, kb0, kn, track);
-    else if (kn <= 64) scores_cn<2>(a, sm, bh, bhk, i0, jb0, kb0, kn, track);
-    else if (kn <= 96) scores_cn<3>(a, sm, bh, bhk, i0, jb0, kb0, kn, track);
-    else scores_cn<4>(a, sm, bh, bhk, i0, jb0, kb0, kn, track);
+    if (kn <= 32) scores_cn<1, LEAN>(a, sm, bh, bhk, i0, jb0, kb0, kn, track);
+    else if (kn <= 64) scores_cn<2, LEAN>(a, sm, bh, bhk, i0, jb0, kb0, kn, track);
+    else if (kn <= 96) scores_cn<3, LEAN>(a, sm, bh, bhk, i0, jb0, kb0, kn, track);
+    else scores_cn<4, LEAN>(a, sm, bh, bhk, i0, jb0, kb0, kn, track);
 }
 
 enum terms_mode { TERMS_E = 0, TERMS_E_P = 1, TERMS_P_DIV = 2 };
@@ -204,6 +208,7 @@ enum terms_mode { TERMS_E = 0, TERMS_E_P = 1, TERMS_P_DIV = 2 };
 /* The softmax terms of the subtile, element-wise (a thread keeps one row): e = R_softmax(E(R_softmax(s - m_new)))
  * into S (TERMS_E), and P = R_p(e) into P as well (TERMS_E_P, flash), or only P = R_p(e / l) (TERMS_P_DIV, the
  * baseline's second pass). Begins and ends with a barrier. */
+template <bool LEAN>
 __device__ void softmax_terms(const fast_args &a, const smem_t &sm, int64_t bh, int64_t i0, int64_t jb0, int kb0,
                               int kn, int mode) {
     const emu_ctx &cx = a.cx;
@@ -215,6 +220,20 @@ __device__ void softmax_terms(const fast_args &a, const smem_t &sm, int64_t bh, 
     const float mf = (float)m;
     const int sub32 = cx.softmax.kind == ATT_F32;
     const int64_t i = i0 + row;
+    if (LEAN) { /* every event a conversion (dbl_round), no index */
+        const int ksm = a.lean >> 2 & 3;
+#pragma unroll 2
+        for (int key = threadIdx.x / BM; key < n; key += NT / BM) {
+            const float s = sm.s[key * SP + row];
+            const float x = ksm == FLT_F32 ? __fsub_rn(s, mf) : dbl_round(ksm, (double)s - m);
+            const float e = dbl_round(ksm, emu_exp(cx.exp2, (double)x));
+            if (mode != TERMS_P_DIV) sm.s[key * SP + row] = e;
+            if (mode == TERMS_E_P) sm.p[key * SP + row] = flt_round(a.p_kind, e);
+            if (mode == TERMS_P_DIV) sm.p[key * SP + row] = dbl_round(a.p_kind, (double)e / l);
+        }
+        __syncthreads();
+        return;
+    }
     if (sub32 && mode == TERMS_E_P && a.p_kind != FLT_EVENT) { /* fa2's stages: no event needs an index */
 #pragma unroll 2
         for (int key = threadIdx.x / BM; key < n; key += NT / BM) {
@@ -325,7 +344,8 @@ __device__ void pv_terms(const fast_args &a, const smem_t &sm, int64_t bhk, int6
     }
 }
 
-template <int DC> __global__ void __launch_bounds__(NT, EMU_FWD_MIN_BLOCKS) fast_kernel(const __grid_constant__ fast_args a) {
+template <int DC, bool LEAN>
+__global__ void __launch_bounds__(NT, EMU_FWD_MIN_BLOCKS) fast_kernel(const __grid_constant__ fast_args a) {
     extern __shared__ __align__(16) char smem[];
     const emu_ctx &cx = a.cx;
     const int tid = threadIdx.x, g = tid >> 4, tx = tid & 15;
@@ -366,12 +386,12 @@ template <int DC> __global__ void __launch_bounds__(NT, EMU_FWD_MIN_BLOCKS) fast
         const int nsub = (int)((nvmax + KT - 1) / KT), once = nsub == 1;
         /* the maxima (and, for a single subtile, the scores kept for what follows) */
         for (int sub = 0; sub < nsub; sub++)
-            scores(a, sm, bh, bhk, i0, jb0, sub * KT, (int)(nvmax - sub * KT < KT ? nvmax - sub * KT : KT), 1);
+            scores<LEAN>(a, sm, bh, bhk, i0, jb0, sub * KT, (int)(nvmax - sub * KT < KT ? nvmax - sub * KT : KT), 1);
         if (a.baseline) { /* the baseline's row sums and l, before any P */
             for (int sub = 0; sub < nsub; sub++) {
                 const int kn = (int)(nvmax - sub * KT < KT ? nvmax - sub * KT : KT);
-                if (!once) scores(a, sm, bh, bhk, i0, jb0, sub * KT, kn, 0);
-                softmax_terms(a, sm, bh, i0, jb0, sub * KT, kn, TERMS_E);
+                if (!once) scores<LEAN>(a, sm, bh, bhk, i0, jb0, sub * KT, kn, 0);
+                softmax_terms<LEAN>(a, sm, bh, i0, jb0, sub * KT, kn, TERMS_E);
                 row_sums(a, sm, bh, i0, jb0, sub * KT, kn);
             }
             if (tid < BM && rw.nv[tid] > 0)
@@ -383,8 +403,8 @@ template <int DC> __global__ void __launch_bounds__(NT, EMU_FWD_MIN_BLOCKS) fast
             for (int c = 0; c < DC; c++) pv[r][c] = 0.f;
         for (int sub = 0; sub < nsub; sub++) {
             const int kn = (int)(nvmax - sub * KT < KT ? nvmax - sub * KT : KT);
-            if (!once || a.baseline) scores(a, sm, bh, bhk, i0, jb0, sub * KT, kn, 0);
-            softmax_terms(a, sm, bh, i0, jb0, sub * KT, kn, a.baseline ? TERMS_P_DIV : TERMS_E_P);
+            if (!once || a.baseline) scores<LEAN>(a, sm, bh, bhk, i0, jb0, sub * KT, kn, 0);
+            softmax_terms<LEAN>(a, sm, bh, i0, jb0, sub * KT, kn, a.baseline ? TERMS_P_DIV : TERMS_E_P);
             if (!a.baseline) row_sums(a, sm, bh, i0, jb0, sub * KT, kn);
             pv_terms(a, sm, bhk, jb0, sub * KT, kn, nvmin, nvr, pv);
         }
@@ -429,6 +449,15 @@ template <int DC> __global__ void __launch_bounds__(NT, EMU_FWD_MIN_BLOCKS) fast
                     if (eager) o_new = __fdiv_rn(o_new, (float)l_new);
                     if (kv_outer) o_new = r_flt(cx.state_out, a.so_kind, o_new, ATT_STREAM(ATT_STATE_OUT, bh), ATT_INDEX(i, jb, d));
                     o[r][c] = o_new;
+                    continue;
+                }
+                if (LEAN) { /* the events below as conversions */
+                    const int koa = a.lean >> 4 & 3;
+                    const double scaled = dbl_round(koa, factor * (double)o[r][c]);
+                    double o_new = dbl_round(koa, scaled + (double)dbl_round(koa, (double)pv[r][c]));
+                    if (eager) o_new = dbl_round(koa, o_new / l_new);
+                    if (kv_outer) o_new = dbl_round(a.lean >> 6 & 3, o_new);
+                    o[r][c] = (float)o_new;
                     continue;
                 }
                 const uint64_t idx = ATT_INDEX(i, jb, d);
@@ -490,6 +519,17 @@ int emu_fast_forward_ok(const emu_ctx &cx, const fadev_policy *pol) {
            (!kv_outer || att_inside_fp32(&pol->state_out));
 }
 
+/* The lean kernel (LEAN): where the score, softmax, p, out_acc (and with kv_outer state_out) stages are each fp32,
+ * bf16 or fp16 under nearest-even, their per-element events are dbl_round of the fp64 value (emu.cuh), no event
+ * index; returns their kinds (score, softmax, out_acc, state_out: two bits each) | 1 << 8, or 0. A kernel of its
+ * own: a branch inside the general one slowed the other policies (measured on the backward's pairs). */
+static int fast_lean(const emu_ctx &cx) {
+    const int ks = flt_kind_of(cx.score), ksm = flt_kind_of(cx.softmax), koa = flt_kind_of(cx.out_acc);
+    const int kso = cx.pr.loop_order == FADEV_KV_OUTER ? flt_kind_of(cx.state_out) : FLT_F32;
+    if (!ks || !ksm || !koa || !kso || !flt_kind_of(cx.p)) return 0;
+    return ks | ksm << 2 | koa << 4 | kso << 6 | 1 << 8;
+}
+
 fadev_status emu_fast_forward(const emu_ctx &cx, double *out, double *lse, int baseline) {
     fast_args a;
     a.cx = cx;
@@ -497,16 +537,21 @@ fadev_status emu_fast_forward(const emu_ctx &cx, double *out, double *lse, int b
     a.baseline = baseline;
     a.p_kind = flt_kind_of(cx.p);
     a.so_kind = flt_kind_of(cx.state_out);
+    a.lean = fast_lean(cx);
     a.o32 = cx.out_acc.kind == ATT_F32 && att_inside_fp32(&cx.stats.fmt) && att_inside_fp32(&cx.rescale.fmt);
     a.tiles = (cx.pr.seq_q + BM - 1) / BM;
     a.block_kv = baseline || cx.pr.block_kv > cx.pr.seq_kv ? cx.pr.seq_kv : cx.pr.block_kv;
     const int64_t ctas = cx.pr.batch * cx.pr.heads * a.tiles;
     if (ctas >= (int64_t)1 << 31) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "emulated attention: grid too large");
     const size_t smem = smem_bytes(cx.pr.dim);
-    const void *kernel = cx.pr.dim <= 64 ? (const void *)fast_kernel<4> : (const void *)fast_kernel<8>;
+    const int d64 = cx.pr.dim <= 64;
+    const void *kernel = a.lean ? (d64 ? (const void *)fast_kernel<4, true> : (const void *)fast_kernel<8, true>)
+                                : (d64 ? (const void *)fast_kernel<4, false> : (const void *)fast_kernel<8, false>);
     CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    if (cx.pr.dim <= 64) fast_kernel<4><<<(unsigned)ctas, NT, smem>>>(a);
-    else fast_kernel<8><<<(unsigned)ctas, NT, smem>>>(a);
+    if (a.lean && d64) fast_kernel<4, true><<<(unsigned)ctas, NT, smem>>>(a);
+    else if (a.lean) fast_kernel<8, true><<<(unsigned)ctas, NT, smem>>>(a);
+    else if (d64) fast_kernel<4, false><<<(unsigned)ctas, NT, smem>>>(a);
+    else fast_kernel<8, false><<<(unsigned)ctas, NT, smem>>>(a);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }
