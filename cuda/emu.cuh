@@ -166,6 +166,21 @@ static inline int flt_kind_of(const att_stage &st) {
     return FLT_EVENT;
 }
 
+/* The lean kernels' kinds: 1 | the flt_kind of stage k in two bits from bit 2 + 2k, or 0 when one has none
+ * (n <= 14). */
+static inline int flt_kinds_of(const att_stage *const *st, int n) {
+    int kinds = 1;
+    for (int k = 0; k < n; k++) {
+        const int fk = flt_kind_of(*st[k]);
+        if (fk == FLT_EVENT) return 0;
+        kinds |= fk << (2 + 2 * k);
+    }
+    return kinds;
+}
+
+/* The kind of stage k in flt_kinds_of's packing. */
+__host__ __device__ __forceinline__ int flt_kind_at(int kinds, int k) { return kinds >> (2 + 2 * k) & 3; }
+
 /* R(x) of an fp32 value x for a stage of kind fk other than FLT_EVENT (and a NaN x as itself for every kind). */
 __device__ __forceinline__ float flt_round(int fk, float x) {
     if (fk == FLT_F32 || x != x) return x; /* NaN stays NaN (payloads are not part of the spec) */

@@ -429,7 +429,9 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
                               dim3(PAIR_KEYS, PAIR_ROWS)>>>(args);
                 CUDA_TRY(cudaGetLastError());
             }
-            if (baseline) {
+            if (baseline && emu_bwd_fast_rows_ok(args)) {
+                FADEV_TRY(emu_bwd_fast_rows(args, gn));
+            } else if (baseline) {
                 const dim3 grid(grid_of(args.rn, ROW_WARPS), (unsigned)gn);
                 if (args.saf) baseline_rows_kernel<float><<<grid, THREADS>>>(args, args.saf, args.sbf);
                 else baseline_rows_kernel<double><<<grid, THREADS>>>(args, args.sa, args.sb);

@@ -80,4 +80,20 @@ __device__ __forceinline__ double ds_of(const bwd_args &a, double p, double dpv,
     return emu_rnd<LEAN>(a.ds, u, bwd_stream(EV_DS, bh), idx);
 }
 
+/* ds_of's events as conversions (the lean kernels'), for dsoft_p, dsoft and ds of flt_kinds kdsp, kdso, kds and an
+ * fp32 value p (R_dsoft_p and R_ds then round fp32 values: flt_round, which is dbl_round there). */
+__device__ __forceinline__ float ds_lean(const bwd_args &a, int kdsp, int kdso, int kds, float p, double dpv,
+                                         double di) {
+    const double t = dbl_round(kdso, dpv - di);
+    float u = dbl_round(kdso, (double)flt_round(kdsp, p) * t);
+    if (a.ds_scaled) u = dbl_round(kdso, a.c_ds * (double)u);
+    return flt_round(kds, u);
+}
+
+/* The fast baseline rows kernel (emu_backward_fast.cu): baseline_rows_kernel's work with the same events, where the
+ * fast pair kernel wrote the fp32 scratch and each of the rows kernel's stages is fp32, bf16 or fp16 nearest-even
+ * (naive's: emu_bwd_fast_rows_ok). */
+int emu_bwd_fast_rows_ok(const bwd_args &a);
+fadev_status emu_bwd_fast_rows(const bwd_args &a, int64_t gn);
+
 #endif /* FADEV_EMU_BACKWARD_CUH */

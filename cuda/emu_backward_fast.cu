@@ -12,7 +12,10 @@
  * A CTA computes a 64 x 64 tile of outputs (dQ: virtual rows x columns; dK, dV: keys x columns) with 256 threads,
  * each 4 x 4 (rows 4g..4g+3, columns tx + 16c), over the reduction in slices of 32 staged in shared memory: the
  * scratch operand as [k][m] (float4 reads of four m) and the other operand as [k][n]. A term enters only where
- * the row sees the key; block sums are flushed where the generic kernels flush them. */
+ * the row sees the key; block sums are flushed where the generic kernels flush them.
+ * Also here: the fast pair kernel (s and dP as fp32 FMA chains, then the element-wise steps) and the fast baseline
+ * rows kernel (a thread per row's serial sums), both with every event a conversion where the stages allow
+ * (the lean kernels: emu.cuh's dbl_round). */
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -269,12 +272,19 @@ __global__ void __launch_bounds__(NT, EMU_DKV_MIN_BLOCKS) dkv_fast_kernel(const 
     }
 }
 
+/* pair_lean()'s kinds of fa2's class: score, dp, softmax, dsoft_p and dsoft fp32 (LEAN_FA2 under LEAN_FA2_MASK),
+ * bwd_p and ds any kind */
+constexpr int fa2_fields(int v) { return 1 | v << 2 | v << 4 | v << 6 | v << 10 | v << 12; } /* stages 0 1 2 4 5 */
+constexpr int LEAN_FA2_MASK = fa2_fields(3), LEAN_FA2 = fa2_fields(FLT_F32);
+
 /* The backward's pairs of one CTA: virtual rows rl0.. (blockIdx.y) x keys j0.. (blockIdx.x) of K/V head
  * g0 + blockIdx.z; a thread owns 4 rows x 4 keys (rows 4g.., keys tx + 16c) and runs their s and dP chains over t
  * ascending as fp32 FMAs (pair_kernel's float tier, register-blocked), then the pair_kernel's element-wise steps
  * (the same events), and writes to the fp32 scratch P' and dS (flash) or s and dP (the baseline, whose rows kernel
  * goes on from them). */
-template <bool LEAN>
+/* LEAN: 0 every event through emu_rnd; 1 the lean steps of fa2's class (LEAN_FA2: the fp32 kinds known at compile
+ * time); 2 the lean steps with the kinds of `lean` */
+template <int LEAN>
 __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ bwd_args a, const int lean) {
     constexpr int BP = TN + 1; /* pitch of the staged keys [t][key] */
     __shared__ __align__(16) float qs[TK * AP], dos[TK * AP];
@@ -359,18 +369,18 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
         for (int c = 0; c < 4; c++) {
             const int64_t j = j0 + tx + 16 * c;
             if (j > row_last[m]) continue;
-            if (LEAN) { /* pair_lean's stages: each event a conversion (dbl_round), no index */
-                const int ks = lean >> 2 & 3, kdp = lean >> 4 & 3, ksm = lean >> 6 & 3, kbp = lean >> 8 & 3;
-                const int kdsp = lean >> 10 & 3, kdso = lean >> 12 & 3, kds = lean >> 14 & 3;
-                const double s = dbl_round(ks, cx.c * (double)dbl_round(ks, (double)sacc[r][c]));
-                const double dpv = dbl_round(kdp, (double)pacc[r][c]);
-                const double x = dbl_round(ksm, s - L);
-                const double p = dbl_round(ksm, emu_exp(cx.exp2, x));
-                pa[j] = dbl_round(kbp, p);
-                const double t = dbl_round(kdso, dpv - Di);
-                double u = dbl_round(kdso, (double)dbl_round(kdsp, p) * t);
-                if (a.ds_scaled) u = dbl_round(kdso, a.c_ds * u);
-                pb[j] = dbl_round(kds, u);
+            if (LEAN) { /* pair_lean's stages: each event a conversion (dbl_round; flt_round of an fp32 value) */
+                const int lk = LEAN == 1 ? (lean & ~LEAN_FA2_MASK) | LEAN_FA2 : lean;
+                const int ks = flt_kind_at(lk, 0), ksm = flt_kind_at(lk, 2);
+                const double s = dbl_round(ks, cx.c * (double)flt_round(ks, sacc[r][c]));
+                const double dpv = flt_round(flt_kind_at(lk, 1), pacc[r][c]);
+                if (a.baseline) { /* s and dP for the rows kernel */
+                    pa[j] = (float)s, pb[j] = (float)dpv;
+                    continue;
+                }
+                const float p = dbl_round(ksm, emu_exp(cx.exp2, (double)dbl_round(ksm, s - L)));
+                pa[j] = flt_round(flt_kind_at(lk, 3), p);
+                pb[j] = ds_lean(a, flt_kind_at(lk, 4), flt_kind_at(lk, 5), flt_kind_at(lk, 6), p, dpv, Di);
                 continue;
             }
             const uint64_t idx = ATT_INDEX(i, j, 0);
@@ -429,20 +439,13 @@ int emu_bwd_fast_pairs_ok(const bwd_args &a) {
     return stored && a.cx.qk_float && a.cx.pv_float && a.dp_float && a.dp_acc.kind == ATT_F32;
 }
 
-/* The pair kernel's lean element-wise steps (flash): where the score, dP, softmax, bwd_p, dsoft_p, dsoft and ds
- * stages are each fp32, bf16 or fp16 under nearest-even (fa2's and paper's), every event on the way is dbl_round of
- * its fp64 value (emu.cuh: the value the event gives, whatever the value) and no event needs an index. Returns
- * 1 | each stage's flt_kind in two bits from bit 2 (score, dp, softmax, bwd_p, dsoft_p, dsoft, ds), or 0 (every
- * event through emu_rnd). */
+/* The pair kernel's lean element-wise steps: where the score, dP, softmax, bwd_p, dsoft_p, dsoft and ds stages are
+ * each fp32, bf16 or fp16 under nearest-even (fa2's, paper's, naive's), every event on the way is dbl_round of its
+ * fp64 value (emu.cuh: the value the event gives, whatever the value) and no event needs an index. Returns their
+ * kinds (flt_kinds_of, in that order), or 0 (every event through emu_rnd). */
 static int pair_lean(const bwd_args &a) {
     const att_stage *stages[7] = {&a.cx.score, &a.dp, &a.cx.softmax, &a.bwd_p, &a.dsoft_p, &a.dsoft, &a.ds};
-    int lean = 1;
-    for (int k = 0; k < 7; k++) {
-        const int fk = flt_kind_of(*stages[k]);
-        if (fk == FLT_EVENT) return 0;
-        lean |= fk << (2 + 2 * k);
-    }
-    return a.baseline ? 0 : lean;
+    return flt_kinds_of(stages, 7);
 }
 
 fadev_status emu_bwd_fast_pairs(const bwd_args &a, int64_t gn) {
@@ -450,8 +453,125 @@ fadev_status emu_bwd_fast_pairs(const bwd_args &a, int64_t gn) {
     const dim3 grid((unsigned)((Nk + TN - 1) / TN), (unsigned)((a.rn + TM - 1) / TM), (unsigned)gn);
     const int lean = pair_lean(a);
     /* two kernels: the lean branch inside the general one made its other presets' pairs 1.5x slower */
-    if (lean) pair_fast_kernel<true><<<grid, NT>>>(a, lean);
-    else pair_fast_kernel<false><<<grid, NT>>>(a, 0);
+    if ((lean & LEAN_FA2_MASK) == LEAN_FA2) pair_fast_kernel<1><<<grid, NT>>>(a, lean);
+    else if (lean) pair_fast_kernel<2><<<grid, NT>>>(a, lean);
+    else pair_fast_kernel<0><<<grid, NT>>>(a, 0);
+    CUDA_TRY(cudaGetLastError());
+    return FADEV_OK;
+}
+
+namespace {
+
+constexpr int RW = 4; /* fast rows kernel: warps per CTA, a thread per virtual row */
+constexpr int TP = 33; /* pitch of a warp's 32 x 32 tile */
+
+/* The rows kernel's stages, in rows_lean's order (their indices in flt_kinds_of's packing). */
+enum { RL_SOFTMAX, RL_SUM_ACC, RL_STATS, RL_P, RL_DELTA_ACC, RL_DSOFT_P, RL_DSOFT, RL_DS, RL_BWD_P, RL_N };
+
+/* Row r's 32 values j0 + 0..31 of a warp's rows (their scratch rows `at`, visible counts `nv`) into tile[r][.]
+ * coalesced (a row's 32 consecutive floats per step); values past a row's end are not read. */
+__device__ __forceinline__ void tile_in(float *tile, const float *const *at, const int *nv, int64_t j0, int lane) {
+    for (int r = 0; r < 32; r++)
+        if (at[r] && j0 + lane < nv[r]) tile[r * TP + lane] = at[r][j0 + lane];
+    __syncwarp();
+}
+
+__device__ __forceinline__ void tile_out(const float *tile, float *const *at, const int *nv, int64_t j0, int lane) {
+    __syncwarp();
+    for (int r = 0; r < 32; r++)
+        if (at[r] && j0 + lane < nv[r]) at[r][j0 + lane] = tile[r * TP + lane];
+    __syncwarp();
+}
+
+/* baseline_rows_kernel's work (emu_backward.cu; the same events in the same order) for naive's class of policies,
+ * each event a conversion (dbl_round, or flt_round of an fp32 value), with a thread per virtual row: the two sums
+ * (l and D_i) are serial chains over j, which a warp per row ran on one lane (12 ms at naive(bf16), B 1 H 16 N 4096
+ * D 64, H200); here 32 rows' chains advance side by side, the warp moving each row's 32 values through a
+ * transposing tile in shared memory so that every global access stays coalesced. */
+__global__ void __launch_bounds__(RW * 32) rows_fast_kernel(const __grid_constant__ bwd_args a, const int kinds) {
+    __shared__ float tiles[RW][2][32 * TP];
+    __shared__ float *at_s[RW][32], *at_d[RW][32];
+    __shared__ int nv_all[RW][32];
+    const emu_ctx &cx = a.cx;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const int64_t gl = blockIdx.y, bg = a.g0 + gl, rl = ((int64_t)blockIdx.x * RW + w) * 32 + lane;
+    const int64_t Nk = cx.pr.seq_kv;
+    float *ts = tiles[w][0], *td = tiles[w][1];
+    int nv = 0;
+    if (rl < a.rn) nv = (int)emu_visible(cx.pr, vrow_of(a, bg, a.r0 + rl).i, 0, Nk);
+    const int64_t off = (gl * a.chunk_rows + rl) * Nk;
+    at_s[w][lane] = nv ? a.saf + off : nullptr, at_d[w][lane] = nv ? a.sbf + off : nullptr; /* nv 0: nothing reads */
+    nv_all[w][lane] = nv;
+    int nmax = nv;
+    for (int o = 16; o; o >>= 1) nmax = max(nmax, __shfl_xor_sync(0xFFFFFFFFu, nmax, o));
+    __syncwarp();
+    float *const *as = at_s[w], *const *ad = at_d[w];
+    const int *nvw = nv_all[w];
+    const int ksm = flt_kind_at(kinds, RL_SOFTMAX), ksa = flt_kind_at(kinds, RL_SUM_ACC);
+    const int kda = flt_kind_at(kinds, RL_DELTA_ACC), kdsp = flt_kind_at(kinds, RL_DSOFT_P);
+    const int kp = flt_kind_at(kinds, RL_P);
+    /* m = max_j s_j: exact in any order (emu_backward.cu) */
+    double m = -INFINITY;
+    for (int64_t j0 = 0; j0 < nmax; j0 += 32) {
+        tile_in(ts, as, nvw, j0, lane);
+        for (int c = 0; c < 32 && j0 + c < nv; c++) m = att_max(m, (double)ts[lane * TP + c]);
+        __syncwarp();
+    }
+    /* e_j = R_softmax(exp(R_softmax(s_j - m))) in place of s_j; l = R_stats(chain of R_sum_acc(acc + e_j)) */
+    double acc = 0;
+    for (int64_t j0 = 0; j0 < nmax; j0 += 32) {
+        tile_in(ts, as, nvw, j0, lane);
+        for (int c = 0; c < 32 && j0 + c < nv; c++) {
+            const float e = dbl_round(ksm, exp((double)dbl_round(ksm, (double)ts[lane * TP + c] - m)));
+            ts[lane * TP + c] = e;
+            acc = dbl_round(ksa, acc + (double)e);
+        }
+        tile_out(ts, as, nvw, j0, lane);
+    }
+    const double l = dbl_round(flt_kind_at(kinds, RL_STATS), acc);
+    /* P_j = R_p(e_j / l) in place of e_j; D_i = R_dsoft(chain of R_delta_acc(acc + R_dsoft_p(P_j) dP_j)) */
+    acc = 0;
+    for (int64_t j0 = 0; j0 < nmax; j0 += 32) {
+        tile_in(ts, as, nvw, j0, lane);
+        tile_in(td, ad, nvw, j0, lane);
+        for (int c = 0; c < 32 && j0 + c < nv; c++) {
+            const float p = dbl_round(kp, (double)ts[lane * TP + c] / l);
+            ts[lane * TP + c] = p;
+            acc = dbl_round(kda, acc + (double)flt_round(kdsp, p) * (double)td[lane * TP + c]);
+        }
+        tile_out(ts, as, nvw, j0, lane);
+    }
+    const double di = dbl_round(flt_kind_at(kinds, RL_DSOFT), acc);
+    /* dS in place of dP, P' = R_bwd_p(P) in place of P: element-wise, each row's D_i through shared memory */
+    __shared__ double di_all[RW][32];
+    di_all[w][lane] = di;
+    __syncwarp();
+    const int kdso = flt_kind_at(kinds, RL_DSOFT), kds = flt_kind_at(kinds, RL_DS), kbp = flt_kind_at(kinds, RL_BWD_P);
+    for (int r = 0; r < 32; r++) {
+        float *s = as[r], *dp = ad[r];
+        if (!s) continue;
+        const double dr = di_all[w][r];
+        for (int64_t j = lane; j < nvw[r]; j += 32) {
+            const float p = s[j];
+            dp[j] = ds_lean(a, kdsp, kdso, kds, p, (double)dp[j], dr);
+            s[j] = flt_round(kbp, p);
+        }
+    }
+}
+
+} // namespace
+
+/* rows_fast_kernel's kinds (RL_ order) when the fast pair kernel wrote the fp32 scratch and every stage of the rows
+ * kernel is fp32, bf16 or fp16 nearest-even, else 0. */
+int emu_bwd_fast_rows_ok(const bwd_args &a) {
+    const att_stage *stages[RL_N] = {&a.cx.softmax, &a.cx.sum_acc, &a.cx.stats, &a.cx.p, &a.delta_acc,
+                                     &a.dsoft_p, &a.dsoft, &a.ds, &a.bwd_p};
+    return a.saf ? flt_kinds_of(stages, RL_N) : 0;
+}
+
+fadev_status emu_bwd_fast_rows(const bwd_args &a, int64_t gn) {
+    const dim3 grid((unsigned)((a.rn + RW * 32 - 1) / (RW * 32)), (unsigned)gn);
+    rows_fast_kernel<<<grid, RW * 32>>>(a, emu_bwd_fast_rows_ok(a));
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }
