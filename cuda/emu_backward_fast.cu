@@ -463,42 +463,29 @@ fadev_status emu_bwd_fast_pairs(const bwd_args &a, int64_t gn) {
 namespace {
 
 constexpr int RW = 4; /* fast rows kernel: warps per CTA, a thread per virtual row */
-constexpr int TP = 33; /* pitch of a warp's 32 x 32 tile */
+constexpr int TP = 33; /* pitch of a warp's 32 x 32 tile of terms */
 
 /* The rows kernel's stages, in rows_lean's order (their indices in flt_kinds_of's packing). */
 enum { RL_SOFTMAX, RL_SUM_ACC, RL_STATS, RL_P, RL_DELTA_ACC, RL_DSOFT_P, RL_DSOFT, RL_DS, RL_BWD_P, RL_N };
 
-/* Row r's 32 values j0 + 0..31 of a warp's rows (their scratch rows `at`, visible counts `nv`) into tile[r][.]
- * coalesced (a row's 32 consecutive floats per step); values past a row's end are not read. */
-__device__ __forceinline__ void tile_in(float *tile, const float *const *at, const int *nv, int64_t j0, int lane) {
-    for (int r = 0; r < 32; r++)
-        if (at[r] && j0 + lane < nv[r]) tile[r * TP + lane] = at[r][j0 + lane];
-    __syncwarp();
-}
-
-__device__ __forceinline__ void tile_out(const float *tile, float *const *at, const int *nv, int64_t j0, int lane) {
-    __syncwarp();
-    for (int r = 0; r < 32; r++)
-        if (at[r] && j0 + lane < nv[r]) at[r][j0 + lane] = tile[r * TP + lane];
-    __syncwarp();
-}
-
 /* baseline_rows_kernel's work (emu_backward.cu; the same events in the same order) for naive's class of policies,
- * each event a conversion (dbl_round, or flt_round of an fp32 value), with a thread per virtual row: the two sums
- * (l and D_i) are serial chains over j, which a warp per row ran on one lane (12 ms at naive(bf16), B 1 H 16 N 4096
- * D 64, H200); here 32 rows' chains advance side by side, the warp moving each row's 32 values through a
- * transposing tile in shared memory so that every global access stays coalesced. */
+ * each event a conversion (dbl_round, or flt_round of an fp32 value). A warp owns 32 virtual rows. The element-wise
+ * steps run with the lanes along a row's keys (coalesced), row after row; the two sums (l and D_i) are serial chains
+ * over j, which a warp per row ran on one lane (12 ms at naive(bf16), B 1 H 16 N 4096 D 64, H200): here the lanes
+ * pass each 32 keys' terms through a transposing tile in shared memory and then run their own row's chain, 32 rows
+ * side by side. */
 __global__ void __launch_bounds__(RW * 32) rows_fast_kernel(const __grid_constant__ bwd_args a, const int kinds) {
-    __shared__ float tiles[RW][2][32 * TP];
+    __shared__ double tiles[RW][32 * TP];
     __shared__ float *at_s[RW][32], *at_d[RW][32];
     __shared__ int nv_all[RW][32];
+    __shared__ double row_v[RW][32]; /* per row: m, then l, then D_i */
     const emu_ctx &cx = a.cx;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int64_t gl = blockIdx.y, bg = a.g0 + gl, rl = ((int64_t)blockIdx.x * RW + w) * 32 + lane;
+    const int64_t gl = blockIdx.y, rl = ((int64_t)blockIdx.x * RW + w) * 32 + lane;
     const int64_t Nk = cx.pr.seq_kv;
-    float *ts = tiles[w][0], *td = tiles[w][1];
+    double *tile = tiles[w], *rv = row_v[w];
     int nv = 0;
-    if (rl < a.rn) nv = (int)emu_visible(cx.pr, vrow_of(a, bg, a.r0 + rl).i, 0, Nk);
+    if (rl < a.rn) nv = (int)emu_visible(cx.pr, vrow_of(a, a.g0 + gl, a.r0 + rl).i, 0, Nk);
     const int64_t off = (gl * a.chunk_rows + rl) * Nk;
     at_s[w][lane] = nv ? a.saf + off : nullptr, at_d[w][lane] = nv ? a.sbf + off : nullptr; /* nv 0: nothing reads */
     nv_all[w][lane] = nv;
@@ -507,53 +494,65 @@ __global__ void __launch_bounds__(RW * 32) rows_fast_kernel(const __grid_constan
     __syncwarp();
     float *const *as = at_s[w], *const *ad = at_d[w];
     const int *nvw = nv_all[w];
-    const int ksm = flt_kind_at(kinds, RL_SOFTMAX), ksa = flt_kind_at(kinds, RL_SUM_ACC);
-    const int kda = flt_kind_at(kinds, RL_DELTA_ACC), kdsp = flt_kind_at(kinds, RL_DSOFT_P);
-    const int kp = flt_kind_at(kinds, RL_P);
-    /* m = max_j s_j: exact in any order (emu_backward.cu) */
-    double m = -INFINITY;
-    for (int64_t j0 = 0; j0 < nmax; j0 += 32) {
-        tile_in(ts, as, nvw, j0, lane);
-        for (int c = 0; c < 32 && j0 + c < nv; c++) m = att_max(m, (double)ts[lane * TP + c]);
-        __syncwarp();
+    const int ksm = flt_kind_at(kinds, RL_SOFTMAX), kp = flt_kind_at(kinds, RL_P);
+    const int kdsp = flt_kind_at(kinds, RL_DSOFT_P);
+    /* m = max_j s_j, row after row: exact in any order (emu_backward.cu) */
+    for (int r = 0; r < 32; r++) {
+        const float *s = as[r];
+        double m = -INFINITY;
+        if (s) {
+#pragma unroll 8
+            for (int j = lane; j < nvw[r]; j += 32) m = att_max(m, (double)s[j]);
+        }
+        for (int o = 16; o; o >>= 1) m = att_max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+        if (lane == 0) rv[r] = m;
     }
+    __syncwarp();
     /* e_j = R_softmax(exp(R_softmax(s_j - m))) in place of s_j; l = R_stats(chain of R_sum_acc(acc + e_j)) */
+    const int ksa = flt_kind_at(kinds, RL_SUM_ACC);
     double acc = 0;
     for (int64_t j0 = 0; j0 < nmax; j0 += 32) {
-        tile_in(ts, as, nvw, j0, lane);
-        for (int c = 0; c < 32 && j0 + c < nv; c++) {
-            const float e = dbl_round(ksm, exp((double)dbl_round(ksm, (double)ts[lane * TP + c] - m)));
-            ts[lane * TP + c] = e;
-            acc = dbl_round(ksa, acc + (double)e);
+#pragma unroll 4
+        for (int r = 0; r < 32; r++) {
+            if (j0 + lane >= nvw[r]) continue;
+            float *s = as[r] + j0 + lane;
+            const float e = dbl_round(ksm, exp((double)dbl_round(ksm, (double)*s - rv[r])));
+            *s = e;
+            tile[r * TP + lane] = e;
         }
-        tile_out(ts, as, nvw, j0, lane);
+        __syncwarp();
+        for (int c = 0; c < 32 && j0 + c < nv; c++) acc = dbl_round(ksa, acc + tile[lane * TP + c]);
+        __syncwarp();
     }
-    const double l = dbl_round(flt_kind_at(kinds, RL_STATS), acc);
+    rv[lane] = dbl_round(flt_kind_at(kinds, RL_STATS), acc); /* l */
+    __syncwarp();
     /* P_j = R_p(e_j / l) in place of e_j; D_i = R_dsoft(chain of R_delta_acc(acc + R_dsoft_p(P_j) dP_j)) */
+    const int kda = flt_kind_at(kinds, RL_DELTA_ACC);
     acc = 0;
     for (int64_t j0 = 0; j0 < nmax; j0 += 32) {
-        tile_in(ts, as, nvw, j0, lane);
-        tile_in(td, ad, nvw, j0, lane);
-        for (int c = 0; c < 32 && j0 + c < nv; c++) {
-            const float p = dbl_round(kp, (double)ts[lane * TP + c] / l);
-            ts[lane * TP + c] = p;
-            acc = dbl_round(kda, acc + (double)flt_round(kdsp, p) * (double)td[lane * TP + c]);
+#pragma unroll 4
+        for (int r = 0; r < 32; r++) {
+            if (j0 + lane >= nvw[r]) continue;
+            float *s = as[r] + j0 + lane;
+            const float p = dbl_round(kp, (double)*s / rv[r]);
+            *s = p;
+            tile[r * TP + lane] = (double)flt_round(kdsp, p) * (double)ad[r][j0 + lane];
         }
-        tile_out(ts, as, nvw, j0, lane);
+        __syncwarp();
+        for (int c = 0; c < 32 && j0 + c < nv; c++) acc = dbl_round(kda, acc + tile[lane * TP + c]);
+        __syncwarp();
     }
-    const double di = dbl_round(flt_kind_at(kinds, RL_DSOFT), acc);
-    /* dS in place of dP, P' = R_bwd_p(P) in place of P: element-wise, each row's D_i through shared memory */
-    __shared__ double di_all[RW][32];
-    di_all[w][lane] = di;
-    __syncwarp();
     const int kdso = flt_kind_at(kinds, RL_DSOFT), kds = flt_kind_at(kinds, RL_DS), kbp = flt_kind_at(kinds, RL_BWD_P);
+    rv[lane] = dbl_round(kdso, acc); /* D_i */
+    __syncwarp();
+    /* dS in place of dP, P' = R_bwd_p(P) in place of P */
     for (int r = 0; r < 32; r++) {
         float *s = as[r], *dp = ad[r];
         if (!s) continue;
-        const double dr = di_all[w][r];
-        for (int64_t j = lane; j < nvw[r]; j += 32) {
+#pragma unroll 4
+        for (int j = lane; j < nvw[r]; j += 32) {
             const float p = s[j];
-            dp[j] = ds_lean(a, kdsp, kdso, kds, p, (double)dp[j], dr);
+            dp[j] = ds_lean(a, kdsp, kdso, kds, p, (double)dp[j], rv[r]);
             s[j] = flt_round(kbp, p);
         }
     }
