@@ -387,10 +387,8 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
     if (fast) FADEV_TRY(dout_f.alloc(n_q, "emulated attention backward: fp32 dO"));
     args.doutf = dout_f.ptr;
     FADEV_TRY(mags.alloc((size_t)(2 * G), "emulated attention backward: magnitudes"));
-    if (!baseline) {
-        FADEV_TRY(row_l.alloc(n_rows, "emulated attention backward: L"));
-        FADEV_TRY(row_d.alloc(n_rows, "emulated attention backward: D"));
-    }
+    FADEV_TRY(row_l.alloc(n_rows, "emulated attention backward: L")); /* the baseline's fast rows: m, l */
+    FADEV_TRY(row_d.alloc(n_rows, "emulated attention backward: D"));
     FADEV_TRY(sa.alloc((size_t)(Gc * C * Nk), "emulated attention backward: P' scratch"));
     FADEV_TRY(sb.alloc((size_t)(Gc * C * Nk), "emulated attention backward: dS scratch"));
     FADEV_TRY(dk_part.alloc(n_kv, "emulated attention backward: dK sums"));

@@ -462,106 +462,99 @@ fadev_status emu_bwd_fast_pairs(const bwd_args &a, int64_t gn) {
 
 namespace {
 
-constexpr int RW = 4; /* fast rows kernel: warps per CTA, a thread per virtual row */
-constexpr int TP = 33; /* pitch of a warp's 32 x 32 tile of terms */
+/* The fast baseline rows (naive's class of policies): baseline_rows_kernel's work (emu_backward.cu; the same events
+ * in the same order), each event a conversion (dbl_round, or flt_round of an fp32 value), in five launches: the
+ * element-wise steps with a thread per (row, key), the two serial sums (l and D_i) with a thread per row. A warp per
+ * row running its chains on one lane took 12 ms at naive(bf16), B 1 H 16 N 4096 D 64 (H200); a thread per row for
+ * everything left too few warps to hide the memory's latency (18 ms). Per-row values (m, then l; D_i) live in
+ * row_l and row_d at the row's query index. */
+constexpr int RT = 256;
 
-/* The rows kernel's stages, in rows_lean's order (their indices in flt_kinds_of's packing). */
+/* The rows kernels' stages, in emu_bwd_fast_rows_ok's order (their indices in flt_kinds_of's packing). */
 enum { RL_SOFTMAX, RL_SUM_ACC, RL_STATS, RL_P, RL_DELTA_ACC, RL_DSOFT_P, RL_DSOFT, RL_DS, RL_BWD_P, RL_N };
 
-/* baseline_rows_kernel's work (emu_backward.cu; the same events in the same order) for naive's class of policies,
- * each event a conversion (dbl_round, or flt_round of an fp32 value). A warp owns 32 virtual rows. The element-wise
- * steps run with the lanes along a row's keys (coalesced), row after row; the two sums (l and D_i) are serial chains
- * over j, which a warp per row ran on one lane (12 ms at naive(bf16), B 1 H 16 N 4096 D 64, H200): here the lanes
- * pass each 32 keys' terms through a transposing tile in shared memory and then run their own row's chain, 32 rows
- * side by side. */
-__global__ void __launch_bounds__(RW * 32) rows_fast_kernel(const __grid_constant__ bwd_args a, const int kinds) {
-    __shared__ double tiles[RW][32 * TP];
-    __shared__ float *at_s[RW][32], *at_d[RW][32];
-    __shared__ int nv_all[RW][32];
-    __shared__ double row_v[RW][32]; /* per row: m, then l, then D_i */
-    const emu_ctx &cx = a.cx;
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int64_t gl = blockIdx.y, rl = ((int64_t)blockIdx.x * RW + w) * 32 + lane;
-    const int64_t Nk = cx.pr.seq_kv;
-    double *tile = tiles[w], *rv = row_v[w];
-    int nv = 0;
-    if (rl < a.rn) nv = (int)emu_visible(cx.pr, vrow_of(a, a.g0 + gl, a.r0 + rl).i, 0, Nk);
-    const int64_t off = (gl * a.chunk_rows + rl) * Nk;
-    at_s[w][lane] = nv ? a.saf + off : nullptr, at_d[w][lane] = nv ? a.sbf + off : nullptr; /* nv 0: nothing reads */
-    nv_all[w][lane] = nv;
-    int nmax = nv;
-    for (int o = 16; o; o >>= 1) nmax = max(nmax, __shfl_xor_sync(0xFFFFFFFFu, nmax, o));
-    __syncwarp();
-    float *const *as = at_s[w], *const *ad = at_d[w];
-    const int *nvw = nv_all[w];
-    const int ksm = flt_kind_at(kinds, RL_SOFTMAX), kp = flt_kind_at(kinds, RL_P);
-    const int kdsp = flt_kind_at(kinds, RL_DSOFT_P);
-    /* m = max_j s_j, row after row: exact in any order (emu_backward.cu) */
-    for (int r = 0; r < 32; r++) {
-        const float *s = as[r];
-        double m = -INFINITY;
-        if (s) {
-#pragma unroll 8
-            for (int j = lane; j < nvw[r]; j += 32) m = att_max(m, (double)s[j]);
+struct row_at {
+    int64_t q;  /* bh * Nq + i */
+    int64_t nv; /* keys the row sees */
+    int64_t off; /* the row's offset in the scratch */
+};
+
+__device__ __forceinline__ row_at row_of(const bwd_args &a, int64_t gl, int64_t rl) {
+    const vrow w = vrow_of(a, a.g0 + gl, a.r0 + rl);
+    const int64_t Nk = a.cx.pr.seq_kv;
+    return {w.bh * a.cx.pr.seq_q + w.i, emu_visible(a.cx.pr, w.i, 0, Nk), (gl * a.chunk_rows + rl) * Nk};
+}
+
+/* m = max_j s_j into row_l, a warp per row (exact in any order: emu_backward.cu). */
+__global__ void __launch_bounds__(RT) rows_max_kernel(const __grid_constant__ bwd_args a) {
+    const int lane = threadIdx.x & 31;
+    const int64_t gl = blockIdx.y, rl = (int64_t)blockIdx.x * (RT / 32) + (threadIdx.x >> 5);
+    if (rl >= a.rn) return; /* warp-uniform */
+    const row_at r = row_of(a, gl, rl);
+    const float *s = a.saf + r.off;
+    double m = -INFINITY;
+#pragma unroll 4
+    for (int64_t j = lane; j < r.nv; j += 32) m = att_max(m, (double)s[j]);
+    for (int o = 16; o; o >>= 1) m = att_max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+    if (lane == 0 && r.nv) a.row_l[r.q] = m;
+}
+
+/* The element-wise steps, a thread per (row, key): STEP 0 e_j = R_softmax(exp(R_softmax(s_j - m))) in place of
+ * s_j; STEP 1 dS in place of dP and P' = R_bwd_p(P) in place of P. */
+template <int STEP>
+__global__ void __launch_bounds__(RT) rows_elem_kernel(const __grid_constant__ bwd_args a, const int kinds) {
+    const int64_t gl = blockIdx.z, j = (int64_t)blockIdx.x * RT + threadIdx.x;
+    for (int64_t rl = blockIdx.y; rl < a.rn; rl += gridDim.y) {
+        const row_at r = row_of(a, gl, rl);
+        if (j >= r.nv) continue;
+        float *s = a.saf + r.off + j, *dp = a.sbf + r.off + j;
+        if (STEP == 0) {
+            const int k = flt_kind_at(kinds, RL_SOFTMAX);
+            *s = dbl_round(k, exp((double)dbl_round(k, (double)*s - a.row_l[r.q])));
+        } else {
+            const float p = *s;
+            *dp = ds_lean(a, flt_kind_at(kinds, RL_DSOFT_P), flt_kind_at(kinds, RL_DSOFT), flt_kind_at(kinds, RL_DS),
+                          p, (double)*dp, a.row_d[r.q]);
+            *s = flt_round(flt_kind_at(kinds, RL_BWD_P), p);
         }
-        for (int o = 16; o; o >>= 1) m = att_max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-        if (lane == 0) rv[r] = m;
     }
-    __syncwarp();
-    /* e_j = R_softmax(exp(R_softmax(s_j - m))) in place of s_j; l = R_stats(chain of R_sum_acc(acc + e_j)) */
-    const int ksa = flt_kind_at(kinds, RL_SUM_ACC);
+}
+
+/* The serial sums, a thread per row, keys ascending: STEP 0 l = R_stats(chain of R_sum_acc(acc + e_j)) into row_l;
+ * STEP 1 P_j = R_p(e_j / l) in place of e_j and D_i = R_dsoft(chain of R_delta_acc(acc + R_dsoft_p(P_j) dP_j)) into
+ * row_d. */
+template <int STEP>
+__global__ void __launch_bounds__(RT) rows_chain_kernel(const __grid_constant__ bwd_args a, const int kinds) {
+    const int64_t gl = blockIdx.y, rl = (int64_t)blockIdx.x * RT + threadIdx.x;
+    if (rl >= a.rn) return;
+    const row_at r = row_of(a, gl, rl);
+    if (!r.nv) return; /* no pair: nothing reads this row */
+    float *s = a.saf + r.off;
+    const float *dp = a.sbf + r.off;
     double acc = 0;
-    for (int64_t j0 = 0; j0 < nmax; j0 += 32) {
-#pragma unroll 4
-        for (int r = 0; r < 32; r++) {
-            if (j0 + lane >= nvw[r]) continue;
-            float *s = as[r] + j0 + lane;
-            const float e = dbl_round(ksm, exp((double)dbl_round(ksm, (double)*s - rv[r])));
-            *s = e;
-            tile[r * TP + lane] = e;
+    if (STEP == 0) {
+        const int k = flt_kind_at(kinds, RL_SUM_ACC);
+#pragma unroll 8
+        for (int64_t j = 0; j < r.nv; j++) acc = dbl_round(k, acc + (double)s[j]);
+        a.row_l[r.q] = dbl_round(flt_kind_at(kinds, RL_STATS), acc);
+    } else {
+        const int kp = flt_kind_at(kinds, RL_P), kdsp = flt_kind_at(kinds, RL_DSOFT_P);
+        const int k = flt_kind_at(kinds, RL_DELTA_ACC);
+        const double l = a.row_l[r.q];
+#pragma unroll 8
+        for (int64_t j = 0; j < r.nv; j++) {
+            const float p = dbl_round(kp, (double)s[j] / l);
+            s[j] = p;
+            acc = dbl_round(k, acc + (double)flt_round(kdsp, p) * (double)dp[j]);
         }
-        __syncwarp();
-        for (int c = 0; c < 32 && j0 + c < nv; c++) acc = dbl_round(ksa, acc + tile[lane * TP + c]);
-        __syncwarp();
-    }
-    rv[lane] = dbl_round(flt_kind_at(kinds, RL_STATS), acc); /* l */
-    __syncwarp();
-    /* P_j = R_p(e_j / l) in place of e_j; D_i = R_dsoft(chain of R_delta_acc(acc + R_dsoft_p(P_j) dP_j)) */
-    const int kda = flt_kind_at(kinds, RL_DELTA_ACC);
-    acc = 0;
-    for (int64_t j0 = 0; j0 < nmax; j0 += 32) {
-#pragma unroll 4
-        for (int r = 0; r < 32; r++) {
-            if (j0 + lane >= nvw[r]) continue;
-            float *s = as[r] + j0 + lane;
-            const float p = dbl_round(kp, (double)*s / rv[r]);
-            *s = p;
-            tile[r * TP + lane] = (double)flt_round(kdsp, p) * (double)ad[r][j0 + lane];
-        }
-        __syncwarp();
-        for (int c = 0; c < 32 && j0 + c < nv; c++) acc = dbl_round(kda, acc + tile[lane * TP + c]);
-        __syncwarp();
-    }
-    const int kdso = flt_kind_at(kinds, RL_DSOFT), kds = flt_kind_at(kinds, RL_DS), kbp = flt_kind_at(kinds, RL_BWD_P);
-    rv[lane] = dbl_round(kdso, acc); /* D_i */
-    __syncwarp();
-    /* dS in place of dP, P' = R_bwd_p(P) in place of P */
-    for (int r = 0; r < 32; r++) {
-        float *s = as[r], *dp = ad[r];
-        if (!s) continue;
-#pragma unroll 4
-        for (int j = lane; j < nvw[r]; j += 32) {
-            const float p = s[j];
-            dp[j] = ds_lean(a, kdsp, kdso, kds, p, (double)dp[j], rv[r]);
-            s[j] = flt_round(kbp, p);
-        }
+        a.row_d[r.q] = dbl_round(flt_kind_at(kinds, RL_DSOFT), acc);
     }
 }
 
 } // namespace
 
-/* rows_fast_kernel's kinds (RL_ order) when the fast pair kernel wrote the fp32 scratch and every stage of the rows
- * kernel is fp32, bf16 or fp16 nearest-even, else 0. */
+/* The fast rows kernels' kinds (RL_ order) when the fast pair kernel wrote the fp32 scratch and every stage of the
+ * rows kernels is fp32, bf16 or fp16 nearest-even, else 0. */
 int emu_bwd_fast_rows_ok(const bwd_args &a) {
     const att_stage *stages[RL_N] = {&a.cx.softmax, &a.cx.sum_acc, &a.cx.stats, &a.cx.p, &a.delta_acc,
                                      &a.dsoft_p, &a.dsoft, &a.ds, &a.bwd_p};
@@ -569,8 +562,15 @@ int emu_bwd_fast_rows_ok(const bwd_args &a) {
 }
 
 fadev_status emu_bwd_fast_rows(const bwd_args &a, int64_t gn) {
-    const dim3 grid((unsigned)((a.rn + RW * 32 - 1) / (RW * 32)), (unsigned)gn);
-    rows_fast_kernel<<<grid, RW * 32>>>(a, emu_bwd_fast_rows_ok(a));
+    const int kinds = emu_bwd_fast_rows_ok(a);
+    const unsigned rows = (unsigned)((a.rn + RT - 1) / RT);
+    const dim3 per_row((unsigned)((a.rn + RT / 32 - 1) / (RT / 32)), (unsigned)gn), chain(rows, (unsigned)gn);
+    const dim3 elem((unsigned)((a.cx.pr.seq_kv + RT - 1) / RT), (unsigned)(a.rn < 65535 ? a.rn : 65535), (unsigned)gn);
+    rows_max_kernel<<<per_row, RT>>>(a);
+    rows_elem_kernel<0><<<elem, RT>>>(a, kinds);
+    rows_chain_kernel<0><<<chain, RT>>>(a, kinds);
+    rows_chain_kernel<1><<<chain, RT>>>(a, kinds);
+    rows_elem_kernel<1><<<elem, RT>>>(a, kinds);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }
