@@ -370,7 +370,9 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
     const char *cap_text = getenv("FADEV_CUDA_SCRATCH_BYTES"); /* tests: many chunks on a small problem */
     const size_t cap = cap_text ? (size_t)strtoull(cap_text, NULL, 10) : 0;
     if (cap > 0 && cap < budget) budget = cap;
-    const size_t row_bytes = (size_t)Nk * 2 * sizeof(double);
+    const int fast = emu_bwd_fast_ok(args, pol, pb); /* the register-blocked fp32 sums (emu_backward_fast.cu) */
+    const int fast_pairs = fast && emu_bwd_fast_pairs_ok(args); /* fp32 scratch: twice the rows per chunk */
+    const size_t row_bytes = (size_t)Nk * 2 * (fast_pairs ? sizeof(float) : sizeof(double));
     const int64_t pairs = budget / row_bytes > 0 ? (int64_t)(budget / row_bytes) : 1;
     int64_t C = pairs >= R ? R : pairs, Gc = pairs >= R ? pairs / R : 1;
     C = C < (int64_t)65535 * PAIR_ROWS ? C : (int64_t)65535 * PAIR_ROWS;
@@ -382,20 +384,20 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
     device_buffer<double> dout_r, row_l, row_d, sa, sb, dk_part, dv_part;
     device_buffer<emu_mag> mags;
     FADEV_TRY(dout_r.alloc(n_q, "emulated attention backward: dO"));
-    const int fast = emu_bwd_fast_ok(args, pol, pb); /* the register-blocked fp32 sums (emu_backward_fast.cu) */
     device_buffer<float> dout_f;
     if (fast) FADEV_TRY(dout_f.alloc(n_q, "emulated attention backward: fp32 dO"));
     args.doutf = dout_f.ptr;
     FADEV_TRY(mags.alloc((size_t)(2 * G), "emulated attention backward: magnitudes"));
     FADEV_TRY(row_l.alloc(n_rows, "emulated attention backward: L")); /* the baseline's fast rows: m, l */
     FADEV_TRY(row_d.alloc(n_rows, "emulated attention backward: D"));
-    FADEV_TRY(sa.alloc((size_t)(Gc * C * Nk), "emulated attention backward: P' scratch"));
-    FADEV_TRY(sb.alloc((size_t)(Gc * C * Nk), "emulated attention backward: dS scratch"));
+    const size_t scratch = fast_pairs ? (size_t)(Gc * C * Nk + 1) / 2 : (size_t)(Gc * C * Nk); /* in doubles */
+    FADEV_TRY(sa.alloc(scratch, "emulated attention backward: P' scratch"));
+    FADEV_TRY(sb.alloc(scratch, "emulated attention backward: dS scratch"));
     FADEV_TRY(dk_part.alloc(n_kv, "emulated attention backward: dK sums"));
     FADEV_TRY(dv_part.alloc(n_kv, "emulated attention backward: dV sums"));
     args.dout = dout_r.ptr, args.row_l = row_l.ptr, args.row_d = row_d.ptr;
     args.qmag = mags.ptr, args.domag = mags.ptr + G;
-    if (fast && emu_bwd_fast_pairs_ok(args)) /* fp32 scratch in the same buffers */
+    if (fast_pairs) /* fp32 scratch in the same buffers */
         args.saf = (float *)sa.ptr, args.sbf = (float *)sb.ptr;
     args.sa = sa.ptr, args.sb = sb.ptr, args.dk_part = dk_part.ptr, args.dv_part = dv_part.ptr;
     CUDA_TRY(cudaMemset(dk, 0, n_kv * sizeof(double)));

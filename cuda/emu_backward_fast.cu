@@ -548,17 +548,27 @@ __global__ void __launch_bounds__(CW * 32) rows_chain_kernel(const __grid_consta
     double acc = 0;
     for (int j0 = 0; j0 < nmax; j0 += 32) {
         const int j = j0 + lane;
-#pragma unroll 8
+        float e[32], d[32]; /* the 32 rows' values at key j: every load issued before any is used */
+#pragma unroll
         for (int q = 0; q < 32; q++) {
-            if (j >= nvs[w][q]) continue;
-            float *s = a.saf + offs[w][q] + j;
+            const bool in = j < nvs[w][q];
+            e[q] = in ? a.saf[offs[w][q] + j] : 0.0f;
+            if (STEP == 1) d[q] = in ? a.sbf[offs[w][q] + j] : 0.0f;
+        }
+#pragma unroll
+        for (int q = 0; q < 32; q++) {
             if (STEP == 0) {
-                tile[q * TP + lane] = *s;
+                tile[q * TP + lane] = e[q];
             } else {
-                const float p = dbl_round(kp, (double)*s / ls[w][q]);
-                *s = p;
-                tile[q * TP + lane] = (double)flt_round(kdsp, p) * (double)a.sbf[offs[w][q] + j];
+                const float p = dbl_round(kp, (double)e[q] / ls[w][q]);
+                tile[q * TP + lane] = (double)flt_round(kdsp, p) * (double)d[q];
+                e[q] = p;
             }
+        }
+        if (STEP == 1) {
+#pragma unroll
+            for (int q = 0; q < 32; q++)
+                if (j < nvs[w][q]) a.saf[offs[w][q] + j] = e[q];
         }
         __syncwarp();
         const int cnt = (int)r.nv - j0 < 32 ? (int)r.nv - j0 : 32;
