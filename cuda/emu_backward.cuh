@@ -23,6 +23,7 @@ struct bwd_args {
     int baseline;
     int ds_scaled;             /* the scale multiplies each dS (c_ds) before R_ds; c_grad is then 1 */
     int dp_float;              /* the float tier is possible for dP (policy); the data decide per (b, g) */
+    int dq_acc_kind, dkv_acc_kind; /* their flt_kinds (the fast sums' flushes) */
     double c_grad, c_ds, c3;   /* the dQ, dK sums' scale (R_score(scale) or 1), R_score(scale), R_stats(log2 e) */
     int64_t block_q, block_kv; /* logical blocks (baseline: Nq, Nk) */
     int64_t chunk_rows;        /* row capacity of the scratch per K/V head */

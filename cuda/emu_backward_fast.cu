@@ -13,9 +13,9 @@
  * each 4 x 4 (rows 4g..4g+3, columns tx + 16c), over the reduction in slices of 32 staged in shared memory: the
  * scratch operand as [k][m] (float4 reads of four m) and the other operand as [k][n]. A term enters only where
  * the row sees the key; block sums are flushed where the generic kernels flush them.
- * Also here: the fast pair kernel (s and dP as fp32 FMA chains, then the element-wise steps) and the fast baseline
- * rows kernel (a thread per row's serial sums), both with every event a conversion where the stages allow
- * (the lean kernels: emu.cuh's dbl_round). */
+ * Also here: the fast pair kernel (s and dP as fp32 FMA chains, then the element-wise steps, every event a
+ * conversion where the stages allow: the lean kernels, emu.cuh's dbl_round). The baseline's fast rows kernels are
+ * in emu_backward_rows.cu. */
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,9 +33,12 @@ constexpr int AP = TM + 4; /* pitch of the staged scratch operand [k][m] */
 #endif
 static_assert(NT % TK == 0 && NT % TM == 0 && NT % TN == 0, "the staging loops give a thread one t, key or column");
 
-/* R(acc + part) of two fp32 values for a running-sum stage (dq_acc, dkv_acc). */
-__device__ __forceinline__ float add_round(const att_stage &st, float acc, float part, uint64_t stream, uint64_t idx) {
+/* R(acc + part) of two fp32 values for a running-sum stage (dq_acc, dkv_acc) of flt_kind fk: one fp32 addition, a
+ * conversion (dbl_round: paper's bf16 and fp16 sums), or the event. */
+__device__ __forceinline__ float add_round(const att_stage &st, int fk, float acc, float part, uint64_t stream,
+                                           uint64_t idx) {
     if (st.kind == ATT_F32) return __fadd_rn(acc, part);
+    if (fk != FLT_EVENT) return dbl_round(fk, (double)acc + (double)part);
     return (float)emu_rnd<true>(st, (double)acc + (double)part, stream, idx);
 }
 
@@ -134,7 +137,8 @@ template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const
                 const uint64_t s17 = bwd_stream(EV_DQ_ACC, w[r].bh);
 #pragma unroll
                 for (int c = 0; c < 4; c++) {
-                    acc[r][c] = add_round(a.dq_acc, acc[r][c], part[r][c], s17, ATT_INDEX(w[r].i, k / bk, d0 + tx + 16 * c));
+                    acc[r][c] = add_round(a.dq_acc, a.dq_acc_kind, acc[r][c], part[r][c], s17,
+                                          ATT_INDEX(w[r].i, k / bk, d0 + tx + 16 * c));
                     part[r][c] = 0.f;
                 }
             }
@@ -244,7 +248,7 @@ __global__ void __launch_bounds__(NT, EMU_DKV_MIN_BLOCKS) dkv_fast_kernel(const 
                     if (i < first[r]) continue;
 #pragma unroll
                     for (int c = 0; c < 4; c++) {
-                        acc[r][c] = add_round(a.dkv_acc, acc[r][c], part[r][c], s_dkv,
+                        acc[r][c] = add_round(a.dkv_acc, a.dkv_acc_kind, acc[r][c], part[r][c], s_dkv,
                                               ATT_INDEX(i / bq, j0 + g * 4 + r, d0 + tx + 16 * c));
                         part[r][c] = 0.f;
                     }
@@ -414,7 +418,9 @@ int emu_bwd_fast_ok(const bwd_args &a, const fadev_policy *pol, const fadev_poli
            in + bits_in_fp32(&pb->bwd_p) <= 24 && att_inside_fp32(&pb->dq_acc) && att_inside_fp32(&pb->dkv_acc);
 }
 
-template <typename T> fadev_status sums(const bwd_args &a, const T *sa, const T *sb, int64_t gn, int last_chunk) {
+template <typename T> fadev_status sums(const bwd_args &args, const T *sa, const T *sb, int64_t gn, int last_chunk) {
+    bwd_args a = args;
+    a.dq_acc_kind = flt_kind_of(a.dq_acc), a.dkv_acc_kind = flt_kind_of(a.dkv_acc);
     const int64_t D = a.cx.pr.dim, Nk = a.cx.pr.seq_kv;
     const unsigned dt = (unsigned)((D + TN - 1) / TN);
     dq_fast_kernel<T><<<dim3((unsigned)((a.rn + TM - 1) / TM), dt, (unsigned)gn), NT>>>(a, sb);
@@ -456,150 +462,6 @@ fadev_status emu_bwd_fast_pairs(const bwd_args &a, int64_t gn) {
     if ((lean & LEAN_FA2_MASK) == LEAN_FA2) pair_fast_kernel<1><<<grid, NT>>>(a, lean);
     else if (lean) pair_fast_kernel<2><<<grid, NT>>>(a, lean);
     else pair_fast_kernel<0><<<grid, NT>>>(a, 0);
-    CUDA_TRY(cudaGetLastError());
-    return FADEV_OK;
-}
-
-namespace {
-
-/* The fast baseline rows (naive's class of policies): baseline_rows_kernel's work (emu_backward.cu; the same events
- * in the same order), each event a conversion (dbl_round, or flt_round of an fp32 value), in five launches: the
- * element-wise steps with a CTA per row, the two serial sums (l and D_i) with a thread per row. A warp per
- * row running its chains on one lane took 12 ms at naive(bf16), B 1 H 16 N 4096 D 64 (H200); a thread per row for
- * everything left too few warps to hide the memory's latency (18 ms). Per-row values (m, then l; D_i) live in
- * row_l and row_d at the row's query index. */
-constexpr int RT = 256;
-
-/* The rows kernels' stages, in emu_bwd_fast_rows_ok's order (their indices in flt_kinds_of's packing). */
-enum { RL_SOFTMAX, RL_SUM_ACC, RL_STATS, RL_P, RL_DELTA_ACC, RL_DSOFT_P, RL_DSOFT, RL_DS, RL_BWD_P, RL_N };
-
-struct row_at {
-    int64_t q;  /* bh * Nq + i */
-    int64_t nv; /* keys the row sees */
-    int64_t off; /* the row's offset in the scratch */
-};
-
-__device__ __forceinline__ row_at row_of(const bwd_args &a, int64_t gl, int64_t rl) {
-    const vrow w = vrow_of(a, a.g0 + gl, a.r0 + rl);
-    const int64_t Nk = a.cx.pr.seq_kv;
-    return {w.bh * a.cx.pr.seq_q + w.i, emu_visible(a.cx.pr, w.i, 0, Nk), (gl * a.chunk_rows + rl) * Nk};
-}
-
-/* m = max_j s_j into row_l, a warp per row (exact in any order: emu_backward.cu). */
-__global__ void __launch_bounds__(RT) rows_max_kernel(const __grid_constant__ bwd_args a) {
-    const int lane = threadIdx.x & 31;
-    const int64_t gl = blockIdx.y, rl = (int64_t)blockIdx.x * (RT / 32) + (threadIdx.x >> 5);
-    if (rl >= a.rn) return; /* warp-uniform */
-    const row_at r = row_of(a, gl, rl);
-    const float *s = a.saf + r.off;
-    double m = -INFINITY;
-#pragma unroll 4
-    for (int64_t j = lane; j < r.nv; j += 32) m = att_max(m, (double)s[j]);
-    for (int o = 16; o; o >>= 1) m = att_max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-    if (lane == 0 && r.nv) a.row_l[r.q] = m;
-}
-
-/* The element-wise steps, a CTA per row: STEP 0 e_j = R_softmax(exp(R_softmax(s_j - m))) in place of s_j; STEP 1
- * dS in place of dP and P' = R_bwd_p(P) in place of P. */
-template <int STEP>
-__global__ void __launch_bounds__(RT) rows_elem_kernel(const __grid_constant__ bwd_args a, const int kinds) {
-    const row_at r = row_of(a, blockIdx.y, blockIdx.x);
-    float *s = a.saf + r.off, *dp = a.sbf + r.off;
-    const double v = STEP == 0 ? a.row_l[r.q] : a.row_d[r.q];
-    const int ksm = flt_kind_at(kinds, RL_SOFTMAX), kdsp = flt_kind_at(kinds, RL_DSOFT_P);
-    const int kdso = flt_kind_at(kinds, RL_DSOFT), kds = flt_kind_at(kinds, RL_DS), kbp = flt_kind_at(kinds, RL_BWD_P);
-#pragma unroll 4
-    for (int64_t j = threadIdx.x; j < r.nv; j += RT) {
-        if (STEP == 0) {
-            s[j] = dbl_round(ksm, exp((double)dbl_round(ksm, (double)s[j] - v)));
-        } else {
-            const float p = s[j];
-            dp[j] = ds_lean(a, kdsp, kdso, kds, p, (double)dp[j], v);
-            s[j] = flt_round(kbp, p);
-        }
-    }
-}
-
-constexpr int CW = 4, TP = 33; /* the chains: warps per CTA, pitch of a warp's 32 x 32 tile of terms */
-
-/* The serial sums, a thread per row, keys ascending: STEP 0 l = R_stats(chain of R_sum_acc(acc + e_j)) into row_l;
- * STEP 1 P_j = R_p(e_j / l) in place of e_j and D_i = R_dsoft(chain of R_delta_acc(acc + R_dsoft_p(P_j) dP_j)) into
- * row_d. A warp owns 32 rows; per 32 keys its lanes compute the terms along each row (coalesced) into a tile in
- * shared memory, then each lane runs its own row's chain over the tile (a thread reading its row from memory made
- * every load touch 32 lines: 4.4 ms for STEP 1). */
-template <int STEP>
-__global__ void __launch_bounds__(CW * 32) rows_chain_kernel(const __grid_constant__ bwd_args a, const int kinds) {
-    __shared__ double tiles[CW][32 * TP];
-    __shared__ long long offs[CW][32];
-    __shared__ int nvs[CW][32];
-    __shared__ double ls[CW][32];
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    const int64_t gl = blockIdx.y, rl = ((int64_t)blockIdx.x * CW + w) * 32 + lane;
-    row_at r = {0, 0, 0};
-    if (rl < a.rn) r = row_of(a, gl, rl);
-    offs[w][lane] = r.off, nvs[w][lane] = (int)r.nv;
-    ls[w][lane] = STEP == 1 && r.nv ? a.row_l[r.q] : 0;
-    int nmax = (int)r.nv;
-    for (int o = 16; o; o >>= 1) nmax = max(nmax, __shfl_xor_sync(0xFFFFFFFFu, nmax, o));
-    __syncwarp();
-    double *tile = tiles[w];
-    const int kp = flt_kind_at(kinds, RL_P), kdsp = flt_kind_at(kinds, RL_DSOFT_P);
-    const int k = flt_kind_at(kinds, STEP == 0 ? RL_SUM_ACC : RL_DELTA_ACC);
-    double acc = 0;
-    for (int j0 = 0; j0 < nmax; j0 += 32) {
-        const int j = j0 + lane;
-        float e[32], d[32]; /* the 32 rows' values at key j: every load issued before any is used */
-#pragma unroll
-        for (int q = 0; q < 32; q++) {
-            const bool in = j < nvs[w][q];
-            e[q] = in ? a.saf[offs[w][q] + j] : 0.0f;
-            if (STEP == 1) d[q] = in ? a.sbf[offs[w][q] + j] : 0.0f;
-        }
-#pragma unroll
-        for (int q = 0; q < 32; q++) {
-            if (STEP == 0) {
-                tile[q * TP + lane] = e[q];
-            } else {
-                const float p = dbl_round(kp, (double)e[q] / ls[w][q]);
-                tile[q * TP + lane] = (double)flt_round(kdsp, p) * (double)d[q];
-                e[q] = p;
-            }
-        }
-        if (STEP == 1) {
-#pragma unroll
-            for (int q = 0; q < 32; q++)
-                if (j < nvs[w][q]) a.saf[offs[w][q] + j] = e[q];
-        }
-        __syncwarp();
-        const int cnt = (int)r.nv - j0 < 32 ? (int)r.nv - j0 : 32;
-        for (int c = 0; c < cnt; c++) acc = dbl_round(k, acc + tile[lane * TP + c]);
-        __syncwarp();
-    }
-    if (!r.nv) return; /* no pair: nothing reads this row */
-    if (STEP == 0) a.row_l[r.q] = dbl_round(flt_kind_at(kinds, RL_STATS), acc);
-    else a.row_d[r.q] = dbl_round(flt_kind_at(kinds, RL_DSOFT), acc);
-}
-
-} // namespace
-
-/* The fast rows kernels' kinds (RL_ order) when the fast pair kernel wrote the fp32 scratch and every stage of the
- * rows kernels is fp32, bf16 or fp16 nearest-even, else 0. */
-int emu_bwd_fast_rows_ok(const bwd_args &a) {
-    const att_stage *stages[RL_N] = {&a.cx.softmax, &a.cx.sum_acc, &a.cx.stats, &a.cx.p, &a.delta_acc,
-                                     &a.dsoft_p, &a.dsoft, &a.ds, &a.bwd_p};
-    return a.saf ? flt_kinds_of(stages, RL_N) : 0;
-}
-
-fadev_status emu_bwd_fast_rows(const bwd_args &a, int64_t gn) {
-    const int kinds = emu_bwd_fast_rows_ok(a);
-    const dim3 per_warp((unsigned)((a.rn + RT / 32 - 1) / (RT / 32)), (unsigned)gn);
-    const dim3 per_cta((unsigned)a.rn, (unsigned)gn);
-    const dim3 chain((unsigned)((a.rn + CW * 32 - 1) / (CW * 32)), (unsigned)gn);
-    rows_max_kernel<<<per_warp, RT>>>(a);
-    rows_elem_kernel<0><<<per_cta, RT>>>(a, kinds);
-    rows_chain_kernel<0><<<chain, CW * 32>>>(a, kinds);
-    rows_chain_kernel<1><<<chain, CW * 32>>>(a, kinds);
-    rows_elem_kernel<1><<<per_cta, RT>>>(a, kinds);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }
