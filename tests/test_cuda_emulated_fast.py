@@ -192,15 +192,17 @@ def test_backward_extreme_values_fast_is_generic(case, monkeypatch):
         q[0, 0, 3, 2] = np.nan
         do[0, 1, 7, 0] = np.inf
     for kind in ("flash", "baseline"):
-        for policy in (Policy.fa2("bf16"), Policy.paper("bf16")):
+        for policy in (Policy.fa2("bf16"), Policy.paper("bf16"), Policy.naive("fp16")):
             assert_backward_fast_is_generic(kind, q, k, v, do, policy, monkeypatch, cpu=True)
 
 
+@pytest.mark.parametrize("preset", ["fa2", "naive"])
 @pytest.mark.parametrize("scratch_rows", [1, 7, 45])
-def test_backward_chunked_fast_is_generic(monkeypatch, scratch_rows):
-    """Small scratch budgets split the rows into many chunks: the fast sums carry their state across them."""
+def test_backward_chunked_fast_is_generic(monkeypatch, scratch_rows, preset):
+    """Small scratch budgets split the rows into many chunks (fp32 scratch: twice the rows of the fp64 one): the
+    fast sums carry their state across them, and the baseline's fast rows (naive) see chunks of every size."""
     q, k, v, do = make_inputs(35, 1, 4, 2, 100, 90, 24)
     monkeypatch.setenv("FADEV_CUDA_SCRATCH_BYTES", str(scratch_rows * 90 * 16))
     for kind in ("flash", "baseline"):
-        assert_backward_fast_is_generic(kind, q, k, v, do, Policy.fa2("bf16"), monkeypatch, causal=True,
-                                        **({"block_q": 16, "block_kv": 32} if kind == "flash" else {}))
+        assert_backward_fast_is_generic(kind, q, k, v, do, getattr(Policy, preset)("bf16"), monkeypatch,
+                                        causal=True, **({"block_q": 16, "block_kv": 32} if kind == "flash" else {}))
