@@ -91,8 +91,8 @@ __device__ __forceinline__ float ds_lean(const bwd_args &a, int kdsp, int kdso, 
     return flt_round(kds, u);
 }
 
-/* The fast baseline rows kernel (emu_backward_fast.cu): baseline_rows_kernel's work with the same events, where the
- * fast pair kernel wrote the fp32 scratch and each of the rows kernel's stages is fp32, bf16 or fp16 nearest-even
+/* The fast baseline rows kernels (emu_backward_rows.cu): baseline_rows_kernel's work with the same events, where the
+ * fast pair kernel wrote the fp32 scratch and each of the rows' stages is fp32, bf16 or fp16 nearest-even
  * (naive's: emu_bwd_fast_rows_ok). */
 int emu_bwd_fast_rows_ok(const bwd_args &a);
 fadev_status emu_bwd_fast_rows(const bwd_args &a, int64_t gn);

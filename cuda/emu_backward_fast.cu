@@ -276,9 +276,15 @@ __global__ void __launch_bounds__(NT, EMU_DKV_MIN_BLOCKS) dkv_fast_kernel(const 
     }
 }
 
+/* The pair kernel's lean stages (pair_lean), their indices in flt_kinds_of's packing. */
+enum { PK_SCORE, PK_DP, PK_SOFTMAX, PK_BWD_P, PK_DSOFT_P, PK_DSOFT, PK_DS, PK_N };
+
 /* pair_lean()'s kinds of fa2's class: score, dp, softmax, dsoft_p and dsoft fp32 (LEAN_FA2 under LEAN_FA2_MASK),
  * bwd_p and ds any kind */
-constexpr int fa2_fields(int v) { return 1 | v << 2 | v << 4 | v << 6 | v << 10 | v << 12; } /* stages 0 1 2 4 5 */
+constexpr int fa2_fields(int v) {
+    return 1 | v << (2 + 2 * PK_SCORE) | v << (2 + 2 * PK_DP) | v << (2 + 2 * PK_SOFTMAX) | v << (2 + 2 * PK_DSOFT_P) |
+           v << (2 + 2 * PK_DSOFT);
+}
 constexpr int LEAN_FA2_MASK = fa2_fields(3), LEAN_FA2 = fa2_fields(FLT_F32);
 
 /* The backward's pairs of one CTA: virtual rows rl0.. (blockIdx.y) x keys j0.. (blockIdx.x) of K/V head
@@ -375,16 +381,17 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
             if (j > row_last[m]) continue;
             if (LEAN) { /* pair_lean's stages: each event a conversion (dbl_round; flt_round of an fp32 value) */
                 const int lk = LEAN == 1 ? (lean & ~LEAN_FA2_MASK) | LEAN_FA2 : lean;
-                const int ks = flt_kind_at(lk, 0), ksm = flt_kind_at(lk, 2);
+                const int ks = flt_kind_at(lk, PK_SCORE), ksm = flt_kind_at(lk, PK_SOFTMAX);
                 const double s = dbl_round(ks, cx.c * (double)flt_round(ks, sacc[r][c]));
-                const double dpv = flt_round(flt_kind_at(lk, 1), pacc[r][c]);
+                const double dpv = flt_round(flt_kind_at(lk, PK_DP), pacc[r][c]);
                 if (a.baseline) { /* s and dP for the rows kernel */
                     pa[j] = (float)s, pb[j] = (float)dpv;
                     continue;
                 }
                 const float p = dbl_round(ksm, emu_exp(cx.exp2, (double)dbl_round(ksm, s - L)));
-                pa[j] = flt_round(flt_kind_at(lk, 3), p);
-                pb[j] = ds_lean(a, flt_kind_at(lk, 4), flt_kind_at(lk, 5), flt_kind_at(lk, 6), p, dpv, Di);
+                pa[j] = flt_round(flt_kind_at(lk, PK_BWD_P), p);
+                pb[j] = ds_lean(a, flt_kind_at(lk, PK_DSOFT_P), flt_kind_at(lk, PK_DSOFT), flt_kind_at(lk, PK_DS), p,
+                                dpv, Di);
                 continue;
             }
             const uint64_t idx = ATT_INDEX(i, j, 0);
@@ -448,10 +455,10 @@ int emu_bwd_fast_pairs_ok(const bwd_args &a) {
 /* The pair kernel's lean element-wise steps: where the score, dP, softmax, bwd_p, dsoft_p, dsoft and ds stages are
  * each fp32, bf16 or fp16 under nearest-even (fa2's, paper's, naive's), every event on the way is dbl_round of its
  * fp64 value (emu.cuh: the value the event gives, whatever the value) and no event needs an index. Returns their
- * kinds (flt_kinds_of, in that order), or 0 (every event through emu_rnd). */
+ * kinds (flt_kinds_of, PK_ order), or 0 (every event through emu_rnd). */
 static int pair_lean(const bwd_args &a) {
-    const att_stage *stages[7] = {&a.cx.score, &a.dp, &a.cx.softmax, &a.bwd_p, &a.dsoft_p, &a.dsoft, &a.ds};
-    return flt_kinds_of(stages, 7);
+    const att_stage *stages[PK_N] = {&a.cx.score, &a.dp, &a.cx.softmax, &a.bwd_p, &a.dsoft_p, &a.dsoft, &a.ds};
+    return flt_kinds_of(stages, PK_N);
 }
 
 fadev_status emu_bwd_fast_pairs(const bwd_args &a, int64_t gn) {

@@ -50,6 +50,9 @@ constexpr unsigned FULL = 0xFFFFFFFFu;
                               * both: FADEV_NVCC_FLAGS=-DEMU_FWD_MIN_BLOCKS=1 */
 #endif
 
+/* The lean kernel's stages (fast_lean), their indices in flt_kinds_of's packing; state_out only with kv_outer. */
+enum { LK_SCORE, LK_SOFTMAX, LK_OUT_ACC, LK_P, LK_STATE_OUT, LK_N };
+
 struct fast_args {
     emu_ctx cx;
     double *out, *lse;
@@ -58,7 +61,7 @@ struct fast_args {
     int baseline;
     int p_kind;       /* how R_p rounds an fp32 value (flt_kind) */
     int so_kind;      /* flt_kind of state_out */
-    int lean;         /* the lean kernel's stage kinds (fast_lean): score, softmax, out_acc, state_out in two bits each */
+    int lean;         /* the lean kernel's stage kinds (fast_lean; flt_kinds_of's packing, LK_ order) */
     int o32;          /* out_acc is fp32 nearest-even and the stats and rescale stages' values are fp32 values: the
                        * O update's operations are on fp32 values and round once in fp32 (double rounding is
                        * innocuous for *, +, /) */
@@ -172,7 +175,8 @@ __device__ void scores_cn(const fast_args &a, const smem_t &sm, int64_t bh, int6
             if (cx.score.kind == ATT_F32) {
                 s = __fmul_rn(cf, acc[r][c]);
             } else if (LEAN) {
-                s = dbl_round(a.lean & 3, cx.c * (double)dbl_round(a.lean & 3, (double)acc[r][c]));
+                const int ks = flt_kind_at(a.lean, LK_SCORE);
+                s = dbl_round(ks, cx.c * (double)dbl_round(ks, (double)acc[r][c]));
             } else {
                 const uint64_t idx = ATT_INDEX(i0 + row, jb0 + kb0 + key, 0);
                 s = (float)rnd(cx.score, cx.c * rnd(cx.score, (double)acc[r][c], s4, idx), s5, idx);
@@ -220,8 +224,8 @@ __device__ void softmax_terms(const fast_args &a, const smem_t &sm, int64_t bh, 
     const float mf = (float)m;
     const int sub32 = cx.softmax.kind == ATT_F32;
     const int64_t i = i0 + row;
-    if (LEAN) { /* every event a conversion (dbl_round), no index */
-        const int ksm = a.lean >> 2 & 3;
+    if constexpr (LEAN) { /* every event a conversion (dbl_round), no index */
+        const int ksm = flt_kind_at(a.lean, LK_SOFTMAX);
 #pragma unroll 2
         for (int key = threadIdx.x / BM; key < n; key += NT / BM) {
             const float s = sm.s[key * SP + row];
@@ -231,28 +235,17 @@ __device__ void softmax_terms(const fast_args &a, const smem_t &sm, int64_t bh, 
             if (mode == TERMS_E_P) sm.p[key * SP + row] = flt_round(a.p_kind, e);
             if (mode == TERMS_P_DIV) sm.p[key * SP + row] = dbl_round(a.p_kind, (double)e / l);
         }
-        __syncthreads();
-        return;
-    }
-    if (sub32 && mode == TERMS_E_P && a.p_kind != FLT_EVENT) { /* fa2's stages: no event needs an index */
-#pragma unroll 2
+    } else {
         for (int key = threadIdx.x / BM; key < n; key += NT / BM) {
-            const float e = __double2float_rn(emu_exp(cx.exp2, (double)__fsub_rn(sm.s[key * SP + row], mf)));
-            sm.s[key * SP + row] = e;
-            sm.p[key * SP + row] = r_flt(cx.p, a.p_kind, e, s16, 0);
+            const uint64_t idx = ATT_INDEX(i, jb0 + kb0 + key, 0);
+            const float s = sm.s[key * SP + row];
+            /* s - m of two fp32 values: one fp32 rounding when the stage is fp32 (double rounding is innocuous) */
+            const float x = sub32 ? __fsub_rn(s, mf) : (float)rnd(cx.softmax, (double)s - m, s6, idx);
+            const float e = r_dbl(cx.softmax, emu_exp(cx.exp2, (double)x), s7, idx);
+            if (mode != TERMS_P_DIV) sm.s[key * SP + row] = e;
+            if (mode == TERMS_E_P) sm.p[key * SP + row] = r_flt(cx.p, a.p_kind, e, s16, idx);
+            if (mode == TERMS_P_DIV) sm.p[key * SP + row] = (float)rnd(cx.p, (double)e / l, s16, idx);
         }
-        __syncthreads();
-        return;
-    }
-    for (int key = threadIdx.x / BM; key < n; key += NT / BM) {
-        const uint64_t idx = ATT_INDEX(i, jb0 + kb0 + key, 0);
-        const float s = sm.s[key * SP + row];
-        /* s - m of two fp32 values: one fp32 rounding when the stage is fp32 (double rounding is innocuous) */
-        const float x = sub32 ? __fsub_rn(s, mf) : (float)rnd(cx.softmax, (double)s - m, s6, idx);
-        const float e = r_dbl(cx.softmax, emu_exp(cx.exp2, (double)x), s7, idx);
-        if (mode != TERMS_P_DIV) sm.s[key * SP + row] = e;
-        if (mode == TERMS_E_P) sm.p[key * SP + row] = r_flt(cx.p, a.p_kind, e, s16, idx);
-        if (mode == TERMS_P_DIV) sm.p[key * SP + row] = (float)rnd(cx.p, (double)e / l, s16, idx);
     }
     __syncthreads();
 }
@@ -452,11 +445,11 @@ __global__ void __launch_bounds__(NT, EMU_FWD_MIN_BLOCKS) fast_kernel(const __gr
                     continue;
                 }
                 if (LEAN) { /* the events below as conversions */
-                    const int koa = a.lean >> 4 & 3;
+                    const int koa = flt_kind_at(a.lean, LK_OUT_ACC);
                     const double scaled = dbl_round(koa, factor * (double)o[r][c]);
                     double o_new = dbl_round(koa, scaled + (double)dbl_round(koa, (double)pv[r][c]));
                     if (eager) o_new = dbl_round(koa, o_new / l_new);
-                    if (kv_outer) o_new = dbl_round(a.lean >> 6 & 3, o_new);
+                    if (kv_outer) o_new = dbl_round(flt_kind_at(a.lean, LK_STATE_OUT), o_new);
                     o[r][c] = (float)o_new;
                     continue;
                 }
@@ -521,13 +514,11 @@ int emu_fast_forward_ok(const emu_ctx &cx, const fadev_policy *pol) {
 
 /* The lean kernel (LEAN): where the score, softmax, p, out_acc (and with kv_outer state_out) stages are each fp32,
  * bf16 or fp16 under nearest-even, their per-element events are dbl_round of the fp64 value (emu.cuh), no event
- * index; returns their kinds (score, softmax, out_acc, state_out: two bits each) | 1 << 8, or 0. A kernel of its
- * own: a branch inside the general one slowed the other policies (measured on the backward's pairs). */
+ * index; returns their kinds (flt_kinds_of, LK_ order), or 0. A kernel of its own: a branch inside the general one
+ * slowed the other policies (measured on the backward's pairs). */
 static int fast_lean(const emu_ctx &cx) {
-    const int ks = flt_kind_of(cx.score), ksm = flt_kind_of(cx.softmax), koa = flt_kind_of(cx.out_acc);
-    const int kso = cx.pr.loop_order == FADEV_KV_OUTER ? flt_kind_of(cx.state_out) : FLT_F32;
-    if (!ks || !ksm || !koa || !kso || !flt_kind_of(cx.p)) return 0;
-    return ks | ksm << 2 | koa << 4 | kso << 6 | 1 << 8;
+    const att_stage *stages[LK_N] = {&cx.score, &cx.softmax, &cx.out_acc, &cx.p, &cx.state_out};
+    return flt_kinds_of(stages, cx.pr.loop_order == FADEV_KV_OUTER ? LK_N : LK_STATE_OUT);
 }
 
 fadev_status emu_fast_forward(const emu_ctx &cx, double *out, double *lse, int baseline) {

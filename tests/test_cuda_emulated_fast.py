@@ -206,3 +206,38 @@ def test_backward_chunked_fast_is_generic(monkeypatch, scratch_rows, preset):
     for kind in ("flash", "baseline"):
         assert_backward_fast_is_generic(kind, q, k, v, do, getattr(Policy, preset)("bf16"), monkeypatch,
                                         causal=True, **({"block_q": 16, "block_kv": 32} if kind == "flash" else {}))
+
+
+# ---------------------------------------------------------------- which kernels run
+
+
+def kernels_run(kind, policy, monkeypatch, generic):
+    """Names of the CUDA kernels one forward + backward launches (torch.profiler), for a 1 x 2 x 80 x 64 problem."""
+    torch = pytest.importorskip("torch")
+    from torch.profiler import ProfilerActivity, profile
+    q, k, v, do = make_inputs(36, 1, 2, 2, 80, 80, 64)
+    fwd, bwd = ((fadev.flash_attention, fadev.flash_attention_backward) if kind == "flash"
+                else (fadev.baseline_attention, fadev.baseline_attention_backward))
+    monkeypatch.setenv("FADEV_EMU_GENERIC", "1" if generic else "0")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out, lse = fwd(q, k, v, policy, return_lse=True, device="cuda")
+        bwd(q, k, v, out, lse, do, policy, device="cuda")
+        torch.cuda.synchronize()
+    return " | ".join(e.key for e in prof.key_averages())
+
+
+@pytest.mark.parametrize("kind,preset,expected", [
+    ("flash", "fa2", ["fast_kernel<4, true>", "pair_fast_kernel<1>", "dkv_fast_kernel", "dq_fast_kernel"]),
+    ("flash", "paper", ["fast_kernel<4, true>", "pair_fast_kernel<2>", "dkv_fast_kernel", "dq_fast_kernel"]),
+    ("baseline", "naive", ["fast_kernel<4, true>", "pair_fast_kernel<2>", "rows_max_kernel", "rows_elem_kernel<0>",
+                           "rows_chain_kernel<0>", "rows_chain_kernel<1>", "rows_elem_kernel<1>"]),
+])
+def test_presets_take_the_lean_kernels(kind, preset, expected, monkeypatch):
+    """The bit tests above pass whichever path runs; this one says the presets run the lean kernels (and that the
+    generic switch turns them off), so a dispatch that silently fell back to the generic code would fail here."""
+    names = kernels_run(kind, getattr(Policy, preset)("bf16"), monkeypatch, generic=False)
+    for kernel in expected:
+        assert kernel in names, f"{kind} {preset}: {kernel} did not run; ran: {names}"
+    generic = kernels_run(kind, getattr(Policy, preset)("bf16"), monkeypatch, generic=True)
+    for kernel in expected:
+        assert kernel not in generic, f"{kind} {preset} with FADEV_EMU_GENERIC=1: {kernel} ran"
