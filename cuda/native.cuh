@@ -97,6 +97,9 @@ __device__ __forceinline__ void cp_async_4(void *dst, const void *src, bool vali
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
+#define NATIVE_LOG2E 1.4426950408889634
+#define NATIVE_LN2 0.69314718055994531f
+
 /* 2^x on the special-function unit (relative error ~2^-22; 2^-inf = 0). */
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
@@ -221,6 +224,55 @@ template <typename T, int D, int BKV, int BQ> struct bwd_tile {
     }
 };
 
+/* The dQ pass's query tile (both instructions' passes): tile n_qt - 1 - blockIdx.x % n_qt (the longest causal rows
+ * first) of query head bh = blockIdx.x / n_qt, its K/V head's tiles of BKV keys that some row sees, and for this
+ * lane's rows q0 + 16 warp + g and + 8 (BQ / 16 warps): the last key each may see (lim), lse in log2 units, Dvec. */
+template <typename T, int D, int BQ, int BKV> struct dq_tile {
+    const T *Q, *dO, *K, *V;
+    int64_t bh;
+    int q0, off, n_kt, row0, lim[2];
+    float lse2[2], dvec[2];
+    __device__ __forceinline__ dq_tile(const native_bwd_args &a, int warp, int g) {
+        const int qt = a.n_qt - 1 - (int)(blockIdx.x % a.n_qt);
+        bh = blockIdx.x / a.n_qt; /* b * H + h */
+        const int64_t bhk = bh / a.heads * (a.heads / a.group) + bh % a.heads / a.group;
+        Q = static_cast<const T *>(a.q) + bh * a.seq_q * D;
+        dO = static_cast<const T *>(a.dout) + bh * a.seq_q * D;
+        K = static_cast<const T *>(a.k) + bhk * a.seq_kv * D;
+        V = static_cast<const T *>(a.v) + bhk * a.seq_kv * D;
+        q0 = qt * BQ, off = a.seq_kv - a.seq_q;
+        int kv_end = a.seq_kv; /* keys [0, kv_end) are visible to some row of this tile */
+        if (a.causal) kv_end = min(kv_end, min(q0 + BQ, a.seq_q) + off);
+        n_kt = kv_end > 0 ? (kv_end + BKV - 1) / BKV : 0;
+        row0 = q0 + warp * 16 + g;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + 8 * r;
+            lim[r] = a.seq_kv - 1;
+            if (a.causal) lim[r] = min(lim[r], row + off);
+            lse2[r] = row < a.seq_q ? a.lse[bh * a.seq_q + row] * (float)NATIVE_LOG2E : 0.f;
+            dvec[r] = row < a.seq_q ? a.dvec[bh * a.seq_q + row] : 0.f;
+        }
+    }
+    /* tile j (keys kv0 = j BKV ..) needs masks: ragged end, or keys past the tile's first row's diagonal */
+    __device__ __forceinline__ bool masked(const native_bwd_args &a, int kv0) const {
+        return kv0 + BKV > a.seq_kv || (a.causal && kv0 + BKV - 1 > q0 + off);
+    }
+    /* dS = P (dP - Dvec) from the score s and dP of this lane's element in row half r at key `key` */
+    __device__ __forceinline__ float ds(const native_bwd_args &a, float s, float dp, int r, int key, bool masked) const {
+        float p = fast_exp2(s * a.scale_log2 - lse2[r]);
+        if (masked && key > lim[r]) p = 0.f;
+        return p * (dp - dvec[r]);
+    }
+    /* dq = round(scale dQ): this lane's two columns col, col + 1 of row half r */
+    __device__ __forceinline__ void store(const native_bwd_args &a, int r, int col, float x0, float x1) const {
+        const int row = row0 + 8 * r;
+        if (row < a.seq_q)
+            *reinterpret_cast<uint32_t *>(static_cast<T *>(a.dq) + (bh * a.seq_q + row) * D + col) =
+                pack2<T>(x0 * a.scale, x1 * a.scale);
+    }
+};
+
 /* The backward's steps around its dK/dV kernel (native_backward.cu): dQ_acc zeroed and Dvec before, dQ after (the
  * atomic sums rounded, or native_dq_pass); instantiated for fp16 / bf16 at D 64 and 128. */
 template <typename T, int D>
@@ -232,12 +284,12 @@ fadev_status native_backward_wgmma(const fadev_native_params *p, const native_bw
 /* The deterministic backward's dQ pass (native_backward_dq.cu): dQ = scale * sum over K/V tiles of round(dS) K, in
  * key order, with dS recomputed from Q, K, V, dO, lse and Dvec (a.dvec); writes a.dq. */
 fadev_status native_dq_pass(const fadev_native_params *p, native_bwd_args a);
+/* The same pass on Hopper's warpgroup MMA (native_backward_dq_wgmma.cu; the wgmma backward's): the same bits. */
+fadev_status native_dq_pass_wgmma(const fadev_native_params *p, native_bwd_args a);
 
 /* ---------------------------------------------------------------- host: tiles and validation */
 
 #define NATIVE_MAX_SEQ (1 << 30) /* keeps every row index sum (i + Nk - Nq, tile ends) inside int */
-#define NATIVE_LOG2E 1.4426950408889634
-#define NATIVE_LN2 0.69314718055994531f
 #define NATIVE_DQ_BLOCK_Q 64 /* query rows per CTA of the deterministic backward's dQ pass */
 
 /* The compiled tiles, one X(dim, block_q, block_kv) per template instance: the dispatchers and the tables that
@@ -275,9 +327,9 @@ fadev_status native_dq_pass(const fadev_native_params *p, native_bwd_args a);
     X(64, 128, 128) X(64, 128, 64) X(64, 64, 128) X(64, 64, 64) X(64, 192, 128) X(64, 192, 64)                  \
     X(128, 128, 128) X(128, 128, 64) X(128, 64, 128) X(128, 64, 64)
 /* The backward on warpgroup MMA (native_backward_wgmma.cu): block_kv / 64 warpgroups of 64 keys, each holding its
- * keys' dK and dV (D / 2 floats a thread each) and a 64 x block_q score tile; D 64 only (at D 128 dK, dV, S^T, dP^T
- * and the dQ product's accumulators do not fit beside each other). */
-#define NATIVE_BACKWARD_TILES_WGMMA(X) X(64, 64, 128) X(64, 64, 64)
+ * keys' dK and dV (D / 2 floats a thread each) and a 64 x block_q score tile; at D 128 block_q 32 (dK and dV take
+ * 128 registers a thread), the mma.sync backward's D 128 tiles, so every wgmma tile has an mma.sync twin. */
+#define NATIVE_BACKWARD_TILES_WGMMA(X) X(64, 64, 128) X(64, 64, 64) X(128, 32, 128) X(128, 32, 64)
 
 #define NATIVE_TILE_ROW(dim, bq, bkv) {dim, bq, bkv},
 static const int32_t native_forward_tiles[][3] = {NATIVE_FORWARD_TILES(NATIVE_TILE_ROW)};

@@ -12,7 +12,8 @@
  *                                                    .trans), fp32 atomicAdd into the workspace
  *      then dK = scale dK and dV are written once (grouped-query heads summed in registers, no atomics);
  *   3. dQ = round(scale * dQ_acc).
- * Deterministic mode: kernel 2 skips dQ, and kernel 3 is native_backward_dq.cu's pass, one CTA per query tile
+ * Deterministic mode: kernel 2 skips dQ, and kernel 3 is native_backward_dq.cu's pass (native_backward_dq_wgmma.cu's
+ * after the wgmma kernel 2: the same bits), one CTA per query tile
  * looping over the K/V tiles in key order (S, P, dP, dS recomputed: 7 products per pair instead of 5), dQ in
  * registers: no atomics, so the same bits on every run.
  * Masks and shapes as the forward (native_forward.cu): causal bottom-right aligned, ragged tiles zero-filled;
@@ -270,7 +271,7 @@ fadev_status native_backward_before(const fadev_native_params *p, const native_b
 
 /* After it: dQ = round(scale * dQ_acc), or the deterministic dQ pass. */
 template <typename T, int D> fadev_status native_backward_after(const fadev_native_params *p, const native_bwd_args &a) {
-    if (!a.dq_acc) return native_dq_pass(p, a);
+    if (!a.dq_acc) return p->mma ? native_dq_pass_wgmma(p, a) : native_dq_pass(p, a);
     const int64_t n = p->attn.batch * p->attn.heads * p->attn.seq_q * D;
     native_dq_kernel<T><<<native_blocks(n, 256), 256, 0, a.stream>>>(a.dq_acc, static_cast<T *>(a.dq), n, a.scale);
     CUDA_TRY(cudaGetLastError());

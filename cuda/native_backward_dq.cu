@@ -23,39 +23,17 @@ __global__ void __launch_bounds__(BQ * 2) native_dq_pass_kernel(const native_bwd
     T *sV = sK + 2 * BKV * D; /* 2 stages of BKV x D */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
 
-    const int qt = a.n_qt - 1 - (int)(blockIdx.x % a.n_qt);
-    const int64_t bh = blockIdx.x / a.n_qt; /* b * H + h */
-    const int64_t bhk = bh / a.heads * (a.heads / a.group) + bh % a.heads / a.group;
-    const T *Q = static_cast<const T *>(a.q) + bh * a.seq_q * D;
-    const T *dO = static_cast<const T *>(a.dout) + bh * a.seq_q * D;
-    const T *K = static_cast<const T *>(a.k) + bhk * a.seq_kv * D;
-    const T *V = static_cast<const T *>(a.v) + bhk * a.seq_kv * D;
+    const dq_tile<T, D, BQ, BKV> tile(a, warp, g);
+    const T *K = tile.K, *V = tile.V;
+    const int q0 = tile.q0, n_kt = tile.n_kt;
 
-    const int q0 = qt * BQ, off = a.seq_kv - a.seq_q;
-    int kv_end = a.seq_kv; /* keys [0, kv_end) are visible to some row of this tile */
-    if (a.causal) kv_end = min(kv_end, min(q0 + BQ, a.seq_q) + off);
-    const int n_kt = kv_end > 0 ? (kv_end + BKV - 1) / BKV : 0;
-
-    load_rows<T, BQ, D, NT>(sQ, Q, q0, a.seq_q, tid);
-    load_rows<T, BQ, D, NT>(sdO, dO, q0, a.seq_q, tid);
+    load_rows<T, BQ, D, NT>(sQ, tile.Q, q0, a.seq_q, tid);
+    load_rows<T, BQ, D, NT>(sdO, tile.dO, q0, a.seq_q, tid);
     if (n_kt > 0) {
         load_rows<T, BKV, D, NT>(sK, K, 0, a.seq_kv, tid);
         load_rows<T, BKV, D, NT>(sV, V, 0, a.seq_kv, tid);
     }
     cp_async_commit();
-
-    /* this lane's rows: q0 + 16 warp + g (fragment half 0) and + 8 (half 1); the last key each may see, its lse
-     * (log2 units) and Dvec */
-    const int row0 = q0 + warp * 16 + g;
-    int lim[2] = {a.seq_kv - 1, a.seq_kv - 1};
-    float lse2[2], dvec[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + 8 * r;
-        if (a.causal) lim[r] = min(lim[r], row + off);
-        lse2[r] = row < a.seq_q ? a.lse[bh * a.seq_q + row] * (float)NATIVE_LOG2E : 0.f;
-        dvec[r] = row < a.seq_q ? a.dvec[bh * a.seq_q + row] : 0.f;
-    }
 
     uint32_t qf[D / 16][4], of[D / 16][4];
     float dq[D / 8][4];
@@ -99,16 +77,11 @@ __global__ void __launch_bounds__(BQ * 2) native_dq_pass_kernel(const native_bwd
 
         /* dS = P (dP - Dvec) in place of S; element (nb, e): row row0 + 8 (e >> 1), key kv0 + 8 nb + 2 t4 + (e & 1) */
         const int kv0 = j * BKV;
-        const bool masked = kv0 + BKV > a.seq_kv || (a.causal && kv0 + BKV - 1 > q0 + off);
+        const bool masked = tile.masked(a, kv0);
 #pragma unroll
-        for (int nb = 0; nb < BKV / 8; ++nb) {
+        for (int nb = 0; nb < BKV / 8; ++nb)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float p = fast_exp2(s[nb][e] * a.scale_log2 - lse2[e >> 1]);
-                if (masked && kv0 + nb * 8 + 2 * t4 + (e & 1) > lim[e >> 1]) p = 0.f;
-                s[nb][e] = p * (dp[nb][e] - dvec[e >> 1]);
-            }
-        }
+            for (int e = 0; e < 4; ++e) s[nb][e] = tile.ds(a, s[nb][e], dp[nb][e], e >> 1, kv0 + nb * 8 + 2 * t4 + (e & 1), masked);
 
         /* dQ += round(dS) Kj: dS's accumulators of key blocks 2kk, 2kk+1 are the A fragment of key chunk kk;
          * B[k = key][n = d] = K[key][d], rows as stored, so ldmatrix .trans */
@@ -128,17 +101,10 @@ __global__ void __launch_bounds__(BQ * 2) native_dq_pass_kernel(const native_bwd
     }
     cp_async_wait_all(); /* no copy outlives the CTA */
 
-    T *dQ = static_cast<T *>(a.dq) + bh * a.seq_q * D;
 #pragma unroll
-    for (int db = 0; db < D / 8; ++db) {
+    for (int db = 0; db < D / 8; ++db)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = row0 + 8 * r;
-            if (row < a.seq_q)
-                *reinterpret_cast<uint32_t *>(dQ + (int64_t)row * D + db * 8 + 2 * t4) =
-                    pack2<T>(dq[db][2 * r] * a.scale, dq[db][2 * r + 1] * a.scale);
-        }
-    }
+        for (int r = 0; r < 2; ++r) tile.store(a, r, db * 8 + 2 * t4, dq[db][2 * r], dq[db][2 * r + 1]);
 }
 
 template <typename T, int D, int BKV> static fadev_status native_dq_pass_launch(const fadev_native_params *p, native_bwd_args a) {

@@ -1,29 +1,35 @@
 /* The native backward's dK/dV kernel on Hopper's warpgroup MMA (mma = 1, "wgmma"): native_backward.cu's kernel 2,
  * the same arithmetic per element in the same order, its products issued by warpgroups as wgmma.m64nNk16 (wgmma.cuh).
- * Kernels 1 and 3 (Dvec; dQ rounded, or the deterministic dQ pass) are native_backward.cu's.
+ * Kernel 1 (Dvec) and 3 (dQ rounded, or the deterministic dQ pass: native_backward_dq_wgmma.cu) around it.
  *
  * One CTA per (batch, K/V head, block_kv keys), block_kv / 64 warpgroups; warpgroup w owns keys [64 w, 64 w + 64)
  * of the tile (warp w4 of it keys 16 w4 .. 16 w4 + 15 of those: the mma.sync kernel's per-warp rows), with their dK
  * and dV in fp32 registers. K and V sit in shared memory, Q, dO, lse and Dvec of the query tiles in two cp.async
- * stages, all in wgmma's 128-byte-swizzled panels. For each query tile (block_q = 64 rows) that sees a key:
+ * stages, all in wgmma's 128-byte-swizzled panels. For each query tile (block_q rows: 64 at D 64, 32 at D 128) that
+ * sees a key:
  *   S^T = K Q^T, dP^T = V dO^T   D / 16 wgmma each, A = this warpgroup's K / V rows, B = Q / dO (K-major)
  *   P^T, dS^T                    as the mma.sync kernel, on the same fragment layout (wgmma.cuh)
  *   dV += round(P^T) dO, dK += round(dS^T) Q    A from registers, B = dO / Q MN-major (transposed)
- *   dQ_i += round(dS) K          dS^T stored to shared memory; A = dS^T, B = K, both MN-major, over the tile's keys,
- *                                the head dim split over the warpgroups; added to the fp32 workspace atomically
- * dK = scale dK and dV written once at the end (grouped-query heads summed in registers). D 64 only
- * (NATIVE_BACKWARD_TILES_WGMMA). Built for sm_90a only (setup.py); the host refuses other GPUs. */
+ *   dQ_i += round(dS) K          dS^T stored to shared memory, then (D 64) dQ = dS K: A = dS^T, B = K, both MN-major,
+ *                                over the tile's keys, the head dim split over the warpgroups; or (D 128, 32 query
+ *                                rows: wgmma's M is 64) dQ^T = K^T dS^T, A = K^T by 64-column panel of K, B = dS^T,
+ *                                both MN-major, the panels split over the warpgroups; added to the fp32 workspace
+ *                                atomically (the deterministic mode skips it)
+ * dK = scale dK and dV written once at the end (grouped-query heads summed in registers). Tiles:
+ * NATIVE_BACKWARD_TILES_WGMMA (native.cuh): at D 128, dK and dV take 128 registers a thread, S^T and dP^T of 32 query
+ * rows 32 more. Built for sm_90a only (setup.py); the host refuses other GPUs. */
 #include "native.cuh"
 #include "wgmma.cuh"
 
+/* dS^T takes one 64-column panel of block_kv rows (at block_q 32 half of each 128-byte row is unused) */
 template <int D, int BKV, int BQ> constexpr int native_bwd_wgmma_smem() {
-    return 16 * BQ + (2 * BKV * D + 4 * BQ * D + BKV * BQ) * 2 + 1024;
+    return 16 * BQ + (2 * BKV * D + 4 * BQ * D + BKV * 64) * 2 + 1024;
 }
 
 template <typename T, int D, int BKV, int BQ>
 __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const native_bwd_args a) {
 #if FADEV_WGMMA
-    static_assert(D == 64 && BQ == 64, "one 64-column panel per tile row: D 64, 64 query rows");
+    static_assert((D == 64 && BQ == 64) || (D == 128 && BQ == 32), "D 64 with 64 query rows, D 128 with 32");
     constexpr int NT = BKV * 2;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     /* the swizzle atoms must be 1024-byte aligned (wgmma.cuh); lse and Dvec after the tiles */
@@ -31,8 +37,8 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
     T *sV = sK + BKV * D;                                           /* BKV x D */
     T *sQ = sV + BKV * D;                                           /* 2 stages of BQ x D */
     T *sdO = sQ + 2 * BQ * D;                                       /* 2 stages of BQ x D */
-    T *sdS = sdO + 2 * BQ * D;                                      /* BKV x BQ: dS^T */
-    float *sL = reinterpret_cast<float *>(sdS + BKV * BQ);          /* 2 stages of BQ: lse */
+    T *sdS = sdO + 2 * BQ * D;                                      /* BKV x 64: dS^T */
+    float *sL = reinterpret_cast<float *>(sdS + BKV * 64);          /* 2 stages of BQ: lse */
     float *sDv = sL + 2 * BQ;                                       /* 2 stages of BQ: Dvec */
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, g = lane >> 2, t4 = lane & 3;
 
@@ -70,15 +76,16 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
         const float *cL = sL + st * BQ, *cDv = sDv + st * BQ;
         const uint32_t aQ = smem_u32(cQ), adO = smem_u32(cdO);
 
-        /* S^T = K Q^T, dP^T = V dO^T */
+        /* S^T = K Q^T, dP^T = V dO^T: k16 slice kk in panel kk / 4 at byte 32 (kk % 4) */
         float sp[BQ / 2], dp[BQ / 2];
+        auto kslice = [](uint32_t base, int rows, int kk) {
+            return wgmma_desc(base + (kk >> 2) * (rows * 128) + (kk & 3) * 32, 16, 1024);
+        };
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            wgmma_ss<T, BQ>(sp, wgmma_desc(aK + kk * 32, 16, 1024), wgmma_desc(aQ + kk * 32, 16, 1024), kk > 0);
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, BQ>(sp, kslice(aK, BKV, kk), kslice(aQ, BQ, kk), kk > 0);
 #pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            wgmma_ss<T, BQ>(dp, wgmma_desc(aV + kk * 32, 16, 1024), wgmma_desc(adO + kk * 32, 16, 1024), kk > 0);
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, BQ>(dp, kslice(aV, BKV, kk), kslice(adO, BQ, kk), kk > 0);
         wgmma_commit();
         wgmma_wait_all();
         wgmma_fence_regs(sp);
@@ -121,27 +128,55 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
             }
             fence_proxy_async();
             __syncthreads(); /* every warpgroup's dS^T stored */
-            /* dQ[q0 .. q0 + 64][DN wg .. + DN] += dS K over the tile's BKV keys, the head dim split over the
-             * warpgroups: A = dS^T (keys x queries), B = K (keys x d) from column DN wg (byte 2 DN wg of the
-             * 128-byte rows), both MN-major; keys kk * 16 .. + 16 at byte 2048 kk */
-            constexpr int NWG = BKV / 64, DN = D / NWG;
-            float dq[DN / 2];
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < BKV / 16; ++kk)
-                wgmma_ss_tt<T, DN>(dq, wgmma_desc(smem_u32(sdS) + kk * 2048, BKV * 128, 1024),
-                                   wgmma_desc(smem_u32(sK) + kk * 2048 + wg * DN * 2, BKV * 128, 1024), kk > 0);
-            wgmma_commit();
-            wgmma_wait_all();
-            wgmma_fence_regs(dq);
             float *dQ = a.dq_acc + bh * a.seq_q * D;
+            constexpr int NWG = BKV / 64;
+            if constexpr (BQ == 64) {
+                /* dQ[q0 .. q0 + 64][DN wg .. + DN] += dS K over the tile's BKV keys, the head dim split over the
+                 * warpgroups: A = dS^T (keys x queries), B = K (keys x d) from column DN wg (byte 2 DN wg of the
+                 * 128-byte rows), both MN-major; keys kk * 16 .. + 16 at byte 2048 kk */
+                constexpr int DN = D / NWG;
+                float dq[DN / 2];
+                wgmma_fence();
 #pragma unroll
-            for (int nb = 0; nb < DN / 8; ++nb) {
+                for (int kk = 0; kk < BKV / 16; ++kk)
+                    wgmma_ss_tt<T, DN>(dq, wgmma_desc(smem_u32(sdS) + kk * 2048, BKV * 128, 1024),
+                                       wgmma_desc(smem_u32(sK) + kk * 2048 + wg * DN * 2, BKV * 128, 1024), kk > 0);
+                wgmma_commit();
+                wgmma_wait_all();
+                wgmma_fence_regs(dq);
 #pragma unroll
-                for (int r = 0; r < 2; ++r) { /* two adjacent columns at once (sm_90's float2 atomicAdd) */
-                    const int row = q0 + (warp & 3) * 16 + g + 8 * r, col = wg * DN + nb * 8 + 2 * t4;
-                    if (row < a.seq_q)
-                        atomicAdd(reinterpret_cast<float2 *>(dQ + (int64_t)row * D + col), make_float2(dq[4 * nb + 2 * r], dq[4 * nb + 2 * r + 1]));
+                for (int nb = 0; nb < DN / 8; ++nb) {
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) { /* two adjacent columns at once (sm_90's float2 atomicAdd) */
+                        const int row = q0 + (warp & 3) * 16 + g + 8 * r, col = wg * DN + nb * 8 + 2 * t4;
+                        if (row < a.seq_q)
+                            atomicAdd(reinterpret_cast<float2 *>(dQ + (int64_t)row * D + col), make_float2(dq[4 * nb + 2 * r], dq[4 * nb + 2 * r + 1]));
+                    }
+                }
+            } else {
+                /* dQ^T[d][q0 .. q0 + BQ] += K^T dS^T for the head dim's 64-column panels pn = wg, wg + NWG, ..:
+                 * A = panel pn of K (keys x 64 d), B = dS^T (keys x BQ queries), both MN-major; element (nb, e) of
+                 * the accumulators: d = 64 pn + 16 (warp % 4) + g + 8 (e >> 1), query q0 + 8 nb + 2 t4 + (e & 1) */
+#pragma unroll
+                for (int i = 0; i < D / 64 / NWG; ++i) { /* a trip count known to ptxas: no divergent wgmma */
+                    const int pn = wg + i * NWG;
+                    float dq[BQ / 2];
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < BKV / 16; ++kk)
+                        wgmma_ss_tt<T, BQ>(dq, wgmma_desc(smem_u32(sK) + pn * BKV * 128 + kk * 2048, BKV * 128, 1024),
+                                           wgmma_desc(smem_u32(sdS) + kk * 2048, BKV * 128, 1024), kk > 0);
+                    wgmma_commit();
+                    wgmma_wait_all();
+                    wgmma_fence_regs(dq);
+#pragma unroll
+                    for (int nb = 0; nb < BQ / 8; ++nb) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int row = q0 + nb * 8 + 2 * t4 + (e & 1), col = pn * 64 + (warp & 3) * 16 + g + 8 * (e >> 1);
+                            if (row < a.seq_q) atomicAdd(dQ + (int64_t)row * D + col, dq[4 * nb + e]);
+                        }
+                    }
                 }
             }
         } else {

@@ -25,7 +25,7 @@ WARP_ROWS = (16, 32)
 MMA = ("sync", "wgmma")
 """The native kernels' tensor-core instructions: ``"sync"`` mma.sync.m16n8k16 issued per warp (every GPU from sm_80),
 ``"wgmma"`` Hopper's warpgroup MMA (wgmma.m64nNk16, compute capability 9.0 only; cuda/native_forward_wgmma.cu,
-and cuda/native_backward_wgmma.cu at D 64)."""
+cuda/native_backward_wgmma.cu and its deterministic dq pass cuda/native_backward_dq_wgmma.cu)."""
 MMA_CHOICES = MMA + ("auto",)
 """What ``mma=`` takes: an instruction, or ``"auto"`` (the default): :func:`auto_mma`'s choice."""
 
@@ -83,8 +83,8 @@ def native_tiles(dim, *, backward=False, warp_rows=16, mma="sync") -> list:
     its query tiles are smaller. ``warp_rows``: the tile rows a warp owns, 16 or 32 (query rows in the forward, key
     rows in the backward; 32 runs two row blocks side by side, half the shared-memory reads per product; the same
     arithmetic, so the same bits), each with its own list (the backward's 32 only at D 64). ``mma="wgmma"``: the
-    tiles of the Hopper kernels (forward: block_q / 64 warpgroups; backward: block_kv / 64, D 64 only; ``warp_rows``
-    not read)."""
+    tiles of the Hopper kernels (forward: block_q / 64 warpgroups; backward: block_kv / 64, block_q 64 at D 64 and 32
+    at D 128; ``warp_rows`` not read)."""
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
         raise ValueError(f"dim must be a positive integer, got {dim!r}")
     tiles = _tiles(int(dim), bool(_args.boolean(backward, "backward")), _warp_rows(warp_rows),
@@ -214,10 +214,11 @@ def native_attention_backward(q, k, v, out, lse, dout, *, causal=False, scale=No
     one of ``native_tiles(D, backward=True, warp_rows=warp_rows)`` (default: its first), the backward's own
     lists; ``warp_rows`` 32 gives each warp 32 keys (the same bits as 16, another speed). ``out`` and
     ``lse`` as :func:`native_attention` returned them; arguments and result kinds as that function's.
-    ``mma="wgmma"``: the dK/dV kernel on Hopper's warpgroup MMA (cuda/native_backward_wgmma.cu; D 64; its tiles
-    ``native_tiles(64, backward=True, mma="wgmma")``): the same dK and dV bits as mma.sync with the tile, and the
-    same dq with ``deterministic`` (the dq pass is shared); atomic dq sums in another grouping. ``"auto"`` (the
-    default): :func:`auto_mma`'s choice (wgmma on an H100 at D 64, else mma.sync)."""
+    ``mma="wgmma"``: the dK/dV kernel on Hopper's warpgroup MMA (cuda/native_backward_wgmma.cu; its tiles
+    ``native_tiles(D, backward=True, mma="wgmma")``) and, with ``deterministic``, the dq pass on it too
+    (cuda/native_backward_dq_wgmma.cu): the same dK and dV bits as mma.sync with the tile, and the same dq with
+    ``deterministic``; atomic dq sums in another grouping. ``"auto"`` (the default): :func:`auto_mma`'s choice
+    (wgmma on an H100 or H200, else mma.sync)."""
     _args.boolean(deterministic, "deterministic")
     rows = _warp_rows(warp_rows)
     _args.choice("mma", mma, MMA_CHOICES)

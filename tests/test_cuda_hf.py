@@ -259,14 +259,14 @@ def test_native_padding_mask_flash_rule():
 
 
 def test_native_defaults_are_the_auto_table():
-    """With default arguments the op runs what fadev.native.auto_mma picks (wgmma forward on an H100; wgmma backward
-    at D 64) on the default tiles (fadev.native.DEFAULT_TILES, else the list's first), and its bits are those
+    """With default arguments the op runs what fadev.native.auto_mma picks (wgmma forward and backward on an H100 or
+    H200) on the default tiles (fadev.native.DEFAULT_TILES, else the list's first), and its bits are those
     kernels' own."""
     for dim in (64, 128):
         q, k, v, dout = _inputs((1, 2, 2, 256, 256), dim, torch.bfloat16, "auto")
         p = tn.plan(q, k, v, True)
         hopper = torch.cuda.get_device_capability() == (9, 0)
-        assert p.mma == (("wgmma", "wgmma" if dim == 64 else "sync") if hopper else ("sync", "sync")), p.mma
+        assert p.mma == (("wgmma", "wgmma") if hopper else ("sync", "sync")), p.mma
         out, grads = _grads(q, k, v, dout)
         (bq, bkv), (bbq, bbkv) = p.tiles
         want, lse = fadev.native_attention(q, k, v, causal=True, block_q=bq, block_kv=bkv, mma=p.mma[0],

@@ -78,7 +78,8 @@ def test_wgmma_error_statistics_match_fa2_emulation(fmt, D, causal):
 
 
 def test_wgmma_tiles_and_refusals():
-    """The binding reports the compiled wgmma tiles; bad arguments are refused by name; no wgmma backward at D 128."""
+    """The binding reports the compiled wgmma tiles; bad arguments are refused by name; an mma.sync-only backward tile
+    is refused under mma='wgmma'."""
     for d, tiles in TILES.items():
         assert fadev.native_tiles(d, mma="wgmma") == tiles
         assert fadev.native_tiles(d, mma="wgmma", backward=True) == BACKWARD_TILES.get(d, [])
@@ -92,8 +93,8 @@ def test_wgmma_tiles_and_refusals():
         fadev.native_attention(q, k, v, block_q=16, block_kv=16, mma="wgmma")
     q2, k2, v2, dout2 = _inputs((1, 2, 2, 64, 64), 128, torch.bfloat16, "wgmma-refusals-128")
     out2, lse2 = fadev.native_attention(q2, k2, v2, return_lse=True)
-    with pytest.raises(ValueError, match="mma: the wgmma backward has no tile at head dim 128"):
-        fadev.native_attention_backward(q2, k2, v2, out2, lse2, dout2, mma="wgmma")
+    with pytest.raises(ValueError, match=r"block_q, block_kv: \(16, 16\) is not a native backward \(mma='wgmma'\) tile"):
+        fadev.native_attention_backward(q2, k2, v2, out2, lse2, dout2, block_q=16, block_kv=16, mma="wgmma")
     if not _hopper():
         with pytest.raises(ValueError, match="needs a Hopper GPU"):
             fadev.native_attention(q, k, v, mma="wgmma")
