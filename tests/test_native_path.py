@@ -51,11 +51,11 @@ def test_choose_mma_table():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("capability, dim, want", [((9, 0), 64, ("wgmma", "wgmma")), ((9, 0), 128, ("wgmma", "sync")),
+@pytest.mark.parametrize("capability, dim, want", [((9, 0), 64, ("wgmma", "wgmma")), ((9, 0), 128, ("wgmma", "wgmma")),
                                                    ((8, 0), 64, ("sync", "sync")), ((8, 0), 128, ("sync", "sync"))])
 def test_auto_defaults_per_gpu_and_head_dim(capability, dim, want, causal):
-    """With every default: the forward on wgmma where the GPU and build have it, the backward on wgmma at D 64 (the
-    only wgmma backward) else mma.sync, deterministic; tiles: native.DEFAULT_TILES' (the measured table) where it has
+    """With every default: the forward and the backward on wgmma where the GPU and build have them (D 64 and 128),
+    else mma.sync, deterministic; tiles: native.DEFAULT_TILES' (the measured table) where it has
     one for the instruction, head dim and causal, else the first of the list; the backward on the forward's tile where
     its list has it."""
     q, k, v = _qkv(d=dim)
