@@ -371,7 +371,7 @@ typedef struct fadev_native_params {
     int32_t warp_rows;           /* tile rows per warp, 16 (0 means 16) or 32 (query rows forward, key rows backward);
                                     the same arithmetic, so the same bits, at another speed */
     int32_t mma;                 /* 0 = mma.sync (every GPU from sm_80), 1 = Hopper's wgmma (compute capability 9.0;
-                                    its own tiles, warp_rows not read; the backward at D 64 only) */
+                                    its own tiles, warp_rows not read) */
     int32_t asynchronous;        /* 0: the kernels run on the legacy default stream and the call synchronises the
                                     device before it returns (as every entry point here); 1: every kernel of the call
                                     is queued on `stream` and the call returns without waiting, as a CUDA library call
