@@ -356,13 +356,19 @@ fadev_status fadev_cuda_ulp_error(const double *test, const double *ref, size_t 
 
 /* Native FlashAttention-2-style kernel on the tensor cores (native_forward.cu, native_backward.cu): fp16 or bf16
  * inputs and outputs, fp32 accumulation (mma.sync), online softmax in fp32 with exp2. q, out, dout, dq:
- * (B, H, Nq, D); k, v, dk, dv: (B, Hkv, Nk, D); contiguous, element type `dtype`; lse (B, H, Nq) float32
+ * (B, H, Nq, D); k, v, dk, dv: (B, Hkv, Nk, D), element type `dtype`, contiguous or with the strides `strides` gives
+ * (rows of D contiguous elements: a model's (B, N, H, D) tensors read as (B, H, N, D) in place); lse (B, H, Nq) float32
  * (natural log). Supported: dim 64 or 128, the (block_q, block_kv) pairs fadev_cuda_native_tiles lists for the
  * direction (forward and backward have their own lists). FADEV_ERR_INVALID_ARGUMENT for anything else. The
  * backward recomputes P from lse and needs a float32 workspace of fadev_cuda_native_workspace() bytes (dq
  * accumulated in fp32 by atomic adds, or with `deterministic` by a separate pass over the K/V tiles without
  * atomics: the same bits on every run). */
 typedef enum fadev_native_dtype { FADEV_NATIVE_FP16 = 0, FADEV_NATIVE_BF16 = 1 } fadev_native_dtype;
+/* The tensors of fadev_native_params.strides, by index (the forward reads the first four). */
+typedef enum fadev_native_tensor {
+    FADEV_NATIVE_Q, FADEV_NATIVE_K, FADEV_NATIVE_V, FADEV_NATIVE_OUT, FADEV_NATIVE_DOUT, FADEV_NATIVE_DQ,
+    FADEV_NATIVE_DK, FADEV_NATIVE_DV, FADEV_NATIVE_TENSORS
+} fadev_native_tensor;
 typedef struct fadev_native_params {
     fadev_attention_params attn; /* shapes, scale, causal (bottom-right aligned), block_q (Br), block_kv (Bc);
                                     loop_order, normalize and exp_form are not read */
@@ -379,6 +385,10 @@ typedef struct fadev_native_params {
                                     caller's next synchronisation) */
     void *stream;                /* with asynchronous: a cudaStream_t, e.g. PyTorch's current stream (NULL: the legacy
                                     default stream, PyTorch's default) */
+    int32_t strided;             /* 0: every tensor contiguous; 1: `strides` gives their layouts */
+    int64_t strides[FADEV_NATIVE_TENSORS][3]; /* with strided: element strides (batch, head, row) of each tensor
+                                    (fadev_native_tensor), each a multiple of 8 (16 bytes) in [0, 2^48); every
+                                    element of a row is contiguous. Outputs must not overlap each other or inputs */
 } fadev_native_params;
 /* Writes up to max_pairs (block_q, block_kv) pairs supported for head dim `dim` in one direction (backward 0: the
  * forward's, 1: the backward's) with `warp_rows` (16 or 32) tile rows per warp, or of the wgmma kernels (mma 1), into

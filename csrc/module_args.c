@@ -129,19 +129,36 @@ int parse_shape(PyObject *obj, void *out) {
     return 1;
 }
 
-/* The native kernels' own options (dtype, deterministic, warp_rows, mma[, stream]) into a fadev_native_params (attn
+/* The native kernels' own options (dtype, deterministic, warp_rows, mma[, stream[, strides]]) into a fadev_native_params (attn
  * untouched); a stream (a cudaStream_t as an int, PyTorch's current stream; 0 is the legacy default stream) makes the
  * call asynchronous on it; absent: the legacy stream and a device synchronisation. */
 int parse_native(PyObject *obj, void *out) {
     fadev_native_params *np = (fadev_native_params *)out;
     int dtype, deterministic, warp_rows, mma;
     unsigned long long stream = 0;
-    if (!PyArg_ParseTuple(obj, "ipii|K;native options must be (dtype, deterministic, warp_rows, mma[, stream])", &dtype,
-                          &deterministic, &warp_rows, &mma, &stream))
+    PyObject *strides = NULL;
+    if (!PyArg_ParseTuple(obj, "ipii|KO;native options must be (dtype, deterministic, warp_rows, mma[, stream[, strides]])",
+                          &dtype, &deterministic, &warp_rows, &mma, &stream, &strides))
         return 0;
     np->dtype = dtype, np->deterministic = deterministic, np->warp_rows = warp_rows, np->mma = mma;
-    np->asynchronous = PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) == 5;
+    np->asynchronous = PyTuple_Check(obj) && PyTuple_GET_SIZE(obj) >= 5;
     np->stream = (void *)(uintptr_t)stream;
+    np->strided = 0;
+    if (strides && strides != Py_None) { /* (batch, head, row) element strides per tensor, fadev_native_tensor order */
+        const Py_ssize_t n = PyTuple_Check(strides) ? PyTuple_GET_SIZE(strides) : -1;
+        if (n != 12 && n != 3 * FADEV_NATIVE_TENSORS) {
+            PyErr_SetString(PyExc_TypeError, "native options: strides must be a tuple of 12 (q, k, v, out) or 24 (and "
+                                             "dout, dq, dk, dv) integers");
+            return 0;
+        }
+        memset(np->strides, 0, sizeof np->strides);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const long long x = PyLong_AsLongLong(PyTuple_GET_ITEM(strides, i));
+            if (x == -1 && PyErr_Occurred()) return 0;
+            np->strides[i / 3][i % 3] = x;
+        }
+        np->strided = 1;
+    }
     return 1;
 }
 

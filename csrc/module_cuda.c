@@ -318,8 +318,9 @@ PyMethodDef cuda_methods[] = {
      "cuda_native_workspace(shape, call, native) -> bytes of float32 workspace the backward needs"},
     {"cuda_native_forward", py_cuda_native_forward, METH_VARARGS,
      "cuda_native_forward(q, k, v, out, lse, shape, call, native); native (dtype, deterministic, warp_rows, mma"
-     "[, stream])"},
+     "[, stream[, strides]]); strides: (batch, head, row) element strides of q, k, v, out (12 ints)"},
     {"cuda_native_backward", py_cuda_native_backward, METH_VARARGS,
-     "cuda_native_backward(q, k, v, out, lse, dout, dq, dk, dv, workspace, shape, call, native)"},
+     "cuda_native_backward(q, k, v, out, lse, dout, dq, dk, dv, workspace, shape, call, native); strides: of q, k, v, "
+     "out, dout, dq, dk, dv (24 ints)"},
     {NULL, NULL, 0, NULL},
 };

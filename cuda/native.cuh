@@ -138,10 +138,29 @@ template <int R> __device__ __forceinline__ int wswz(int row, int chunk) {
     return (chunk >> 3) * (R * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
 }
 
-/* cp.async rows [row0, row0 + ROWS) of a (nrows x D) row-major slab into a swizzled tile (PANELS: wswz's layout,
+/* ---------------------------------------------------------------- global layout */
+
+/* Element strides of a (B, H, N, D) tensor's batch, head and row; a row's D elements are contiguous. Contiguous:
+ * (H N D, N D, D). fadev_native_params.strides gives them per tensor (a model's transposed views are read in place). */
+struct native_strides {
+    int64_t b, h, r;
+};
+/* One head of such a tensor: its row 0 and the elements from one row to the next. */
+template <typename T> struct head_rows {
+    T *p;
+    int64_t rs;
+    __device__ __forceinline__ T *row(int64_t i) const { return p + i * rs; }
+};
+/* Head bh = b * heads + h of the tensor at `base` with strides s. */
+template <typename T>
+__device__ __forceinline__ head_rows<T> head_at(const void *base, const native_strides &s, int64_t bh, int heads) {
+    return {static_cast<T *>(const_cast<void *>(base)) + bh / heads * s.b + bh % heads * s.h, s.r};
+}
+
+/* cp.async rows [row0, row0 + ROWS) of one head's rows (nrows of them) into a swizzled tile (PANELS: wswz's layout,
  * else swz's); rows >= nrows are zero-filled. NT threads, thread `tid`. */
 template <typename T, int ROWS, int D, int NT, bool PANELS = false>
-__device__ __forceinline__ void load_rows(T *tile, const T *slab, int row0, int nrows, int tid) {
+__device__ __forceinline__ void load_rows(T *tile, const head_rows<const T> &slab, int row0, int nrows, int tid) {
     constexpr int C = D / 8, N = ROWS * C;
 #pragma unroll
     for (int i = 0; i < (N + NT - 1) / NT; ++i) {
@@ -150,7 +169,7 @@ __device__ __forceinline__ void load_rows(T *tile, const T *slab, int row0, int 
             const int r = c / C, ch = c % C;
             const bool ok = row0 + r < nrows;
             cp_async_16(tile + (PANELS ? wswz<ROWS>(r, ch) : swz<C>(r, ch)),
-                        slab + (ok ? (int64_t)(row0 + r) * D + ch * 8 : 0), ok);
+                        slab.p + (ok ? (row0 + r) * slab.rs + ch * 8 : 0), ok);
         }
     }
 }
@@ -158,7 +177,8 @@ __device__ __forceinline__ void load_rows(T *tile, const T *slab, int row0, int 
 /* The K/V loop's prefetch: tile j + 1 (if any) of K and V into the other of two stages of BKV rows, then commit the
  * copy group (an empty one on the last tile, so every iteration's wait sees the same group count). */
 template <typename T, int BKV, int D, int NT>
-__device__ __forceinline__ void prefetch_kv(T *sK, T *sV, const T *K, const T *V, int j, int n_kt, int seq_kv, int tid) {
+__device__ __forceinline__ void prefetch_kv(T *sK, T *sV, const head_rows<const T> &K, const head_rows<const T> &V, int j,
+                                            int n_kt, int seq_kv, int tid) {
     if (j + 1 < n_kt) {
         const int st = (j + 1) & 1;
         load_rows<T, BKV, D, NT>(sK + st * BKV * D, K, (j + 1) * BKV, seq_kv, tid);
@@ -176,6 +196,7 @@ struct native_bwd_args {
     void *dq, *dk, *dv;
     int heads, group, seq_q, seq_kv, n_kt, n_qt, causal; /* group = heads / heads_kv; key / query tiles per head */
     float scale_log2, scale;                             /* scale * log2(e), scale */
+    native_strides sq, sk, sv, so, sdo, sdq, sdk, sdv;   /* of q, k, v, out, dout, dq, dk, dv (dq_acc: contiguous) */
     cudaStream_t stream;                                 /* fadev_native_params.stream (NULL: the legacy default) */
 };
 
@@ -184,7 +205,7 @@ struct native_bwd_args {
  * hk * group + it / per_head, tile qt_start + it % per_head (causal: query i sees key j iff j <= i + off). issue()
  * starts the cp.async copies of iteration it's Q, dO, lse and Dvec into stage st (PANELS: the wgmma layout). */
 template <typename T, int D, int BKV, int BQ> struct bwd_tile {
-    const T *K, *V;
+    head_rows<const T> K, V;
     int64_t bhk, b, hk;
     int k0, off, qt_start, n_it, per_head;
     __device__ __forceinline__ explicit bwd_tile(const native_bwd_args &a) {
@@ -192,8 +213,8 @@ template <typename T, int D, int BKV, int BQ> struct bwd_tile {
         bhk = blockIdx.x / a.n_kt; /* b * Hkv + hk */
         const int heads_kv = a.heads / a.group;
         b = bhk / heads_kv, hk = bhk % heads_kv;
-        K = static_cast<const T *>(a.k) + bhk * a.seq_kv * D;
-        V = static_cast<const T *>(a.v) + bhk * a.seq_kv * D;
+        K = head_at<const T>(a.k, a.sk, bhk, heads_kv);
+        V = head_at<const T>(a.v, a.sv, bhk, heads_kv);
         k0 = kt * BKV, off = a.seq_kv - a.seq_q;
         const int n_qt = (a.seq_q + BQ - 1) / BQ;
         qt_start = 0, n_it = a.group * n_qt;
@@ -213,8 +234,8 @@ template <typename T, int D, int BKV, int BQ> struct bwd_tile {
                                           int tid) const {
         const int64_t bh = head_of(a, it);
         const int q0 = first_row(it);
-        load_rows<T, BQ, D, NT, PANELS>(sQ, static_cast<const T *>(a.q) + bh * a.seq_q * D, q0, a.seq_q, tid);
-        load_rows<T, BQ, D, NT, PANELS>(sdO, static_cast<const T *>(a.dout) + bh * a.seq_q * D, q0, a.seq_q, tid);
+        load_rows<T, BQ, D, NT, PANELS>(sQ, head_at<const T>(a.q, a.sq, bh, a.heads), q0, a.seq_q, tid);
+        load_rows<T, BQ, D, NT, PANELS>(sdO, head_at<const T>(a.dout, a.sdo, bh, a.heads), q0, a.seq_q, tid);
         for (int r = tid; r < BQ; r += NT) {
             const bool ok = q0 + r < a.seq_q;
             const int64_t at = bh * a.seq_q + (ok ? q0 + r : 0);
@@ -228,18 +249,19 @@ template <typename T, int D, int BKV, int BQ> struct bwd_tile {
  * first) of query head bh = blockIdx.x / n_qt, its K/V head's tiles of BKV keys that some row sees, and for this
  * lane's rows q0 + 16 warp + g and + 8 (BQ / 16 warps): the last key each may see (lim), lse in log2 units, Dvec. */
 template <typename T, int D, int BQ, int BKV> struct dq_tile {
-    const T *Q, *dO, *K, *V;
+    head_rows<const T> Q, dO, K, V;
     int64_t bh;
     int q0, off, n_kt, row0, lim[2];
     float lse2[2], dvec[2];
     __device__ __forceinline__ dq_tile(const native_bwd_args &a, int warp, int g) {
         const int qt = a.n_qt - 1 - (int)(blockIdx.x % a.n_qt);
         bh = blockIdx.x / a.n_qt; /* b * H + h */
-        const int64_t bhk = bh / a.heads * (a.heads / a.group) + bh % a.heads / a.group;
-        Q = static_cast<const T *>(a.q) + bh * a.seq_q * D;
-        dO = static_cast<const T *>(a.dout) + bh * a.seq_q * D;
-        K = static_cast<const T *>(a.k) + bhk * a.seq_kv * D;
-        V = static_cast<const T *>(a.v) + bhk * a.seq_kv * D;
+        const int heads_kv = a.heads / a.group;
+        const int64_t bhk = bh / a.heads * heads_kv + bh % a.heads / a.group;
+        Q = head_at<const T>(a.q, a.sq, bh, a.heads);
+        dO = head_at<const T>(a.dout, a.sdo, bh, a.heads);
+        K = head_at<const T>(a.k, a.sk, bhk, heads_kv);
+        V = head_at<const T>(a.v, a.sv, bhk, heads_kv);
         q0 = qt * BQ, off = a.seq_kv - a.seq_q;
         int kv_end = a.seq_kv; /* keys [0, kv_end) are visible to some row of this tile */
         if (a.causal) kv_end = min(kv_end, min(q0 + BQ, a.seq_q) + off);
@@ -268,7 +290,7 @@ template <typename T, int D, int BQ, int BKV> struct dq_tile {
     __device__ __forceinline__ void store(const native_bwd_args &a, int r, int col, float x0, float x1) const {
         const int row = row0 + 8 * r;
         if (row < a.seq_q)
-            *reinterpret_cast<uint32_t *>(static_cast<T *>(a.dq) + (bh * a.seq_q + row) * D + col) =
+            *reinterpret_cast<uint32_t *>(head_at<T>(a.dq, a.sdq, bh, a.heads).row(row) + col) =
                 pack2<T>(x0 * a.scale, x1 * a.scale);
     }
 };
@@ -403,6 +425,24 @@ static inline fadev_status native_validate(const fadev_native_params *p, int bac
                                      "fadev_cuda_native_tiles)"
                                    : "native attention: (block_q, block_kv) is not a compiled forward tile (see "
                                      "fadev_cuda_native_tiles)");
+    if (p->strided != 0 && p->strided != 1)
+        return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: strided must be 0 or 1");
+    for (int t = 0; p->strided && t < (backward ? FADEV_NATIVE_TENSORS : FADEV_NATIVE_DOUT); t++)
+        for (int i = 0; i < 3; i++)
+            if (p->strides[t][i] < 0 || p->strides[t][i] >= ((int64_t)1 << 48) || p->strides[t][i] % 8)
+                return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: strides must be multiples of 8 "
+                                                              "elements (16 bytes) in [0, 2^48)");
+    for (int t = 0; p->strided && t < (backward ? FADEV_NATIVE_TENSORS : FADEV_NATIVE_DOUT); t++) {
+        /* the last element's offset, (B - 1) sb + (H - 1) sh + (N - 1) sr + D, must fit int64 (kernels index in it) */
+        const int kv = t == FADEV_NATIVE_K || t == FADEV_NATIVE_V || t == FADEV_NATIVE_DK || t == FADEV_NATIVE_DV;
+        const int64_t size[3] = {p->attn.batch, kv ? p->attn.heads_kv : p->attn.heads, kv ? p->attn.seq_kv : p->attn.seq_q};
+        int64_t room = ((int64_t)1 << 62) - p->attn.dim;
+        for (int i = 0; i < 3; i++) {
+            if (p->strides[t][i] && size[i] - 1 > room / p->strides[t][i])
+                return native_bad(FADEV_ERR_OVERFLOW, "native attention: a tensor's strides reach past 2^62 elements");
+            room -= (size[i] - 1) * p->strides[t][i];
+        }
+    }
     if (p->attn.seq_q > NATIVE_MAX_SEQ || p->attn.seq_kv > NATIVE_MAX_SEQ)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: seq_q and seq_kv must be <= 2^30");
     /* grids are 1-D: batch * heads * query tiles (forward; the backward's dQ pass, whose tiles have at most
@@ -423,5 +463,13 @@ static inline fadev_status native_validate(const fadev_native_params *p, int bac
 
 /* Device pointers the kernels read or write in 16-byte pieces must be 16-byte aligned. */
 static inline int native_aligned(const void *p, uintptr_t a) { return ((uintptr_t)p & (a - 1)) == 0; }
+
+/* The layout of tensor t (fadev_native_tensor) of a call: its strides, or contiguous (B, H, N, D). */
+static inline native_strides native_layout(const fadev_native_params *p, int t) {
+    if (p->strided) return {p->strides[t][0], p->strides[t][1], p->strides[t][2]};
+    const int kv = t == FADEV_NATIVE_K || t == FADEV_NATIVE_V || t == FADEV_NATIVE_DK || t == FADEV_NATIVE_DV;
+    const int64_t n = kv ? p->attn.seq_kv : p->attn.seq_q, heads = kv ? p->attn.heads_kv : p->attn.heads;
+    return {heads * n * p->attn.dim, n * p->attn.dim, p->attn.dim};
+}
 
 #endif /* FADEV_NATIVE_CUH */

@@ -27,21 +27,28 @@ template <int D, int BKV, int BQ> constexpr int native_bwd_smem() {
     return 16 * BQ + (2 * BKV * D + 4 * BQ * D + BKV * BQ) * 2;
 }
 
-template <typename T, int D> __global__ void native_dot_kernel(const T *out, const T *dout, float *dvec, int64_t rows) {
+/* Dvec[r] for rows r = (b H + h) Nq + i of out and dout (their own strides), a warp per row */
+template <typename T, int D>
+__global__ void native_dot_kernel(const native_bwd_args a, const void *out_, float *dvec, int64_t rows) {
     const int lane = threadIdx.x & 31;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
     for (int64_t r = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
+        const int64_t bh = r / a.seq_q, i = r % a.seq_q;
+        const T *out = head_at<const T>(out_, a.so, bh, a.heads).row(i), *dout = head_at<const T>(a.dout, a.sdo, bh, a.heads).row(i);
         float acc = 0.f;
 #pragma unroll
-        for (int e = lane; e < D; e += 32) acc += to_float<T>(out[r * D + e]) * to_float<T>(dout[r * D + e]);
+        for (int e = lane; e < D; e += 32) acc += to_float<T>(out[e]) * to_float<T>(dout[e]);
         acc = warp_sum(acc);
         if (lane == 0) dvec[r] = acc;
     }
 }
 
-template <typename T> __global__ void native_dq_kernel(const float *acc, T *dq, int64_t n, float scale) {
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        dq[i] = from_float<T>(acc[i] * scale);
+/* dq = round(scale dQ_acc): the workspace is contiguous (B, H, Nq, D), dq has its own strides */
+template <typename T, int D> __global__ void native_dq_kernel(const native_bwd_args a, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / D, bh = r / a.seq_q;
+        head_at<T>(a.dq, a.sdq, bh, a.heads).row(r % a.seq_q)[i % D] = from_float<T>(a.dq_acc[i] * a.scale);
+    }
 }
 
 /* MI = keys per warp / 16: each warp runs MI m16 key blocks side by side, so every Q / dO fragment it reads from
@@ -66,7 +73,7 @@ __global__ void __launch_bounds__(BKV * 2 / MI) native_backward_kernel(const nat
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
 
     const bwd_tile<T, D, BKV, BQ> tile(a);
-    const T *K = tile.K, *V = tile.V;
+    const head_rows<const T> K = tile.K, V = tile.V;
     const int64_t bhk = tile.bhk;
     const int k0 = tile.k0, off = tile.off, n_it = tile.n_it;
     auto head_of = [&](int it) { return tile.head_of(a, it); };
@@ -233,8 +240,8 @@ __global__ void __launch_bounds__(BKV * 2 / MI) native_backward_kernel(const nat
     }
     cp_async_wait_all(); /* no copy outlives the CTA (n_it >= 1 anyway: the last query row sees every key) */
 
-    T *dK = static_cast<T *>(a.dk) + bhk * a.seq_kv * D;
-    T *dV = static_cast<T *>(a.dv) + bhk * a.seq_kv * D;
+    const int heads_kv = a.heads / a.group;
+    const head_rows<T> dK = head_at<T>(a.dk, a.sdk, bhk, heads_kv), dV = head_at<T>(a.dv, a.sdv, bhk, heads_kv);
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
@@ -243,9 +250,9 @@ __global__ void __launch_bounds__(BKV * 2 / MI) native_backward_kernel(const nat
         for (int r = 0; r < 2; ++r) {
             const int key = key0 + 16 * mi + 8 * r;
             if (key < a.seq_kv) {
-                const int64_t at = (int64_t)key * D + db * 8 + 2 * t4;
-                *reinterpret_cast<uint32_t *>(dK + at) = pack2<T>(dk[mi][db][2 * r] * a.scale, dk[mi][db][2 * r + 1] * a.scale);
-                *reinterpret_cast<uint32_t *>(dV + at) = pack2<T>(dv[mi][db][2 * r], dv[mi][db][2 * r + 1]);
+                const int col = db * 8 + 2 * t4;
+                *reinterpret_cast<uint32_t *>(dK.row(key) + col) = pack2<T>(dk[mi][db][2 * r] * a.scale, dk[mi][db][2 * r + 1] * a.scale);
+                *reinterpret_cast<uint32_t *>(dV.row(key) + col) = pack2<T>(dv[mi][db][2 * r], dv[mi][db][2 * r + 1]);
             }
         }
     }
@@ -263,8 +270,7 @@ template <typename T, int D>
 fadev_status native_backward_before(const fadev_native_params *p, const native_bwd_args &a, const void *out) {
     const int64_t rows = p->attn.batch * p->attn.heads * p->attn.seq_q, n = rows * D;
     if (a.dq_acc) CUDA_TRY(cudaMemsetAsync(a.dq_acc, 0, (size_t)n * sizeof(float), a.stream));
-    native_dot_kernel<T, D><<<native_blocks(rows, 8), 256, 0, a.stream>>>(static_cast<const T *>(out), static_cast<const T *>(a.dout),
-                                                              const_cast<float *>(a.dvec), rows);
+    native_dot_kernel<T, D><<<native_blocks(rows, 8), 256, 0, a.stream>>>(a, out, const_cast<float *>(a.dvec), rows);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }
@@ -273,7 +279,7 @@ fadev_status native_backward_before(const fadev_native_params *p, const native_b
 template <typename T, int D> fadev_status native_backward_after(const fadev_native_params *p, const native_bwd_args &a) {
     if (!a.dq_acc) return p->mma ? native_dq_pass_wgmma(p, a) : native_dq_pass(p, a);
     const int64_t n = p->attn.batch * p->attn.heads * p->attn.seq_q * D;
-    native_dq_kernel<T><<<native_blocks(n, 256), 256, 0, a.stream>>>(a.dq_acc, static_cast<T *>(a.dq), n, a.scale);
+    native_dq_kernel<T, D><<<native_blocks(n, 256), 256, 0, a.stream>>>(a, n);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }
@@ -342,6 +348,10 @@ extern "C" fadev_status fadev_cuda_native_backward(const void *q, const void *k,
     a.n_kt = a.n_qt = 0;
     a.scale_log2 = (float)(params->attn.scale * NATIVE_LOG2E);
     a.scale = (float)params->attn.scale;
+    a.sq = native_layout(params, FADEV_NATIVE_Q), a.sk = native_layout(params, FADEV_NATIVE_K);
+    a.sv = native_layout(params, FADEV_NATIVE_V), a.so = native_layout(params, FADEV_NATIVE_OUT);
+    a.sdo = native_layout(params, FADEV_NATIVE_DOUT), a.sdq = native_layout(params, FADEV_NATIVE_DQ);
+    a.sdk = native_layout(params, FADEV_NATIVE_DK), a.sdv = native_layout(params, FADEV_NATIVE_DV);
     a.stream = params->asynchronous ? (cudaStream_t)params->stream : (cudaStream_t)0;
     FADEV_TRY(params->dtype == FADEV_NATIVE_FP16 ? native_backward_dispatch<__half>(params, a, out)
                                                  : native_backward_dispatch<__nv_bfloat16>(params, a, out));

@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(BQ * 2) native_dq_pass_kernel(const native_bwd
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
 
     const dq_tile<T, D, BQ, BKV> tile(a, warp, g);
-    const T *K = tile.K, *V = tile.V;
+    const head_rows<const T> K = tile.K, V = tile.V;
     const int q0 = tile.q0, n_kt = tile.n_kt;
 
     load_rows<T, BQ, D, NT>(sQ, tile.Q, q0, a.seq_q, tid);

@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, g = lane >> 2, t4 = lane & 3;
 
     const bwd_tile<T, D, BKV, BQ> tile(a);
-    const T *K = tile.K, *V = tile.V;
+    const head_rows<const T> K = tile.K, V = tile.V;
     const int64_t bhk = tile.bhk;
     const int k0 = tile.k0, off = tile.off, n_it = tile.n_it;
     auto head_of = [&](int it) { return tile.head_of(a, it); };
@@ -187,17 +187,17 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
     }
     cp_async_wait_all(); /* no copy outlives the CTA */
 
-    T *dK = static_cast<T *>(a.dk) + bhk * a.seq_kv * D;
-    T *dV = static_cast<T *>(a.dv) + bhk * a.seq_kv * D;
+    const int heads_kv = a.heads / a.group;
+    const head_rows<T> dK = head_at<T>(a.dk, a.sdk, bhk, heads_kv), dV = head_at<T>(a.dv, a.sdv, bhk, heads_kv);
 #pragma unroll
     for (int db = 0; db < D / 8; ++db) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int key = key0 + 8 * r;
             if (key < a.seq_kv) {
-                const int64_t at = (int64_t)key * D + db * 8 + 2 * t4;
-                *reinterpret_cast<uint32_t *>(dK + at) = pack2<T>(dk[4 * db + 2 * r] * a.scale, dk[4 * db + 2 * r + 1] * a.scale);
-                *reinterpret_cast<uint32_t *>(dV + at) = pack2<T>(dv[4 * db + 2 * r], dv[4 * db + 2 * r + 1]);
+                const int col = db * 8 + 2 * t4;
+                *reinterpret_cast<uint32_t *>(dK.row(key) + col) = pack2<T>(dk[4 * db + 2 * r] * a.scale, dk[4 * db + 2 * r + 1] * a.scale);
+                *reinterpret_cast<uint32_t *>(dV.row(key) + col) = pack2<T>(dv[4 * db + 2 * r], dv[4 * db + 2 * r + 1]);
             }
         }
     }

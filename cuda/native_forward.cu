@@ -38,6 +38,8 @@ extern "C" fadev_status fadev_cuda_native_forward(const void *q, const void *k, 
     a.seq_q = (int)params->attn.seq_q, a.seq_kv = (int)params->attn.seq_kv, a.causal = params->attn.causal;
     a.n_qt = 0;
     a.scale_log2 = (float)(params->attn.scale * NATIVE_LOG2E);
+    a.sq = native_layout(params, FADEV_NATIVE_Q), a.sk = native_layout(params, FADEV_NATIVE_K);
+    a.sv = native_layout(params, FADEV_NATIVE_V), a.so = native_layout(params, FADEV_NATIVE_OUT);
     a.stream = params->asynchronous ? (cudaStream_t)params->stream : (cudaStream_t)0;
     FADEV_TRY(params->dtype == FADEV_NATIVE_FP16 ? native_forward_dispatch<__half>(params, a)
                                                  : native_forward_dispatch<__nv_bfloat16>(params, a));

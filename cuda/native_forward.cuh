@@ -27,6 +27,7 @@ struct native_fwd_args {
     float *lse;
     int heads, group, seq_q, seq_kv, n_qt, causal; /* group = heads / heads_kv; n_qt = query tiles per head */
     float scale_log2;                                /* scale * log2(e) */
+    native_strides sq, sk, sv, so;                   /* of q, k, v, out (lse: contiguous) */
     cudaStream_t stream;                             /* fadev_native_params.stream (NULL: the legacy default) */
 };
 
@@ -34,18 +35,19 @@ struct native_fwd_args {
  * head (grouped-query: h / (H / Hkv)), the row pointers, and n_kt, the K/V tiles of block_kv keys some row of the
  * tile may see (causal: up to the tile's last row's diagonal, bottom-right aligned: off = Nk - Nq). */
 template <typename T, int D, int BQ, int BKV> struct fwd_tile {
-    const T *Q, *K, *V;
-    T *O;
+    head_rows<const T> Q, K, V;
+    head_rows<T> O;
     float *L;
     int q0, off, n_kt;
     __device__ __forceinline__ explicit fwd_tile(const native_fwd_args &a) {
         const int qt = a.n_qt - 1 - (int)(blockIdx.x % a.n_qt);
         const int64_t bh = blockIdx.x / a.n_qt; /* b * H + h */
-        const int64_t bhk = bh / a.heads * (a.heads / a.group) + bh % a.heads / a.group;
-        Q = static_cast<const T *>(a.q) + bh * a.seq_q * D;
-        K = static_cast<const T *>(a.k) + bhk * a.seq_kv * D;
-        V = static_cast<const T *>(a.v) + bhk * a.seq_kv * D;
-        O = static_cast<T *>(a.out) + bh * a.seq_q * D;
+        const int heads_kv = a.heads / a.group;
+        const int64_t bhk = bh / a.heads * heads_kv + bh % a.heads / a.group;
+        Q = head_at<const T>(a.q, a.sq, bh, a.heads);
+        K = head_at<const T>(a.k, a.sk, bhk, heads_kv);
+        V = head_at<const T>(a.v, a.sv, bhk, heads_kv);
+        O = head_at<T>(a.out, a.so, bh, a.heads);
         L = a.lse + bh * a.seq_q;
         q0 = qt * BQ, off = a.seq_kv - a.seq_q;
         int kv_end = a.seq_kv; /* keys [0, kv_end) are visible to some row of this tile */
@@ -56,7 +58,7 @@ template <typename T, int D, int BQ, int BKV> struct fwd_tile {
     template <int NT> __device__ __forceinline__ void write_empty(const native_fwd_args &a, int tid) const {
         constexpr int C = D / 8;
         for (int c = tid; c < BQ * C; c += NT)
-            if (q0 + c / C < a.seq_q) *reinterpret_cast<uint4 *>(O + (int64_t)(q0 + c / C) * D + c % C * 8) = uint4{0, 0, 0, 0};
+            if (q0 + c / C < a.seq_q) *reinterpret_cast<uint4 *>(O.row(q0 + c / C) + c % C * 8) = uint4{0, 0, 0, 0};
         for (int r = tid; r < BQ; r += NT)
             if (q0 + r < a.seq_q) L[q0 + r] = -INFINITY;
     }
@@ -79,8 +81,8 @@ __global__ void __launch_bounds__(BQ * 2 / MI) native_forward_kernel(const nativ
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3, wrow = warp * WR;
 
     const fwd_tile<T, D, BQ, BKV> tile(a);
-    const T *Q = tile.Q, *K = tile.K, *V = tile.V;
-    T *O = tile.O;
+    const head_rows<const T> Q = tile.Q, K = tile.K, V = tile.V;
+    const head_rows<T> O = tile.O;
     float *L = tile.L;
     const int q0 = tile.q0, off = tile.off, n_kt = tile.n_kt;
     if (n_kt == 0) return tile.template write_empty<NT>(a, tid);
@@ -245,7 +247,7 @@ __global__ void __launch_bounds__(BQ * 2 / MI) native_forward_kernel(const nativ
     for (int c = lane; c < WR * C; c += 32) {
         const int r = c / C, row = q0 + wrow + r;
         if (row < a.seq_q)
-            *reinterpret_cast<uint4 *>(O + (int64_t)row * D + c % C * 8) = *reinterpret_cast<const uint4 *>(sQ + swz<C>(wrow + r, c % C));
+            *reinterpret_cast<uint4 *>(O.row(row) + c % C * 8) = *reinterpret_cast<const uint4 *>(sQ + swz<C>(wrow + r, c % C));
     }
 }
 

@@ -105,8 +105,8 @@ __global__ void __launch_bounds__(BQ * 2, 1) native_forward_wgmma_kernel(const n
     const int wrow = warp * 16; /* this warp's rows of the accumulators: 64 wg + 16 (warp % 4) */
 
     const fwd_tile<T, D, BQ, BKV> tile(a);
-    const T *Q = tile.Q, *K = tile.K, *V = tile.V;
-    T *O = tile.O;
+    const head_rows<const T> Q = tile.Q, K = tile.K, V = tile.V;
+    const head_rows<T> O = tile.O;
     float *L = tile.L;
     const int q0 = tile.q0, off = tile.off, n_kt = tile.n_kt;
     if (n_kt == 0) return tile.template write_empty<NT>(a, tid);
@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(BQ * 2, 1) native_forward_wgmma_kernel(const n
     for (int c = lane; c < 16 * C; c += 32) {
         const int r = c / C, row = q0 + wrow + r;
         if (row < a.seq_q)
-            *reinterpret_cast<uint4 *>(O + (int64_t)row * D + c % C * 8) = *reinterpret_cast<const uint4 *>(sQ + wswz<BQ>(wrow + r, c % C));
+            *reinterpret_cast<uint4 *>(O.row(row) + c % C * 8) = *reinterpret_cast<const uint4 *>(sQ + wswz<BQ>(wrow + r, c % C));
     }
 #else
     __trap(); /* not an sm_90a build: never launched (native_forward_wgmma checks the device) */

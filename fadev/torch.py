@@ -377,10 +377,11 @@ def autocast_inputs(q, k, v):
         dtype = torch.get_autocast_cpu_dtype() if kind == "cpu" else torch.get_autocast_gpu_dtype()
     if not on:
         return q, k, v
-    # a cast copies anyway: the copy is written contiguous (B, H, N, D), which a kernel reading that layout (the
-    # native one) then takes as it is, where a cast keeping a model's transposed strides would be copied again
+    # the cast keeps a model's layout (its (B, N, H, D) memory seen as (B, H, N, D)): the native kernel reads those
+    # strides in place and writes its output and gradients in the same layout, which the model's views then take
+    # without a copy (the emulated kernels read any layout)
     cast = (lambda t: isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype)  # noqa: E731
-    return tuple(t.to(dtype, memory_format=torch.contiguous_format) if cast(t) else t for t in (q, k, v))
+    return tuple(t.to(dtype) if cast(t) else t for t in (q, k, v))
 
 
 class patch_sdpa(_SdpaRoute):  # noqa: N801 (used as a context manager, like torch's own)

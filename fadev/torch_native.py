@@ -10,10 +10,13 @@ The call path is built for a training step (issue 25: fadev's host time per call
 slower than SDPA's). Everything that depends only on (device, dtypes, shapes, options) -- the argument checks,
 the tiles, the instruction ``mma="auto"`` picks, the call spec and native options the binding parses, the
 backward's workspace size -- is a :class:`Plan`, built once per such key and looked up in a dict afterwards.
-A call then makes its inputs contiguous (a no-op when they are), allocates the results with ``torch.empty``
-through PyTorch's caching allocator, and hands the binding the tensors' ``data_ptr()``s and PyTorch's current
-CUDA stream: the kernels are queued on that stream and the call returns at once (no device synchronisation, no
-DLPack or ``__cuda_array_interface__`` conversion, no copies; grouped-query heads are read in place).
+A call reads its inputs where they lie when their rows are contiguous and 16-byte aligned (:func:`layout`: a
+model's (B, N, H, D) projections seen as (B, H, N, D) included; else a contiguous copy), allocates the results with
+``torch.empty_like`` in the inputs' layout through PyTorch's caching allocator (so the model's views of the output
+and of the gradients need no copy either), and hands the binding the tensors' ``data_ptr()``s, their strides and
+PyTorch's current CUDA stream: the kernels are queued on that stream and the call returns at once (no device
+synchronisation, no DLPack or ``__cuda_array_interface__`` conversion; grouped-query heads are read in place).
+Under ``torch.compile`` the custom ops take contiguous tensors (their fake kernels say so).
 
 Two entries share that path. In eager mode a ``torch.autograd.Function`` (a few microseconds of dispatch);
 under ``torch.compile`` the ``torch.library.custom_op``\\ s ``fadev::native_attention`` and
@@ -169,25 +172,46 @@ def _stream(device) -> int:
     return torch_stream(current)
 
 
+def layout(t):
+    """The (batch, head, row) element strides of a (B, H, N, D) tensor the native kernels read in place -- every row
+    contiguous, each stride a multiple of 8 elements and the data 16-byte aligned (cp.async's and the stores'
+    16-byte accesses) -- or None (then :func:`readable` copies it). A dimension of size 1 has stride 0 (any is
+    valid there)."""
+    s, n = t.stride(), t.shape
+    if s[3] != 1 and n[3] != 1 or t.data_ptr() % 16:
+        return None
+    strides = (s[0] if n[0] != 1 else 0, s[1] if n[1] != 1 else 0, s[2] if n[2] != 1 else 0)
+    return strides if not (strides[0] % 8 or strides[1] % 8 or strides[2] % 8) and min(strides) >= 0 else None
+
+
+def readable(t):
+    """``t`` itself when :func:`layout` reads it in place, else a contiguous copy."""
+    return t if layout(t) is not None else t.contiguous()
+
+
 def run_forward(p: Plan, q, k, v):
-    """(out, lse) of the plan's forward on contiguous q, k, v."""
-    out = torch.empty_like(q)  # q is contiguous: so is out (empty_like is the cheaper allocation)
+    """(out, lse) of the plan's forward on q, k, v as :func:`readable` left them; out in q's layout."""
+    out = torch.empty_like(q)  # q's strides where q is dense (a model's transposed view), else contiguous
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     call, native = p.forward
+    strides = layout(q) + layout(k) + layout(v) + layout(out)
     _core.cuda_native_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), p.shape,
-                              call, native + (_stream(q.device),))
+                              call, native + (_stream(q.device), strides))
     return out, lse
 
 
 def run_backward(p: Plan, q, k, v, out, lse, dout):
-    """(dq, dk, dv) of the plan's backward (q, k, v, out, lse contiguous, as the forward left them)."""
-    dout = dout.contiguous()
+    """(dq, dk, dv) of the plan's backward (q, k, v, out, lse as the forward had them), each gradient in its input's
+    layout."""
+    dout = readable(dout)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     workspace = torch.empty(p.workspace, dtype=torch.float32, device=q.device)
     call, native = p.backward
+    strides = (layout(q) + layout(k) + layout(v) + layout(out) + layout(dout) + layout(dq) + layout(dk) +
+               layout(dv))
     _core.cuda_native_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
                                dout.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), workspace.data_ptr(),
-                               p.shape, call, native + (_stream(q.device),))
+                               p.shape, call, native + (_stream(q.device), strides))
     return dq, dk, dv
 
 
@@ -314,6 +338,7 @@ def native_attention(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, 
                            backward_block_q, backward_block_kv, bool(deterministic), mma, backward_mma)[0]
     p = plan(q, k, v, is_causal, scale, enable_gqa, block_q, block_kv, backward_block_q, backward_block_kv,
              deterministic, mma, backward_mma)
-    return _NativeFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), p)
+    return _NativeFunction.apply(readable(q), readable(k), readable(v), p)
 
-__all__ = ["native_attention", "plan", "run_forward", "run_backward", "Plan", "DTYPES", "MAX_PLANS"]
+__all__ = ["native_attention", "plan", "run_forward", "run_backward", "layout", "readable", "Plan", "DTYPES",
+           "MAX_PLANS"]

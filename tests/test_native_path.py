@@ -111,7 +111,8 @@ def test_explicit_choices_kept():
 
 def test_binding_gets_pointers_shapes_and_stream():
     """Forward and backward hand the binding the tensors' own memory (grouped-query K/V not expanded, contiguous
-    inputs not copied), the shape tuple, the call spec with the scale, and the options with the stream last."""
+    inputs not copied), the shape tuple, the call spec with the scale, and the options with the stream and the
+    tensors' strides (contiguous here) last."""
     q, k, v = _qkv()
     calls = []
     with tn._dry_run(calls, tiles=TILES):
@@ -119,10 +120,13 @@ def test_binding_gets_pointers_shapes_and_stream():
         out.backward(torch.ones_like(out))
     (fwd, bwd) = calls
     assert fwd[:3] == (q.data_ptr(), k.data_ptr(), v.data_ptr()) and fwd[3] == out.data_ptr()
-    assert fwd[5] == (2, 8, 4, 128, 128, 64) and fwd[6][3:5] == (0.2, True) and fwd[7][-1] == 0
+    assert fwd[5] == (2, 8, 4, 128, 128, 64) and fwd[6][3:5] == (0.2, True) and fwd[7][4] == 0
+    q_like, kv_like = (8 * 128 * 64, 128 * 64, 64), (4 * 128 * 64, 128 * 64, 64)
+    assert fwd[7][5] == q_like + kv_like + kv_like + q_like
     assert bwd[:4] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
     assert (bwd[6], bwd[7], bwd[8]) == (q.grad.data_ptr(), k.grad.data_ptr(), v.grad.data_ptr())
-    assert bwd[10] == fwd[5] and bwd[12][1] is True and bwd[12][-1] == 0
+    assert bwd[10] == fwd[5] and bwd[12][1] is True and bwd[12][4] == 0
+    assert bwd[12][5] == q_like + kv_like + kv_like + q_like + q_like + q_like + kv_like + kv_like
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and q.grad.dtype == torch.bfloat16
 
 
@@ -144,13 +148,37 @@ def test_plan_computed_once_per_key(monkeypatch):
             tn.native_attention(q, k, v)
 
 
-def test_non_contiguous_inputs_are_copied_once():
-    q, k, v = _qkv(grad=False)
-    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, N, D) view of a (B, N, H, D) tensor, as hf passes
+def _model_view(t):
+    """(B, H, N, D) view of a (B, N, H, D) tensor with t's values, as a transformers model passes q, k, v."""
+    return t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(t.requires_grad)
+
+
+def test_model_layouts_are_read_in_place():
+    """A model's (B, N, H, D) projections seen as (B, H, N, D) reach the binding as they lie, with their strides; the
+    output and the gradients come back in the inputs' layouts (so the model's own views of them copy nothing), and
+    the incoming gradient is read in place too. What the kernels cannot read -- rows not contiguous, a stride not a
+    multiple of 8 elements, data not 16-byte aligned -- is copied to a contiguous tensor first; a dimension of size 1
+    reports stride 0."""
+    q, k, v = (_model_view(t) for t in _qkv())
     calls = []
     with tn._dry_run(calls):
-        tn.native_attention(qt, k, v, enable_gqa=True)
-    assert calls[0][0] != qt.data_ptr() and calls[0][1:3] == (k.data_ptr(), v.data_ptr())
+        out = tn.native_attention(q, k, v, enable_gqa=True)
+        grad = torch.ones(out.transpose(1, 2).shape, dtype=out.dtype)  # the model's (B, N, H, D) gradient
+        out.transpose(1, 2).backward(grad)
+    (fwd, bwd) = calls
+    n, h, hk, d = 128, 8, 4, 64
+    q_model, kv_model = (n * h * d, d, h * d), (n * hk * d, d, hk * d)
+    assert fwd[:4] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+    assert fwd[7][5] == q_model + kv_model + kv_model + q_model and out.transpose(1, 2).is_contiguous()
+    assert bwd[5] == grad.data_ptr() and bwd[12][5] == q_model + kv_model + kv_model + q_model + q_model + q_model + kv_model + kv_model
+    assert all(t.grad.stride() == t.stride() for t in (q, k, v))
+    x = torch.zeros(2, 8, 128, 68, dtype=torch.bfloat16)
+    for bad in (x[..., :64], x.view(-1)[4:4 + 2 * 8 * 128 * 64].view(2, 8, 128, 64),
+                torch.zeros(2, 8, 64, 128, dtype=torch.bfloat16).transpose(2, 3)):
+        assert tn.layout(bad) is None and tn.readable(bad).is_contiguous()
+    good = torch.zeros(2, 8, 128, 72, dtype=torch.bfloat16)[..., :64]  # rows 72 elements apart: readable
+    assert tn.readable(good) is good and tn.layout(good) == (8 * 128 * 72, 128 * 72, 72)
+    assert tn.layout(good[:1, :1]) == (0, 0, 72)
 
 
 def _bench_step():
@@ -196,17 +224,22 @@ def test_binding_parses_the_stream():
     from fadev import _args
     call = _args.Call(None, 0.125, True, 64, 64).c
     shape = (1, 2, 2, 64, 64, 64)
-    for options in ((1, True, 16, 0), (1, True, 16, 0, 0), (1, True, 16, 0, 2**47)):
+    for options in ((1, True, 16, 0), (1, True, 16, 0, 0), (1, True, 16, 0, 2**47), (1, True, 16, 0, 0, None),
+                    (1, True, 16, 0, 0, (8,) * 12)):
         with pytest.raises(RuntimeError, match="GPU|CUDA"):
             core.cuda_native_forward(0, 0, 0, 0, 0, shape, call, options)
-    with pytest.raises(TypeError, match=r"native options must be \(dtype, deterministic, warp_rows, mma\[, stream\]\)"):
-        core.cuda_native_forward(0, 0, 0, 0, 0, shape, call, (1, True, 16, 0, 0, 0))
+    with pytest.raises(TypeError, match=r"native options must be \(dtype, deterministic, warp_rows, mma\[, stream"):
+        core.cuda_native_forward(0, 0, 0, 0, 0, shape, call, (1, True, 16, 0, 0, None, 0))
+    for strides in (0, (8,) * 11, [8] * 12):
+        with pytest.raises(TypeError, match="strides must be a tuple of 12"):
+            core.cuda_native_forward(0, 0, 0, 0, 0, shape, call, (1, True, 16, 0, 0, strides))
 
 
-def test_autocast_cast_is_written_contiguous():
+def test_autocast_cast_keeps_the_layout():
     """Under autocast, q and k reach attention as float32 views of a model's (B, N, H, D) projections: the bf16 cast
-    is written contiguous (B, H, N, D), the layout the native kernel reads, so the native path makes no second copy;
-    a tensor already of the autocast dtype passes as it is (no copy), and the values are the plain cast's."""
+    keeps that layout, which the native kernel reads in place (and writes its output in), so the native path makes
+    no second copy; a tensor already of the autocast dtype passes as it is (no copy), and the values are the plain
+    cast's."""
     from fadev.torch import autocast_inputs
     g = torch.Generator().manual_seed(0)
     q32 = torch.randn(2, 16, 4, 8, generator=g).transpose(1, 2)  # (B, H, N, D) view of (B, N, H, D)
@@ -214,6 +247,6 @@ def test_autocast_cast_is_written_contiguous():
     assert not q32.is_contiguous()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         q, k, v = autocast_inputs(q32, q32, v16)
-    assert q.dtype == torch.bfloat16 and q.is_contiguous() and torch.equal(q, q32.to(torch.bfloat16))
+    assert q.dtype == torch.bfloat16 and q.stride() == q32.stride() and torch.equal(q, q32.to(torch.bfloat16))
     assert v is v16
     assert autocast_inputs(q32, q32, v16)[0] is q32  # autocast off: nothing changes
