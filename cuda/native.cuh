@@ -21,6 +21,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "common.cuh"
 #include "../csrc/stage.h"
 
@@ -107,6 +109,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+/* f(std::true_type{}) or f(std::false_type{}): a tile's element loop compiled twice, with its mask checks and
+ * without (the tiles inside the sequence and the diagonal need none). Written out because ptxas does not always
+ * unswitch the loop itself: when the strided addressing grew the wgmma backward's loop, it stopped doing so and
+ * predicated every element of every tile instead (SASS: half the MUFU.EX2, 3x the PLOP3), +33% time on an H200. */
+template <typename F> __device__ __forceinline__ void with_mask(bool masked, F &&f) {
+    if (masked)
+        f(std::true_type{});
+    else
+        f(std::false_type{});
+}
+
 /* ---------------------------------------------------------------- warp reductions */
 
 /* Over the 4 lanes of a quad (the lanes holding one fragment row) and over the warp. */
@@ -151,26 +164,46 @@ template <typename T> struct head_rows {
     int64_t rs;
     __device__ __forceinline__ T *row(int64_t i) const { return p + i * rs; }
 };
-/* Head bh = b * heads + h of the tensor at `base` with strides s. */
+/* Head h of batch b of the tensor at `base` with strides s. */
 template <typename T>
-__device__ __forceinline__ head_rows<T> head_at(const void *base, const native_strides &s, int64_t bh, int heads) {
-    return {static_cast<T *>(const_cast<void *>(base)) + bh / heads * s.b + bh % heads * s.h, s.r};
+__device__ __forceinline__ head_rows<T> head_at(const void *base, const native_strides &s, int64_t b, int64_t h) {
+    return {static_cast<T *>(const_cast<void *>(base)) + b * s.b + h * s.h, s.r};
+}
+/* Head bh = b * heads + h (bh < 2^31: grids are 1-D; 32-bit division, not int64's software routine). */
+template <typename T>
+__device__ __forceinline__ head_rows<T> head_of(const void *base, const native_strides &s, int bh, int heads) {
+    return head_at<T>(base, s, bh / heads, bh % heads);
+}
+/* a / b, and a % b in r, for 0 <= a, 0 < b: 32-bit division where a < 2^32 (the row counts of every real call). */
+__device__ __forceinline__ int64_t div_mod(int64_t a, int b, int64_t &r) {
+    if (!((uint64_t)a >> 32)) {
+        const uint32_t q = (uint32_t)a / (uint32_t)b;
+        r = (int64_t)((uint32_t)a - q * (uint32_t)b);
+        return q;
+    }
+    const int64_t q = a / b;
+    r = a - q * b;
+    return q;
 }
 
 /* cp.async rows [row0, row0 + ROWS) of one head's rows (nrows of them) into a swizzled tile (PANELS: wswz's layout,
  * else swz's); rows >= nrows are zero-filled. NT threads, thread `tid`. */
 template <typename T, int ROWS, int D, int NT, bool PANELS = false>
 __device__ __forceinline__ void load_rows(T *tile, const head_rows<const T> &slab, int row0, int nrows, int tid) {
-    constexpr int C = D / 8, N = ROWS * C;
+    constexpr int C = D / 8, N = ROWS * C, STEP = NT / C;
+    static_assert(NT % C == 0, "a thread's chunks share their column: one source pointer, advanced STEP rows a copy");
+    /* thread tid copies column chunk tid % C of rows tid / C, + STEP, ..: one 64-bit pointer advanced by a fixed
+     * step, not a 64-bit offset per copy (which ptxas would keep live across the K/V loop: registers) */
+    const int r0 = tid / C, ch = tid % C;
+    const T *src = slab.row(row0 + r0) + ch * 8;
 #pragma unroll
     for (int i = 0; i < (N + NT - 1) / NT; ++i) {
-        const int c = tid + i * NT;
-        if (N % NT == 0 || c < N) {
-            const int r = c / C, ch = c % C;
+        const int r = r0 + i * STEP;
+        if (N % NT == 0 || r < ROWS) {
             const bool ok = row0 + r < nrows;
-            cp_async_16(tile + (PANELS ? wswz<ROWS>(r, ch) : swz<C>(r, ch)),
-                        slab.p + (ok ? (row0 + r) * slab.rs + ch * 8 : 0), ok);
+            cp_async_16(tile + (PANELS ? wswz<ROWS>(r, ch) : swz<C>(r, ch)), ok ? src : slab.p, ok);
         }
+        src += STEP * slab.rs;
     }
 }
 
@@ -213,8 +246,8 @@ template <typename T, int D, int BKV, int BQ> struct bwd_tile {
         bhk = blockIdx.x / a.n_kt; /* b * Hkv + hk */
         const int heads_kv = a.heads / a.group;
         b = bhk / heads_kv, hk = bhk % heads_kv;
-        K = head_at<const T>(a.k, a.sk, bhk, heads_kv);
-        V = head_at<const T>(a.v, a.sv, bhk, heads_kv);
+        K = head_at<const T>(a.k, a.sk, b, hk);
+        V = head_at<const T>(a.v, a.sv, b, hk);
         k0 = kt * BKV, off = a.seq_kv - a.seq_q;
         const int n_qt = (a.seq_q + BQ - 1) / BQ;
         qt_start = 0, n_it = a.group * n_qt;
@@ -232,10 +265,10 @@ template <typename T, int D, int BKV, int BQ> struct bwd_tile {
     template <int NT, bool PANELS>
     __device__ __forceinline__ void issue(const native_bwd_args &a, int it, T *sQ, T *sdO, float *sL, float *sDv,
                                           int tid) const {
-        const int64_t bh = head_of(a, it);
+        const int64_t bh = head_of(a, it), h = hk * a.group + it / per_head;
         const int q0 = first_row(it);
-        load_rows<T, BQ, D, NT, PANELS>(sQ, head_at<const T>(a.q, a.sq, bh, a.heads), q0, a.seq_q, tid);
-        load_rows<T, BQ, D, NT, PANELS>(sdO, head_at<const T>(a.dout, a.sdo, bh, a.heads), q0, a.seq_q, tid);
+        load_rows<T, BQ, D, NT, PANELS>(sQ, head_at<const T>(a.q, a.sq, b, h), q0, a.seq_q, tid);
+        load_rows<T, BQ, D, NT, PANELS>(sdO, head_at<const T>(a.dout, a.sdo, b, h), q0, a.seq_q, tid);
         for (int r = tid; r < BQ; r += NT) {
             const bool ok = q0 + r < a.seq_q;
             const int64_t at = bh * a.seq_q + (ok ? q0 + r : 0);
@@ -250,18 +283,19 @@ template <typename T, int D, int BKV, int BQ> struct bwd_tile {
  * lane's rows q0 + 16 warp + g and + 8 (BQ / 16 warps): the last key each may see (lim), lse in log2 units, Dvec. */
 template <typename T, int D, int BQ, int BKV> struct dq_tile {
     head_rows<const T> Q, dO, K, V;
+    head_rows<T> dQ;
     int64_t bh;
     int q0, off, n_kt, row0, lim[2];
     float lse2[2], dvec[2];
     __device__ __forceinline__ dq_tile(const native_bwd_args &a, int warp, int g) {
         const int qt = a.n_qt - 1 - (int)(blockIdx.x % a.n_qt);
         bh = blockIdx.x / a.n_qt; /* b * H + h */
-        const int heads_kv = a.heads / a.group;
-        const int64_t bhk = bh / a.heads * heads_kv + bh % a.heads / a.group;
-        Q = head_at<const T>(a.q, a.sq, bh, a.heads);
-        dO = head_at<const T>(a.dout, a.sdo, bh, a.heads);
-        K = head_at<const T>(a.k, a.sk, bhk, heads_kv);
-        V = head_at<const T>(a.v, a.sv, bhk, heads_kv);
+        const int b = (int)bh / a.heads, h = (int)bh % a.heads;
+        Q = head_at<const T>(a.q, a.sq, b, h);
+        dO = head_at<const T>(a.dout, a.sdo, b, h);
+        dQ = head_at<T>(a.dq, a.sdq, b, h);
+        K = head_at<const T>(a.k, a.sk, b, h / a.group);
+        V = head_at<const T>(a.v, a.sv, b, h / a.group);
         q0 = qt * BQ, off = a.seq_kv - a.seq_q;
         int kv_end = a.seq_kv; /* keys [0, kv_end) are visible to some row of this tile */
         if (a.causal) kv_end = min(kv_end, min(q0 + BQ, a.seq_q) + off);
@@ -280,17 +314,19 @@ template <typename T, int D, int BQ, int BKV> struct dq_tile {
     __device__ __forceinline__ bool masked(const native_bwd_args &a, int kv0) const {
         return kv0 + BKV > a.seq_kv || (a.causal && kv0 + BKV - 1 > q0 + off);
     }
-    /* dS = P (dP - Dvec) from the score s and dP of this lane's element in row half r at key `key` */
-    __device__ __forceinline__ float ds(const native_bwd_args &a, float s, float dp, int r, int key, bool masked) const {
+    /* dS = P (dP - Dvec) from the score s and dP of this lane's element in row half r at key `key` (MASK: the
+     * tile needs the mask checks, with_mask) */
+    template <bool MASK>
+    __device__ __forceinline__ float ds(const native_bwd_args &a, float s, float dp, int r, int key) const {
         float p = fast_exp2(s * a.scale_log2 - lse2[r]);
-        if (masked && key > lim[r]) p = 0.f;
+        if (MASK && key > lim[r]) p = 0.f;
         return p * (dp - dvec[r]);
     }
     /* dq = round(scale dQ): this lane's two columns col, col + 1 of row half r */
     __device__ __forceinline__ void store(const native_bwd_args &a, int r, int col, float x0, float x1) const {
         const int row = row0 + 8 * r;
         if (row < a.seq_q)
-            *reinterpret_cast<uint32_t *>(head_at<T>(a.dq, a.sdq, bh, a.heads).row(row) + col) =
+            *reinterpret_cast<uint32_t *>(dQ.row(row) + col) =
                 pack2<T>(x0 * a.scale, x1 * a.scale);
     }
 };

@@ -33,8 +33,9 @@ __global__ void native_dot_kernel(const native_bwd_args a, const void *out_, flo
     const int lane = threadIdx.x & 31;
     const int64_t warps = (int64_t)gridDim.x * (blockDim.x >> 5);
     for (int64_t r = blockIdx.x * (int64_t)(blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
-        const int64_t bh = r / a.seq_q, i = r % a.seq_q;
-        const T *out = head_at<const T>(out_, a.so, bh, a.heads).row(i), *dout = head_at<const T>(a.dout, a.sdo, bh, a.heads).row(i);
+        int64_t i;
+        const int bh = (int)div_mod(r, a.seq_q, i);
+        const T *out = head_of<const T>(out_, a.so, bh, a.heads).row(i), *dout = head_of<const T>(a.dout, a.sdo, bh, a.heads).row(i);
         float acc = 0.f;
 #pragma unroll
         for (int e = lane; e < D; e += 32) acc += to_float<T>(out[e]) * to_float<T>(dout[e]);
@@ -46,8 +47,9 @@ __global__ void native_dot_kernel(const native_bwd_args a, const void *out_, flo
 /* dq = round(scale dQ_acc): the workspace is contiguous (B, H, Nq, D), dq has its own strides */
 template <typename T, int D> __global__ void native_dq_kernel(const native_bwd_args a, int64_t n) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t r = i / D, bh = r / a.seq_q;
-        head_at<T>(a.dq, a.sdq, bh, a.heads).row(r % a.seq_q)[i % D] = from_float<T>(a.dq_acc[i] * a.scale);
+        int64_t row;
+        const int bh = (int)div_mod(i / D, a.seq_q, row);
+        head_of<T>(a.dq, a.sdq, bh, a.heads).row(row)[i % D] = from_float<T>(a.dq_acc[i] * a.scale);
     }
 }
 
@@ -74,7 +76,6 @@ __global__ void __launch_bounds__(BKV * 2 / MI) native_backward_kernel(const nat
 
     const bwd_tile<T, D, BKV, BQ> tile(a);
     const head_rows<const T> K = tile.K, V = tile.V;
-    const int64_t bhk = tile.bhk;
     const int k0 = tile.k0, off = tile.off, n_it = tile.n_it;
     auto head_of = [&](int it) { return tile.head_of(a, it); };
     auto first_row = [&](int it) { return tile.first_row(it); };
@@ -144,19 +145,22 @@ __global__ void __launch_bounds__(BKV * 2 / MI) native_backward_kernel(const nat
         /* P^T, then dS^T = P^T (dP^T - Dvec) in place of dP^T; element (nb, e): key key0 + 8 (e >> 1), query
          * q0 + 8 nb + 2 t4 + (e & 1) */
         const bool masked = q0 + BQ > a.seq_q || k0 + BKV > a.seq_kv || (a.causal && k0 + BKV - 1 > q0 + off);
+        with_mask(masked, [&](auto mask) {
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi)
+            for (int mi = 0; mi < MI; ++mi)
 #pragma unroll
-            for (int nb = 0; nb < BQ / 8; ++nb) {
+                for (int nb = 0; nb < BQ / 8; ++nb) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = nb * 8 + 2 * t4 + (e & 1), key = key0 + 16 * mi + 8 * (e >> 1);
-                    float p = fast_exp2(sp[mi][nb][e] * a.scale_log2 - cL[i] * (float)NATIVE_LOG2E);
-                    if (masked && (q0 + i >= a.seq_q || key >= a.seq_kv || (a.causal && key > q0 + i + off))) p = 0.f;
-                    sp[mi][nb][e] = p;
-                    dp[mi][nb][e] = p * (dp[mi][nb][e] - cDv[i]);
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = nb * 8 + 2 * t4 + (e & 1), key = key0 + 16 * mi + 8 * (e >> 1);
+                        float p = fast_exp2(sp[mi][nb][e] * a.scale_log2 - cL[i] * (float)NATIVE_LOG2E);
+                        if (mask.value && (q0 + i >= a.seq_q || key >= a.seq_kv || (a.causal && key > q0 + i + off)))
+                            p = 0.f;
+                        sp[mi][nb][e] = p;
+                        dp[mi][nb][e] = p * (dp[mi][nb][e] - cDv[i]);
+                    }
                 }
-            }
+        });
 
         /* dV += round(P^T) dO, dK += round(dS^T) Q: A from the accumulators (query chunk kk = blocks 2kk, 2kk+1),
          * B[k = query][n = d] = dO[query][d], rows as stored, so ldmatrix .trans */
@@ -240,8 +244,7 @@ __global__ void __launch_bounds__(BKV * 2 / MI) native_backward_kernel(const nat
     }
     cp_async_wait_all(); /* no copy outlives the CTA (n_it >= 1 anyway: the last query row sees every key) */
 
-    const int heads_kv = a.heads / a.group;
-    const head_rows<T> dK = head_at<T>(a.dk, a.sdk, bhk, heads_kv), dV = head_at<T>(a.dv, a.sdv, bhk, heads_kv);
+    const head_rows<T> dK = head_at<T>(a.dk, a.sdk, tile.b, tile.hk), dV = head_at<T>(a.dv, a.sdv, tile.b, tile.hk);
 #pragma unroll
     for (int mi = 0; mi < MI; ++mi)
 #pragma unroll

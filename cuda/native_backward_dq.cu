@@ -77,11 +77,13 @@ __global__ void __launch_bounds__(BQ * 2) native_dq_pass_kernel(const native_bwd
 
         /* dS = P (dP - Dvec) in place of S; element (nb, e): row row0 + 8 (e >> 1), key kv0 + 8 nb + 2 t4 + (e & 1) */
         const int kv0 = j * BKV;
-        const bool masked = tile.masked(a, kv0);
+        with_mask(tile.masked(a, kv0), [&](auto mask) {
 #pragma unroll
-        for (int nb = 0; nb < BKV / 8; ++nb)
+            for (int nb = 0; nb < BKV / 8; ++nb)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[nb][e] = tile.ds(a, s[nb][e], dp[nb][e], e >> 1, kv0 + nb * 8 + 2 * t4 + (e & 1), masked);
+                for (int e = 0; e < 4; ++e)
+                    s[nb][e] = tile.template ds<mask.value>(a, s[nb][e], dp[nb][e], e >> 1, kv0 + nb * 8 + 2 * t4 + (e & 1));
+        });
 
         /* dQ += round(dS) Kj: dS's accumulators of key blocks 2kk, 2kk+1 are the A fragment of key chunk kk;
          * B[k = key][n = d] = K[key][d], rows as stored, so ldmatrix .trans */

@@ -74,12 +74,14 @@ __global__ void __launch_bounds__(128) native_dq_wgmma_kernel(const native_bwd_a
 
         /* dS in place of S; element (nb, e): row row0 + 8 (e >> 1), key kv0 + 8 nb + 2 t4 + (e & 1) */
         const int kv0 = j * BKV;
-        const bool masked = tile.masked(a, kv0);
+        with_mask(tile.masked(a, kv0), [&](auto mask) {
 #pragma unroll
-        for (int nb = 0; nb < BKV / 8; ++nb)
+            for (int nb = 0; nb < BKV / 8; ++nb)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                s[4 * nb + e] = tile.ds(a, s[4 * nb + e], dp[4 * nb + e], e >> 1, kv0 + nb * 8 + 2 * t4 + (e & 1), masked);
+                for (int e = 0; e < 4; ++e)
+                    s[4 * nb + e] = tile.template ds<mask.value>(a, s[4 * nb + e], dp[4 * nb + e], e >> 1,
+                                                                 kv0 + nb * 8 + 2 * t4 + (e & 1));
+        });
 
         /* dQ += round(dS) Kj: A = dS (key chunk kk), B = Kj MN-major: keys kk * 16 .. at byte 2048 kk, the
          * 64-column panels BKV * 128 bytes apart */

@@ -44,7 +44,6 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
 
     const bwd_tile<T, D, BKV, BQ> tile(a);
     const head_rows<const T> K = tile.K, V = tile.V;
-    const int64_t bhk = tile.bhk;
     const int k0 = tile.k0, off = tile.off, n_it = tile.n_it;
     auto head_of = [&](int it) { return tile.head_of(a, it); };
     auto first_row = [&](int it) { return tile.first_row(it); };
@@ -94,17 +93,19 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
         /* P^T, then dS^T = P^T (dP^T - Dvec) in place of dP^T; element (nb, e): key key0 + 8 (e >> 1), query
          * q0 + 8 nb + 2 t4 + (e & 1) */
         const bool masked = q0 + BQ > a.seq_q || k0 + BKV > a.seq_kv || (a.causal && k0 + BKV - 1 > q0 + off);
+        with_mask(masked, [&](auto mask) {
 #pragma unroll
-        for (int nb = 0; nb < BQ / 8; ++nb) {
+            for (int nb = 0; nb < BQ / 8; ++nb) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = nb * 8 + 2 * t4 + (e & 1), key = key0 + 8 * (e >> 1);
-                float p = fast_exp2(sp[4 * nb + e] * a.scale_log2 - cL[i] * (float)NATIVE_LOG2E);
-                if (masked && (q0 + i >= a.seq_q || key >= a.seq_kv || (a.causal && key > q0 + i + off))) p = 0.f;
-                sp[4 * nb + e] = p;
-                dp[4 * nb + e] = p * (dp[4 * nb + e] - cDv[i]);
+                for (int e = 0; e < 4; ++e) {
+                    const int i = nb * 8 + 2 * t4 + (e & 1), key = key0 + 8 * (e >> 1);
+                    float p = fast_exp2(sp[4 * nb + e] * a.scale_log2 - cL[i] * (float)NATIVE_LOG2E);
+                    if (mask.value && (q0 + i >= a.seq_q || key >= a.seq_kv || (a.causal && key > q0 + i + off))) p = 0.f;
+                    sp[4 * nb + e] = p;
+                    dp[4 * nb + e] = p * (dp[4 * nb + e] - cDv[i]);
+                }
             }
-        }
+        });
 
         /* dV += round(P^T) dO, dK += round(dS^T) Q: A from the accumulators (query chunk kk = blocks 2kk, 2kk + 1),
          * B = dO / Q rows kk * 16 .. + 16, MN-major */
@@ -187,8 +188,7 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
     }
     cp_async_wait_all(); /* no copy outlives the CTA */
 
-    const int heads_kv = a.heads / a.group;
-    const head_rows<T> dK = head_at<T>(a.dk, a.sdk, bhk, heads_kv), dV = head_at<T>(a.dv, a.sdv, bhk, heads_kv);
+    const head_rows<T> dK = head_at<T>(a.dk, a.sdk, tile.b, tile.hk), dV = head_at<T>(a.dv, a.sdv, tile.b, tile.hk);
 #pragma unroll
     for (int db = 0; db < D / 8; ++db) {
 #pragma unroll

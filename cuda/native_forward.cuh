@@ -42,12 +42,11 @@ template <typename T, int D, int BQ, int BKV> struct fwd_tile {
     __device__ __forceinline__ explicit fwd_tile(const native_fwd_args &a) {
         const int qt = a.n_qt - 1 - (int)(blockIdx.x % a.n_qt);
         const int64_t bh = blockIdx.x / a.n_qt; /* b * H + h */
-        const int heads_kv = a.heads / a.group;
-        const int64_t bhk = bh / a.heads * heads_kv + bh % a.heads / a.group;
-        Q = head_at<const T>(a.q, a.sq, bh, a.heads);
-        K = head_at<const T>(a.k, a.sk, bhk, heads_kv);
-        V = head_at<const T>(a.v, a.sv, bhk, heads_kv);
-        O = head_at<T>(a.out, a.so, bh, a.heads);
+        const int b = (int)bh / a.heads, h = (int)bh % a.heads;
+        Q = head_at<const T>(a.q, a.sq, b, h);
+        K = head_at<const T>(a.k, a.sk, b, h / a.group);
+        V = head_at<const T>(a.v, a.sv, b, h / a.group);
+        O = head_at<T>(a.out, a.so, b, h);
         L = a.lse + bh * a.seq_q;
         q0 = qt * BQ, off = a.seq_kv - a.seq_q;
         int kv_end = a.seq_kv; /* keys [0, kv_end) are visible to some row of this tile */
@@ -157,17 +156,19 @@ __global__ void __launch_bounds__(BQ * 2 / MI) native_forward_kernel(const nativ
 
         const int kv0 = j * BKV;
         const bool masked = kv0 + BKV > a.seq_kv || (a.causal && kv0 + BKV - 1 > q0 + off);
+        with_mask(masked, [&](auto mask) {
 #pragma unroll
-        for (int mi = 0; mi < MI; ++mi) {
+            for (int mi = 0; mi < MI; ++mi) {
 #pragma unroll
-            for (int nb = 0; nb < BKV / 8; ++nb) {
+                for (int nb = 0; nb < BKV / 8; ++nb) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[mi][nb][e] *= a.scale_log2;
-                    if (masked && kv0 + nb * 8 + 2 * t4 + (e & 1) > lim[mi][e >> 1]) s[mi][nb][e] = -INFINITY;
+                    for (int e = 0; e < 4; ++e) {
+                        s[mi][nb][e] *= a.scale_log2;
+                        if (mask.value && kv0 + nb * 8 + 2 * t4 + (e & 1) > lim[mi][e >> 1]) s[mi][nb][e] = -INFINITY;
+                    }
                 }
             }
-        }
+        });
 
         /* online softmax, rows r = 0 (g) and 1 (g + 8) of each row block */
 #pragma unroll

@@ -66,13 +66,15 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)
 template <int BKV>
 __device__ __forceinline__ void tile_softmax(float (&s)[BKV / 2], float (&m)[2], float (&alpha)[2], float (&sum)[2],
                                              float scale_log2, bool masked, int kv0, int t4, const int (&lim)[2]) {
+    with_mask(masked, [&](auto mask) {
 #pragma unroll
-    for (int nb = 0; nb < BKV / 8; ++nb)
+        for (int nb = 0; nb < BKV / 8; ++nb)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            s[4 * nb + e] *= scale_log2;
-            if (masked && kv0 + nb * 8 + 2 * t4 + (e & 1) > lim[e >> 1]) s[4 * nb + e] = -INFINITY;
-        }
+            for (int e = 0; e < 4; ++e) {
+                s[4 * nb + e] *= scale_log2;
+                if (mask.value && kv0 + nb * 8 + 2 * t4 + (e & 1) > lim[e >> 1]) s[4 * nb + e] = -INFINITY;
+            }
+    });
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         float mx = m[r];
