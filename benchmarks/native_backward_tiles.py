@@ -1,0 +1,61 @@
+"""The native backward per (D, N, causal): every wgmma tile (deterministic and atomic), mma.sync's first tile
+(deterministic), and the defaults a user gets (fadev.torch_native.plan), beside SDPA flash and cuDNN; bf16, H 16.
+
+    PYTHONPATH=. python benchmarks/native_backward_tiles.py [NxB,...]   (default 1024x16,4096x4,16384x1)
+
+ms per backward (windows of 10 back-to-back calls between CUDA events, median of 5) and the ratio to SDPA flash and
+cuDNN in the same run. Needs a CUDA GPU with compute capability 9.0 (the wgmma tiles) and fadev built with
+FADEV_CUDA=1. Results: benchmarks/README.md, "The wgmma backward at D 128 and the wgmma dq pass"."""
+import sys, torch, statistics
+import torch.nn.functional as F
+from torch.nn.attention import sdpa_kernel, SDPBackend
+from fadev import native_tiles
+from fadev import torch_native as tn
+
+def t(fn, calls=10, windows=5):
+    """ms per call: windows of `calls` back-to-back calls between two CUDA events (the queue stays full, so the
+    host's time per call is hidden), median over `windows`, after 3 warm-up calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    res = []
+    for _ in range(windows):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        res.append(a.elapsed_time(b) / calls)
+    return statistics.median(res)
+
+
+print(torch.cuda.get_device_name(), torch.__version__)
+shapes = [(int(n), int(b)) for n, b in (x.split("x") for x in (sys.argv[1] if len(sys.argv) > 1 else "1024x16,4096x4,16384x1").split(","))]
+for D in (64, 128):
+    for N, B in shapes:
+        for causal in (False, True):
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v, do = (torch.randn(B, 16, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+            res = {}
+            for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+                with sdpa_kernel(be):
+                    o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal)
+                    res[f"sdpa {name}"] = t(lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True))
+            for bq, bk in native_tiles(D, backward=True, mma="wgmma"):
+                for det in (True, False):
+                    p = tn.plan(q, k, v, causal, None, False, None, None, bq, bk, det, "sync", "wgmma")
+                    out, lse = tn.run_forward(p, q, k, v)
+                    res[f"wgmma {bq}x{bk}{' det' if det else ''}"] = t(lambda: tn.run_backward(p, q, k, v, out, lse, do))
+            bq, bk = native_tiles(D, backward=True, mma="sync")[0]
+            p = tn.plan(q, k, v, causal, None, False, None, None, bq, bk, True, "sync", "sync")
+            out, lse = tn.run_forward(p, q, k, v)
+            res[f"sync {bq}x{bk} det"] = t(lambda: tn.run_backward(p, q, k, v, out, lse, do))
+            p = tn.plan(q, k, v, causal)
+            out, lse = tn.run_forward(p, q, k, v)
+            res[f"defaults {p.mma[1]} {p.tiles[1]}"] = t(lambda: tn.run_backward(p, q, k, v, out, lse, do))
+            print(f"## D {D} N {N} B {B} causal {causal}")
+            for key, ms in res.items():
+                print(f"  {key:34s} {ms:8.3f} ms  {res['sdpa flash']/ms:5.2f}x flash  {res['sdpa cudnn']/ms:5.2f}x cudnn")
+            sys.stdout.flush()
