@@ -144,7 +144,7 @@ def test_c_and_cuda_sources_stay_small():
 # ptxas's notes on Hopper's warpgroup MMA, codes C75xx, each a "Potential Performance Loss": C7514 (wgmma
 # serialised because other instructions read its accumulators mid-flight: what the wgmma forward's overlap first
 # compiled to), C7512 (serialised for registers: the 192-row tiles with Q in registers), C7517 (a warpgroup wait
-# the compiler injected). Only a GPU can time the kernels; these notes show without one.
+# the compiler injected), C7518 (a wgmma in a path ptxas thinks divergent: the D 128 backward's first dQ^T loop). Only a GPU can time the kernels; these notes show without one.
 WGMMA_NOTE = re.compile(r"\(C75\d\d\)")
 NVCC = os.environ.get("CUDA_HOME") and os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
 NVCC = NVCC if NVCC and os.path.exists(NVCC) else shutil.which("nvcc")
@@ -188,8 +188,10 @@ def test_wgmma_kernels_keep_their_overlap(tmp_path):
     bad = tmp_path / "serialised.cu"
     bad.write_text(SERIALISED)
     sources = sorted(glob.glob(os.path.join(ROOT, "cuda", "*_wgmma.cu")))
-    assert [os.path.basename(s) for s in sources] == ["native_backward_wgmma.cu", "native_forward_wgmma.cu"]
-    jobs = {"bad": (str(bad),), "qreg": (sources[1], "-DFADEV_WGMMA_QREG=2"), **{s: (s,) for s in sources}}
+    assert [os.path.basename(s) for s in sources] == ["native_backward_dq_wgmma.cu", "native_backward_wgmma.cu",
+                                                      "native_forward_wgmma.cu"]
+    forward = os.path.join(ROOT, "cuda", "native_forward_wgmma.cu")
+    jobs = {"bad": (str(bad),), "qreg": (forward, "-DFADEV_WGMMA_QREG=2"), **{s: (s,) for s in sources}}
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:
         notes = dict(zip(jobs, pool.map(lambda job: wgmma_notes(job[0], tmp_path, *job[1:]), jobs.values())))
     assert any("(C7514)" in line for line in notes.pop("bad")), "ptxas no longer reports serialised wgmma"
