@@ -5,12 +5,22 @@
 
 ms per backward (windows of 10 back-to-back calls between CUDA events, median of 5) and the ratio to SDPA flash and
 cuDNN in the same run. Needs a CUDA GPU with compute capability 9.0 (the wgmma tiles) and fadev built with
-FADEV_CUDA=1. Results: benchmarks/README.md, "The wgmma backward at D 128 and the wgmma dq pass"."""
-import sys, torch, statistics
+FADEV_CUDA=1. Results: benchmarks/README.md, "The wgmma backward at D 128, the wgmma dq pass, strided layouts"."""
+import statistics
+import sys
+
+import torch
 import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel, SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fadev
 from fadev import native_tiles
 from fadev import torch_native as tn
+
+if not (torch.cuda.is_available() and fadev.cuda_available()):
+    sys.exit("native_backward_tiles needs a CUDA GPU, PyTorch with CUDA and fadev built with FADEV_CUDA=1")
+if torch.cuda.get_device_capability() != (9, 0):
+    sys.exit("native_backward_tiles times the wgmma kernels: it needs compute capability 9.0 (H100, H200)")
 
 def t(fn, calls=10, windows=5):
     """ms per call: windows of `calls` back-to-back calls between two CUDA events (the queue stays full, so the
@@ -31,7 +41,8 @@ def t(fn, calls=10, windows=5):
 
 
 print(torch.cuda.get_device_name(), torch.__version__)
-shapes = [(int(n), int(b)) for n, b in (x.split("x") for x in (sys.argv[1] if len(sys.argv) > 1 else "1024x16,4096x4,16384x1").split(","))]
+spec = sys.argv[1] if len(sys.argv) > 1 else "1024x16,4096x4,16384x1"
+shapes = [(int(n), int(b)) for n, b in (x.split("x") for x in spec.split(","))]
 for D in (64, 128):
     for N, B in shapes:
         for causal in (False, True):
@@ -47,7 +58,8 @@ for D in (64, 128):
                 for det in (True, False):
                     p = tn.plan(q, k, v, causal, None, False, None, None, bq, bk, det, "sync", "wgmma")
                     out, lse = tn.run_forward(p, q, k, v)
-                    res[f"wgmma {bq}x{bk}{' det' if det else ''}"] = t(lambda: tn.run_backward(p, q, k, v, out, lse, do))
+                    name = f"wgmma {bq}x{bk}{' det' if det else ''}"
+                    res[name] = t(lambda: tn.run_backward(p, q, k, v, out, lse, do))
             bq, bk = native_tiles(D, backward=True, mma="sync")[0]
             p = tn.plan(q, k, v, causal, None, False, None, None, bq, bk, True, "sync", "sync")
             out, lse = tn.run_forward(p, q, k, v)
@@ -57,5 +69,6 @@ for D in (64, 128):
             res[f"defaults {p.mma[1]} {p.tiles[1]}"] = t(lambda: tn.run_backward(p, q, k, v, out, lse, do))
             print(f"## D {D} N {N} B {B} causal {causal}")
             for key, ms in res.items():
-                print(f"  {key:34s} {ms:8.3f} ms  {res['sdpa flash']/ms:5.2f}x flash  {res['sdpa cudnn']/ms:5.2f}x cudnn")
+                flash, cudnn = res["sdpa flash"] / ms, res["sdpa cudnn"] / ms
+                print(f"  {key:34s} {ms:8.3f} ms  {flash:5.2f}x flash  {cudnn:5.2f}x cudnn")
             sys.stdout.flush()

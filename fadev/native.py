@@ -31,9 +31,9 @@ MMA_CHOICES = MMA + ("auto",)
 
 
 def choose_mma(capability, wgmma_tiles, block_q=None, block_kv=None, warp_rows=16) -> str:
-    """The instruction ``mma="auto"`` runs, as a table (issue 25; benchmarks/README.md, H100, ratio to SDPA flash with
-    each kernel's default tile: wgmma forward 0.74-1.23 vs mma.sync 0.60-0.89 over D 64 / 128, N 4k / 16k, causal or
-    not; wgmma backward at D 64 0.91-1.08 vs mma.sync 0.69-0.82 deterministic, 0.49-0.57 atomic): ``"wgmma"`` where
+    """The instruction ``mma="auto"`` runs, as a table (issue 25; benchmarks/README.md, ratio to SDPA flash with each
+    kernel's default tile: wgmma forward 0.74-1.23 vs mma.sync 0.60-0.89 over D 64 / 128, N 4k / 16k, causal or not,
+    H100; wgmma backward, deterministic, 1.03-1.21 at D 64 and 128 vs mma.sync 0.72-0.86, H200): ``"wgmma"`` where
     the GPU has compute capability (9, 0), the build has a wgmma kernel for the head dim and direction
     (``wgmma_tiles``, :func:`native_tiles` with ``mma="wgmma"``) fitting the requested tile entries (None: any) and
     ``warp_rows`` is 16 (32 rows per warp exist for mma.sync only); else ``"sync"``. The backward's dq is the

@@ -144,7 +144,8 @@ def test_c_and_cuda_sources_stay_small():
 # ptxas's notes on Hopper's warpgroup MMA, codes C75xx, each a "Potential Performance Loss": C7514 (wgmma
 # serialised because other instructions read its accumulators mid-flight: what the wgmma forward's overlap first
 # compiled to), C7512 (serialised for registers: the 192-row tiles with Q in registers), C7517 (a warpgroup wait
-# the compiler injected), C7518 (a wgmma in a path ptxas thinks divergent: the D 128 backward's first dQ^T loop). Only a GPU can time the kernels; these notes show without one.
+# the compiler injected), C7518 (a wgmma in a path ptxas thinks divergent: the D 128 backward's first dQ^T loop).
+# Only a GPU can time the kernels; these notes show without one.
 WGMMA_NOTE = re.compile(r"\(C75\d\d\)")
 NVCC = os.environ.get("CUDA_HOME") and os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc")
 NVCC = NVCC if NVCC and os.path.exists(NVCC) else shutil.which("nvcc")

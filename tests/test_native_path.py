@@ -170,7 +170,8 @@ def test_model_layouts_are_read_in_place():
     q_model, kv_model = (n * h * d, d, h * d), (n * hk * d, d, hk * d)
     assert fwd[:4] == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
     assert fwd[7][5] == q_model + kv_model + kv_model + q_model and out.transpose(1, 2).is_contiguous()
-    assert bwd[5] == grad.data_ptr() and bwd[12][5] == q_model + kv_model + kv_model + q_model + q_model + q_model + kv_model + kv_model
+    assert bwd[5] == grad.data_ptr()
+    assert bwd[12][5] == q_model + kv_model + kv_model + q_model + q_model + q_model + kv_model + kv_model
     assert all(t.grad.stride() == t.stride() for t in (q, k, v))
     x = torch.zeros(2, 8, 128, 68, dtype=torch.bfloat16)
     for bad in (x[..., :64], x.view(-1)[4:4 + 2 * 8 * 128 * 64].view(2, 8, 128, 64),
