@@ -56,7 +56,7 @@ from .cuda import device_count, no_gpu
 from .formats import boolean, integer
 from .native import MMA_CHOICES
 from .policy import Policy
-from .torch import _Kernel, attention as _emulated, autocast_inputs
+from .torch import _Kernel, _compiled, _handle, attention as _emulated, autocast_inputs
 from . import torch_native
 from .torch_native import native_attention
 
@@ -80,6 +80,11 @@ class Setting:
 
     def __post_init__(self):  # the keyword arguments of each call, built once (issue 25: no per-call work)
         object.__setattr__(self, "kwargs", dict(self.tiling))
+        # the emulated kernels' handle (fadev.torch._handle), computed here, outside any compiled region: under
+        # torch.compile the attention passes this int, where torch 2.11's dynamo could not turn the Policy (a
+        # frozen dataclass) into a constant (measured: "can't reconstruct arbitrary frozen dataclass instances")
+        handle = _handle(self.policy, self.kernel, self.tiling) if self.policy is not None else None
+        object.__setattr__(self, "handle", handle)
 
 
 def _setting(policy, kernel, tiling) -> Setting:
@@ -257,6 +262,8 @@ def _row_plan(allowed, row):
 def _compute(setting, q, k, v, causal, scale, gqa):
     if setting.kernel == "native":
         return native_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa, **setting.kwargs)
+    if torch.compiler.is_compiling():
+        return _compiled(q, k, v, setting.handle, causal, scale, gqa)
     return _emulated(q, k, v, setting.policy, kernel=setting.kernel, is_causal=causal, scale=scale, enable_gqa=gqa,
                      **setting.kwargs)
 

@@ -175,6 +175,13 @@ def _handle(policy, kernel, tiling) -> int:
     return _HANDLES[kern]
 
 
+def _compiled(q, k, v, handle, is_causal, scale, enable_gqa):
+    """:func:`attention` under torch.compile: the custom op with the kernel of ``handle`` (:func:`_handle`). Callers
+    that hold a Policy object across compiled calls compute the handle before compiling (fadev.hf's settings do):
+    torch 2.11's dynamo cannot make a frozen dataclass the constant `_handle` is called with (torch 2.13's can)."""
+    return _op_forward(q, k, v, handle, bool(is_causal), None if scale is None else float(scale), bool(enable_gqa))[0]
+
+
 @torch.library.custom_op("fadev::attention", mutates_args=())
 def _op_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kern: int, is_causal: bool,
                 scale: Optional[float], enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -236,12 +243,13 @@ def attention(q, k, v, policy, *, kernel="flash", is_causal=False, scale=None, e
     loop_order, normalize, exp, as :func:`fadev.flash_attention`; the backward uses block_q, block_kv
     and exp) or "baseline". dtypes float64, float32, float16, bfloat16 (all three the same); the
     output and the gradients have the input dtype. What is copied: see the module docstring.
-    The backward runs fadev's backward kernel under the same policy (its backward stages).
+    The backward runs fadev's backward kernel under the same policy (its backward stages). Under torch.compile
+    with torch 2.11 pass ``policy`` as a preset name ("fa2:bf16"): that version's dynamo cannot make a Policy object
+    the constant the kernel is looked up with (2.13's can; fadev.hf's ``use`` blocks resolve it before compiling).
     """
     if torch.compiler.is_compiling():  # the custom op (checks when it runs; the graph holds it)
-        handle = _handle(policy, kernel, tuple(sorted(tiling.items())))
-        return _op_forward(q, k, v, handle, bool(is_causal), None if scale is None else float(scale),
-                           bool(enable_gqa))[0]
+        return _compiled(q, k, v, _handle(policy, kernel, tuple(sorted(tiling.items()))), is_causal, scale,
+                         enable_gqa)
     kern = _Kernel.make(policy, kernel, tiling)
     _validate(q, k, v, is_causal, enable_gqa)
     return _AttentionFunction.apply(q, k, v, kern, bool(is_causal), scale, None)

@@ -96,6 +96,21 @@ def test_hf_model_compiles_without_breaks_to_eager_bits():
     assert torch.equal(_step(compiled, ids)[0], _step(_model("sdpa"), ids)[0])  # outside use: transformers' sdpa
 
 
+def test_hf_settings_carry_their_kernel_handle():
+    """A use() block's setting names its emulated kernel by handle when it is made, outside any compiled region (the
+    compiled attention passes that int: torch 2.11's dynamo cannot make the Policy, a frozen dataclass, the constant
+    the handle is looked up with -- the two tests above failed there before); the handle is the kernel fadev.torch
+    runs for the same policy, and the native and sdpa settings have none."""
+    from fadev.policy import Policy
+    setting = hf._setting("fa2:bf16", "flash", {})  # what use("fa2:bf16") holds
+    assert isinstance(setting.handle, int) and setting.policy == Policy.fa2("bf16")
+    assert ft._KERNELS[setting.handle] == ft._Kernel.make(Policy.fa2("bf16"), "flash", {})
+    assert setting.handle == ft._handle(Policy.fa2("bf16"), "flash", ())
+    other = hf._setting("paper:bf16", "flash", {"block_q": 32})
+    assert other.handle == ft._handle(Policy.paper("bf16"), "flash", (("block_q", 32),)) != setting.handle
+    assert hf.DEFAULT.handle is None and hf._setting(None, "native", {}).handle is None
+
+
 def test_hf_use_block_counts_compiled_calls():
     model = torch.compile(_model(), backend="aot_eager", fullgraph=True)
     ids = torch.randint(0, 300, (1, 8), generator=torch.Generator().manual_seed(2))
