@@ -24,27 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fadev
 from fadev import torch_native
 from fadev.monitor import reference_attention
-
-
-def cuda_seconds(fn, repeat=5, window=5e-3):
-    """Median GPU time of one fn() call in seconds (CUDA events), after a warm-up call. Each timed window holds
-    enough back-to-back calls to last about ``window`` seconds (at most 20): a single call of a short kernel would
-    also time the host's work in fn() (argument checks, output allocation) while the GPU waits for it, and that
-    share swings with the host's load."""
-    fn()
-    torch.cuda.synchronize()
-
-    def window_seconds(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / calls
-
-    calls = int(min(20, max(1, window / window_seconds(1))))
-    return float(np.median([window_seconds(calls) for _ in range(repeat)]))
+from timing import cuda_seconds
 
 
 def rows_table(rows):

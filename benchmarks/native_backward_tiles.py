@@ -3,10 +3,9 @@
 
     PYTHONPATH=. python benchmarks/native_backward_tiles.py [NxB,...]   (default 1024x16,4096x4,16384x1)
 
-ms per backward (windows of 10 back-to-back calls between CUDA events, median of 5) and the ratio to SDPA flash and
-cuDNN in the same run. Needs a CUDA GPU with compute capability 9.0 (the wgmma tiles) and fadev built with
-FADEV_CUDA=1. Results: benchmarks/README.md, "The wgmma backward at D 128, the wgmma dq pass, strided layouts"."""
-import statistics
+ms per backward (benchmarks/timing.py's cuda_seconds: windows of back-to-back calls between CUDA events, median)
+and the ratio to SDPA flash and cuDNN in the same run. Needs a CUDA GPU with compute capability 9.0 (the wgmma
+tiles) and fadev built with FADEV_CUDA=1. Results: benchmarks/README.md, "The wgmma backward at D 128, the wgmma dq pass, strided layouts"."""
 import sys
 
 import torch
@@ -16,28 +15,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fadev
 from fadev import native_tiles
 from fadev import torch_native as tn
+from timing import cuda_seconds
 
 if not (torch.cuda.is_available() and fadev.cuda_available()):
     sys.exit("native_backward_tiles needs a CUDA GPU, PyTorch with CUDA and fadev built with FADEV_CUDA=1")
 if torch.cuda.get_device_capability() != (9, 0):
     sys.exit("native_backward_tiles times the wgmma kernels: it needs compute capability 9.0 (H100, H200)")
 
-def t(fn, calls=10, windows=5):
-    """ms per call: windows of `calls` back-to-back calls between two CUDA events (the queue stays full, so the
-    host's time per call is hidden), median over `windows`, after 3 warm-up calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    res = []
-    for _ in range(windows):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        res.append(a.elapsed_time(b) / calls)
-    return statistics.median(res)
+def t(fn):
+    """ms per call (timing.cuda_seconds: windows of back-to-back calls, so the host's time per call is hidden)."""
+    return cuda_seconds(fn) * 1e3
 
 
 print(torch.cuda.get_device_name(), torch.__version__)

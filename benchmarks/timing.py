@@ -1,4 +1,5 @@
 """Timing helpers shared by the benchmark programs (`python benchmarks/NAME.py` puts this folder on sys.path)."""
+import statistics
 import time
 
 import fadev
@@ -23,3 +24,25 @@ def with_threads(n, fn):
         return fn()
     finally:
         fadev.set_num_threads(old)
+
+
+def cuda_seconds(fn, repeat=5, window=5e-3):
+    """Median GPU time of one fn() call in seconds (CUDA events), after a warm-up call. Each timed window holds
+    enough back-to-back calls to last about ``window`` seconds (at most 20): a single call of a short kernel would
+    also time the host's work in fn() (argument checks, output allocation) while the GPU waits for it, and that
+    share swings with the host's load."""
+    import torch
+    fn()
+    torch.cuda.synchronize()
+
+    def window_seconds(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / calls
+
+    calls = int(min(20, max(1, window / window_seconds(1))))
+    return statistics.median(window_seconds(calls) for _ in range(repeat))

@@ -207,15 +207,16 @@ __device__ __forceinline__ void load_rows(T *tile, const head_rows<const T> &sla
     }
 }
 
-/* The K/V loop's prefetch: tile j + 1 (if any) of K and V into the other of two stages of BKV rows, then commit the
- * copy group (an empty one on the last tile, so every iteration's wait sees the same group count). */
-template <typename T, int BKV, int D, int NT>
+/* The K/V loop's prefetch: tile j + 1 (if any) of K and V into the other of two stages of BKV rows (PANELS: wgmma's
+ * layout), then commit the copy group (an empty one on the last tile, so every iteration's wait sees the same group
+ * count). */
+template <typename T, int BKV, int D, int NT, bool PANELS = false>
 __device__ __forceinline__ void prefetch_kv(T *sK, T *sV, const head_rows<const T> &K, const head_rows<const T> &V, int j,
                                             int n_kt, int seq_kv, int tid) {
     if (j + 1 < n_kt) {
         const int st = (j + 1) & 1;
-        load_rows<T, BKV, D, NT>(sK + st * BKV * D, K, (j + 1) * BKV, seq_kv, tid);
-        load_rows<T, BKV, D, NT>(sV + st * BKV * D, V, (j + 1) * BKV, seq_kv, tid);
+        load_rows<T, BKV, D, NT, PANELS>(sK + st * BKV * D, K, (j + 1) * BKV, seq_kv, tid);
+        load_rows<T, BKV, D, NT, PANELS>(sV + st * BKV * D, V, (j + 1) * BKV, seq_kv, tid);
     }
     cp_async_commit();
 }
@@ -310,6 +311,24 @@ template <typename T, int D, int BQ, int BKV> struct dq_tile {
             dvec[r] = row < a.seq_q ? a.dvec[bh * a.seq_q + row] : 0.f;
         }
     }
+    /* The pass's shared memory from `base`: Q and dO (BQ rows each), then two stages each of K and V (BKV rows). */
+    struct smem_tiles {
+        T *q, *dO, *k, *v;
+    };
+    static __device__ __forceinline__ smem_tiles carve(T *base) {
+        return {base, base + BQ * D, base + 2 * BQ * D, base + 2 * BQ * D + 2 * BKV * D};
+    }
+    /* Q, dO and K/V tile 0 into shared memory (PANELS: wgmma's layout), one copy group; NT threads */
+    template <int NT, bool PANELS>
+    __device__ __forceinline__ void load_first(const native_bwd_args &a, T *sQ, T *sdO, T *sK, T *sV, int tid) const {
+        load_rows<T, BQ, D, NT, PANELS>(sQ, Q, q0, a.seq_q, tid);
+        load_rows<T, BQ, D, NT, PANELS>(sdO, dO, q0, a.seq_q, tid);
+        if (n_kt > 0) {
+            load_rows<T, BKV, D, NT, PANELS>(sK, K, 0, a.seq_kv, tid);
+            load_rows<T, BKV, D, NT, PANELS>(sV, V, 0, a.seq_kv, tid);
+        }
+        cp_async_commit();
+    }
     /* tile j (keys kv0 = j BKV ..) needs masks: ragged end, or keys past the tile's first row's diagonal */
     __device__ __forceinline__ bool masked(const native_bwd_args &a, int kv0) const {
         return kv0 + BKV > a.seq_kv || (a.causal && kv0 + BKV - 1 > q0 + off);
@@ -321,6 +340,18 @@ template <typename T, int D, int BQ, int BKV> struct dq_tile {
         float p = fast_exp2(s * a.scale_log2 - lse2[r]);
         if (MASK && key > lim[r]) p = 0.f;
         return p * (dp - dvec[r]);
+    }
+    /* dS = P (dP - Dvec) in place of the scores s of K/V tile j, this lane's BKV / 2 of them as both passes hold them
+     * (the C fragments of BKV / 8 key blocks: element 4 nb + e is row half e >> 1, key j BKV + 8 nb + 2 t4 + (e & 1)) */
+    __device__ __forceinline__ void ds_tile(const native_bwd_args &a, float *s, const float *dp, int j, int t4) const {
+        const int kv0 = j * BKV;
+        with_mask(masked(a, kv0), [&](auto mask) {
+#pragma unroll
+            for (int nb = 0; nb < BKV / 8; ++nb)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[4 * nb + e] = ds<mask.value>(a, s[4 * nb + e], dp[4 * nb + e], e >> 1, kv0 + nb * 8 + 2 * t4 + (e & 1));
+        });
     }
     /* dq = round(scale dQ): this lane's two columns col, col + 1 of row half r */
     __device__ __forceinline__ void store(const native_bwd_args &a, int r, int col, float x0, float x1) const {
@@ -338,6 +369,16 @@ fadev_status native_backward_before(const fadev_native_params *p, const native_b
 template <typename T, int D> fadev_status native_backward_after(const fadev_native_params *p, const native_bwd_args &a);
 /* The dK/dV kernel on Hopper's warpgroup MMA (native_backward_wgmma.cu; mma 1); a.n_kt set. */
 fadev_status native_backward_wgmma(const fadev_native_params *p, const native_bwd_args &a, const void *out);
+
+/* The instances a dQ pass launches (both instructions' passes): launch(T{}, std::integral_constant<int, D>{}) for the
+ * call's element type T (fp16, bf16) and head dim D (64, 128). */
+template <typename F> static inline fadev_status native_dq_dispatch(const fadev_native_params *p, F &&launch) {
+    const bool half = p->dtype == FADEV_NATIVE_FP16;
+    using D64 = std::integral_constant<int, 64>;
+    using D128 = std::integral_constant<int, 128>;
+    if (p->attn.dim == 64) return half ? launch(__half(), D64()) : launch(__nv_bfloat16(), D64());
+    return half ? launch(__half(), D128()) : launch(__nv_bfloat16(), D128());
+}
 
 /* The deterministic backward's dQ pass (native_backward_dq.cu): dQ = scale * sum over K/V tiles of round(dS) K, in
  * key order, with dS recomputed from Q, K, V, dO, lse and Dvec (a.dvec); writes a.dq. */
@@ -499,6 +540,16 @@ static inline fadev_status native_validate(const fadev_native_params *p, int bac
 
 /* Device pointers the kernels read or write in 16-byte pieces must be 16-byte aligned. */
 static inline int native_aligned(const void *p, uintptr_t a) { return ((uintptr_t)p & (a - 1)) == 0; }
+
+/* One backward kernel on the call's stream with `smem` bytes of dynamic shared memory (the attribute set first: above
+ * 48 KB it must be); every backward launcher's launch (the dK/dV kernels, both dQ passes). */
+static inline fadev_status native_bwd_launch(void (*kernel)(native_bwd_args), int64_t ctas, int threads, int smem,
+                                             const native_bwd_args &a) {
+    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<(unsigned)ctas, threads, smem, a.stream>>>(a);
+    CUDA_TRY(cudaGetLastError());
+    return FADEV_OK;
+}
 
 /* The layout of tensor t (fadev_native_tensor) of a call: its strides, or contiguous (B, H, N, D). */
 static inline native_strides native_layout(const fadev_native_params *p, int t) {

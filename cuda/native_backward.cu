@@ -300,9 +300,8 @@ template <typename T, int D, int BQ, int BKV, int MI>
 static fadev_status native_backward_launch(const fadev_native_params *p, const native_bwd_args &a, const void *out) {
     constexpr int smem = native_bwd_smem<D, BKV, BQ>();
     FADEV_TRY((native_backward_before<T, D>(p, a, out)));
-    CUDA_TRY(cudaFuncSetAttribute(native_backward_kernel<T, D, BKV, BQ, MI>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    native_backward_kernel<T, D, BKV, BQ, MI><<<(unsigned)(p->attn.batch * p->attn.heads_kv * a.n_kt), BKV * 2 / MI, smem, a.stream>>>(a);
-    CUDA_TRY(cudaGetLastError());
+    FADEV_TRY(native_bwd_launch(native_backward_kernel<T, D, BKV, BQ, MI>, p->attn.batch * p->attn.heads_kv * a.n_kt,
+                                BKV * 2 / MI, smem, a));
     return native_backward_after<T, D>(p, a);
 }
 

@@ -17,23 +17,14 @@ template <typename T, int D, int BQ, int BKV>
 __global__ void __launch_bounds__(BQ * 2) native_dq_pass_kernel(const native_bwd_args a) {
     constexpr int NT = BQ * 2, C = D / 8;
     extern __shared__ __align__(16) unsigned char smem[];
-    T *sQ = reinterpret_cast<T *>(smem);
-    T *sdO = sQ + BQ * D;
-    T *sK = sdO + BQ * D;     /* 2 stages of BKV x D */
-    T *sV = sK + 2 * BKV * D; /* 2 stages of BKV x D */
+    const auto [sQ, sdO, sK, sV] = dq_tile<T, D, BQ, BKV>::carve(reinterpret_cast<T *>(smem));
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
 
     const dq_tile<T, D, BQ, BKV> tile(a, warp, g);
     const head_rows<const T> K = tile.K, V = tile.V;
-    const int q0 = tile.q0, n_kt = tile.n_kt;
+    const int n_kt = tile.n_kt;
 
-    load_rows<T, BQ, D, NT>(sQ, tile.Q, q0, a.seq_q, tid);
-    load_rows<T, BQ, D, NT>(sdO, tile.dO, q0, a.seq_q, tid);
-    if (n_kt > 0) {
-        load_rows<T, BKV, D, NT>(sK, K, 0, a.seq_kv, tid);
-        load_rows<T, BKV, D, NT>(sV, V, 0, a.seq_kv, tid);
-    }
-    cp_async_commit();
+    tile.template load_first<NT, false>(a, sQ, sdO, sK, sV, tid);
 
     uint32_t qf[D / 16][4], of[D / 16][4];
     float dq[D / 8][4];
@@ -75,15 +66,7 @@ __global__ void __launch_bounds__(BQ * 2) native_dq_pass_kernel(const native_bwd
             }
         }
 
-        /* dS = P (dP - Dvec) in place of S; element (nb, e): row row0 + 8 (e >> 1), key kv0 + 8 nb + 2 t4 + (e & 1) */
-        const int kv0 = j * BKV;
-        with_mask(tile.masked(a, kv0), [&](auto mask) {
-#pragma unroll
-            for (int nb = 0; nb < BKV / 8; ++nb)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[nb][e] = tile.template ds<mask.value>(a, s[nb][e], dp[nb][e], e >> 1, kv0 + nb * 8 + 2 * t4 + (e & 1));
-        });
+        tile.ds_tile(a, &s[0][0], &dp[0][0], j, t4); /* dS = P (dP - Dvec) in place of S */
 
         /* dQ += round(dS) Kj: dS's accumulators of key blocks 2kk, 2kk+1 are the A fragment of key chunk kk;
          * B[k = key][n = d] = K[key][d], rows as stored, so ldmatrix .trans */
@@ -112,15 +95,9 @@ __global__ void __launch_bounds__(BQ * 2) native_dq_pass_kernel(const native_bwd
 template <typename T, int D, int BKV> static fadev_status native_dq_pass_launch(const fadev_native_params *p, native_bwd_args a) {
     constexpr int BQ = NATIVE_DQ_BLOCK_Q, smem = native_dq_smem<T, D, BQ, BKV>();
     a.n_qt = (int)((p->attn.seq_q + BQ - 1) / BQ);
-    CUDA_TRY(cudaFuncSetAttribute(native_dq_pass_kernel<T, D, BQ, BKV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    native_dq_pass_kernel<T, D, BQ, BKV><<<(unsigned)(p->attn.batch * p->attn.heads * a.n_qt), BQ * 2, smem, a.stream>>>(a);
-    CUDA_TRY(cudaGetLastError());
-    return FADEV_OK;
+    return native_bwd_launch(native_dq_pass_kernel<T, D, BQ, BKV>, p->attn.batch * p->attn.heads * a.n_qt, BQ * 2, smem, a);
 }
 
 fadev_status native_dq_pass(const fadev_native_params *p, native_bwd_args a) {
-    const bool half = p->dtype == FADEV_NATIVE_FP16;
-    if (p->attn.dim == 64)
-        return half ? native_dq_pass_launch<__half, 64, 64>(p, a) : native_dq_pass_launch<__nv_bfloat16, 64, 64>(p, a);
-    return half ? native_dq_pass_launch<__half, 128, 64>(p, a) : native_dq_pass_launch<__nv_bfloat16, 128, 64>(p, a);
+    return native_dq_dispatch(p, [&](auto t, auto d) { return native_dq_pass_launch<decltype(t), d.value, 64>(p, a); });
 }

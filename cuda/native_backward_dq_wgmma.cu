@@ -22,28 +22,16 @@ __global__ void __launch_bounds__(128) native_dq_wgmma_kernel(const native_bwd_a
     constexpr int BQ = 64, NT = 128;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     /* the swizzle atoms must be 1024-byte aligned (wgmma.cuh) */
-    T *sQ = reinterpret_cast<T *>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u));
-    T *sdO = sQ + BQ * D;
-    T *sK = sdO + BQ * D;     /* 2 stages of BKV x D */
-    T *sV = sK + 2 * BKV * D; /* 2 stages of BKV x D */
+    const auto [sQ, sdO, sK, sV] =
+        dq_tile<T, D, BQ, BKV>::carve(reinterpret_cast<T *>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u)));
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t4 = lane & 3;
 
     const dq_tile<T, D, BQ, BKV> tile(a, warp, g);
     const head_rows<const T> K = tile.K, V = tile.V;
     const int n_kt = tile.n_kt;
 
-    load_rows<T, BQ, D, NT, true>(sQ, tile.Q, tile.q0, a.seq_q, tid);
-    load_rows<T, BQ, D, NT, true>(sdO, tile.dO, tile.q0, a.seq_q, tid);
-    if (n_kt > 0) {
-        load_rows<T, BKV, D, NT, true>(sK, K, 0, a.seq_kv, tid);
-        load_rows<T, BKV, D, NT, true>(sV, V, 0, a.seq_kv, tid);
-    }
-    cp_async_commit();
+    tile.template load_first<NT, true>(a, sQ, sdO, sK, sV, tid);
 
-    /* k16 slice kk of a K-major operand of `rows` rows: panel kk / 4, byte 32 (kk % 4) of its rows */
-    auto kslice = [](uint32_t base, int rows, int kk) {
-        return wgmma_desc(base + (kk >> 2) * (rows * 128) + (kk & 3) * 32, 16, 1024);
-    };
     const uint32_t aQ = smem_u32(sQ), adO = smem_u32(sdO);
     float dq[D / 2];
 #pragma unroll
@@ -53,35 +41,16 @@ __global__ void __launch_bounds__(128) native_dq_wgmma_kernel(const native_bwd_a
         cp_async_wait_all();
         fence_proxy_async();
         __syncthreads(); /* tile j landed for everyone; everyone's products of tile j - 1 are done */
-        if (j + 1 < n_kt) {
-            const int st = (j + 1) & 1;
-            load_rows<T, BKV, D, NT, true>(sK + st * BKV * D, K, (j + 1) * BKV, a.seq_kv, tid);
-            load_rows<T, BKV, D, NT, true>(sV + st * BKV * D, V, (j + 1) * BKV, a.seq_kv, tid);
-        }
-        cp_async_commit();
+        prefetch_kv<T, BKV, D, NT, true>(sK, sV, K, V, j, n_kt, a.seq_kv, tid);
         const uint32_t aK = smem_u32(sK + (j & 1) * BKV * D), aV = smem_u32(sV + (j & 1) * BKV * D);
 
         float s[BKV / 2], dp[BKV / 2];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, BKV>(s, kslice(aQ, BQ, kk), kslice(aK, BKV, kk), kk > 0);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, BKV>(dp, kslice(adO, BQ, kk), kslice(aV, BKV, kk), kk > 0);
-        wgmma_commit();
+        wgmma_score_pair<T, BKV, D, BQ, BKV>(s, dp, aQ, aK, adO, aV);
         wgmma_wait_all();
         wgmma_fence_regs(s);
         wgmma_fence_regs(dp);
 
-        /* dS in place of S; element (nb, e): row row0 + 8 (e >> 1), key kv0 + 8 nb + 2 t4 + (e & 1) */
-        const int kv0 = j * BKV;
-        with_mask(tile.masked(a, kv0), [&](auto mask) {
-#pragma unroll
-            for (int nb = 0; nb < BKV / 8; ++nb)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[4 * nb + e] = tile.template ds<mask.value>(a, s[4 * nb + e], dp[4 * nb + e], e >> 1,
-                                                                 kv0 + nb * 8 + 2 * t4 + (e & 1));
-        });
+        tile.ds_tile(a, s, dp, j, t4); /* dS in place of S */
 
         /* dQ += round(dS) Kj: A = dS (key chunk kk), B = Kj MN-major: keys kk * 16 .. at byte 2048 kk, the
          * 64-column panels BKV * 128 bytes apart */
@@ -108,15 +77,9 @@ __global__ void __launch_bounds__(128) native_dq_wgmma_kernel(const native_bwd_a
 template <typename T, int D, int BKV> static fadev_status native_dq_wgmma_launch(const fadev_native_params *p, native_bwd_args a) {
     constexpr int smem = native_dq_wgmma_smem<D, BKV>();
     a.n_qt = (int)((p->attn.seq_q + 63) / 64);
-    CUDA_TRY(cudaFuncSetAttribute(native_dq_wgmma_kernel<T, D, BKV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    native_dq_wgmma_kernel<T, D, BKV><<<(unsigned)(p->attn.batch * p->attn.heads * a.n_qt), 128, smem, a.stream>>>(a);
-    CUDA_TRY(cudaGetLastError());
-    return FADEV_OK;
+    return native_bwd_launch(native_dq_wgmma_kernel<T, D, BKV>, p->attn.batch * p->attn.heads * a.n_qt, 128, smem, a);
 }
 
 fadev_status native_dq_pass_wgmma(const fadev_native_params *p, native_bwd_args a) {
-    const bool half = p->dtype == FADEV_NATIVE_FP16;
-    if (p->attn.dim == 64)
-        return half ? native_dq_wgmma_launch<__half, 64, 64>(p, a) : native_dq_wgmma_launch<__nv_bfloat16, 64, 64>(p, a);
-    return half ? native_dq_wgmma_launch<__half, 128, 64>(p, a) : native_dq_wgmma_launch<__nv_bfloat16, 128, 64>(p, a);
+    return native_dq_dispatch(p, [&](auto t, auto d) { return native_dq_wgmma_launch<decltype(t), d.value, 64>(p, a); });
 }

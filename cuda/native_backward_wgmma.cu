@@ -75,17 +75,9 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
         const float *cL = sL + st * BQ, *cDv = sDv + st * BQ;
         const uint32_t aQ = smem_u32(cQ), adO = smem_u32(cdO);
 
-        /* S^T = K Q^T, dP^T = V dO^T: k16 slice kk in panel kk / 4 at byte 32 (kk % 4) */
+        /* S^T = K Q^T, dP^T = V dO^T */
         float sp[BQ / 2], dp[BQ / 2];
-        auto kslice = [](uint32_t base, int rows, int kk) {
-            return wgmma_desc(base + (kk >> 2) * (rows * 128) + (kk & 3) * 32, 16, 1024);
-        };
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, BQ>(sp, kslice(aK, BKV, kk), kslice(aQ, BQ, kk), kk > 0);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, BQ>(dp, kslice(aV, BKV, kk), kslice(adO, BQ, kk), kk > 0);
-        wgmma_commit();
+        wgmma_score_pair<T, BQ, D, BKV, BQ>(sp, dp, aK, aQ, aV, adO);
         wgmma_wait_all();
         wgmma_fence_regs(sp);
         wgmma_fence_regs(dp);
@@ -210,10 +202,8 @@ template <typename T, int D, int BQ, int BKV>
 static fadev_status native_bwd_wgmma_launch(const fadev_native_params *p, const native_bwd_args &a, const void *out) {
     constexpr int smem = native_bwd_wgmma_smem<D, BKV, BQ>();
     FADEV_TRY((native_backward_before<T, D>(p, a, out)));
-    CUDA_TRY(cudaFuncSetAttribute(native_backward_wgmma_kernel<T, D, BKV, BQ>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  smem));
-    native_backward_wgmma_kernel<T, D, BKV, BQ><<<(unsigned)(p->attn.batch * p->attn.heads_kv * a.n_kt), BKV * 2, smem, a.stream>>>(a);
-    CUDA_TRY(cudaGetLastError());
+    FADEV_TRY(native_bwd_launch(native_backward_wgmma_kernel<T, D, BKV, BQ>, p->attn.batch * p->attn.heads_kv * a.n_kt,
+                                BKV * 2, smem, a));
     return native_backward_after<T, D>(p, a);
 }
 

@@ -42,11 +42,11 @@ __device__ __forceinline__ void issue_scores(float (&s)[BKV / 2], const uint32_t
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        const uint64_t dk = wgmma_desc(aK + (kk >> 2) * (BKV * 128) + (kk & 3) * 32, 16, 1024);
+        const uint64_t dk = wgmma_kslice(aK, BKV, kk);
         if constexpr (wgmma_qreg<D, BQ>)
             wgmma_rs<T, BKV, 0>(s, qf[kk], dk, kk > 0);
         else
-            wgmma_ss<T, BKV>(s, wgmma_desc(aQ + (kk >> 2) * (BQ * 128) + (kk & 3) * 32, 16, 1024), dk, kk > 0);
+            wgmma_ss<T, BKV>(s, wgmma_kslice(aQ, BQ, kk), dk, kk > 0);
     }
     wgmma_commit();
 }

@@ -227,4 +227,24 @@ template <> __device__ __forceinline__ void wgmma_rs<__half, 128, 1>(float (&d)[
 }
 #endif /* FADEV_WGMMA */
 
+/* The descriptor of k16 slice kk of a K-major operand of `rows` rows in the panel layout: panel kk / 4, byte 32 (kk % 4)
+ * of its 128-byte rows. */
+__device__ __forceinline__ uint64_t wgmma_kslice(uint32_t base, int rows, int kk) {
+    return wgmma_desc(base + (kk >> 2) * (rows * 128) + (kk & 3) * 32, 16, 1024);
+}
+
+/* The backward's two score products, d1 = A1 B1^T and d2 = A2 B2^T over a head dim of D (D / 16 k16 slices), all four
+ * operands K-major from shared memory (A: RA rows, B: RB rows), issued and committed as one wgmma group, not waited
+ * for: S^T and dP^T in the dK/dV kernel, S and dP in the dq pass. */
+template <typename T, int N, int D, int RA, int RB>
+__device__ __forceinline__ void wgmma_score_pair(float (&d1)[N / 2], float (&d2)[N / 2], uint32_t a1, uint32_t b1,
+                                                 uint32_t a2, uint32_t b2) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, N>(d1, wgmma_kslice(a1, RA, kk), wgmma_kslice(b1, RB, kk), kk > 0);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_ss<T, N>(d2, wgmma_kslice(a2, RA, kk), wgmma_kslice(b2, RB, kk), kk > 0);
+    wgmma_commit();
+}
+
 #endif /* FADEV_WGMMA_CUH */

@@ -76,13 +76,22 @@ def test_strided_inputs_give_the_contiguous_bits(dim, mma, causal, layout):
 @pytest.mark.parametrize("mma", MMAS)
 def test_strided_atomic_dq(mma):
     """The atomic backward (dq from the fp32 workspace through the rounding kernel, into dq's strides): dk and dv
-    bits as the contiguous call's, dq within the atomic sums' reordering (one fp32 rounding per add)."""
+    bits as the contiguous call's. dq's atomic sums land in any order, so its bits move from run to run; measured
+    against the deterministic dq (the same sums in key order), the strided call's largest deviation is at most twice
+    the contiguous atomic call's, or one bf16 spacing at dq's largest magnitude where that deviation is smaller (the
+    most one reordering can move a rounded value there). A dq written to the wrong rows or heads misses that by
+    orders of magnitude."""
     q, k, v, dout = _inputs((2, 8, 4, 300, 300), 64, torch.bfloat16, "layout-atomic")
     kw = dict(is_causal=True, mma=mma, backward_mma=mma, deterministic=False)
     _, want_grads, _ = _run(q, k, v, dout, **kw)
     _, grads, leaves = _run(*(_model(t) for t in (q, k, v)), _model(dout), **kw)
     assert torch.equal(grads[1], want_grads[1]) and torch.equal(grads[2], want_grads[2])
-    torch.testing.assert_close(grads[0], want_grads[0], rtol=2e-2, atol=1e-2)
+    _, exact, _ = _run(q, k, v, dout, **dict(kw, deterministic=True))
+    ref = exact[0].float()
+    spacing = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(ref.abs().max())).item()
+    baseline = (want_grads[0].float() - ref).abs().max().item()
+    deviation = (grads[0].float() - ref).abs().max().item()
+    assert deviation <= 2 * max(baseline, spacing), f"strided atomic dq {deviation:.3e}, contiguous {baseline:.3e}"
     assert grads[0].stride() == leaves[0].stride()
 
 
