@@ -31,7 +31,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "emu.cuh"
+#include "emu_forward_fast.cuh"
+
+using namespace emu_fwd;
 
 namespace {
 
@@ -49,23 +51,6 @@ constexpr unsigned FULL = 0xFFFFFFFFu;
                               * thread at D <= 64); 1 lets it grow (no spills, one CTA's warps per SM). To measure
                               * both: FADEV_NVCC_FLAGS=-DEMU_FWD_MIN_BLOCKS=1 */
 #endif
-
-/* The lean kernel's stages (fast_lean), their indices in flt_kinds_of's packing; state_out only with kv_outer. */
-enum { LK_SCORE, LK_SOFTMAX, LK_OUT_ACC, LK_P, LK_STATE_OUT, LK_N };
-
-struct fast_args {
-    emu_ctx cx;
-    double *out, *lse;
-    int64_t block_kv; /* flash: clamped to seq_kv; baseline: seq_kv */
-    int64_t tiles;    /* CTAs per head */
-    int baseline;
-    int p_kind;       /* how R_p rounds an fp32 value (flt_kind) */
-    int so_kind;      /* flt_kind of state_out */
-    int lean;         /* the lean kernel's stage kinds (fast_lean; flt_kinds_of's packing, LK_ order) */
-    int o32;          /* out_acc is fp32 nearest-even and the stats and rescale stages' values are fp32 values: the
-                       * O update's operations are on fp32 values and round once in fp32 (double rounding is
-                       * innocuous for *, +, /) */
-};
 
 /* Per-row state in shared memory. */
 struct rows_view {
@@ -99,23 +84,6 @@ __device__ smem_t carve(int64_t D, char *base) {
     sm.s = sm.kv + (TS * KP > JS * MAXD ? TS * KP : JS * MAXD);
     sm.p = sm.s + KT * SP;
     return sm;
-}
-
-/* One rounding event with the general path out of line (emu_rnd<true>): the kernel's register blocks must not pay
- * for fadev_round_one's registers. */
-__device__ __forceinline__ double rnd(const att_stage &st, double x, uint64_t stream, uint64_t idx) {
-    return emu_rnd<true>(st, x, stream, idx);
-}
-
-/* R(x) of an fp32 value x for a stage of kind fk (flt_kind). */
-__device__ __forceinline__ float r_flt(const att_stage &st, int fk, float x, uint64_t stream, uint64_t idx) {
-    return fk == FLT_EVENT && x == x ? (float)rnd(st, (double)x, stream, idx) : flt_round(fk, x);
-}
-
-/* R(x) of an fp64 value for a stage whose values are fp32 values. */
-__device__ __forceinline__ float r_dbl(const att_stage &st, double x, uint64_t stream, uint64_t idx) {
-    if (st.kind == ATT_F32) return __double2float_rn(x);
-    return (float)rnd(st, x, stream, idx);
 }
 
 /* Scores of the subtile's keys kb0 .. kb0 + kn - 1 of the block starting at key jb0 (kn <= 32 CN) for the CTA's
@@ -157,10 +125,6 @@ __device__ void scores_cn(const fast_args &a, const smem_t &sm, int64_t bh, int6
                 for (int c = 0; c < CN; c++) acc[r][c] = fmaf(qv[r], kv[c], acc[r][c]);
         }
     }
-    /* s = R_score(c R_score(acc)): acc is an fp32 value, so for an fp32 stage the inner rounding is the identity
-     * and the product c * acc is rounded once in fp32 */
-    const uint64_t s4 = ATT_STREAM(ATT_SCORE_DOT, bh), s5 = ATT_STREAM(ATT_SCORE_SCALED, bh);
-    const float cf = (float)cx.c;
 #pragma unroll
     for (int r = 0; r < 8; r++) {
         const int row = w * 8 + r;
@@ -171,16 +135,7 @@ __device__ void scores_cn(const fast_args &a, const smem_t &sm, int64_t bh, int6
         for (int c = 0; c < CN; c++) {
             const int key = lane + 32 * c;
             if (key >= kn) continue;
-            float s;
-            if (cx.score.kind == ATT_F32) {
-                s = __fmul_rn(cf, acc[r][c]);
-            } else if (LEAN) {
-                const int ks = flt_kind_at(a.lean, LK_SCORE);
-                s = dbl_round(ks, cx.c * (double)dbl_round(ks, (double)acc[r][c]));
-            } else {
-                const uint64_t idx = ATT_INDEX(i0 + row, jb0 + kb0 + key, 0);
-                s = (float)rnd(cx.score, cx.c * rnd(cx.score, (double)acc[r][c], s4, idx), s5, idx);
-            }
+            const float s = score_of<LEAN>(a, acc[r][c], bh, i0 + row, jb0 + kb0 + key);
             sm.s[key * SP + row] = s;
             if (key < vis) nan |= s != s, mx = fmaxf(mx, s);
         }
@@ -215,37 +170,20 @@ enum terms_mode { TERMS_E = 0, TERMS_E_P = 1, TERMS_P_DIV = 2 };
 template <bool LEAN>
 __device__ void softmax_terms(const fast_args &a, const smem_t &sm, int64_t bh, int64_t i0, int64_t jb0, int kb0,
                               int kn, int mode) {
-    const emu_ctx &cx = a.cx;
-    const uint64_t s6 = ATT_STREAM(ATT_SOFTMAX_SUB, bh), s7 = ATT_STREAM(ATT_SOFTMAX_EXP, bh);
-    const uint64_t s16 = ATT_STREAM(ATT_P, bh);
     __syncthreads(); /* S and mnew are written */
     const int row = threadIdx.x % BM, vis = sm.rows.nv[row] - kb0, n = vis < kn ? vis : kn;
     const double m = sm.rows.mnew[row], l = sm.rows.l[row];
     const float mf = (float)m;
-    const int sub32 = cx.softmax.kind == ATT_F32;
     const int64_t i = i0 + row;
-    if constexpr (LEAN) { /* every event a conversion (dbl_round), no index */
-        const int ksm = flt_kind_at(a.lean, LK_SOFTMAX);
 #pragma unroll 2
-        for (int key = threadIdx.x / BM; key < n; key += NT / BM) {
-            const float s = sm.s[key * SP + row];
-            const float x = ksm == FLT_F32 ? __fsub_rn(s, mf) : dbl_round(ksm, (double)s - m);
-            const float e = dbl_round(ksm, emu_exp(cx.exp2, (double)x));
-            if (mode != TERMS_P_DIV) sm.s[key * SP + row] = e;
-            if (mode == TERMS_E_P) sm.p[key * SP + row] = flt_round(a.p_kind, e);
-            if (mode == TERMS_P_DIV) sm.p[key * SP + row] = dbl_round(a.p_kind, (double)e / l);
-        }
-    } else {
-        for (int key = threadIdx.x / BM; key < n; key += NT / BM) {
-            const uint64_t idx = ATT_INDEX(i, jb0 + kb0 + key, 0);
-            const float s = sm.s[key * SP + row];
-            /* s - m of two fp32 values: one fp32 rounding when the stage is fp32 (double rounding is innocuous) */
-            const float x = sub32 ? __fsub_rn(s, mf) : (float)rnd(cx.softmax, (double)s - m, s6, idx);
-            const float e = r_dbl(cx.softmax, emu_exp(cx.exp2, (double)x), s7, idx);
-            if (mode != TERMS_P_DIV) sm.s[key * SP + row] = e;
-            if (mode == TERMS_E_P) sm.p[key * SP + row] = r_flt(cx.p, a.p_kind, e, s16, idx);
-            if (mode == TERMS_P_DIV) sm.p[key * SP + row] = (float)rnd(cx.p, (double)e / l, s16, idx);
-        }
+    for (int key = threadIdx.x / BM; key < n; key += NT / BM) {
+        const int64_t j = jb0 + kb0 + key;
+        const float e = term_of<LEAN>(a, sm.s[key * SP + row], m, mf, bh, i, j);
+        if (mode != TERMS_P_DIV) sm.s[key * SP + row] = e;
+        if (mode == TERMS_E_P) sm.p[key * SP + row] = p_of<LEAN>(a, e, bh, i, j);
+        if (mode == TERMS_P_DIV)
+            sm.p[key * SP + row] = LEAN ? dbl_round(a.p_kind, (double)e / l)
+                                        : (float)rnd(a.cx.p, (double)e / l, ATT_STREAM(ATT_P, bh), ATT_INDEX(i, j, 0));
     }
     __syncthreads();
 }
@@ -264,10 +202,8 @@ __device__ void row_sums(const fast_args &a, const smem_t &sm, int64_t bh, int64
             for (int key = 0; key < n; key++) rs = __fadd_rn(rs, e[key * SP]);
             sm.rows.rsum[row] = rs;
         } else if (n > 0) {
-            const uint64_t s8 = ATT_STREAM(ATT_SUM_ACC, bh);
             double rs = sm.rows.rsum[row];
-            for (int key = 0; key < n; key++)
-                rs = rnd(cx.sum_acc, rs + (double)e[key * SP], s8, ATT_INDEX(i0 + row, jb0 + kb0 + key, 0));
+            for (int key = 0; key < n; key++) rs = sum_step(a, rs, e[key * SP], bh, i0 + row, jb0 + kb0 + key);
             sm.rows.rsum[row] = rs;
         }
     }
@@ -353,7 +289,6 @@ __global__ void __launch_bounds__(NT, EMU_FWD_MIN_BLOCKS) fast_kernel(const __gr
         sm.q[t * BM + row] = row < here ? cx.qf[(bh * Nq + i0 + row) * D + t] : 0.f;
     }
     if (tid < BM) rw.m[tid] = -INFINITY, rw.l[tid] = 0, rw.seen[tid] = 0;
-    const int eager = cx.pr.normalize == FADEV_EAGER, kv_outer = cx.pr.loop_order == FADEV_KV_OUTER;
     float o[4][DC], pv[4][DC];
 #pragma unroll
     for (int r = 0; r < 4; r++)
@@ -410,20 +345,8 @@ __global__ void __launch_bounds__(NT, EMU_FWD_MIN_BLOCKS) fast_kernel(const __gr
             break;
         }
         /* 4-5: the statistics of the rows that see a key of the block (row_softmax) */
-        if (tid < BM && rw.nv[tid] > 0) {
-            const int64_t i = i0 + tid;
-            const uint64_t idx = ATT_INDEX(i, jb, 0);
-            const double m = rw.m[tid], m_new = rw.mnew[tid];
-            double alpha = 0;
-            if (m != -INFINITY) {
-                const double diff = rnd(cx.rescale, m - m_new, ATT_STREAM(ATT_RESCALE_DIFF, bh), idx);
-                alpha = rnd(cx.rescale, emu_exp(cx.exp2, diff), ATT_STREAM(ATT_RESCALE_ALPHA, bh), idx);
-            }
-            const double a_l = rnd(cx.stats, alpha * rw.l[tid], ATT_STREAM(ATT_STATS_AL, bh), idx);
-            const double rs = rnd(cx.stats, rw.rsum[tid], ATT_STREAM(ATT_STATS_ROWSUM, bh), idx);
-            rw.lnew[tid] = rnd(cx.stats, a_l + rs, ATT_STREAM(ATT_STATS_LNEW, bh), idx);
-            rw.factor[tid] = eager ? a_l : alpha;
-        }
+        if (tid < BM && rw.nv[tid] > 0)
+            row_stats(a, bh, i0 + tid, jb, rw.m[tid], rw.mnew[tid], rw.l[tid], rw.rsum[tid], rw.lnew[tid], rw.factor[tid]);
         __syncthreads();
         /* 7 (and 9): O from pv (row_update) */
 #pragma unroll
@@ -432,73 +355,31 @@ __global__ void __launch_bounds__(NT, EMU_FWD_MIN_BLOCKS) fast_kernel(const __gr
             if (nvr[r] == 0) continue;
             const int64_t i = i0 + row;
             const double factor = rw.factor[row], l_new = rw.lnew[row];
-            const att_stage &oa = cx.out_acc;
 #pragma unroll
             for (int c = 0; c < DC; c++) {
                 const int d = tx + 16 * c;
                 if (d >= D) break;
-                if (a.o32) {
-                    float o_new = __fadd_rn(__fmul_rn((float)factor, o[r][c]), pv[r][c]);
-                    if (eager) o_new = __fdiv_rn(o_new, (float)l_new);
-                    if (kv_outer) o_new = r_flt(cx.state_out, a.so_kind, o_new, ATT_STREAM(ATT_STATE_OUT, bh), ATT_INDEX(i, jb, d));
-                    o[r][c] = o_new;
-                    continue;
-                }
-                if (LEAN) { /* the events below as conversions */
-                    const int koa = flt_kind_at(a.lean, LK_OUT_ACC);
-                    const double scaled = dbl_round(koa, factor * (double)o[r][c]);
-                    double o_new = dbl_round(koa, scaled + (double)dbl_round(koa, (double)pv[r][c]));
-                    if (eager) o_new = dbl_round(koa, o_new / l_new);
-                    if (kv_outer) o_new = dbl_round(flt_kind_at(a.lean, LK_STATE_OUT), o_new);
-                    o[r][c] = (float)o_new;
-                    continue;
-                }
-                const uint64_t idx = ATT_INDEX(i, jb, d);
-                const double scaled = rnd(oa, factor * (double)o[r][c], ATT_STREAM(ATT_OUT_ACC_AO, bh), idx);
-                const double part = rnd(oa, (double)pv[r][c], ATT_STREAM(ATT_OUT_ACC_PV, bh), idx);
-                double o_new = rnd(oa, scaled + part, ATT_STREAM(ATT_OUT_ACC_SUM, bh), idx);
-                if (eager) o_new = rnd(oa, o_new / l_new, ATT_STREAM(ATT_OUT_ACC_DIV, bh), idx);
-                if (kv_outer) o_new = rnd(cx.state_out, o_new, ATT_STREAM(ATT_STATE_OUT, bh), idx);
-                o[r][c] = (float)o_new;
+                o[r][c] = o_step<LEAN>(a, o[r][c], pv[r][c], factor, l_new, bh, i, jb, d);
             }
         }
-        if (tid < BM && rw.nv[tid] > 0) {
-            double l = rw.lnew[tid];
-            if (kv_outer) l = rnd(cx.state_stats, l, ATT_STREAM(ATT_STATE_STATS, bh), ATT_INDEX(i0 + tid, jb, 0));
-            rw.m[tid] = rw.mnew[tid], rw.l[tid] = l, rw.seen[tid] = 1;
-        }
+        if (tid < BM && rw.nv[tid] > 0)
+            rw.m[tid] = rw.mnew[tid], rw.l[tid] = l_kept(a, rw.lnew[tid], bh, i0 + tid, jb), rw.seen[tid] = 1;
     }
     __syncthreads();
     /* out and lse (write_row): rows that saw no key get 0 and -inf */
-    const int divide = !a.baseline && !eager;
 #pragma unroll
     for (int r = 0; r < 4; r++) {
         const int row = g * 4 + r;
         if (row >= here) break;
-        const int64_t i = i0 + row;
-        double *out = a.out + (bh * Nq + i) * D;
-        const int seen = rw.seen[row];
-        const double l = rw.l[row];
+        double *out = a.out + (bh * Nq + i0 + row) * D;
 #pragma unroll
         for (int c = 0; c < DC; c++) {
             const int d = tx + 16 * c;
             if (d >= D) break;
-            const double x = o[r][c];
-            out[d] = seen ? rnd(cx.out, divide ? x / l : x, ATT_STREAM(ATT_OUT, bh), ATT_INDEX(i, d, 0)) : 0.0;
+            out[d] = out_of(a, o[r][c], rw.seen[row], rw.l[row], bh, i0 + row, d);
         }
     }
-    if (a.lse && tid < here) {
-        const int64_t i = i0 + tid;
-        double lse = -INFINITY;
-        if (rw.seen[tid]) {
-            const uint64_t idx = ATT_INDEX(i, 0, 0), s13 = ATT_STREAM(ATT_STATS_LSE, bh);
-            const double log_l = rnd(cx.stats, log(rw.l[tid]), ATT_STREAM(ATT_STATS_LOG, bh), idx);
-            double m = rw.m[tid];
-            if (cx.exp2) m = rnd(cx.stats, m * cx.c2, s13, ATT_INDEX(i, 0, 1));
-            lse = rnd(cx.stats, m + log_l, s13, idx);
-        }
-        a.lse[bh * Nq + i] = lse;
-    }
+    if (a.lse && tid < here) a.lse[bh * Nq + i0 + tid] = lse_of(a, rw.seen[tid], rw.m[tid], rw.l[tid], bh, i0 + tid);
 }
 
 } // namespace
@@ -512,16 +393,16 @@ int emu_fast_forward_ok(const emu_ctx &cx, const fadev_policy *pol) {
            (!kv_outer || att_inside_fp32(&pol->state_out));
 }
 
-/* The lean kernel (LEAN): where the score, softmax, p, out_acc (and with kv_outer state_out) stages are each fp32,
+/* The lean kernels (LEAN): where the score, softmax, p, out_acc (and with kv_outer state_out) stages are each fp32,
  * bf16 or fp16 under nearest-even, their per-element events are dbl_round of the fp64 value (emu.cuh), no event
- * index; returns their kinds (flt_kinds_of, LK_ order), or 0. A kernel of its own: a branch inside the general one
+ * index; returns their kinds (flt_kinds_of, LK_ order), or 0. Kernels of their own: a branch inside the general one
  * slowed the other policies (measured on the backward's pairs). */
 static int fast_lean(const emu_ctx &cx) {
     const att_stage *stages[LK_N] = {&cx.score, &cx.softmax, &cx.out_acc, &cx.p, &cx.state_out};
     return flt_kinds_of(stages, cx.pr.loop_order == FADEV_KV_OUTER ? LK_N : LK_STATE_OUT);
 }
 
-fadev_status emu_fast_forward(const emu_ctx &cx, double *out, double *lse, int baseline) {
+fast_args emu_fwd::fast_args_of(const emu_ctx &cx, double *out, double *lse, int baseline, int rows_per_cta) {
     fast_args a;
     a.cx = cx;
     a.out = out, a.lse = lse;
@@ -530,8 +411,14 @@ fadev_status emu_fast_forward(const emu_ctx &cx, double *out, double *lse, int b
     a.so_kind = flt_kind_of(cx.state_out);
     a.lean = fast_lean(cx);
     a.o32 = cx.out_acc.kind == ATT_F32 && att_inside_fp32(&cx.stats.fmt) && att_inside_fp32(&cx.rescale.fmt);
-    a.tiles = (cx.pr.seq_q + BM - 1) / BM;
+    a.tiles = (cx.pr.seq_q + rows_per_cta - 1) / rows_per_cta;
     a.block_kv = baseline || cx.pr.block_kv > cx.pr.seq_kv ? cx.pr.seq_kv : cx.pr.block_kv;
+    return a;
+}
+
+fadev_status emu_fast_forward(const emu_ctx &cx, double *out, double *lse, int baseline) {
+    if (warp_forward_ok(cx, baseline)) return warp_forward(cx, out, lse);
+    const fast_args a = fast_args_of(cx, out, lse, baseline, BM);
     const int64_t ctas = cx.pr.batch * cx.pr.heads * a.tiles;
     if (ctas >= (int64_t)1 << 31) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "emulated attention: grid too large");
     const size_t smem = smem_bytes(cx.pr.dim);

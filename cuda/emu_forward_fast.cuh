@@ -1,0 +1,176 @@
+/* The emulated forward's fast kernels (emu_forward_fast.cu: the baseline, and flash blocks of more than 64 keys;
+ * emu_forward_warp.cu: flash blocks of up to 64 keys) share their arguments and every per-element and per-row
+ * step of the spec here, so the two schedules cannot drift apart: a score's rounding, a softmax term, P, the
+ * row statistics, the O update and the written output. Why each step gives the generic kernels' bits: the
+ * comment at the top of emu_forward_fast.cu and docs/numerics.md ("The fp32 FMA path"). */
+#ifndef FADEV_EMU_FORWARD_FAST_CUH
+#define FADEV_EMU_FORWARD_FAST_CUH
+
+#include "emu.cuh"
+
+namespace emu_fwd {
+
+/* The lean kernels' stages (fast_lean), their indices in flt_kinds_of's packing; state_out only with kv_outer. */
+enum { LK_SCORE, LK_SOFTMAX, LK_OUT_ACC, LK_P, LK_STATE_OUT, LK_N };
+
+struct fast_args {
+    emu_ctx cx;
+    double *out, *lse;
+    int64_t block_kv; /* flash: clamped to seq_kv; baseline: seq_kv */
+    int64_t tiles;    /* CTAs per head */
+    int baseline;
+    int p_kind;       /* how R_p rounds an fp32 value (flt_kind) */
+    int so_kind;      /* flt_kind of state_out */
+    int lean;         /* the lean kernel's stage kinds (fast_lean; flt_kinds_of's packing, LK_ order) */
+    int o32;          /* out_acc is fp32 nearest-even and the stats and rescale stages' values are fp32 values: the
+                       * O update's operations are on fp32 values and round once in fp32 (double rounding is
+                       * innocuous for *, +, /) */
+};
+
+/* The arguments for a plan (host side). */
+fast_args fast_args_of(const emu_ctx &cx, double *out, double *lse, int baseline, int rows_per_cta);
+
+/* One rounding event with the general path out of line (emu_rnd<true>): the kernels' register blocks must not pay
+ * for fadev_round_one's registers. */
+__device__ __forceinline__ double rnd(const att_stage &st, double x, uint64_t stream, uint64_t idx) {
+    return emu_rnd<true>(st, x, stream, idx);
+}
+
+/* R(x) of an fp32 value x for a stage of kind fk (flt_kind). */
+__device__ __forceinline__ float r_flt(const att_stage &st, int fk, float x, uint64_t stream, uint64_t idx) {
+    return fk == FLT_EVENT && x == x ? (float)rnd(st, (double)x, stream, idx) : flt_round(fk, x);
+}
+
+/* R(x) of an fp64 value for a stage whose values are fp32 values. */
+__device__ __forceinline__ float r_dbl(const att_stage &st, double x, uint64_t stream, uint64_t idx) {
+    if (st.kind == ATT_F32) return __double2float_rn(x);
+    return (float)rnd(st, x, stream, idx);
+}
+
+/* s = R_score(c R_score(acc)) of score (i, j) from its fp32 chain acc: acc is an fp32 value, so for an fp32 stage
+ * the inner rounding is the identity and the product c * acc is rounded once in fp32. */
+template <bool LEAN>
+__device__ __forceinline__ float score_of(const fast_args &a, float acc, int64_t bh, int64_t i, int64_t j) {
+    const emu_ctx &cx = a.cx;
+    if (cx.score.kind == ATT_F32) return __fmul_rn((float)cx.c, acc);
+    if (LEAN) {
+        const int ks = flt_kind_at(a.lean, LK_SCORE);
+        return dbl_round(ks, cx.c * (double)dbl_round(ks, (double)acc));
+    }
+    const uint64_t idx = ATT_INDEX(i, j, 0);
+    return (float)rnd(cx.score, cx.c * rnd(cx.score, (double)acc, ATT_STREAM(ATT_SCORE_DOT, bh), idx),
+                      ATT_STREAM(ATT_SCORE_SCALED, bh), idx);
+}
+
+/* The softmax term e = R_softmax(E(R_softmax(s - m))) of score (i, j); m (an fp32 value, or NaN / -inf) also as
+ * the float mf. */
+template <bool LEAN>
+__device__ __forceinline__ float term_of(const fast_args &a, float s, double m, float mf, int64_t bh, int64_t i,
+                                         int64_t j) {
+    const emu_ctx &cx = a.cx;
+    if (LEAN) { /* every event a conversion (dbl_round), no index */
+        const int ksm = flt_kind_at(a.lean, LK_SOFTMAX);
+        const float x = ksm == FLT_F32 ? __fsub_rn(s, mf) : dbl_round(ksm, (double)s - m);
+        return dbl_round(ksm, emu_exp(cx.exp2, (double)x));
+    }
+    const uint64_t idx = ATT_INDEX(i, j, 0);
+    /* s - m of two fp32 values: one fp32 rounding when the stage is fp32 (double rounding is innocuous) */
+    const float x = cx.softmax.kind == ATT_F32 ? __fsub_rn(s, mf)
+                                               : (float)rnd(cx.softmax, (double)s - m, ATT_STREAM(ATT_SOFTMAX_SUB, bh), idx);
+    return r_dbl(cx.softmax, emu_exp(cx.exp2, (double)x), ATT_STREAM(ATT_SOFTMAX_EXP, bh), idx);
+}
+
+/* P = R_p(e) of term (i, j). */
+template <bool LEAN>
+__device__ __forceinline__ float p_of(const fast_args &a, float e, int64_t bh, int64_t i, int64_t j) {
+    if (LEAN) return flt_round(a.p_kind, e);
+    return r_flt(a.cx.p, a.p_kind, e, ATT_STREAM(ATT_P, bh), ATT_INDEX(i, j, 0));
+}
+
+/* One step of the row sum's chain, rsum = R_sum_acc(rsum + e), for a stage other than fp32 (an fp32 stage adds the
+ * two fp32 values with __fadd_rn: one fp32 rounding, the spec's bits). */
+__device__ __forceinline__ double sum_step(const fast_args &a, double rs, float e, int64_t bh, int64_t i, int64_t j) {
+    return rnd(a.cx.sum_acc, rs + (double)e, ATT_STREAM(ATT_SUM_ACC, bh), ATT_INDEX(i, j, 0));
+}
+
+/* 4-5 of a block jb for row i (row_softmax): from the row's m, l, its new maximum m_new and the block's row sum,
+ * the new l (lnew) and the factor the O update multiplies O by (alpha, or alpha l when eager). */
+__device__ __forceinline__ void row_stats(const fast_args &a, int64_t bh, int64_t i, int64_t jb, double m,
+                                          double m_new, double l, double rsum, double &lnew, double &factor) {
+    const emu_ctx &cx = a.cx;
+    const uint64_t idx = ATT_INDEX(i, jb, 0);
+    double alpha = 0;
+    if (m != -INFINITY) {
+        const double diff = rnd(cx.rescale, m - m_new, ATT_STREAM(ATT_RESCALE_DIFF, bh), idx);
+        alpha = rnd(cx.rescale, emu_exp(cx.exp2, diff), ATT_STREAM(ATT_RESCALE_ALPHA, bh), idx);
+    }
+    const double a_l = rnd(cx.stats, alpha * l, ATT_STREAM(ATT_STATS_AL, bh), idx);
+    const double rs = rnd(cx.stats, rsum, ATT_STREAM(ATT_STATS_ROWSUM, bh), idx);
+    lnew = rnd(cx.stats, a_l + rs, ATT_STREAM(ATT_STATS_LNEW, bh), idx);
+    factor = cx.pr.normalize == FADEV_EAGER ? a_l : alpha;
+}
+
+/* The row's l kept after block jb (kv_outer rounds the state to state_stats between blocks). */
+__device__ __forceinline__ double l_kept(const fast_args &a, double lnew, int64_t bh, int64_t i, int64_t jb) {
+    if (a.cx.pr.loop_order != FADEV_KV_OUTER) return lnew;
+    return rnd(a.cx.state_stats, lnew, ATT_STREAM(ATT_STATE_STATS, bh), ATT_INDEX(i, jb, 0));
+}
+
+/* 7 (and 9) of block jb for element (i, d) (row_update): O from O, the block's P.V chain pv, the row's factor and
+ * l_new. */
+template <bool LEAN>
+__device__ __forceinline__ float o_step(const fast_args &a, float o, float pv, double factor, double l_new,
+                                        int64_t bh, int64_t i, int64_t jb, int d) {
+    const emu_ctx &cx = a.cx;
+    const int eager = cx.pr.normalize == FADEV_EAGER, kv_outer = cx.pr.loop_order == FADEV_KV_OUTER;
+    if (a.o32) {
+        float o_new = __fadd_rn(__fmul_rn((float)factor, o), pv);
+        if (eager) o_new = __fdiv_rn(o_new, (float)l_new);
+        if (kv_outer) o_new = r_flt(cx.state_out, a.so_kind, o_new, ATT_STREAM(ATT_STATE_OUT, bh), ATT_INDEX(i, jb, d));
+        return o_new;
+    }
+    if (LEAN) { /* the events below as conversions */
+        const int koa = flt_kind_at(a.lean, LK_OUT_ACC);
+        const double scaled = dbl_round(koa, factor * (double)o);
+        double o_new = dbl_round(koa, scaled + (double)dbl_round(koa, (double)pv));
+        if (eager) o_new = dbl_round(koa, o_new / l_new);
+        if (kv_outer) o_new = dbl_round(flt_kind_at(a.lean, LK_STATE_OUT), o_new);
+        return (float)o_new;
+    }
+    const att_stage &oa = cx.out_acc;
+    const uint64_t idx = ATT_INDEX(i, jb, d);
+    const double scaled = rnd(oa, factor * (double)o, ATT_STREAM(ATT_OUT_ACC_AO, bh), idx);
+    const double part = rnd(oa, (double)pv, ATT_STREAM(ATT_OUT_ACC_PV, bh), idx);
+    double o_new = rnd(oa, scaled + part, ATT_STREAM(ATT_OUT_ACC_SUM, bh), idx);
+    if (eager) o_new = rnd(oa, o_new / l_new, ATT_STREAM(ATT_OUT_ACC_DIV, bh), idx);
+    if (kv_outer) o_new = rnd(cx.state_out, o_new, ATT_STREAM(ATT_STATE_OUT, bh), idx);
+    return (float)o_new;
+}
+
+/* The written output of element (i, d) (write_row): rows that saw no key get 0. */
+__device__ __forceinline__ double out_of(const fast_args &a, float o, int seen, double l, int64_t bh, int64_t i, int d) {
+    if (!seen) return 0.0;
+    const int divide = !a.baseline && a.cx.pr.normalize != FADEV_EAGER;
+    const double x = o;
+    return rnd(a.cx.out, divide ? x / l : x, ATT_STREAM(ATT_OUT, bh), ATT_INDEX(i, d, 0));
+}
+
+/* lse of row i: m + log l in the stats stage (m scaled to natural log in the exp2 form), -inf for a row that saw
+ * no key. */
+__device__ __forceinline__ double lse_of(const fast_args &a, int seen, double m, double l, int64_t bh, int64_t i) {
+    if (!seen) return -INFINITY;
+    const emu_ctx &cx = a.cx;
+    const uint64_t idx = ATT_INDEX(i, 0, 0), s13 = ATT_STREAM(ATT_STATS_LSE, bh);
+    const double log_l = rnd(cx.stats, log(l), ATT_STREAM(ATT_STATS_LOG, bh), idx);
+    if (cx.exp2) m = rnd(cx.stats, m * cx.c2, s13, ATT_INDEX(i, 0, 1));
+    return rnd(cx.stats, m + log_l, s13, idx);
+}
+
+/* The flash forward for blocks of at most 64 keys, a warp per 8 or 16 query rows (emu_forward_warp.cu): whether it
+ * applies (flash, block_kv <= 64), and its launch. */
+int warp_forward_ok(const emu_ctx &cx, int baseline);
+fadev_status warp_forward(const emu_ctx &cx, double *out, double *lse);
+
+} // namespace emu_fwd
+
+#endif /* FADEV_EMU_FORWARD_FAST_CUH */
