@@ -77,6 +77,10 @@ fadev_status fadev_cuda_ulp_error(const double *test, const double *ref, size_t 
     return FADEV_ERR_NO_CUDA;
 }
 
+fadev_status fadev_cuda_exp_check(int exp2_form, int ref_form, uint64_t start, uint64_t count, uint64_t *mismatches) {
+    return FADEV_ERR_NO_CUDA;
+}
+
 fadev_status fadev_cuda_native_tiles(int dim, int backward, int warp_rows, int mma, int32_t *tiles, int max_pairs,
                                      int *count) {
     if (count) *count = 0;

@@ -353,6 +353,10 @@ fadev_status fadev_cuda_deviation_stats(const double *test, const double *ref, s
 fadev_status fadev_cuda_wasserstein(const double *a, size_t n_a, const double *b, size_t n_b, double *out);
 fadev_status fadev_cuda_ulp_error(const double *test, const double *ref, size_t n, const fadev_format *fmt,
                                   double *out);
+/* The emulated kernels' transcription of CUDA's fp64 exp (exp2_form 0) or exp2 (1) against CUDA's own (exp for
+ * ref_form 0, exp2 for 1: the other form is the check's own test that it sees a difference), for the fp32 inputs whose
+ * encodings are start .. start + count - 1 (at most 2^32): *mismatches = how many differ in any bit. */
+fadev_status fadev_cuda_exp_check(int exp2_form, int ref_form, uint64_t start, uint64_t count, uint64_t *mismatches);
 
 /* Native FlashAttention-2-style kernel on the tensor cores (native_forward.cu, native_backward.cu): fp16 or bf16
  * inputs and outputs, fp32 accumulation (mma.sync), online softmax in fp32 with exp2. q, out, dout, dq:

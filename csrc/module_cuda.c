@@ -286,6 +286,22 @@ static PyObject *py_cuda_ulp_error(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_cuda_exp_check(PyObject *self, PyObject *args) {
+    int exp2_form, ref_form = -1;
+    unsigned long long start, count;
+    if (!PyArg_ParseTuple(args, "pKK|p", &exp2_form, &start, &count, &ref_form)) return NULL;
+    if (ref_form < 0) ref_form = exp2_form;
+    if (start > (1ull << 32) || count > (1ull << 32) - start)
+        return PyErr_Format(PyExc_ValueError, "start + count must be <= 2**32, got start %llu, count %llu", start, count);
+    uint64_t bad = 0;
+    fadev_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fadev_cuda_exp_check(exp2_form, ref_form, start, count, &bad);
+    Py_END_ALLOW_THREADS
+    if (st != FADEV_OK) return raise_device_status(st, "exp_check (cuda)");
+    return PyLong_FromUnsignedLongLong(bad);
+}
+
 /* ------------------------------------------------------------ method table */
 
 PyMethodDef cuda_methods[] = {
@@ -311,6 +327,10 @@ PyMethodDef cuda_methods[] = {
     {"cuda_deviation", py_cuda_deviation, METH_VARARGS, "cuda_deviation(test, ref, n) -> dict of metrics"},
     {"cuda_wasserstein", py_cuda_wasserstein, METH_VARARGS, "cuda_wasserstein(a, n_a, b, n_b) -> w1"},
     {"cuda_ulp_error", py_cuda_ulp_error, METH_VARARGS, "cuda_ulp_error(test, ref, n, fmt, out)"},
+    {"cuda_exp_check", py_cuda_exp_check, METH_VARARGS,
+     "cuda_exp_check(exp2, start, count[, ref_exp2]) -> how many fp32 inputs (encodings start .. start + count - 1) "
+     "the emulated kernels' exp (exp2 False) or exp2 transcription gives other fp64 bits than CUDA's exp or exp2 "
+     "(ref_exp2, default exp2)"},
     {"cuda_native_tiles", py_cuda_native_tiles, METH_VARARGS,
      "cuda_native_tiles(dim, backward, warp_rows, mma) -> [(block_q, block_kv), ...] of the forward (backward False; "
      "warp_rows 16 or 32) or the backward (warp_rows 16 or 32); mma 1: the wgmma kernels' tiles"},

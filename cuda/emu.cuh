@@ -59,6 +59,56 @@ __device__ __forceinline__ double emu_round(const att_stage &st, double x, uint6
 
 __device__ __forceinline__ double emu_exp(int exp2_form, double x) { return exp2_form ? exp2(x) : exp(x); }
 
+/* CUDA's fp64 exp and exp2 (libdevice as nvcc 13.0 inlines them: the PTX of exp(x) and exp2(x)), transcribed operation
+ * for operation, so every result has the same bits as emu_exp's (fadev_cuda_exp_check compares the two for every fp32
+ * input, the values the fast kernels' softmax terms take). What differs is where the constants live: libdevice's are
+ * immediates, which ptxas moves into uniform registers at every call (22 UMOVs of 51 instructions in the fast forward's
+ * term loop, ncu); here they are in constant memory, which DFMA reads as an operand. Reduction: exp2 x = n + f
+ * (n = rint x by the 1.5 * 2^52 trick), r = f ln2 in two parts; exp: n = rint(x log2 e), r = x - n ln2 in two parts;
+ * then e^r by a degree-12 polynomial (Horner), scaled by 2^n in the exponent field; |x| near or past the range
+ * (the high word, read as a float, at least 0x1.1fep+2 (exp2) or 0x1.0c4656p+2 (exp)) as libdevice's own path. */
+static __constant__ double emu_exp_k[16] = {
+    0x1.8p52, -0x1.8p52, 0x1.62e42fefa39efp-1, 0x1.abc9e3b39803fp-56,
+    0x1.71547652b82fep+0, 0x1.ade1569ce2bdfp-26, 0x1.28af3fca213eap-22, 0x1.71dee62401315p-19,
+    0x1.a01997c89eb71p-16, 0x1.a01a014761f65p-13, 0x1.6c16c1852b7afp-10, 0x1.1111111122322p-7,
+    0x1.55555555502a1p-5, 0x1.5555555555511p-3, 0x1.000000000000bp-1, 0x1.0000000000000p+0};
+
+__device__ __forceinline__ double emu_exp_fast(int exp2_form, double x) {
+    const double *k = emu_exp_k;
+    double r, nd;
+    int n;
+    if (exp2_form) {
+        const double t = __dadd_rn(x, k[0]);
+        n = __double2loint(t);
+        nd = __dadd_rn(t, k[1]);
+        const double f = __dsub_rn(x, nd);
+        r = __fma_rn(f, k[2], __dmul_rn(f, k[3]));
+    } else {
+        const double t = __fma_rn(x, k[4], k[0]);
+        n = __double2loint(t);
+        nd = __dadd_rn(t, k[1]);
+        r = __fma_rn(nd, -k[2], x);
+        r = __fma_rn(nd, -k[3], r);
+    }
+    double p = __fma_rn(k[5], r, k[6]);
+#pragma unroll
+    for (int c = 7; c <= 15; c++) p = __fma_rn(p, r, k[c]);
+    p = __fma_rn(p, r, k[15]);
+    const int lo = __double2loint(p), hi = __double2hiint(p), xhi = __double2hiint(x);
+    double y = __hiloint2double(hi + (n << 20), lo);
+    const float ax = fabsf(__int_as_float(xhi));
+    if (!(ax < (exp2_form ? 0x1.1fep+2f : 0x1.0c4656p+2f))) {
+        if (exp2_form) y = fabs(x) > INFINITY || x != x ? __dadd_rn(x, x) : xhi < 0 ? 0.0 : INFINITY;
+        else y = x < 0 ? 0.0 : __dadd_rn(x, INFINITY);
+        if (ax < (exp2_form ? 0x1.2198p+2f : 0x1.0e9p+2f)) {
+            const int h = (n + (int)((unsigned)n >> 31)) >> 1;
+            const double a = __hiloint2double(hi + (h << 20), lo), b = __hiloint2double(((n - h) << 20) + 0x3FF00000, 0);
+            y = __dmul_rn(a, b);
+        }
+    }
+    return y;
+}
+
 /* Number of keys j0..j0+n-1 that query row i sees (a prefix of the range), as att_visible. */
 __device__ __forceinline__ int64_t emu_visible(const fadev_attention_params &pr, int64_t i, int64_t j0, int64_t n) {
     if (!pr.causal) return n;

@@ -6,6 +6,8 @@
 #ifndef FADEV_EMU_FORWARD_FAST_CUH
 #define FADEV_EMU_FORWARD_FAST_CUH
 
+#include <type_traits>
+
 #include "emu.cuh"
 
 namespace emu_fwd {
@@ -48,13 +50,14 @@ __device__ __forceinline__ float r_dbl(const att_stage &st, double x, uint64_t s
 }
 
 /* s = R_score(c R_score(acc)) of score (i, j) from its fp32 chain acc: acc is an fp32 value, so for an fp32 stage
- * the inner rounding is the identity and the product c * acc is rounded once in fp32. */
-template <bool LEAN>
+ * the inner rounding is the identity and the product c * acc is rounded once in fp32. K >= 0: the lean kernels'
+ * score kind, known at compile time (the kernel dispatched on it); -1: read from the arguments. */
+template <bool LEAN, int K = -1>
 __device__ __forceinline__ float score_of(const fast_args &a, float acc, int64_t bh, int64_t i, int64_t j) {
     const emu_ctx &cx = a.cx;
-    if (cx.score.kind == ATT_F32) return __fmul_rn((float)cx.c, acc);
+    if (K >= 0 ? K == FLT_F32 : cx.score.kind == ATT_F32) return __fmul_rn((float)cx.c, acc);
     if (LEAN) {
-        const int ks = flt_kind_at(a.lean, LK_SCORE);
+        const int ks = K >= 0 ? K : flt_kind_at(a.lean, LK_SCORE);
         return dbl_round(ks, cx.c * (double)dbl_round(ks, (double)acc));
     }
     const uint64_t idx = ATT_INDEX(i, j, 0);
@@ -63,28 +66,39 @@ __device__ __forceinline__ float score_of(const fast_args &a, float acc, int64_t
 }
 
 /* The softmax term e = R_softmax(E(R_softmax(s - m))) of score (i, j); m (an fp32 value, or NaN / -inf) also as
- * the float mf. */
-template <bool LEAN>
+ * the float mf. K: the lean kernels' softmax kind, as score_of's. x is an fp32 value: emu_exp_fast (CUDA's exp with
+ * its constants in constant memory, the same bits for every fp32 input). */
+template <bool LEAN, int K = -1>
 __device__ __forceinline__ float term_of(const fast_args &a, float s, double m, float mf, int64_t bh, int64_t i,
                                          int64_t j) {
     const emu_ctx &cx = a.cx;
     if (LEAN) { /* every event a conversion (dbl_round), no index */
-        const int ksm = flt_kind_at(a.lean, LK_SOFTMAX);
+        const int ksm = K >= 0 ? K : flt_kind_at(a.lean, LK_SOFTMAX);
         const float x = ksm == FLT_F32 ? __fsub_rn(s, mf) : dbl_round(ksm, (double)s - m);
-        return dbl_round(ksm, emu_exp(cx.exp2, (double)x));
+        return dbl_round(ksm, emu_exp_fast(cx.exp2, (double)x));
     }
     const uint64_t idx = ATT_INDEX(i, j, 0);
     /* s - m of two fp32 values: one fp32 rounding when the stage is fp32 (double rounding is innocuous) */
     const float x = cx.softmax.kind == ATT_F32 ? __fsub_rn(s, mf)
                                                : (float)rnd(cx.softmax, (double)s - m, ATT_STREAM(ATT_SOFTMAX_SUB, bh), idx);
-    return r_dbl(cx.softmax, emu_exp(cx.exp2, (double)x), ATT_STREAM(ATT_SOFTMAX_EXP, bh), idx);
+    return r_dbl(cx.softmax, emu_exp_fast(cx.exp2, (double)x), ATT_STREAM(ATT_SOFTMAX_EXP, bh), idx);
 }
 
-/* P = R_p(e) of term (i, j). */
-template <bool LEAN>
+/* P = R_p(e) of term (i, j). K: P's flt_kind known at compile time (a kind other than FLT_EVENT), or -1. */
+template <bool LEAN, int K = -1>
 __device__ __forceinline__ float p_of(const fast_args &a, float e, int64_t bh, int64_t i, int64_t j) {
+    if (K >= 0) return flt_round(K, e);
     if (LEAN) return flt_round(a.p_kind, e);
     return r_flt(a.cx.p, a.p_kind, e, ATT_STREAM(ATT_P, bh), ATT_INDEX(i, j, 0));
+}
+
+/* f(std::integral_constant<int, K>{}) with K the flt_kind k when it is fp32, bf16 or fp16, else K = -1: a loop
+ * written once runs with its stage's kind fixed at compile time (no per-element branches on it). */
+template <class F> __device__ __forceinline__ void with_kind(int k, F &&f) {
+    if (k == FLT_F32) f(std::integral_constant<int, FLT_F32>{});
+    else if (k == FLT_BF16) f(std::integral_constant<int, FLT_BF16>{});
+    else if (k == FLT_F16) f(std::integral_constant<int, FLT_F16>{});
+    else f(std::integral_constant<int, -1>{});
 }
 
 /* One step of the row sum's chain, rsum = R_sum_acc(rsum + e), for a stage other than fp32 (an fp32 stage adds the

@@ -60,12 +60,33 @@ struct vis {
     }
 };
 
+/* with_kind(k, f) in the lean kernels; f(-1) (the kinds read at run time) in the others. */
+template <bool LEAN, class F> __device__ __forceinline__ void lean_kind(int k, F &&f) {
+    if constexpr (LEAN) with_kind(k, f);
+    else f(std::integral_constant<int, -1>{});
+}
+
 /* Rows [0, have) of src (row pitch D: keys, or query rows) into dst[row * pitch_r + t * pitch_t], zeros for t >= D
  * and rows >= have, for t < DP and rows < ROWS; consecutive threads read consecutive t (coalesced), and every load of
  * a thread is in flight at once. Ends without a barrier. */
 template <int DP, int ROWS>
 __device__ __forceinline__ void stage(float *dst, int pitch_t, int pitch_r, const float *src, int D, int have) {
-    static_assert(DP * ROWS % NT == 0, "whole passes");
+    static_assert(DP * ROWS % (4 * NT) == 0, "whole passes");
+    if (D == DP) { /* rows of DP floats, contiguous: float4 loads (16-byte aligned: the buffers' rows are 256 or 512 B) */
+        const float4 *s4 = (const float4 *)src;
+#pragma unroll
+        for (int it = 0; it < DP * ROWS / (4 * NT); it++) {
+            const int e = it * NT + threadIdx.x, t = e % (DP / 4) * 4, row = e / (DP / 4);
+            const float4 x = row < have ? s4[e] : make_float4(0.f, 0.f, 0.f, 0.f);
+            float *d = dst + row * pitch_r + t * pitch_t;
+            if (pitch_t == 1) {
+                *(float4 *)d = x;
+            } else {
+                d[0] = x.x, d[pitch_t] = x.y, d[2 * pitch_t] = x.z, d[3 * pitch_t] = x.w;
+            }
+        }
+        return;
+    }
 #pragma unroll 16
     for (int it = 0; it < DP * ROWS / NT; it++) {
         const int e = it * NT + threadIdx.x, t = e % DP, row = e / DP;
@@ -160,12 +181,14 @@ __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fas
              * (exp(+-0) = 1; lse = m + log l is 0 + log l). */
             float mx = -INFINITY;
             int nan = 0;
+            lean_kind<LEAN>(flt_kind_at(a.lean, LK_SCORE), [&](auto KS) {
 #pragma unroll 2
-            for (int key = lane / R; key < nr; key += SPREAD) {
-                const float s = score_of<LEAN>(a, er[key * EP], bh, i, jb0 + key);
-                er[key * EP] = s;
-                nan |= s != s, mx = fmaxf(mx, s);
-            }
+                for (int key = lane / R; key < nr; key += SPREAD) {
+                    const float s = score_of<LEAN, decltype(KS)::value>(a, er[key * EP], bh, i, jb0 + key);
+                    er[key * EP] = s;
+                    nan |= s != s, mx = fmaxf(mx, s);
+                }
+            });
 #pragma unroll
             for (int off = R; off < 32; off <<= 1) {
                 mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, off));
@@ -174,31 +197,38 @@ __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fas
             if (nown) mnew = att_max(m, nan ? (double)NAN : (double)mx); /* lane r < R: row r */
             /* the softmax terms (0 where the row does not see the key, up to the warp's last visible key) */
             const float mf = __shfl_sync(FULL, (float)mnew, r);
+            lean_kind<LEAN>(flt_kind_at(a.lean, LK_SOFTMAX), [&](auto KS) {
 #pragma unroll 2
-            for (int key = lane / R; key < kw; key += SPREAD)
-                er[key * EP] = key < nr ? term_of<LEAN>(a, er[key * EP], (double)mf, mf, bh, i, jb0 + key) : 0.f;
+                for (int key = lane / R; key < kw; key += SPREAD) { /* a key past nr: its term is computed, not kept */
+                    const float e = term_of<LEAN, decltype(KS)::value>(a, er[key * EP], (double)mf, mf, bh, i, jb0 + key);
+                    er[key * EP] = key < nr ? e : 0.f;
+                }
+            });
             __syncwarp();
             /* row `lane`'s sum chain over its visible keys ascending, P = R_p(e) written behind it, its statistics */
             if (nown) { /* lane < R: r == lane */
                 double rsum;
-                if (cx.sum_acc.kind == ATT_F32) { /* fp32 + fp32 rounded once in fp32: the spec's bits */
-                    float rs = 0.f;
+                with_kind(a.p_kind, [&](auto PK) {
+                    constexpr int K = decltype(PK)::value;
+                    if (cx.sum_acc.kind == ATT_F32) { /* fp32 + fp32 rounded once in fp32: the spec's bits */
+                        float rs = 0.f;
 #pragma unroll 4
-                    for (int key = 0; key < nown; key++) {
-                        const float e = er[key * EP];
-                        rs = __fadd_rn(rs, e);
-                        er[key * EP] = p_of<LEAN>(a, e, bh, i, jb0 + key);
+                        for (int key = 0; key < nown; key++) {
+                            const float e = er[key * EP];
+                            rs = __fadd_rn(rs, e);
+                            er[key * EP] = p_of<LEAN, K>(a, e, bh, i, jb0 + key);
+                        }
+                        rsum = rs;
+                    } else {
+                        double rs = 0;
+                        for (int key = 0; key < nown; key++) {
+                            const float e = er[key * EP];
+                            rs = sum_step(a, rs, e, bh, i, jb0 + key);
+                            er[key * EP] = p_of<LEAN, K>(a, e, bh, i, jb0 + key);
+                        }
+                        rsum = rs;
                     }
-                    rsum = rs;
-                } else {
-                    double rs = 0;
-                    for (int key = 0; key < nown; key++) {
-                        const float e = er[key * EP];
-                        rs = sum_step(a, rs, e, bh, i, jb0 + key);
-                        er[key * EP] = p_of<LEAN>(a, e, bh, i, jb0 + key);
-                    }
-                    rsum = rs;
-                }
+                });
                 row_stats(a, bh, i, jb, m, mnew, l, rsum, lnew, factor);
                 sfac[w * R + lane] = factor, slnew[w * R + lane] = lnew;
             }

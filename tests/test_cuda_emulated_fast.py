@@ -132,6 +132,18 @@ def test_warp_kernel_is_tiled_kernel(D, causal, monkeypatch):
         assert differing(wo, to) == 0 and differing(wl, tl) == 0, f"{policy} {kw}: warp kernel != tiled kernel"
 
 
+@pytest.mark.parametrize("exp2", [False, True])
+def test_exp_transcription_is_cudas_for_every_fp32_input(exp2):
+    """The fast kernels' exp and exp2 (emu_exp_fast: CUDA's, transcribed, constants in constant memory) give CUDA's own
+    fp64 bits for all 2^32 fp32 inputs (the softmax terms' x are fp32 values); the same check against the other
+    function finds differences (it can fail)."""
+    from fadev import _core
+    assert _core.cuda_exp_check(exp2, 0, 2 ** 32) == 0
+    assert _core.cuda_exp_check(exp2, 0x3F000000, 1 << 16, not exp2) > 60000
+    with pytest.raises(ValueError, match="start"):
+        _core.cuda_exp_check(exp2, 2 ** 32, 1)
+
+
 @pytest.mark.parametrize("options", [dict(loop_order="kv_outer"), dict(normalize="eager"), dict(exp="exp2")])
 def test_flash_options_fast_is_generic(options, monkeypatch):
     q, k, v = make_qkv(26, 1, 2, 2, 100, 100, 64)
