@@ -66,22 +66,29 @@ __device__ __forceinline__ float score_of(const fast_args &a, float acc, int64_t
 }
 
 /* The softmax term e = R_softmax(E(R_softmax(s - m))) of score (i, j); m (an fp32 value, or NaN / -inf) also as
- * the float mf. K: the lean kernels' softmax kind, as score_of's. x is an fp32 value: emu_exp_fast (CUDA's exp with
- * its constants in constant memory, the same bits for every fp32 input). */
-template <bool LEAN, int K = -1>
+ * the float mf. K: the lean kernels' softmax kind, as score_of's; E: 1 exp2, 0 exp, -1 cx.exp2. x is an fp32 value:
+ * emu_exp_fast (CUDA's exp, the same bits for every fp32 input) with its constants from kk. */
+template <bool LEAN, int K = -1, int E = -1>
 __device__ __forceinline__ float term_of(const fast_args &a, float s, double m, float mf, int64_t bh, int64_t i,
-                                         int64_t j) {
+                                         int64_t j, const double *kk = emu_exp_k) {
     const emu_ctx &cx = a.cx;
+    const int e2 = E >= 0 ? E : cx.exp2;
     if (LEAN) { /* every event a conversion (dbl_round), no index */
         const int ksm = K >= 0 ? K : flt_kind_at(a.lean, LK_SOFTMAX);
         const float x = ksm == FLT_F32 ? __fsub_rn(s, mf) : dbl_round(ksm, (double)s - m);
-        return dbl_round(ksm, emu_exp_fast(cx.exp2, (double)x));
+        return dbl_round(ksm, emu_exp_fast(e2, (double)x, kk));
     }
     const uint64_t idx = ATT_INDEX(i, j, 0);
     /* s - m of two fp32 values: one fp32 rounding when the stage is fp32 (double rounding is innocuous) */
     const float x = cx.softmax.kind == ATT_F32 ? __fsub_rn(s, mf)
                                                : (float)rnd(cx.softmax, (double)s - m, ATT_STREAM(ATT_SOFTMAX_SUB, bh), idx);
-    return r_dbl(cx.softmax, emu_exp_fast(cx.exp2, (double)x), ATT_STREAM(ATT_SOFTMAX_EXP, bh), idx);
+    return r_dbl(cx.softmax, emu_exp_fast(e2, (double)x, kk), ATT_STREAM(ATT_SOFTMAX_EXP, bh), idx);
+}
+
+/* f(std::integral_constant<int, 1>{}) for the exp2 form, else f(...<int, 0>{}): a loop's exp fixed at compile time. */
+template <class F> __device__ __forceinline__ void with_exp(int exp2_form, F &&f) {
+    if (exp2_form) f(std::integral_constant<int, 1>{});
+    else f(std::integral_constant<int, 0>{});
 }
 
 /* P = R_p(e) of term (i, j). K: P's flt_kind known at compile time (a kind other than FLT_EVENT), or -1. */

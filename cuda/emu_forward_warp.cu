@@ -198,11 +198,17 @@ __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fas
             /* the softmax terms (0 where the row does not see the key, up to the warp's last visible key) */
             const float mf = __shfl_sync(FULL, (float)mnew, r);
             lean_kind<LEAN>(flt_kind_at(a.lean, LK_SOFTMAX), [&](auto KS) {
+                with_exp(cx.exp2, [&](auto E2) {
+                    double kk[16]; /* the exp's constants in registers for the loop */
+#pragma unroll
+                    for (int c = 0; c < 16; c++) kk[c] = emu_exp_kg[c];
 #pragma unroll 2
-                for (int key = lane / R; key < kw; key += SPREAD) { /* a key past nr: its term is computed, not kept */
-                    const float e = term_of<LEAN, decltype(KS)::value>(a, er[key * EP], (double)mf, mf, bh, i, jb0 + key);
-                    er[key * EP] = key < nr ? e : 0.f;
-                }
+                    for (int key = lane / R; key < kw; key += SPREAD) { /* past nr: computed, not kept */
+                        const float e = term_of<LEAN, decltype(KS)::value, decltype(E2)::value>(
+                            a, er[key * EP], (double)mf, mf, bh, i, jb0 + key, kk);
+                        er[key * EP] = key < nr ? e : 0.f;
+                    }
+                });
             });
             __syncwarp();
             /* row `lane`'s sum chain over its visible keys ascending, P = R_p(e) written behind it, its statistics */
