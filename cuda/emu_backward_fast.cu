@@ -388,7 +388,8 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
                     pa[j] = (float)s, pb[j] = (float)dpv;
                     continue;
                 }
-                const float p = dbl_round(ksm, emu_exp(cx.exp2, (double)dbl_round(ksm, s - L)));
+                /* x is an fp32 value (dbl_round): emu_exp_fast gives CUDA's exp bits (emu.cuh) */
+                const float p = dbl_round(ksm, emu_exp_fast(cx.exp2, (double)dbl_round(ksm, s - L)));
                 pa[j] = flt_round(flt_kind_at(lk, PK_BWD_P), p);
                 pb[j] = ds_lean(a, flt_kind_at(lk, PK_DSOFT_P), flt_kind_at(lk, PK_DSOFT), flt_kind_at(lk, PK_DS), p,
                                 dpv, Di);

@@ -417,7 +417,7 @@ fast_args emu_fwd::fast_args_of(const emu_ctx &cx, double *out, double *lse, int
 }
 
 fadev_status emu_fast_forward(const emu_ctx &cx, double *out, double *lse, int baseline) {
-    if (warp_forward_ok(cx, baseline)) return warp_forward(cx, out, lse);
+    if (warp_forward_ok(cx, baseline)) return warp_forward(cx, out, lse, baseline);
     const fast_args a = fast_args_of(cx, out, lse, baseline, BM);
     const int64_t ctas = cx.pr.batch * cx.pr.heads * a.tiles;
     if (ctas >= (int64_t)1 << 31) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "emulated attention: grid too large");

@@ -187,10 +187,10 @@ __device__ __forceinline__ double lse_of(const fast_args &a, int seen, double m,
     return rnd(cx.stats, m + log_l, s13, idx);
 }
 
-/* The flash forward for blocks of at most 64 keys, a warp per 8 or 16 query rows (emu_forward_warp.cu): whether it
- * applies (flash, block_kv <= 64), and its launch. */
+/* The forward with a warp per 8 or 16 query rows (emu_forward_warp.cu): whether it applies (the baseline, or flash
+ * blocks of at most 64 keys), and its launch. */
 int warp_forward_ok(const emu_ctx &cx, int baseline);
-fadev_status warp_forward(const emu_ctx &cx, double *out, double *lse);
+fadev_status warp_forward(const emu_ctx &cx, double *out, double *lse, int baseline);
 
 } // namespace emu_fwd
 

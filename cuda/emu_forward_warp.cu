@@ -94,7 +94,7 @@ __device__ __forceinline__ void stage(float *dst, int pitch_t, int pitch_r, cons
     }
 }
 
-template <int DC, bool LEAN>
+template <int DC, bool LEAN, bool BASE>
 __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fast_args a) {
     using T = tile<DC>;
     constexpr int R = T::R, BQ = T::BQ, DP = T::DP, EP = T::EP, SPREAD = 32 / R;
@@ -116,142 +116,94 @@ __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fas
     const int64_t iw = i0 + w * R;
     stage<DP, BQ>(sq, BQ, 1, cx.qf + (bh * Nq + i0) * D, D, here); /* Q^T [t][row] */
     float *ew = se + w * KB * EP;
-    double m = -INFINITY, l = 0; /* row `lane`'s state (lanes < R) */
-    int seen = 0;
-    float o[R][DC];
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int c = 0; c < DC; c++) o[r][c] = 0.f;
-    const int64_t bkv = a.block_kv;
-    for (int64_t jb = 0, jb0 = 0; jb0 < Nk; jb++, jb0 += bkv) {
-        const int n = (int)(bkv < Nk - jb0 ? bkv : Nk - jb0);
-        const int ncta = (int)emu_visible(cx.pr, i0 + here - 1, jb0, n); /* keys any row of the CTA sees */
-        if (ncta == 0) {
-            if (causal) break; /* later blocks are masked too, for every row */
-            continue;
-        }
-        const float *kh = cx.kf + (bhk * Nk + jb0) * D, *vh = cx.vf + (bhk * Nk + jb0) * D;
+    /* the element-wise passes' lane: row r = lane % R, keys lane / R + SPREAD k of a block */
+    const int r = lane % R;
+    const int64_t i = iw + r;
+    float *er = ew + r;
+
+    /* K of the keys jb0 .. jb0 + ncta - 1 into shared memory, and V with `need_v` where it has a buffer of its own;
+     * a CTA barrier before and after */
+    auto stage_kv = [&](int64_t jb0, int ncta, bool need_v) {
         __syncthreads(); /* the previous block's readers of K, V and E are done */
-        stage<DP, KB>(sk, KP, 1, kh, D, ncta); /* K^T [t][key] */
-        if (T::SPLIT) stage<DP, KB>(sv, 1, DP, vh, D, ncta);
+        stage<DP, KB>(sk, KP, 1, cx.kf + (bhk * Nk + jb0) * D, D, ncta); /* K^T [t][key] */
+        if (T::SPLIT && need_v) stage<DP, KB>(sv, 1, DP, cx.vf + (bhk * Nk + jb0) * D, D, ncta);
         __syncthreads();
-        const vis nv{causal, n, hw, iw + Nk - Nq - jb0 + 1};
-        const int kw = hw ? nv.of(hw - 1) : 0; /* keys the warp's rows see (the last row sees the most) */
-        const int nown = lane < R ? nv.of(lane) : 0;
-        double mnew = m, lnew = 0, factor = 0;
-        if (kw) {
-            /* scores */
-            float acc[R][2];
+    };
+    /* V where K was (no buffer of its own), once every warp's scores are done; every thread calls it */
+    auto stage_v_late = [&](int64_t jb0, int ncta) {
+        if (T::SPLIT) return;
+        __syncthreads();
+        stage<DP, KB>(sv, 1, DP, cx.vf + (bhk * Nk + jb0) * D, D, ncta);
+        __syncthreads();
+    };
+    /* the warp's score chains over t ascending (lane L keys L, L + 32 of its R rows) into E; ends with __syncwarp */
+    auto scores = [&]() {
+        float acc[R][2];
 #pragma unroll
-            for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = 0.f;
-            const float *qs = sq + w * R, *ks = sk + lane;
-            const int D4 = (D + 3) & ~3;
-            for (int t0 = 0; t0 < D4; t0 += 4) {
+        for (int rr = 0; rr < R; rr++) acc[rr][0] = acc[rr][1] = 0.f;
+        const float *qs = sq + w * R, *ks = sk + lane;
+        const int D4 = (D + 3) & ~3;
+        for (int t0 = 0; t0 < D4; t0 += 4) {
 #pragma unroll
-                for (int t = t0; t < t0 + 4; t++) {
-                    float qv[R];
+            for (int t = t0; t < t0 + 4; t++) {
+                float qv[R];
 #pragma unroll
-                    for (int r4 = 0; r4 < R / 4; r4++) {
-                        const float4 x = *(const float4 *)(qs + t * BQ + 4 * r4);
-                        qv[4 * r4] = x.x, qv[4 * r4 + 1] = x.y, qv[4 * r4 + 2] = x.z, qv[4 * r4 + 3] = x.w;
-                    }
-                    const float k0 = ks[t * KP], k1 = ks[t * KP + 32];
+                for (int r4 = 0; r4 < R / 4; r4++) {
+                    const float4 x = *(const float4 *)(qs + t * BQ + 4 * r4);
+                    qv[4 * r4] = x.x, qv[4 * r4 + 1] = x.y, qv[4 * r4 + 2] = x.z, qv[4 * r4 + 3] = x.w;
+                }
+                const float k0 = ks[t * KP], k1 = ks[t * KP + 32];
 #pragma unroll
-                    for (int r = 0; r < R; r++) {
-                        acc[r][0] = fmaf(qv[r], k0, acc[r][0]);
-                        acc[r][1] = fmaf(qv[r], k1, acc[r][1]);
-                    }
+                for (int rr = 0; rr < R; rr++) {
+                    acc[rr][0] = fmaf(qv[rr], k0, acc[rr][0]);
+                    acc[rr][1] = fmaf(qv[rr], k1, acc[rr][1]);
                 }
             }
-            /* the chains' values into E; from here on lane L works on row r = L % R, keys L / R + SPREAD k (rolled
-             * loops: the per-element steps inline once, not 2 R times) */
+        }
 #pragma unroll
-            for (int c = 0; c < 2; c++)
+        for (int c = 0; c < 2; c++)
 #pragma unroll
-                for (int r4 = 0; r4 < R / 4; r4++)
-                    *(float4 *)(ew + (lane + 32 * c) * EP + 4 * r4) =
-                        make_float4(acc[4 * r4][c], acc[4 * r4 + 1][c], acc[4 * r4 + 2][c], acc[4 * r4 + 3][c]);
-            __syncwarp();
-            const int r = lane % R, nr = nv.of(r);
-            const int64_t i = iw + r;
-            float *er = ew + r;
-            /* s of the visible keys and their maximum. The spec's running maximum att_max(m, s): any order gives its
-             * value and a NaN makes it NaN; only a zero's sign may differ, which no later value depends on
-             * (exp(+-0) = 1; lse = m + log l is 0 + log l). */
-            float mx = -INFINITY;
-            int nan = 0;
-            lean_kind<LEAN>(flt_kind_at(a.lean, LK_SCORE), [&](auto KS) {
+            for (int r4 = 0; r4 < R / 4; r4++)
+                *(float4 *)(ew + (lane + 32 * c) * EP + 4 * r4) =
+                    make_float4(acc[4 * r4][c], acc[4 * r4 + 1][c], acc[4 * r4 + 2][c], acc[4 * r4 + 3][c]);
+        __syncwarp();
+    };
+    /* s of the lane's visible keys (nr of them) in E, folded into its maximum (mx, nan). The spec's running maximum
+     * att_max(m, s): any order gives its value and a NaN makes it NaN; only a zero's sign may differ, which no later
+     * value depends on (exp(+-0) = 1; lse = m + log l is 0 + log l). */
+    auto round_scores = [&](int64_t jb0, int nr, float &mx, int &nan) {
+        lean_kind<LEAN>(flt_kind_at(a.lean, LK_SCORE), [&](auto KS) {
 #pragma unroll 2
-                for (int key = lane / R; key < nr; key += SPREAD) {
-                    const float s = score_of<LEAN, decltype(KS)::value>(a, er[key * EP], bh, i, jb0 + key);
-                    er[key * EP] = s;
-                    nan |= s != s, mx = fmaxf(mx, s);
+            for (int key = lane / R; key < nr; key += SPREAD) {
+                const float s = score_of<LEAN, decltype(KS)::value>(a, er[key * EP], bh, i, jb0 + key);
+                er[key * EP] = s;
+                nan |= s != s, mx = fmaxf(mx, s);
+            }
+        });
+    };
+    /* the softmax terms of the lane's keys below kw in E (0 past nr); with `div`, P = R_p(e / lr) instead (the
+     * baseline's last pass); ends with __syncwarp */
+    auto terms = [&](int64_t jb0, int nr, int kw, float mf, auto div, double lr) {
+        lean_kind<LEAN>(flt_kind_at(a.lean, LK_SOFTMAX), [&](auto KS) {
+            with_exp(cx.exp2, [&](auto E2) {
+                double kk[16]; /* the exp's constants in registers for the loop */
+#pragma unroll
+                for (int c = 0; c < 16; c++) kk[c] = emu_exp_kg[c];
+#pragma unroll 2
+                for (int key = lane / R; key < kw; key += SPREAD) { /* past nr: computed, not kept */
+                    float e = term_of<LEAN, decltype(KS)::value, decltype(E2)::value>(a, er[key * EP], (double)mf,
+                                                                                      mf, bh, i, jb0 + key, kk);
+                    if constexpr (decltype(div)::value)
+                        e = LEAN ? dbl_round(a.p_kind, (double)e / lr)
+                                 : (float)rnd(cx.p, (double)e / lr, ATT_STREAM(ATT_P, bh), ATT_INDEX(i, jb0 + key, 0));
+                    er[key * EP] = key < nr ? e : 0.f;
                 }
             });
-#pragma unroll
-            for (int off = R; off < 32; off <<= 1) {
-                mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, off));
-                nan |= __shfl_xor_sync(FULL, nan, off);
-            }
-            if (nown) mnew = att_max(m, nan ? (double)NAN : (double)mx); /* lane r < R: row r */
-            /* the softmax terms (0 where the row does not see the key, up to the warp's last visible key) */
-            const float mf = __shfl_sync(FULL, (float)mnew, r);
-            lean_kind<LEAN>(flt_kind_at(a.lean, LK_SOFTMAX), [&](auto KS) {
-                with_exp(cx.exp2, [&](auto E2) {
-                    double kk[16]; /* the exp's constants in registers for the loop */
-#pragma unroll
-                    for (int c = 0; c < 16; c++) kk[c] = emu_exp_kg[c];
-#pragma unroll 2
-                    for (int key = lane / R; key < kw; key += SPREAD) { /* past nr: computed, not kept */
-                        const float e = term_of<LEAN, decltype(KS)::value, decltype(E2)::value>(
-                            a, er[key * EP], (double)mf, mf, bh, i, jb0 + key, kk);
-                        er[key * EP] = key < nr ? e : 0.f;
-                    }
-                });
-            });
-            __syncwarp();
-            /* row `lane`'s sum chain over its visible keys ascending, P = R_p(e) written behind it, its statistics */
-            if (nown) { /* lane < R: r == lane */
-                double rsum;
-                with_kind(a.p_kind, [&](auto PK) {
-                    constexpr int K = decltype(PK)::value;
-                    if (cx.sum_acc.kind == ATT_F32) { /* fp32 + fp32 rounded once in fp32: the spec's bits */
-                        float rs = 0.f;
-#pragma unroll 4
-                        for (int key = 0; key < nown; key++) {
-                            const float e = er[key * EP];
-                            rs = __fadd_rn(rs, e);
-                            er[key * EP] = p_of<LEAN, K>(a, e, bh, i, jb0 + key);
-                        }
-                        rsum = rs;
-                    } else {
-                        double rs = 0;
-                        for (int key = 0; key < nown; key++) {
-                            const float e = er[key * EP];
-                            rs = sum_step(a, rs, e, bh, i, jb0 + key);
-                            er[key * EP] = p_of<LEAN, K>(a, e, bh, i, jb0 + key);
-                        }
-                        rsum = rs;
-                    }
-                });
-                row_stats(a, bh, i, jb, m, mnew, l, rsum, lnew, factor);
-                sfac[w * R + lane] = factor, slnew[w * R + lane] = lnew;
-            }
-            __syncwarp();
-        }
-        if (!T::SPLIT) { /* V where K was */
-            __syncthreads();
-            stage<DP, KB>(sv, 1, DP, vh, D, ncta);
-            __syncthreads();
-        }
-        if (!kw) continue;
-        /* P.V of the block */
-        float pv[R][DC];
-#pragma unroll
-        for (int r = 0; r < R; r++)
-#pragma unroll
-            for (int c = 0; c < DC; c++) pv[r][c] = 0.f;
+        });
+        __syncwarp();
+    };
+    /* pv += P.V over the block's keys below kw, P from E, V from shared memory */
+    auto pv_add = [&](float (&pv)[R][DC], int kw) {
         const float *vs = sv + lane;
 #pragma unroll 2
         for (int key = 0; key < kw; key++) {
@@ -264,46 +216,182 @@ __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fas
 #pragma unroll
             for (int c = 0; c < DC; c++) vv[c] = vs[key * DP + 32 * c];
 #pragma unroll
-            for (int r = 0; r < R; r++)
+            for (int rr = 0; rr < R; rr++)
 #pragma unroll
-                for (int c = 0; c < DC; c++) pv[r][c] = fmaf(p[r], vv[c], pv[r][c]);
+                for (int c = 0; c < DC; c++) pv[rr][c] = fmaf(p[rr], vv[c], pv[rr][c]);
         }
-        /* 7 (and 9): O from pv (row_update), for the rows that see a key of the block */
+    };
+    /* row `lane`'s chain of the row sum over its visible keys (nown) ascending, from rs; with `write_p`, each e
+     * rewritten as P = R_p(e) behind it */
+    auto row_sum = [&](int64_t jb0, int nown, double rs_in, bool write_p) {
+        double rsum = rs_in;
+        with_kind(a.p_kind, [&](auto PK) {
+            constexpr int K = decltype(PK)::value;
+            if (cx.sum_acc.kind == ATT_F32) { /* fp32 + fp32 rounded once in fp32: the spec's bits */
+                float rs = (float)rs_in;
+#pragma unroll 4
+                for (int key = 0; key < nown; key++) {
+                    const float e = er[key * EP];
+                    rs = __fadd_rn(rs, e);
+                    if (write_p) er[key * EP] = p_of<LEAN, K>(a, e, bh, i, jb0 + key);
+                }
+                rsum = rs;
+            } else {
+                double rs = rs_in;
+                for (int key = 0; key < nown; key++) {
+                    const float e = er[key * EP];
+                    rs = sum_step(a, rs, e, bh, i, jb0 + key);
+                    if (write_p) er[key * EP] = p_of<LEAN, K>(a, e, bh, i, jb0 + key);
+                }
+                rsum = rs;
+            }
+        });
+        return rsum;
+    };
+    /* the written output from the rows' O (o) and their state in lanes r < R */
+    auto write_out = [&](const float (&o)[R][DC], double m, double l, int seen) {
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-            if (!nv.of(r)) continue;
-            const double f = sfac[w * R + r], ln = slnew[w * R + r];
+        for (int rr = 0; rr < R; rr++) {
+            const double lr = __shfl_sync(FULL, l, rr);
+            const int sr = __shfl_sync(FULL, seen, rr);
+            if (rr >= hw) continue;
+            double *out = a.out + (bh * Nq + iw + rr) * D;
 #pragma unroll
             for (int c = 0; c < DC; c++) {
                 const int d = lane + 32 * c;
-                if (d < D) o[r][c] = o_step<LEAN>(a, o[r][c], pv[r][c], f, ln, bh, iw + r, jb, d);
+                if (d < D) out[d] = out_of(a, o[rr][c], sr, lr, bh, iw + rr, d);
             }
         }
-        if (nown) m = mnew, l = l_kept(a, lnew, bh, iw + lane, jb), seen = 1;
-    }
-    /* out and lse (write_row): rows that saw no key get 0 and -inf */
+        if (a.lse && lane < hw) a.lse[bh * Nq + iw + lane] = lse_of(a, seen, m, l, bh, iw + lane);
+    };
+
+    double m = -INFINITY, l = 0; /* row `lane`'s state (lanes < R) */
+    int seen = 0;
+    float o[R][DC];
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        const double lr = __shfl_sync(FULL, l, r);
-        const int sr = __shfl_sync(FULL, seen, r);
-        if (r >= hw) continue;
-        double *out = a.out + (bh * Nq + iw + r) * D;
+    for (int rr = 0; rr < R; rr++)
 #pragma unroll
-        for (int c = 0; c < DC; c++) {
-            const int d = lane + 32 * c;
-            if (d < D) out[d] = out_of(a, o[r][c], sr, lr, bh, iw + r, d);
+        for (int c = 0; c < DC; c++) o[rr][c] = 0.f;
+
+    if constexpr (BASE) {
+        /* the baseline: one block of every key, in slices of KB keys, three passes (its scores computed in each: the
+         * same events, the same values): the maxima; the row sums' chains and l; P = R_p(e / l) and P.V */
+        float mx = -INFINITY;
+        int nan = 0, nown_all = 0;
+        double rs = 0;
+        for (int pass = 0; pass < 3; pass++) {
+            const float mf = __shfl_sync(FULL, (float)m, r);
+            const double lr = __shfl_sync(FULL, l, r);
+            for (int64_t jb0 = 0; jb0 < Nk; jb0 += KB) {
+                const int n = (int)(KB < Nk - jb0 ? KB : Nk - jb0);
+                const int ncta = (int)emu_visible(cx.pr, i0 + here - 1, jb0, n);
+                if (ncta == 0) break; /* causal: later slices are masked for every row */
+                stage_kv(jb0, ncta, pass == 2);
+                const vis nv{causal, n, hw, iw + Nk - Nq - jb0 + 1};
+                const int kw = hw ? nv.of(hw - 1) : 0, nr = nv.of(r), nown = lane < R ? nv.of(lane) : 0;
+                if (kw) {
+                    scores();
+                    if (pass == 0) {
+                        round_scores(jb0, nr, mx, nan);
+                        nown_all += nown;
+                    } else {
+                        float unused = 0.f;
+                        int unused_nan = 0;
+                        round_scores(jb0, nr, unused, unused_nan);
+                        if (pass == 2) terms(jb0, nr, kw, mf, std::true_type{}, lr);
+                        else terms(jb0, nr, kw, mf, std::false_type{}, lr);
+                        if (pass == 1 && nown) rs = row_sum(jb0, nown, rs, false);
+                        __syncwarp();
+                    }
+                }
+                if (pass < 2) continue;
+                stage_v_late(jb0, ncta);
+                if (kw) pv_add(o, kw);
+            }
+            if (pass == 0) {
+#pragma unroll
+                for (int off = R; off < 32; off <<= 1) {
+                    mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, off));
+                    nan |= __shfl_xor_sync(FULL, nan, off);
+                }
+                if (nown_all) m = nan ? (double)NAN : (double)mx, seen = 1; /* att_max(-inf, .) */
+            } else if (pass == 1 && nown_all) {
+                l = rnd(cx.stats, rs, ATT_STREAM(ATT_STATS_AL, bh), ATT_INDEX(iw + lane, 0, 0));
+            }
         }
+        write_out(o, m, l, seen);
+        return;
+    } else {
+
+        const int64_t bkv = a.block_kv;
+        for (int64_t jb = 0, jb0 = 0; jb0 < Nk; jb++, jb0 += bkv) {
+            const int n = (int)(bkv < Nk - jb0 ? bkv : Nk - jb0);
+            const int ncta = (int)emu_visible(cx.pr, i0 + here - 1, jb0, n); /* keys any row of the CTA sees */
+            if (ncta == 0) {
+                if (causal) break; /* later blocks are masked too, for every row */
+                continue;
+            }
+            stage_kv(jb0, ncta, true);
+            const vis nv{causal, n, hw, iw + Nk - Nq - jb0 + 1};
+            const int kw = hw ? nv.of(hw - 1) : 0; /* keys the warp's rows see (the last row sees the most) */
+            const int nown = lane < R ? nv.of(lane) : 0, nr = nv.of(r);
+            double mnew = m, lnew = 0, factor = 0;
+            if (kw) {
+                scores();
+                float mx = -INFINITY;
+                int nan = 0;
+                round_scores(jb0, nr, mx, nan);
+    #pragma unroll
+                for (int off = R; off < 32; off <<= 1) {
+                    mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, off));
+                    nan |= __shfl_xor_sync(FULL, nan, off);
+                }
+                if (nown) mnew = att_max(m, nan ? (double)NAN : (double)mx); /* lane r < R: row r */
+                terms(jb0, nr, kw, __shfl_sync(FULL, (float)mnew, r), std::false_type{}, 0.0);
+                /* row `lane`'s sum chain with P written behind it, its statistics */
+                if (nown) {
+                    row_stats(a, bh, iw + lane, jb, m, mnew, l, row_sum(jb0, nown, 0.0, true), lnew, factor);
+                    sfac[w * R + lane] = factor, slnew[w * R + lane] = lnew;
+                }
+                __syncwarp();
+            }
+            stage_v_late(jb0, ncta);
+            if (!kw) continue;
+            float pv[R][DC];
+    #pragma unroll
+            for (int rr = 0; rr < R; rr++)
+    #pragma unroll
+                for (int c = 0; c < DC; c++) pv[rr][c] = 0.f;
+            pv_add(pv, kw);
+            /* 7 (and 9): O from pv (row_update), for the rows that see a key of the block */
+    #pragma unroll
+            for (int rr = 0; rr < R; rr++) {
+                if (!nv.of(rr)) continue;
+                const double f = sfac[w * R + rr], ln = slnew[w * R + rr];
+    #pragma unroll
+                for (int c = 0; c < DC; c++) {
+                    const int d = lane + 32 * c;
+                    if (d < D) o[rr][c] = o_step<LEAN>(a, o[rr][c], pv[rr][c], f, ln, bh, iw + rr, jb, d);
+                }
+            }
+            if (nown) m = mnew, l = l_kept(a, lnew, bh, iw + lane, jb), seen = 1;
+        }
+        write_out(o, m, l, seen);
     }
-    if (a.lse && lane < hw) a.lse[bh * Nq + iw + lane] = lse_of(a, seen, m, l, bh, iw + lane);
+}
+
+template <int DC, bool LEAN, bool BASE>
+fadev_status launch(const fast_args &a, int64_t ctas) {
+    const size_t smem = tile<DC>::bytes;
+    CUDA_TRY(cudaFuncSetAttribute(warp_kernel<DC, LEAN, BASE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    warp_kernel<DC, LEAN, BASE><<<(unsigned)ctas, NT, smem>>>(a);
+    CUDA_TRY(cudaGetLastError());
+    return FADEV_OK;
 }
 
 template <int DC, bool LEAN>
-fadev_status launch(const fast_args &a, int64_t ctas) {
-    const size_t smem = tile<DC>::bytes;
-    CUDA_TRY(cudaFuncSetAttribute(warp_kernel<DC, LEAN>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    warp_kernel<DC, LEAN><<<(unsigned)ctas, NT, smem>>>(a);
-    CUDA_TRY(cudaGetLastError());
-    return FADEV_OK;
+fadev_status launch_of(const fast_args &a, int64_t ctas) {
+    return a.baseline ? launch<DC, LEAN, true>(a, ctas) : launch<DC, LEAN, false>(a, ctas);
 }
 
 } // namespace
@@ -312,14 +400,14 @@ int emu_fwd::warp_forward_ok(const emu_ctx &cx, int baseline) {
     const char *off = getenv("FADEV_EMU_WARP"); /* tests and benchmarks: 0 runs emu_forward_fast.cu's kernel */
     if (off && strcmp(off, "0") == 0) return 0;
     const int64_t bkv = cx.pr.block_kv < cx.pr.seq_kv ? cx.pr.block_kv : cx.pr.seq_kv;
-    return !baseline && bkv <= KB && cx.pr.dim <= 128;
+    return (baseline || bkv <= KB) && cx.pr.dim <= 128;
 }
 
-fadev_status emu_fwd::warp_forward(const emu_ctx &cx, double *out, double *lse) {
+fadev_status emu_fwd::warp_forward(const emu_ctx &cx, double *out, double *lse, int baseline) {
     const int d64 = cx.pr.dim <= 64;
-    const fast_args a = fast_args_of(cx, out, lse, 0, d64 ? tile<2>::BQ : tile<4>::BQ);
+    const fast_args a = fast_args_of(cx, out, lse, baseline, d64 ? tile<2>::BQ : tile<4>::BQ);
     const int64_t ctas = cx.pr.batch * cx.pr.heads * a.tiles;
     if (ctas >= (int64_t)1 << 31) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "emulated attention: grid too large");
-    if (d64) return a.lean ? launch<2, true>(a, ctas) : launch<2, false>(a, ctas);
-    return a.lean ? launch<4, true>(a, ctas) : launch<4, false>(a, ctas);
+    if (d64) return a.lean ? launch_of<2, true>(a, ctas) : launch_of<2, false>(a, ctas);
+    return a.lean ? launch_of<4, true>(a, ctas) : launch_of<4, false>(a, ctas);
 }

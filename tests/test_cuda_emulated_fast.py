@@ -115,21 +115,23 @@ def test_one_nonfinite_head_fast_is_generic(where, monkeypatch):
 @pytest.mark.parametrize("D", [1, 31, 64, 65, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_warp_kernel_is_tiled_kernel(D, causal, monkeypatch):
-    """Flash blocks of <= 64 keys run emu_forward_warp.cu (a warp per 16 or 8 query rows); FADEV_EMU_WARP=0 runs
-    emu_forward_fast.cu's kernel on the same call. Several CTAs per head (128 or 64 rows each), ragged last tiles,
+    """Flash blocks of <= 64 keys and the baseline run emu_forward_warp.cu (a warp per 16 or 8 query rows);
+    FADEV_EMU_WARP=0 runs emu_forward_fast.cu's kernel on the same call. Several CTAs per head (128 or 64 rows each), ragged last tiles,
     grouped-query heads, Nq != Nk, blocks that do not divide N, the presets' policies and the flash options: the
     two fast kernels, the generic kernels and the CPU all give the same bits."""
     q, k, v = make_qkv(29, 1, 4, 2, 300, 229, D, spread=2.0)
     cases = [(Policy.fa2("bf16"), {}), (Policy.paper("fp16"), dict(block_kv=48)),
              (Policy.naive("bf16"), dict(block_kv=64)), (Policy.fa2("fp16"), dict(block_kv=17, normalize="eager")),
              (Policy.fa1("bf16"), dict(block_kv=64)), (Policy.fa2("bf16"), dict(block_kv=33, loop_order="kv_outer"))]
+    cases += [(Policy.naive("bf16"), "baseline"), (Policy.paper("fp16"), "baseline")]
     for policy, kw in cases:
+        kind, kw = ("baseline", {}) if kw == "baseline" else ("flash", kw)
         monkeypatch.setenv("FADEV_EMU_WARP", "0")
-        to, tl = forward("flash", q, k, v, policy, monkeypatch, False, causal=causal, **kw)
+        to, tl = forward(kind, q, k, v, policy, monkeypatch, False, causal=causal, **kw)
         monkeypatch.setenv("FADEV_EMU_WARP", "1")
-        assert_fast_is_generic("flash", q, k, v, policy, monkeypatch, cpu=D in (31, 128), causal=causal, **kw)
-        wo, wl = forward("flash", q, k, v, policy, monkeypatch, False, causal=causal, **kw)
-        assert differing(wo, to) == 0 and differing(wl, tl) == 0, f"{policy} {kw}: warp kernel != tiled kernel"
+        assert_fast_is_generic(kind, q, k, v, policy, monkeypatch, cpu=D in (31, 128), causal=causal, **kw)
+        wo, wl = forward(kind, q, k, v, policy, monkeypatch, False, causal=causal, **kw)
+        assert differing(wo, to) == 0 and differing(wl, tl) == 0, f"{kind} {policy} {kw}: warp kernel != tiled kernel"
 
 
 @pytest.mark.parametrize("exp2", [False, True])
@@ -259,9 +261,9 @@ def kernels_run(kind, policy, monkeypatch, generic):
 
 
 @pytest.mark.parametrize("kind,preset,expected", [
-    ("flash", "fa2", ["warp_kernel<2, true>", "pair_fast_kernel<1>", "dkv_fast_kernel", "dq_fast_kernel"]),
-    ("flash", "paper", ["warp_kernel<2, true>", "pair_fast_kernel<2>", "dkv_fast_kernel", "dq_fast_kernel"]),
-    ("baseline", "naive", ["fast_kernel<4, true>", "pair_fast_kernel<2>", "rows_max_kernel", "rows_elem_kernel<0>",
+    ("flash", "fa2", ["warp_kernel<2, true, false>", "pair_fast_kernel<1>", "dkv_fast_kernel", "dq_fast_kernel"]),
+    ("flash", "paper", ["warp_kernel<2, true, false>", "pair_fast_kernel<2>", "dkv_fast_kernel", "dq_fast_kernel"]),
+    ("baseline", "naive", ["warp_kernel<2, true, true>", "pair_fast_kernel<2>", "rows_max_kernel", "rows_elem_kernel<0>",
                            "rows_chain_kernel<0>", "rows_chain_kernel<1>", "rows_elem_kernel<1>"]),
 ])
 def test_presets_take_the_lean_kernels(kind, preset, expected, monkeypatch):
