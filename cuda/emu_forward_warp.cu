@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fas
     /* pv += P.V over the block's keys below kw, P from E, V from shared memory */
     auto pv_add = [&](float (&pv)[R][DC], int kw) {
         const float *vs = sv + lane;
-#pragma unroll 2
+#pragma unroll 4
         for (int key = 0; key < kw; key++) {
             float p[R], vv[DC];
 #pragma unroll
