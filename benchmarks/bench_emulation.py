@@ -19,6 +19,8 @@ format's error of the fp64 answer.
 torch.cuda.Event timings after a warm-up, beside the fp32 SIMT matrix product (torch.matmul on float32 with
 torch.backends.cuda.matmul.allow_tf32 = False, 2 n^3 flops) measured in the same run. Validated first: on a
 small problem the GPU's outputs equal the CPU's bit for bit (any NaN equal to any NaN, docs/numerics.md "GPU").
+--tiled adds the forward on the kernel the warp kernel replaced (FADEV_EMU_WARP=0: cuda/emu_forward_fast.cu's tiled
+kernel), timed in the same run, and the speed-up over it.
 """
 import argparse
 import math
@@ -207,16 +209,29 @@ def bench_cuda(args):
                 times[generic] = (cuda_ms(lambda: fwd(q, k, v, pol, causal=args.causal, return_lse=True), reps),
                                   cuda_ms(lambda: bwd(q, k, v, out, lse, dout, pol, causal=args.causal), reps))
             os.environ.pop("FADEV_EMU_GENERIC", None)
+            tiled = None
+            if args.tiled:
+                os.environ["FADEV_EMU_WARP"] = "0"
+                try:
+                    tiled = cuda_ms(lambda: fwd(q, k, v, pol, causal=args.causal, return_lse=True), args.repeat)
+                finally:
+                    os.environ.pop("FADEV_EMU_WARP", None)
             for x, (direction, flops) in enumerate((("forward", 4 * base), ("backward", 10 * base))):
                 ms = times[False][x]
                 tf = flops / (ms * 1e-3) / 1e12
                 gen = f"{times[True][x]:.1f} | {times[True][x] / ms:.1f}x" if True in times else "- | -"
-                rows.append(f"| {pol} | {direction} | {ms:.1f} | {tf:.2f} | {100 * tf / simt:.1f}% | {gen} |")
+                row = f"| {pol} | {direction} | {ms:.1f} | {tf:.2f} | {100 * tf / simt:.1f}% | {gen} |"
+                if args.tiled:
+                    row += f" {tiled:.1f} | {tiled / ms:.2f}x |" if x == 0 else " - | - |"
+                rows.append(row)
     shape = describe(args)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; {shape}; CUDA float64 in/out; median of "
           f"{args.repeat}; fp32 SIMT matmul (TF32 off) {simt:.1f} TFLOP/s in this run; generic: the same call "
           f"with FADEV_EMU_GENERIC=1 (one timed run)\n")
-    print("| preset | direction | ms | TFLOP/s | of fp32 SIMT | generic ms | speed-up |\n|---|---|---|---|---|---|---|")
+    head = "| preset | direction | ms | TFLOP/s | of fp32 SIMT | generic ms | speed-up |"
+    if args.tiled:
+        head += " tiled ms | over tiled |"
+    print(head + "\n|" + "---|" * (head.count("|") - 1))
     print("\n".join(rows))
     if args.step:
         llama_step(args.step_steps)
@@ -245,6 +260,7 @@ def main():
     p.add_argument("--causal", action="store_true")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--fast-only", action="store_true", help="skip timing the generic paths")
+    p.add_argument("--tiled", action="store_true", help="cuda: the forward also on the tiled kernel (FADEV_EMU_WARP=0)")
     p.add_argument("--step", action="store_true", help="cuda: also the Llama training step (bench_step.py's)")
     p.add_argument("--step-steps", type=int, default=10, help="timed steps per arm with --step")
     args = p.parse_args()

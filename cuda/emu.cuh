@@ -116,6 +116,24 @@ __device__ __forceinline__ double emu_exp_fast(int exp2_form, double x, const do
     return y;
 }
 
+/* 4-5 of a flash block jb for row i (row_softmax): from the row's m, l, its new maximum m_new and the block's row
+ * sum, the new l (lnew) and the factor the O update multiplies O by (alpha, or alpha l when eager). LEAN as
+ * emu_rnd's. */
+template <bool LEAN>
+__device__ __forceinline__ void emu_row_stats(const att_plan &cx, int64_t bh, int64_t i, int64_t jb, double m,
+                                              double m_new, double l, double rsum, double &lnew, double &factor) {
+    const uint64_t idx = ATT_INDEX(i, jb, 0);
+    double alpha = 0;
+    if (m != -INFINITY) {
+        const double diff = emu_rnd<LEAN>(cx.rescale, m - m_new, ATT_STREAM(ATT_RESCALE_DIFF, bh), idx);
+        alpha = emu_rnd<LEAN>(cx.rescale, emu_exp(cx.exp2, diff), ATT_STREAM(ATT_RESCALE_ALPHA, bh), idx);
+    }
+    const double a_l = emu_rnd<LEAN>(cx.stats, alpha * l, ATT_STREAM(ATT_STATS_AL, bh), idx);
+    const double rs = emu_rnd<LEAN>(cx.stats, rsum, ATT_STREAM(ATT_STATS_ROWSUM, bh), idx);
+    lnew = emu_rnd<LEAN>(cx.stats, a_l + rs, ATT_STREAM(ATT_STATS_LNEW, bh), idx);
+    factor = cx.pr.normalize == FADEV_EAGER ? a_l : alpha;
+}
+
 /* Number of keys j0..j0+n-1 that query row i sees (a prefix of the range), as att_visible. */
 __device__ __forceinline__ int64_t emu_visible(const fadev_attention_params &pr, int64_t i, int64_t j0, int64_t n) {
     if (!pr.causal) return n;

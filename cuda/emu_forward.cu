@@ -229,18 +229,8 @@ __global__ void __launch_bounds__(ROWS) flash_kernel(const fwd_args a) {
                 if (!(ap <= 1.7976931348623157e308)) pfinite = 0;
                 else if (ap > 0) pmin = ap < pmin ? ap : pmin, pmax = ap > pmax ? ap : pmax;
             }
-            if (last) { /* 4-5: the statistics, once the row sum is complete (row_softmax) */
-                const uint64_t idx = ATT_INDEX(i, jb, 0);
-                double alpha = 0;
-                if (m != -INFINITY) {
-                    const double diff = emu_round(cx.rescale, m - m_new, ATT_STREAM(ATT_RESCALE_DIFF, bh), idx);
-                    alpha = emu_round(cx.rescale, emu_exp(cx.exp2, diff), ATT_STREAM(ATT_RESCALE_ALPHA, bh), idx);
-                }
-                const double a_l = emu_round(cx.stats, alpha * l, ATT_STREAM(ATT_STATS_AL, bh), idx);
-                const double rs = emu_round(cx.stats, rowsum, ATT_STREAM(ATT_STATS_ROWSUM, bh), idx);
-                l_new = emu_round(cx.stats, a_l + rs, ATT_STREAM(ATT_STATS_LNEW, bh), idx);
-                factor = eager ? a_l : alpha;
-            }
+            if (last) /* 4-5: the statistics, once the row sum is complete (row_softmax) */
+                emu_row_stats<false>(cx, bh, i, jb, m, m_new, l, rowsum, l_new, factor);
             const int pv_tier = pv_tier_of(cx, bhk, pmin, pmax, pfinite);
             for (int64_t d = 0; d < D; d++) {
                 const double acc = pv_chunk(cx, sm, col, pv_tier, bh, bhk, i, j0 + c0, nc, d,

@@ -114,21 +114,10 @@ __device__ __forceinline__ double sum_step(const fast_args &a, double rs, float 
     return rnd(a.cx.sum_acc, rs + (double)e, ATT_STREAM(ATT_SUM_ACC, bh), ATT_INDEX(i, j, 0));
 }
 
-/* 4-5 of a block jb for row i (row_softmax): from the row's m, l, its new maximum m_new and the block's row sum,
- * the new l (lnew) and the factor the O update multiplies O by (alpha, or alpha l when eager). */
+/* 4-5 of a block jb for row i (row_softmax), the general rounding out of line: emu.cuh's emu_row_stats. */
 __device__ __forceinline__ void row_stats(const fast_args &a, int64_t bh, int64_t i, int64_t jb, double m,
                                           double m_new, double l, double rsum, double &lnew, double &factor) {
-    const emu_ctx &cx = a.cx;
-    const uint64_t idx = ATT_INDEX(i, jb, 0);
-    double alpha = 0;
-    if (m != -INFINITY) {
-        const double diff = rnd(cx.rescale, m - m_new, ATT_STREAM(ATT_RESCALE_DIFF, bh), idx);
-        alpha = rnd(cx.rescale, emu_exp(cx.exp2, diff), ATT_STREAM(ATT_RESCALE_ALPHA, bh), idx);
-    }
-    const double a_l = rnd(cx.stats, alpha * l, ATT_STREAM(ATT_STATS_AL, bh), idx);
-    const double rs = rnd(cx.stats, rsum, ATT_STREAM(ATT_STATS_ROWSUM, bh), idx);
-    lnew = rnd(cx.stats, a_l + rs, ATT_STREAM(ATT_STATS_LNEW, bh), idx);
-    factor = cx.pr.normalize == FADEV_EAGER ? a_l : alpha;
+    emu_row_stats<true>(a.cx, bh, i, jb, m, m_new, l, rsum, lnew, factor);
 }
 
 /* The row's l kept after block jb (kv_outer rounds the state to state_stats between blocks). */
