@@ -94,8 +94,9 @@ __device__ __forceinline__ void stage(float *dst, int pitch_t, int pitch_r, cons
     }
 }
 
+/* Row tile tq (BQ query rows) of query head bh. */
 template <int DC, bool LEAN, bool BASE>
-__global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fast_args a) {
+__device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_t tq) {
     using T = tile<DC>;
     constexpr int R = T::R, BQ = T::BQ, DP = T::DP, EP = T::EP, SPREAD = 32 / R;
     extern __shared__ __align__(16) char smem[];
@@ -106,9 +107,6 @@ __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fas
     const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
     const int64_t Nq = cx.pr.seq_q, Nk = cx.pr.seq_kv;
     const int D = (int)cx.pr.dim, causal = cx.pr.causal;
-    const int64_t bh = blockIdx.x / a.tiles;
-    int64_t tq = blockIdx.x % a.tiles;
-    if (causal) tq = a.tiles - 1 - tq; /* the longest rows first: the last wave is the short ones */
     const int64_t i0 = tq * BQ, bhk = emu_kv_head(cx, bh);
     if (!emu_head_finite(cx, bh, bhk)) return; /* the generic launch computes this head */
     const int here = (int)(Nq - i0 < BQ ? Nq - i0 : BQ);
@@ -380,6 +378,23 @@ __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fas
     }
 }
 
+/* CTAs per query head: causal, a CTA takes two row tiles, the p-th longest and the p-th shortest, so that every CTA
+ * has about the same work (a CTA per tile, longest first, left the last wave to the short ones). */
+__host__ __device__ __forceinline__ int64_t ctas_per_head(const fast_args &a) {
+    return a.cx.pr.causal ? (a.tiles + 1) / 2 : a.tiles;
+}
+
+template <int DC, bool LEAN, bool BASE>
+__global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fast_args a) {
+#pragma unroll 1
+    for (int k = 0; k < 2; k++) { /* a loop: the tile's code inlined once; its indices recomputed, not kept */
+        const int64_t per = ctas_per_head(a), p = blockIdx.x % per, last = a.tiles - 1 - p;
+        if (k && (!a.cx.pr.causal || p == last)) break;
+        if (k) __syncthreads(); /* the first tile's readers of shared memory are done */
+        warp_tile<DC, LEAN, BASE>(a, blockIdx.x / per, a.cx.pr.causal && !k ? last : p);
+    }
+}
+
 template <int DC, bool LEAN, bool BASE>
 fadev_status launch(const fast_args &a, int64_t ctas) {
     const size_t smem = tile<DC>::bytes;
@@ -406,7 +421,7 @@ int emu_fwd::warp_forward_ok(const emu_ctx &cx, int baseline) {
 fadev_status emu_fwd::warp_forward(const emu_ctx &cx, double *out, double *lse, int baseline) {
     const int d64 = cx.pr.dim <= 64;
     const fast_args a = fast_args_of(cx, out, lse, baseline, d64 ? tile<2>::BQ : tile<4>::BQ);
-    const int64_t ctas = cx.pr.batch * cx.pr.heads * a.tiles;
+    const int64_t ctas = cx.pr.batch * cx.pr.heads * ctas_per_head(a);
     if (ctas >= (int64_t)1 << 31) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "emulated attention: grid too large");
     if (d64) return a.lean ? launch_of<2, true>(a, ctas) : launch_of<2, false>(a, ctas);
     return a.lean ? launch_of<4, true>(a, ctas) : launch_of<4, false>(a, ctas);
