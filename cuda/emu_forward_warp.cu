@@ -384,8 +384,12 @@ __host__ __device__ __forceinline__ int64_t ctas_per_head(const fast_args &a) {
     return a.cx.pr.causal ? (a.tiles + 1) / 2 : a.tiles;
 }
 
-template <int DC, bool LEAN, bool BASE>
+template <int DC, bool LEAN, bool BASE, bool PAIR>
 __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fast_args a) {
+    if constexpr (!PAIR) { /* a kernel of its own: the pair's loop state cost the tile's registers (spills) */
+        warp_tile<DC, LEAN, BASE>(a, blockIdx.x / a.tiles, blockIdx.x % a.tiles);
+        return;
+    }
 #pragma unroll 1
     for (int k = 0; k < 2; k++) { /* a loop: the tile's code inlined once; its indices recomputed, not kept */
         const int64_t per = ctas_per_head(a), p = blockIdx.x % per, last = a.tiles - 1 - p;
@@ -395,18 +399,20 @@ __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fas
     }
 }
 
-template <int DC, bool LEAN, bool BASE>
+template <int DC, bool LEAN, bool BASE, bool PAIR>
 fadev_status launch(const fast_args &a, int64_t ctas) {
     const size_t smem = tile<DC>::bytes;
-    CUDA_TRY(cudaFuncSetAttribute(warp_kernel<DC, LEAN, BASE>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    warp_kernel<DC, LEAN, BASE><<<(unsigned)ctas, NT, smem>>>(a);
+    CUDA_TRY(cudaFuncSetAttribute(warp_kernel<DC, LEAN, BASE, PAIR>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)smem));
+    warp_kernel<DC, LEAN, BASE, PAIR><<<(unsigned)ctas, NT, smem>>>(a);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }
 
 template <int DC, bool LEAN>
 fadev_status launch_of(const fast_args &a, int64_t ctas) {
-    return a.baseline ? launch<DC, LEAN, true>(a, ctas) : launch<DC, LEAN, false>(a, ctas);
+    if (a.cx.pr.causal) return a.baseline ? launch<DC, LEAN, true, true>(a, ctas) : launch<DC, LEAN, false, true>(a, ctas);
+    return a.baseline ? launch<DC, LEAN, true, false>(a, ctas) : launch<DC, LEAN, false, false>(a, ctas);
 }
 
 } // namespace

@@ -261,9 +261,9 @@ def kernels_run(kind, policy, monkeypatch, generic):
 
 
 @pytest.mark.parametrize("kind,preset,expected", [
-    ("flash", "fa2", ["warp_kernel<2, true, false>", "pair_fast_kernel<1>", "dkv_fast_kernel", "dq_fast_kernel"]),
-    ("flash", "paper", ["warp_kernel<2, true, false>", "pair_fast_kernel<2>", "dkv_fast_kernel", "dq_fast_kernel"]),
-    ("baseline", "naive", ["warp_kernel<2, true, true>", "pair_fast_kernel<2>", "rows_max_kernel", "rows_elem_kernel<0>",
+    ("flash", "fa2", ["warp_kernel<2, true, false, false>", "pair_fast_kernel<1>", "dkv_fast_kernel", "dq_fast_kernel"]),
+    ("flash", "paper", ["warp_kernel<2, true, false, false>", "pair_fast_kernel<2>", "dkv_fast_kernel", "dq_fast_kernel"]),
+    ("baseline", "naive", ["warp_kernel<2, true, true, false>", "pair_fast_kernel<2>", "rows_max_kernel", "rows_elem_kernel<0>",
                            "rows_chain_kernel<0>", "rows_chain_kernel<1>", "rows_elem_kernel<1>"]),
 ])
 def test_presets_take_the_lean_kernels(kind, preset, expected, monkeypatch):
