@@ -1,5 +1,7 @@
-"""The emulated kernels' fast paths on the GPU (fp32 FMA chains, register-blocked: cuda/emu_forward_fast.cu and
-the backward's) against the generic GPU kernels (FADEV_EMU_GENERIC=1) and the C core, bit for bit.
+"""The emulated kernels' fast paths on the GPU (fp32 FMA chains, register-blocked: cuda/emu_forward_warp.cu,
+cuda/emu_forward_fast.cu and the backward's) against the generic GPU kernels (FADEV_EMU_GENERIC=1) and the C core,
+bit for bit; the forward's two fast kernels against each other (FADEV_EMU_WARP=0); the fast kernels' exp against
+CUDA's for every fp32 input.
 
 The fast path is taken where the policy allows it (fp32 nearest-even accumulators, factors of <= 12 bits) and
 every rounded input is finite. The shapes here stress what the fast path does differently: odd N and D (partial
