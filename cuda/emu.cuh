@@ -68,18 +68,15 @@ __device__ __forceinline__ double emu_exp(int exp2_form, double x) { return exp2
  * then e^r by a degree-12 polynomial (Horner), scaled by 2^n in the exponent field; |x| near or past the range
  * (the high word, read as a float, at least 0x1.1fep+2 (exp2) or 0x1.0c4656p+2 (exp)) as libdevice's own path.
  * k: emu_exp_k, or a copy of it in registers (a loop's caller loads it once). */
-static __constant__ double emu_exp_k[16] = {
-    0x1.8p52, -0x1.8p52, 0x1.62e42fefa39efp-1, 0x1.abc9e3b39803fp-56,
-    0x1.71547652b82fep+0, 0x1.ade1569ce2bdfp-26, 0x1.28af3fca213eap-22, 0x1.71dee62401315p-19,
-    0x1.a01997c89eb71p-16, 0x1.a01a014761f65p-13, 0x1.6c16c1852b7afp-10, 0x1.1111111122322p-7,
-    0x1.55555555502a1p-5, 0x1.5555555555511p-3, 0x1.000000000000bp-1, 0x1.0000000000000p+0};
+#define EMU_EXP_K                                                                                          \
+    {0x1.8p52, -0x1.8p52, 0x1.62e42fefa39efp-1, 0x1.abc9e3b39803fp-56, 0x1.71547652b82fep+0, 0x1.ade1569ce2bdfp-26, \
+     0x1.28af3fca213eap-22, 0x1.71dee62401315p-19, 0x1.a01997c89eb71p-16, 0x1.a01a014761f65p-13,               \
+     0x1.6c16c1852b7afp-10, 0x1.1111111122322p-7, 0x1.55555555502a1p-5, 0x1.5555555555511p-3,                  \
+     0x1.000000000000bp-1, 0x1.0000000000000p+0}
+static __constant__ double emu_exp_k[16] = EMU_EXP_K;
 /* The same in global memory: a loop that loads these into registers once keeps them (ptxas reloads constant memory
  * at every use, as cheap as a register; a global load it does not repeat). */
-static __device__ double emu_exp_kg[16] = {
-    0x1.8p52, -0x1.8p52, 0x1.62e42fefa39efp-1, 0x1.abc9e3b39803fp-56,
-    0x1.71547652b82fep+0, 0x1.ade1569ce2bdfp-26, 0x1.28af3fca213eap-22, 0x1.71dee62401315p-19,
-    0x1.a01997c89eb71p-16, 0x1.a01a014761f65p-13, 0x1.6c16c1852b7afp-10, 0x1.1111111122322p-7,
-    0x1.55555555502a1p-5, 0x1.5555555555511p-3, 0x1.000000000000bp-1, 0x1.0000000000000p+0};
+static __device__ double emu_exp_kg[16] = EMU_EXP_K;
 
 __device__ __forceinline__ double emu_exp_fast(int exp2_form, double x, const double *k = emu_exp_k) {
     double r, nd;

@@ -388,14 +388,14 @@ template <int DC, bool LEAN, bool BASE, bool PAIR>
 __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fast_args a) {
     if constexpr (!PAIR) { /* a kernel of its own: the pair's loop state cost the tile's registers (spills) */
         warp_tile<DC, LEAN, BASE>(a, blockIdx.x / a.tiles, blockIdx.x % a.tiles);
-        return;
-    }
+    } else {
 #pragma unroll 1
-    for (int k = 0; k < 2; k++) { /* a loop: the tile's code inlined once; its indices recomputed, not kept */
-        const int64_t per = ctas_per_head(a), p = blockIdx.x % per, last = a.tiles - 1 - p;
-        if (k && (!a.cx.pr.causal || p == last)) break;
-        if (k) __syncthreads(); /* the first tile's readers of shared memory are done */
-        warp_tile<DC, LEAN, BASE>(a, blockIdx.x / per, a.cx.pr.causal && !k ? last : p);
+        for (int k = 0; k < 2; k++) { /* a loop: the tile's code inlined once; its indices recomputed, not kept */
+            const int64_t per = ctas_per_head(a), p = blockIdx.x % per, last = a.tiles - 1 - p;
+            if (k && (!a.cx.pr.causal || p == last)) break;
+            if (k) __syncthreads(); /* the first tile's readers of shared memory are done */
+            warp_tile<DC, LEAN, BASE>(a, blockIdx.x / per, a.cx.pr.causal && !k ? last : p);
+        }
     }
 }
 

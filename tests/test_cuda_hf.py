@@ -21,13 +21,11 @@ pytest.importorskip("transformers")
 import fadev.hf as hf  # noqa: E402
 import fadev.torch_native as tn  # noqa: E402
 from fadev.monitor import reference_attention  # noqa: E402
-from test_cuda_native import _assert_within, _errors, _golden, _inputs  # noqa: E402
+from test_cuda_native import _assert_within, _errors, _golden, _inputs, needs_gpu  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 F = torch.nn.functional
-needs_gpu = pytest.mark.skipif(not (fadev.cuda_available() and torch.cuda.is_available()),
-                               reason="no CUDA device (fadev.cuda_available() or torch.cuda.is_available() is False)")
 pytestmark = [pytest.mark.gpu, needs_gpu]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SHAPES = [(2, 4, 4, 256, 256), (1, 4, 2, 300, 300), (1, 4, 1, 200, 333)]  # (batch, heads, heads_kv, seq_q, seq_kv)

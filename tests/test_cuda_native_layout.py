@@ -11,10 +11,8 @@ import fadev
 
 torch = pytest.importorskip("torch")
 
-from test_cuda_native import _inputs  # noqa: E402
+from test_cuda_native import _inputs, needs_gpu  # noqa: E402
 
-needs_gpu = pytest.mark.skipif(not (fadev.cuda_available() and torch.cuda.is_available()),
-                               reason="no CUDA device (fadev.cuda_available() or torch.cuda.is_available() is False)")
 pytestmark = [pytest.mark.gpu, needs_gpu]
 
 

@@ -19,10 +19,8 @@ import fadev
 torch = pytest.importorskip("torch")
 
 from test_cuda_native import (DTYPES, SHAPES, _errors, _inputs, check_backward, check_forward,  # noqa: E402
-                              compiled_tiles)
+                              compiled_tiles, needs_gpu)
 
-needs_gpu = pytest.mark.skipif(not (fadev.cuda_available() and torch.cuda.is_available()),
-                               reason="no CUDA device (fadev.cuda_available() or torch.cuda.is_available() is False)")
 pytestmark = [pytest.mark.gpu, needs_gpu]
 
 
