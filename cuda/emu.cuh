@@ -78,9 +78,11 @@ static __constant__ double emu_exp_k[16] = EMU_EXP_K;
  * at every use, as cheap as a register; a global load it does not repeat). */
 static __device__ double emu_exp_kg[16] = EMU_EXP_K;
 
-__device__ __forceinline__ double emu_exp_fast(int exp2_form, double x, const double *k = emu_exp_k) {
+/* emu_exp_fast's reduction and polynomial: e^r (or 2^f) before the scaling by 2^n, and n. Where
+ * emu_exp_in_range(exp2_form, x) holds, emu_exp_fast(x) is emu_exp_scaled(p, n); a loop that tests the range once
+ * for many values calls these two, without a branch each. */
+__device__ __forceinline__ double emu_exp_poly(int exp2_form, double x, const double *k, int &n) {
     double r, nd;
-    int n;
     if (exp2_form) {
         const double t = __dadd_rn(x, k[0]);
         n = __double2loint(t);
@@ -97,11 +99,26 @@ __device__ __forceinline__ double emu_exp_fast(int exp2_form, double x, const do
     double p = __fma_rn(k[5], r, k[6]);
 #pragma unroll
     for (int c = 7; c <= 15; c++) p = __fma_rn(p, r, k[c]);
-    p = __fma_rn(p, r, k[15]);
+    return __fma_rn(p, r, k[15]);
+}
+
+/* True where emu_exp_fast(x) is emu_exp_scaled of emu_exp_poly's (the high word, read as a float, below the bound);
+ * false near or past the range and for NaN. */
+__device__ __forceinline__ bool emu_exp_in_range(int exp2_form, double x) {
+    return fabsf(__int_as_float(__double2hiint(x))) < (exp2_form ? 0x1.1fep+2f : 0x1.0c4656p+2f);
+}
+
+__device__ __forceinline__ double emu_exp_scaled(double p, int n) {
+    return __hiloint2double(__double2hiint(p) + (n << 20), __double2loint(p));
+}
+
+__device__ __forceinline__ double emu_exp_fast(int exp2_form, double x, const double *k = emu_exp_k) {
+    int n;
+    const double p = emu_exp_poly(exp2_form, x, k, n);
     const int lo = __double2loint(p), hi = __double2hiint(p), xhi = __double2hiint(x);
     double y = __hiloint2double(hi + (n << 20), lo);
     const float ax = fabsf(__int_as_float(xhi));
-    if (!(ax < (exp2_form ? 0x1.1fep+2f : 0x1.0c4656p+2f))) {
+    if (!emu_exp_in_range(exp2_form, x)) {
         if (exp2_form) y = fabs(x) > INFINITY || x != x ? __dadd_rn(x, x) : xhi < 0 ? 0.0 : INFINITY;
         else y = x < 0 ? 0.0 : __dadd_rn(x, INFINITY);
         if (ax < (exp2_form ? 0x1.2198p+2f : 0x1.0e9p+2f)) {
