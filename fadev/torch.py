@@ -371,19 +371,26 @@ class _SdpaRoute:
         return self._attend(query, key, value, causal, scale)
 
 
-def autocast_inputs(q, k, v):
-    """q, k, v as PyTorch's own SDPA sees them under ``torch.autocast``: cast to the autocast dtype (SDPA is
-    one of autocast's lower-precision ops on CPU and CUDA), which the replaced function would otherwise skip --
-    under autocast a Hugging Face model hands SDPA fp32 q, k (after the rotary embedding) with a bf16 v."""
-    kind = q.device.type if isinstance(q, torch.Tensor) else "cpu"
+def autocast_dtype(t):
+    """The dtype ``torch.autocast`` casts lower-precision ops to on ``t``'s device (CPU or CUDA), or None where
+    autocast is off there (or ``t`` is not a tensor on one of those devices)."""
+    kind = t.device.type if isinstance(t, torch.Tensor) else "cpu"
     if kind not in ("cpu", "cuda"):
-        return q, k, v
+        return None
     try:
         on, dtype = torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
     except (TypeError, AttributeError):  # torch < 2.4: one function per device
         on = torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled()
         dtype = torch.get_autocast_cpu_dtype() if kind == "cpu" else torch.get_autocast_gpu_dtype()
-    if not on:
+    return dtype if on else None
+
+
+def autocast_inputs(q, k, v):
+    """q, k, v as PyTorch's own SDPA sees them under ``torch.autocast``: cast to the autocast dtype (SDPA is
+    one of autocast's lower-precision ops on CPU and CUDA), which the replaced function would otherwise skip --
+    under autocast a Hugging Face model hands SDPA fp32 q, k (after the rotary embedding) with a bf16 v."""
+    dtype = autocast_dtype(q)
+    if dtype is None:
         return q, k, v
     # the cast keeps a model's layout (its (B, N, H, D) memory seen as (B, H, N, D)): the native kernel reads those
     # strides in place and writes its output and gradients in the same layout, which the model's views then take
@@ -516,5 +523,5 @@ class shadow(_SdpaRoute):  # noqa: N801 (a context manager)
         return pd.DataFrame.from_records(self.records)
 
 
-__all__ = ["attention", "patch_sdpa", "autocast_inputs", "shadow", "UnsupportedSDPA", "release_buffers", "POOL_MAX_ELEMENTS", "KERNELS",
+__all__ = ["attention", "patch_sdpa", "autocast_inputs", "autocast_dtype", "shadow", "UnsupportedSDPA", "release_buffers", "POOL_MAX_ELEMENTS", "KERNELS",
            "FLASH_TILING", "DTYPES", "METRICS"]

@@ -3,6 +3,7 @@ replaces the binding's two native calls by a recorder and lets CPU tensors pass 
 the binding -- pointers, shape tuple, call spec, native options, stream -- and what is computed once per key are
 tested here; the kernels' results are tested on the GPU (test_cuda_hf.py). And the table mma="auto" reads.
 """
+import contextlib
 import math
 
 import pytest
@@ -251,3 +252,50 @@ def test_autocast_cast_keeps_the_layout():
     assert q.dtype == torch.bfloat16 and q.stride() == q32.stride() and torch.equal(q, q32.to(torch.bfloat16))
     assert v is v16
     assert autocast_inputs(q32, q32, v16)[0] is q32  # autocast off: nothing changes
+
+
+def _step_casts(implementation, context):
+    """{op: count} of the dtype casts (aten._to_copy) in one bf16-autocast training step of a one-layer Llama
+    (fadev.training.lm), forward and backward, with the first step done before counting."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fadev.training import lm
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default:
+                self.seen[(args[0].dtype, kwargs.get("dtype"))] += 1
+            return func(*args, **kwargs)
+
+    config = lm.LMConfig(hidden=128, heads=2, heads_kv=1, ffn=96, layers=1, seq=32, batch=2, lr=3e-4)  # D 64
+    model = lm.build(config, 0, "fp32", "cpu", implementation)
+    x = torch.randint(0, 255, (2, 32), generator=torch.Generator().manual_seed(0))
+    casts = Casts()
+    with context:
+        for mode in (contextlib.nullcontext(), casts):
+            with mode:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(input_ids=x, labels=x).loss
+                loss.backward()
+    return casts.seen
+
+
+def test_native_step_casts_as_sdpa():
+    """Under bf16 autocast a Llama layer on fadev's native kernel (the drift study's attention, fadev.training.lm)
+    casts exactly as on PyTorch's SDPA: q and k to bf16 once, the output left in bf16 -- not cast to float32 and back
+    around every layer (two casts a layer more, and their backward, before issue 25's last session)."""
+    from fadev import hf
+    from fadev.training import lm
+
+    sdpa = _step_casts("sdpa", hf.use(kernel="sdpa"))
+    with tn._dry_run(tiles=TILES):
+        native = _step_casts(lm.ATTENTION, hf.use(kernel="native"))
+    assert sum(sdpa.values()) > 0
+    assert native == sdpa

@@ -59,6 +59,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import hf as fahf
+from ..torch import autocast_dtype
 from ..backends import subset
 from ..native import native_tiles
 from . import digits, text
@@ -235,8 +236,11 @@ class _Reentrant:
 
 
 def _attention_forward(module, query, key, value, *args, **kwargs):
-    """fadev.hf's attention; float32 q, k, v cast to bf16 for the native kernel, its output cast back."""
-    if fahf.current().kernel != "native" or query.dtype in (torch.float16, torch.bfloat16):
+    """fadev.hf's attention; outside torch.autocast, float32 q, k, v cast to bf16 for the native kernel and its output
+    cast back (under autocast fadev.hf casts them as PyTorch's SDPA would, and the output stays in autocast's dtype,
+    as SDPA's does: no cast back and forth around every layer)."""
+    if (fahf.current().kernel != "native" or query.dtype in (torch.float16, torch.bfloat16)
+            or autocast_dtype(query) is not None):
         return fahf.attention_forward(module, query, key, value, *args, **kwargs)
     out, weights = fahf.attention_forward(module, *(t.to(torch.bfloat16) for t in (query, key, value)), *args,
                                           **kwargs)
