@@ -189,30 +189,54 @@ def readable(t):
     return t if layout(t) is not None else t.contiguous()
 
 
-def run_forward(p: Plan, q, k, v):
-    """(out, lse) of the plan's forward on q, k, v as :func:`readable` left them; out in q's layout."""
+def _readable(t):
+    """(:func:`readable` (t), its :func:`layout`)."""
+    strides = layout(t)
+    if strides is not None:
+        return t, strides
+    t = t.contiguous()
+    return t, layout(t)
+
+
+def _layout_like(t, src, src_layout):
+    """layout(t) of t = torch.empty_like(src): src's where t has src's strides (empty_like keeps a dense tensor's;
+    PyTorch's allocations are 16-byte aligned), without computing it again (a host microsecond a tensor)."""
+    return src_layout if src_layout is not None and t.stride() == src.stride() and not t.data_ptr() % 16 else layout(t)
+
+
+def _forward(p: Plan, q, k, v, lq, lk, lv):
+    """(out, lse, layout(out)) of the plan's forward; lq, lk, lv: the inputs' layouts (:func:`_readable`)."""
     out = torch.empty_like(q)  # q's strides where q is dense (a model's transposed view), else contiguous
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    lo = _layout_like(out, q, lq)
     call, native = p.forward
-    strides = layout(q) + layout(k) + layout(v) + layout(out)
     _core.cuda_native_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), p.shape,
-                              call, native + (_stream(q.device), strides))
-    return out, lse
+                              call, native + (_stream(q.device), lq + lk + lv + lo))
+    return out, lse, lo
+
+
+def _backward(p: Plan, q, k, v, out, lse, dout, lq, lk, lv, lo):
+    """(dq, dk, dv) of the plan's backward, each in its input's layout; lq .. lo the forward's layouts."""
+    dout, ld = _readable(dout)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    workspace = torch.empty(p.workspace, dtype=torch.float32, device=q.device)
+    call, native = p.backward
+    strides = (lq + lk + lv + lo + ld + _layout_like(dq, q, lq) + _layout_like(dk, k, lk) + _layout_like(dv, v, lv))
+    _core.cuda_native_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                               dout.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), workspace.data_ptr(),
+                               p.shape, call, native + (_stream(q.device), strides))
+    return dq, dk, dv
+
+
+def run_forward(p: Plan, q, k, v):
+    """(out, lse) of the plan's forward on q, k, v as :func:`readable` left them; out in q's layout."""
+    return _forward(p, q, k, v, layout(q), layout(k), layout(v))[:2]
 
 
 def run_backward(p: Plan, q, k, v, out, lse, dout):
     """(dq, dk, dv) of the plan's backward (q, k, v, out, lse as the forward had them), each gradient in its input's
     layout."""
-    dout = readable(dout)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    workspace = torch.empty(p.workspace, dtype=torch.float32, device=q.device)
-    call, native = p.backward
-    strides = (layout(q) + layout(k) + layout(v) + layout(out) + layout(dout) + layout(dq) + layout(dk) +
-               layout(dv))
-    _core.cuda_native_backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                               dout.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), workspace.data_ptr(),
-                               p.shape, call, native + (_stream(q.device), strides))
-    return dq, dk, dv
+    return _backward(p, q, k, v, out, lse, dout, layout(q), layout(k), layout(v), layout(out))
 
 
 @contextlib.contextmanager
@@ -250,16 +274,16 @@ class _NativeFunction(torch.autograd.Function):
     """The native forward, saving (q, k, v, out, lse); the native backward from them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, p):
-        out, lse = run_forward(p, q, k, v)
+    def forward(ctx, q, k, v, p, layouts):
+        out, lse, lo = _forward(p, q, k, v, *layouts)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = p
+        ctx.plan, ctx.layouts = p, layouts + (lo,)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        return run_backward(ctx.plan, *ctx.saved_tensors, dout) + (None,)
+        return _backward(ctx.plan, *ctx.saved_tensors, dout, *ctx.layouts) + (None, None)
 
 
 # ---------------------------------------------------------------- torch.compile: custom ops
@@ -338,7 +362,8 @@ def native_attention(q, k, v, *, is_causal=False, scale=None, enable_gqa=False, 
                            backward_block_q, backward_block_kv, bool(deterministic), mma, backward_mma)[0]
     p = plan(q, k, v, is_causal, scale, enable_gqa, block_q, block_kv, backward_block_q, backward_block_kv,
              deterministic, mma, backward_mma)
-    return _NativeFunction.apply(readable(q), readable(k), readable(v), p)
+    (q, lq), (k, lk), (v, lv) = _readable(q), _readable(k), _readable(v)
+    return _NativeFunction.apply(q, k, v, p, (lq, lk, lv))
 
 __all__ = ["native_attention", "plan", "run_forward", "run_backward", "layout", "readable", "Plan", "DTYPES",
            "MAX_PLANS"]
