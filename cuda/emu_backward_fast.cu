@@ -286,6 +286,15 @@ constexpr int fa2_fields(int v) {
            v << (2 + 2 * PK_DSOFT);
 }
 constexpr int LEAN_FA2_MASK = fa2_fields(3), LEAN_FA2 = fa2_fields(FLT_F32);
+/* pair_lean()'s kinds, every field given */
+constexpr int pk_kinds(int score, int dp, int softmax, int bwd_p, int dsoft_p, int dsoft, int ds) {
+    return 1 | score << (2 + 2 * PK_SCORE) | dp << (2 + 2 * PK_DP) | softmax << (2 + 2 * PK_SOFTMAX) |
+           bwd_p << (2 + 2 * PK_BWD_P) | dsoft_p << (2 + 2 * PK_DSOFT_P) | dsoft << (2 + 2 * PK_DSOFT) |
+           ds << (2 + 2 * PK_DS);
+}
+/* paper(F): every stage F; naive(F): softmax, dsoft_p and dsoft in the accumulator's fp32, the rest F (policy.py) */
+constexpr int paper_kinds(int f) { return pk_kinds(f, f, f, f, f, f, f); }
+constexpr int naive_kinds(int f) { return pk_kinds(f, f, FLT_F32, f, FLT_F32, FLT_F32, f); }
 
 /* The backward's pairs of one CTA: virtual rows rl0.. (blockIdx.y) x keys j0.. (blockIdx.x) of K/V head
  * g0 + blockIdx.z; a thread owns 4 rows x 4 keys (rows 4g.., keys tx + 16c) and runs their s and dP chains over t
@@ -293,8 +302,9 @@ constexpr int LEAN_FA2_MASK = fa2_fields(3), LEAN_FA2 = fa2_fields(FLT_F32);
  * (the same events), and writes to the fp32 scratch P' and dS (flash) or s and dP (the baseline, whose rows kernel
  * goes on from them). */
 /* LEAN: 0 every event through emu_rnd; 1 the lean steps of fa2's class (LEAN_FA2: the fp32 kinds known at compile
- * time); 2 the lean steps with the kinds of `lean` */
-template <int LEAN>
+ * time); 2 the lean steps with the kinds of `lean`, or of KINDS where it is given (every kind known at compile time:
+ * paper's and naive's, whose branches on a kind per event were a third of their pairs' time) */
+template <int LEAN, int KINDS = 0>
 __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ bwd_args a, const int lean) {
     constexpr int BP = TN + 1; /* pitch of the staged keys [t][key] */
     __shared__ __align__(16) float qs[TK * AP], dos[TK * AP];
@@ -380,7 +390,7 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
             const int64_t j = j0 + tx + 16 * c;
             if (j > row_last[m]) continue;
             if (LEAN) { /* pair_lean's stages: each event a conversion (dbl_round; flt_round of an fp32 value) */
-                const int lk = LEAN == 1 ? (lean & ~LEAN_FA2_MASK) | LEAN_FA2 : lean;
+                const int lk = KINDS ? KINDS : LEAN == 1 ? (lean & ~LEAN_FA2_MASK) | LEAN_FA2 : lean;
                 const int ks = flt_kind_at(lk, PK_SCORE), ksm = flt_kind_at(lk, PK_SOFTMAX);
                 const double s = dbl_round(ks, cx.c * (double)flt_round(ks, sacc[r][c]));
                 const double dpv = flt_round(flt_kind_at(lk, PK_DP), pacc[r][c]);
@@ -468,6 +478,10 @@ fadev_status emu_bwd_fast_pairs(const bwd_args &a, int64_t gn) {
     const int lean = pair_lean(a);
     /* two kernels: the lean branch inside the general one made its other presets' pairs 1.5x slower */
     if ((lean & LEAN_FA2_MASK) == LEAN_FA2) pair_fast_kernel<1><<<grid, NT>>>(a, lean);
+    else if (lean == paper_kinds(FLT_BF16)) pair_fast_kernel<2, paper_kinds(FLT_BF16)><<<grid, NT>>>(a, lean);
+    else if (lean == paper_kinds(FLT_F16)) pair_fast_kernel<2, paper_kinds(FLT_F16)><<<grid, NT>>>(a, lean);
+    else if (lean == naive_kinds(FLT_BF16)) pair_fast_kernel<2, naive_kinds(FLT_BF16)><<<grid, NT>>>(a, lean);
+    else if (lean == naive_kinds(FLT_F16)) pair_fast_kernel<2, naive_kinds(FLT_F16)><<<grid, NT>>>(a, lean);
     else if (lean) pair_fast_kernel<2><<<grid, NT>>>(a, lean);
     else pair_fast_kernel<0><<<grid, NT>>>(a, 0);
     CUDA_TRY(cudaGetLastError());

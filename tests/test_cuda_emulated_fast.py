@@ -262,11 +262,22 @@ def kernels_run(kind, policy, monkeypatch, generic):
     return " | ".join(e.key for e in prof.key_averages())
 
 
+def pair_kinds(*kinds):
+    """emu_backward_fast.cu's pk_kinds: 1 | the flt_kind (fp32 1, bf16 2, fp16 3) of score, dp, softmax, bwd_p, dsoft_p,
+    dsoft and ds in two bits each from bit 2 -- the pair kernel's compile-time kinds for paper's and naive's stages."""
+    return 1 | sum(k << (2 + 2 * i) for i, k in enumerate(kinds))
+
+
+BF, F32 = 2, 1
+PAPER_BF16, NAIVE_BF16 = pair_kinds(*[BF] * 7), pair_kinds(BF, BF, F32, BF, F32, F32, BF)
+
+
 @pytest.mark.parametrize("kind,preset,expected", [
-    ("flash", "fa2", ["warp_kernel<2, true, false, false>", "pair_fast_kernel<1>", "dkv_fast_kernel", "dq_fast_kernel"]),
-    ("flash", "paper", ["warp_kernel<2, true, false, false>", "pair_fast_kernel<2>", "dkv_fast_kernel", "dq_fast_kernel"]),
-    ("baseline", "naive", ["warp_kernel<2, true, true, false>", "pair_fast_kernel<2>", "rows_max_kernel", "rows_elem_kernel<0>",
-                           "rows_chain_kernel<0>", "rows_chain_kernel<1>", "rows_elem_kernel<1>"]),
+    ("flash", "fa2", ["warp_kernel<2, true, false, false>", "pair_fast_kernel<1, 0>", "dkv_fast_kernel", "dq_fast_kernel"]),
+    ("flash", "paper", ["warp_kernel<2, true, false, false>", f"pair_fast_kernel<2, {PAPER_BF16}>", "dkv_fast_kernel",
+                        "dq_fast_kernel"]),
+    ("baseline", "naive", ["warp_kernel<2, true, true, false>", f"pair_fast_kernel<2, {NAIVE_BF16}>", "rows_max_kernel",
+                           "rows_elem_kernel<0>", "rows_chain_kernel<0>", "rows_chain_kernel<1>", "rows_elem_kernel<1>"]),
 ])
 def test_presets_take_the_lean_kernels(kind, preset, expected, monkeypatch):
     """The bit tests above pass whichever path runs; this one says the presets run the lean kernels (and that the
