@@ -9,9 +9,10 @@
  * do: R_dq_acc(acc + part) (one fp32 addition when that stage is fp32: double rounding is innocuous), and the
  * chains keep the spec's order (keys ascending for dQ; the K/V head's virtual rows ascending for dK, dV).
  *
- * A CTA computes a 64 x 64 tile of outputs (dQ: virtual rows x columns; dK, dV: keys x columns) with 256 threads,
- * each 4 x 4 (rows 4g..4g+3, columns tx + 16c), over the reduction in slices of 32 staged in shared memory: the
- * scratch operand as [k][m] (float4 reads of four m) and the other operand as [k][n]. A term enters only where
+ * A CTA computes a tile of outputs (dQ: 64 virtual rows x 64 columns, each of its 256 threads 4 x 4: rows
+ * 4g..4g+3, columns tx + 16c; dK, dV: 128 keys x 64 columns, a thread 8 x 4, keys 8g..8g+7: twice the FMAs a
+ * shared load) over the reduction in slices of 32 staged in shared memory: the scratch operand as [k][m] (float4
+ * reads of four m) and the other operand as [k][n]. A term enters only where
  * the row sees the key; block sums are flushed where the generic kernels flush them.
  * Also here: the fast pair kernel (s and dP as fp32 FMA chains, then the element-wise steps, every event a
  * conversion where the stages allow: the lean kernels, emu.cuh's dbl_round). The baseline's fast rows kernels are
@@ -26,12 +27,18 @@ namespace {
 
 constexpr int TM = 64, TN = 64, TK = 32, NT = 256;
 constexpr int AP = TM + 4; /* pitch of the staged scratch operand [k][m] */
-#ifndef EMU_DKV_MIN_BLOCKS
-#define EMU_DKV_MIN_BLOCKS 1 /* CTAs per SM dkv_fast_kernel's registers are cut for: 1 leaves them at 98 (two CTAs
-                              * fit), 3 caps them at 80 (a few bytes of spills): 4.2 ms against 4.5 per dK or dV sum
-                              * (H200, fa2 bf16, N 4096, H 16, D 64). FADEV_NVCC_FLAGS=-DEMU_DKV_MIN_BLOCKS=3 */
+
+#ifndef EMU_DKV_R
+#define EMU_DKV_R 8 /* keys per thread of dkv_fast_kernel (4 or 8): a CTA's tile is 16 EMU_DKV_R keys x 64 columns */
 #endif
-static_assert(NT % TK == 0 && NT % TM == 0 && NT % TN == 0, "the staging loops give a thread one t, key or column");
+constexpr int DKV_R = EMU_DKV_R;
+#ifndef EMU_DKV_MIN_BLOCKS
+/* CTAs per SM dkv_fast_kernel's registers are cut for: at 8 keys a thread, 2 caps them at 128 without spills (144
+ * uncapped: one CTA an SM); at 4, 1 leaves them at 96 */
+#define EMU_DKV_MIN_BLOCKS (EMU_DKV_R == 8 ? 2 : 1)
+#endif
+static_assert(NT % TK == 0 && NT % TM == 0 && NT % TN == 0 && NT % (16 * DKV_R) == 0,
+              "the staging loops give a thread one t, key or column");
 
 /* R(acc + part) of two fp32 values for a running-sum stage (dq_acc, dkv_acc) of flt_kind fk: one fp32 addition, a
  * conversion (dbl_round: paper's bf16 and fp16 sums), or the event. */
@@ -42,17 +49,22 @@ __device__ __forceinline__ float add_round(const att_stage &st, int fk, float ac
     return (float)emu_rnd<true>(st, (double)acc + (double)part, stream, idx);
 }
 
-/* One rank-1 step of a thread's 4 x 4 tile: part[r][c] += a[kk][4g + r] b[kk][tx + 16c] (one fmaf each) for the rows
- * r whose bit is set in `rows` (0xF: all; a constant there compiles to the plain FMA block). */
+/* One rank-1 step of a thread's R x 4 tile: part[r][c] += a[kk][R g + r] b[kk][tx + 16c] (one fmaf each) for the rows
+ * r whose bit is set in `rows` (all R set: a constant there compiles to the plain FMA block); a [k][m] of pitch P. */
+template <int R = 4, int P = AP>
 __device__ __forceinline__ void rank1(const float *as, const float *bs, int kk, int g, int tx, unsigned rows,
-                                      float part[4][4]) {
-    const float4 a4 = *(const float4 *)(as + kk * AP + g * 4);
-    const float av[4] = {a4.x, a4.y, a4.z, a4.w};
+                                      float part[R][4]) {
+    float av[R];
+#pragma unroll
+    for (int h = 0; h < R / 4; h++) {
+        const float4 a4 = *(const float4 *)(as + kk * P + g * R + 4 * h);
+        av[4 * h] = a4.x, av[4 * h + 1] = a4.y, av[4 * h + 2] = a4.z, av[4 * h + 3] = a4.w;
+    }
     float bv[4];
 #pragma unroll
     for (int c = 0; c < 4; c++) bv[c] = bs[kk * TN + tx + 16 * c];
 #pragma unroll
-    for (int r = 0; r < 4; r++)
+    for (int r = 0; r < R; r++)
         if (rows >> r & 1u)
 #pragma unroll
             for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
@@ -166,24 +178,25 @@ template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const
  * row) adds no term and flushes no sum: it is skipped whole (half the causal work; the same events). */
 template <int IS_K, typename T>
 __global__ void __launch_bounds__(NT, EMU_DKV_MIN_BLOCKS) dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk) {
-    __shared__ __align__(16) float as[TK * AP];
+    constexpr int R = DKV_R, TMK = 16 * R, APK = TMK + 4; /* a thread's keys; the CTA's; the staged pitch */
+    __shared__ __align__(16) float as[TK * APK];
     __shared__ float bs[TK * TN];
     __shared__ long long row_i[TK], row_bh[TK], row_off[TK]; /* row_off: (bh * Nq + i) * D */
     __shared__ unsigned slice_mask[3]; /* bit kk: the row ends its query block (its sum joins the running sum);
                                         * bit kk: the row sees every key of the tile; and a row sees some key */
     const emu_ctx &cx = a.cx;
     const int64_t D = cx.pr.dim, Nq = cx.pr.seq_q, Nk = cx.pr.seq_kv, bq = a.block_q;
-    const int64_t gl = blockIdx.z, bg = a.g0 + gl, j0 = (int64_t)blockIdx.x * TM, d0 = (int64_t)blockIdx.y * TN;
+    const int64_t gl = blockIdx.z, bg = a.g0 + gl, j0 = (int64_t)blockIdx.x * TMK, d0 = (int64_t)blockIdx.y * TN;
     const int tid = threadIdx.x, g = tid >> 4, tx = tid & 15;
     const float *ys = IS_K ? cx.qf : a.doutf;
     double *part_mem = IS_K ? a.dk_part : a.dv_part, *acc_mem = IS_K ? a.dk : a.dv;
-    /* the rows that see key j: i >= first_j */
-    int64_t first[4];
-    float part[4][4], acc[4][4];
+    /* the rows that see key j = j0 + g R + r: i >= first_j = max(0, j - (Nk - Nq)) (causal), every row (not), that
+     * is i - fbase >= r (i >= 0), with one fbase for the thread's R keys */
+    const int64_t fbase = cx.pr.causal ? j0 + g * R - (Nk - Nq) : INT64_MIN / 2;
+    float part[R][4], acc[R][4];
     int64_t first_max = 0;
-    for (int r = 0; r < 4; r++) {
-        const int64_t j = j0 + g * 4 + r;
-        first[r] = cx.pr.causal && j > Nk - Nq ? j - (Nk - Nq) : 0;
+    for (int r = 0; r < R; r++) {
+        const int64_t j = j0 + g * R + r;
         for (int c = 0; c < 4; c++) {
             const int64_t d = d0 + tx + 16 * c, at = (bg * Nk + j) * D + d;
             const int ok = j < Nk && d < D;
@@ -193,7 +206,7 @@ __global__ void __launch_bounds__(NT, EMU_DKV_MIN_BLOCKS) dkv_fast_kernel(const 
     }
     const int64_t first_min = cx.pr.causal && j0 > Nk - Nq ? j0 - (Nk - Nq) : 0; /* the tile's first key's */
     {
-        const int64_t jl = (j0 + TM - 1 < Nk ? j0 + TM - 1 : Nk - 1);
+        const int64_t jl = (j0 + TMK - 1 < Nk ? j0 + TMK - 1 : Nk - 1);
         first_max = cx.pr.causal && jl > Nk - Nq ? jl - (Nk - Nq) : 0;
     }
     for (int64_t k0 = 0; k0 < a.rn; k0 += TK) {
@@ -210,15 +223,15 @@ __global__ void __launch_bounds__(NT, EMU_DKV_MIN_BLOCKS) dkv_fast_kernel(const 
         __syncthreads();
         if (!slice_mask[2]) continue; /* no row of the slice sees a key of the tile (uniform: the next pass begins
                                        * with a barrier) */
-        { /* NT is a multiple of TM and TN: a thread stages one key m (one column n) of rows tid / TM + 4k; the
-           * scratch column is walked by a pointer, the rows of Q / dO start at row_off (computed once per slice) */
-            const int m = tid % TM, n = tid % TN;
+        { /* NT is a multiple of TMK and TN: a thread stages one key m (one column n) of rows tid / TMK + k NT / TMK;
+           * the scratch column is walked by a pointer, the rows of Q / dO start at row_off (once per slice) */
+            const int m = tid % TMK, n = tid % TN;
             const int64_t j = j0 + m, fj = cx.pr.causal && j > Nk - Nq ? j - (Nk - Nq) : 0;
             const int jok = j < Nk, nok = d0 + n < D;
-            const T *col = xs + (gl * a.chunk_rows + k0 + tid / TM) * Nk + j;
+            const T *col = xs + (gl * a.chunk_rows + k0 + tid / TMK) * Nk + j;
 #pragma unroll 4
-            for (int kk = tid / TM; kk < TK; kk += NT / TM, col += (NT / TM) * Nk)
-                as[kk * AP + m] = jok && kk < kn && row_i[kk] >= fj ? (float)*col : 0.f;
+            for (int kk = tid / TMK; kk < TK; kk += NT / TMK, col += (NT / TMK) * Nk)
+                as[kk * APK + m] = jok && kk < kn && row_i[kk] >= fj ? (float)*col : 0.f;
 #pragma unroll 4
             for (int kk = tid / TN; kk < TK; kk += NT / TN)
                 bs[kk * TN + n] = kk < kn && nok ? ys[row_off[kk] + d0 + n] : 0.f;
@@ -232,24 +245,24 @@ __global__ void __launch_bounds__(NT, EMU_DKV_MIN_BLOCKS) dkv_fast_kernel(const 
             const int last = ends ? __ffs(ends) - 1 : kn - 1; /* the segment's last row */
             if (all_see) {
 #pragma unroll 4
-                for (; kk <= last; kk++) rank1(as, bs, kk, g, tx, 0xFu, part);
+                for (; kk <= last; kk++) rank1<R, APK>(as, bs, kk, g, tx, (1u << R) - 1, part);
             } else {
                 for (; kk <= last; kk++) {
-                    const int64_t i = row_i[kk];
-                    rank1(as, bs, kk, g, tx,
-                          (i >= first[0]) | (i >= first[1]) << 1 | (i >= first[2]) << 2 | (i >= first[3]) << 3, part);
+                    const int64_t di = row_i[kk] - fbase; /* key r seen where di >= r */
+                    const unsigned rows = di >= R - 1 ? (1u << R) - 1 : di < 0 ? 0u : (2u << di) - 1;
+                    rank1<R, APK>(as, bs, kk, g, tx, rows, part);
                 }
             }
             if (ends & (1u << last)) { /* the query block's last row: its sum joins the running sum */
                 const int64_t i = row_i[last];
                 const uint64_t s_dkv = bwd_stream(IS_K ? EV_DKV_DK : EV_DKV_DV, row_bh[last]);
 #pragma unroll
-                for (int r = 0; r < 4; r++) {
-                    if (i < first[r]) continue;
+                for (int r = 0; r < R; r++) {
+                    if (i - fbase < r) continue; /* row i does not see key r */
 #pragma unroll
                     for (int c = 0; c < 4; c++) {
                         acc[r][c] = add_round(a.dkv_acc, a.dkv_acc_kind, acc[r][c], part[r][c], s_dkv,
-                                              ATT_INDEX(i / bq, j0 + g * 4 + r, d0 + tx + 16 * c));
+                                              ATT_INDEX(i / bq, j0 + g * R + r, d0 + tx + 16 * c));
                         part[r][c] = 0.f;
                     }
                 }
@@ -258,8 +271,8 @@ __global__ void __launch_bounds__(NT, EMU_DKV_MIN_BLOCKS) dkv_fast_kernel(const 
         }
     }
 #pragma unroll
-    for (int r = 0; r < 4; r++) {
-        const int64_t j = j0 + g * 4 + r;
+    for (int r = 0; r < R; r++) {
+        const int64_t j = j0 + g * R + r;
         if (j >= Nk) continue;
 #pragma unroll
         for (int c = 0; c < 4; c++) {
@@ -443,7 +456,7 @@ template <typename T> fadev_status sums(const bwd_args &args, const T *sa, const
     const unsigned dt = (unsigned)((D + TN - 1) / TN);
     dq_fast_kernel<T><<<dim3((unsigned)((a.rn + TM - 1) / TM), dt, (unsigned)gn), NT>>>(a, sb);
     CUDA_TRY(cudaGetLastError());
-    const dim3 grid((unsigned)((Nk + TM - 1) / TM), dt, (unsigned)gn);
+    const dim3 grid((unsigned)((Nk + 16 * DKV_R - 1) / (16 * DKV_R)), dt, (unsigned)gn);
     dkv_fast_kernel<0, T><<<grid, NT>>>(a, sa, last_chunk);
     CUDA_TRY(cudaGetLastError());
     dkv_fast_kernel<1, T><<<grid, NT>>>(a, sb, last_chunk);
