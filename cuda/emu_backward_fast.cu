@@ -37,7 +37,7 @@ constexpr int DKV_R = EMU_DKV_R;
  * uncapped: one CTA an SM); at 4, 1 leaves them at 96 */
 #define EMU_DKV_MIN_BLOCKS (EMU_DKV_R == 8 ? 2 : 1)
 #endif
-static_assert(NT % TK == 0 && NT % TM == 0 && NT % TN == 0 && NT % (16 * DKV_R) == 0,
+static_assert(NT % TK == 0 && NT % TM == 0 && NT % TN == 0 && NT % (16 * DKV_R) == 0 && NT % 128 == 0,
               "the staging loops give a thread one t, key or column");
 
 /* R(acc + part) of two fp32 values for a running-sum stage (dq_acc, dkv_acc) of flt_kind fk: one fp32 addition, a
@@ -72,22 +72,27 @@ __device__ __forceinline__ void rank1(const float *as, const float *bs, int kk, 
 
 /* One CTA of dq: virtual rows rl0.. of the chunk's K/V head g0 + blockIdx.z, columns d0...; the scratch holds
  * T (fp64 from the generic pair kernels, fp32 from the fast one: the same values). */
-template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const __grid_constant__ bwd_args a, const T *sb) {
-    __shared__ __align__(16) float as[TK * AP];
+/* R rows a thread (4 or 8: a CTA's tile 16 R rows x 64 columns; at 8, 128 registers for 2 CTAs an SM) */
+template <typename T, int R>
+__global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dq_fast_kernel(const __grid_constant__ bwd_args a, const T *sb) {
+    constexpr int TMQ = 16 * R, APQ = TMQ + 4; /* the CTA's rows; the staged pitch */
+    __shared__ __align__(16) float as[TK * APQ];
     __shared__ float bs[TK * TN];
-    __shared__ int nv_s[TM];
+    __shared__ int nv_s[TMQ];
+    __shared__ long long row_bh[TMQ], row_i[TMQ]; /* each row's (bh, i): read at the flushes and the end */
     __shared__ int range[2];
     const emu_ctx &cx = a.cx;
     const int64_t D = cx.pr.dim, Nq = cx.pr.seq_q, Nk = cx.pr.seq_kv;
     const int bk = (int)a.block_kv; /* <= Nk < 2^21 (the counters' range) */
-    const int64_t gl = blockIdx.z, bg = a.g0 + gl, rl0 = (int64_t)blockIdx.x * TM, d0 = (int64_t)blockIdx.y * TN;
+    const int64_t gl = blockIdx.z, bg = a.g0 + gl, rl0 = (int64_t)blockIdx.x * TMQ, d0 = (int64_t)blockIdx.y * TN;
     const int tid = threadIdx.x, g = tid >> 4, tx = tid & 15;
     if (tid == 0) range[0] = INT_MAX, range[1] = 0;
     __syncthreads();
-    if (tid < TM) {
+    if (tid < TMQ) {
         int nv = 0;
+        const vrow w = vrow_of(a, bg, a.r0 + (rl0 + tid < a.rn ? rl0 + tid : 0));
+        row_bh[tid] = w.bh, row_i[tid] = w.i;
         if (rl0 + tid < a.rn) {
-            const vrow w = vrow_of(a, bg, a.r0 + rl0 + tid);
             const int64_t last = last_key(cx.pr, w.i);
             nv = last < 0 ? 0 : (int)(last + 1 < Nk ? last + 1 : Nk);
             if (nv > 0) atomicMin(&range[0], nv);
@@ -97,16 +102,12 @@ template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const
     }
     __syncthreads();
     const int nvmin = range[0], nvmax = range[1];
-    int nv[4];
-    vrow w[4];
+    int nv[R];
 #pragma unroll
-    for (int r = 0; r < 4; r++) {
-        nv[r] = nv_s[g * 4 + r];
-        w[r] = vrow_of(a, bg, a.r0 + (rl0 + g * 4 + r < a.rn ? rl0 + g * 4 + r : 0));
-    }
-    float part[4][4], acc[4][4];
+    for (int r = 0; r < R; r++) nv[r] = nv_s[g * R + r];
+    float part[R][4], acc[R][4];
 #pragma unroll
-    for (int r = 0; r < 4; r++)
+    for (int r = 0; r < R; r++)
 #pragma unroll
         for (int c = 0; c < 4; c++) part[r][c] = 0.f, acc[r][c] = 0.f;
     const T *ds = sb + (gl * a.chunk_rows + rl0) * Nk;
@@ -120,9 +121,9 @@ template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const
             const int kk = tid % TK, n = tid % TN;
             const T *p = ds + (int64_t)(tid / TK) * Nk + k0 + kk;
 #pragma unroll 4
-            for (int m = tid / TK; m < TM; m += NT / TK, p += (NT / TK) * Nk)
+            for (int m = tid / TK; m < TMQ; m += NT / TK, p += (NT / TK) * Nk)
                 /* keys a row does not see hold no value in the scratch: read, never used */
-                as[kk * AP + m] = kk < kn && rl0 + m < a.rn && k0 + kk < nv_s[m] ? (float)*p : 0.f;
+                as[kk * APQ + m] = kk < kn && rl0 + m < a.rn && k0 + kk < nv_s[m] ? (float)*p : 0.f;
             const float *q = kf + (k0 + tid / TN) * D + n;
             const int nok = d0 + n < D;
 #pragma unroll 4
@@ -138,19 +139,22 @@ template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const
             if (next_end - 1 - k0 < stop) stop = next_end - 1 - k0;
             if (nvmin - 1 - k0 < stop) stop = nvmin - 1 - k0;
 #pragma unroll 4
-            for (; kk < stop; kk++) rank1(as, bs, kk, g, tx, 0xFu, part);
+            for (; kk < stop; kk++) rank1<R, APQ>(as, bs, kk, g, tx, (1u << R) - 1, part);
             if (kk >= kn) break;
             const int k = k0 + kk;
-            rank1(as, bs, kk, g, tx, (k < nv[0]) | (k < nv[1]) << 1 | (k < nv[2]) << 2 | (k < nv[3]) << 3, part);
+            unsigned rows = 0;
+#pragma unroll
+            for (int r = 0; r < R; r++) rows |= (unsigned)(k < nv[r]) << r;
+            rank1<R, APQ>(as, bs, kk, g, tx, rows, part);
             const int blk_end = k + 1 == next_end;
 #pragma unroll
-            for (int r = 0; r < 4; r++) {
+            for (int r = 0; r < R; r++) {
                 if (!(k < nv[r] && (blk_end || k + 1 == nv[r]))) continue;
-                const uint64_t s17 = bwd_stream(EV_DQ_ACC, w[r].bh);
+                const uint64_t s17 = bwd_stream(EV_DQ_ACC, row_bh[g * R + r]);
 #pragma unroll
                 for (int c = 0; c < 4; c++) {
                     acc[r][c] = add_round(a.dq_acc, a.dq_acc_kind, acc[r][c], part[r][c], s17,
-                                          ATT_INDEX(w[r].i, k / bk, d0 + tx + 16 * c));
+                                          ATT_INDEX(row_i[g * R + r], k / bk, d0 + tx + 16 * c));
                     part[r][c] = 0.f;
                 }
             }
@@ -159,9 +163,9 @@ template <typename T> __global__ void __launch_bounds__(NT) dq_fast_kernel(const
         }
     }
 #pragma unroll
-    for (int r = 0; r < 4; r++) {
-        if (rl0 + g * 4 + r >= a.rn) continue;
-        const int64_t bh = w[r].bh, i = w[r].i;
+    for (int r = 0; r < R; r++) {
+        if (rl0 + g * R + r >= a.rn) continue;
+        const int64_t bh = row_bh[g * R + r], i = row_i[g * R + r];
 #pragma unroll
         for (int c = 0; c < 4; c++) {
             const int64_t d = d0 + tx + 16 * c;
@@ -454,7 +458,9 @@ template <typename T> fadev_status sums(const bwd_args &args, const T *sa, const
     a.dq_acc_kind = flt_kind_of(a.dq_acc), a.dkv_acc_kind = flt_kind_of(a.dkv_acc);
     const int64_t D = a.cx.pr.dim, Nk = a.cx.pr.seq_kv;
     const unsigned dt = (unsigned)((D + TN - 1) / TN);
-    dq_fast_kernel<T><<<dim3((unsigned)((a.rn + TM - 1) / TM), dt, (unsigned)gn), NT>>>(a, sb);
+    /* dq: 8 rows a thread at D <= 64 (H100, D 64: 3.42 -> 3.15 ms, fa2), 4 above (no gain measured at D 128) */
+    if (D <= 64) dq_fast_kernel<T, 8><<<dim3((unsigned)((a.rn + 127) / 128), dt, (unsigned)gn), NT>>>(a, sb);
+    else dq_fast_kernel<T, 4><<<dim3((unsigned)((a.rn + 63) / 64), dt, (unsigned)gn), NT>>>(a, sb);
     CUDA_TRY(cudaGetLastError());
     const dim3 grid((unsigned)((Nk + 16 * DKV_R - 1) / (16 * DKV_R)), dt, (unsigned)gn);
     dkv_fast_kernel<0, T><<<grid, NT>>>(a, sa, last_chunk);
