@@ -28,16 +28,7 @@ namespace {
 constexpr int TM = 64, TN = 64, TK = 32, NT = 256;
 constexpr int AP = TM + 4; /* pitch of the staged scratch operand [k][m] */
 
-#ifndef EMU_DKV_R
-#define EMU_DKV_R 8 /* keys per thread of dkv_fast_kernel (4 or 8): a CTA's tile is 16 EMU_DKV_R keys x 64 columns */
-#endif
-constexpr int DKV_R = EMU_DKV_R;
-#ifndef EMU_DKV_MIN_BLOCKS
-/* CTAs per SM dkv_fast_kernel's registers are cut for: at 8 keys a thread, 2 caps them at 128 without spills (144
- * uncapped: one CTA an SM); at 4, 1 leaves them at 96 */
-#define EMU_DKV_MIN_BLOCKS (EMU_DKV_R == 8 ? 2 : 1)
-#endif
-static_assert(NT % TK == 0 && NT % TM == 0 && NT % TN == 0 && NT % (16 * DKV_R) == 0 && NT % 128 == 0,
+static_assert(NT % TK == 0 && NT % TM == 0 && NT % TN == 0 && NT % 128 == 0,
               "the staging loops give a thread one t, key or column");
 
 /* R(acc + part) of two fp32 values for a running-sum stage (dq_acc, dkv_acc) of flt_kind fk: one fp32 addition, a
@@ -180,9 +171,10 @@ __global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dq_fast_kernel(const __gri
  * chunk's virtual rows from the state in memory and leave it there, or write the result after the last chunk.
  * A slice of rows none of which sees a key of the tile (causal: every row before the tile's first key's first
  * row) adds no term and flushes no sum: it is skipped whole (half the causal work; the same events). */
-template <int IS_K, typename T>
-__global__ void __launch_bounds__(NT, EMU_DKV_MIN_BLOCKS) dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk) {
-    constexpr int R = DKV_R, TMK = 16 * R, APK = TMK + 4; /* a thread's keys; the CTA's; the staged pitch */
+/* R keys a thread (4 or 8: a CTA's tile 16 R keys x 64 columns; at 8, 128 registers for 2 CTAs an SM) */
+template <int IS_K, typename T, int R>
+__global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk) {
+    constexpr int TMK = 16 * R, APK = TMK + 4; /* the CTA's keys; the staged pitch */
     __shared__ __align__(16) float as[TK * APK];
     __shared__ float bs[TK * TN];
     __shared__ long long row_i[TK], row_bh[TK], row_off[TK]; /* row_off: (bh * Nq + i) * D */
@@ -453,19 +445,41 @@ int emu_bwd_fast_ok(const bwd_args &a, const fadev_policy *pol, const fadev_poli
            in + bits_in_fp32(&pb->bwd_p) <= 24 && att_inside_fp32(&pb->dq_acc) && att_inside_fp32(&pb->dkv_acc);
 }
 
+/* 8 rows (dQ) or keys (dK, dV) a thread where its grid still fills the GPU at 8 (3 CTAs an SM or more) and no causal
+ * mask (whose uneven slices favour the smaller tile). H100, B 1, H 16, N 4096, bf16, backward TFLOP/s at 8 / 4 keys
+ * of dK, dV: fa2 D 64 11.8 / 10.4, D 128 12.6 / 11.1; causal 8.0 / 8.2; grouped-query (16 / 4 heads) 8.3 / 10.8 (a
+ * quarter of the CTAs). */
+static bool wide_tiles(int64_t rows, unsigned dt, int64_t gn, int causal) {
+    const char *force = getenv("FADEV_EMU_WIDE"); /* tests and benchmarks: 1 always 8, 0 always 4 */
+    if (force && *force) return strcmp(force, "0") != 0;
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+        return false;
+    return !causal && (rows + 127) / 128 * (int64_t)dt * gn >= 3 * (int64_t)sms;
+}
+
+template <typename T, int R> void sums_dkv(const bwd_args &a, const T *sa, const T *sb, dim3 grid, int last_chunk) {
+    dkv_fast_kernel<0, T, R><<<grid, NT>>>(a, sa, last_chunk);
+    dkv_fast_kernel<1, T, R><<<grid, NT>>>(a, sb, last_chunk);
+}
+
 template <typename T> fadev_status sums(const bwd_args &args, const T *sa, const T *sb, int64_t gn, int last_chunk) {
     bwd_args a = args;
     a.dq_acc_kind = flt_kind_of(a.dq_acc), a.dkv_acc_kind = flt_kind_of(a.dkv_acc);
     const int64_t D = a.cx.pr.dim, Nk = a.cx.pr.seq_kv;
+    const int causal = a.cx.pr.causal;
     const unsigned dt = (unsigned)((D + TN - 1) / TN);
     /* dq: 8 rows a thread at D <= 64 (H100, D 64: 3.42 -> 3.15 ms, fa2), 4 above (no gain measured at D 128) */
-    if (D <= 64) dq_fast_kernel<T, 8><<<dim3((unsigned)((a.rn + 127) / 128), dt, (unsigned)gn), NT>>>(a, sb);
-    else dq_fast_kernel<T, 4><<<dim3((unsigned)((a.rn + 63) / 64), dt, (unsigned)gn), NT>>>(a, sb);
+    if (D <= 64 && wide_tiles(a.rn, dt, gn, causal))
+        dq_fast_kernel<T, 8><<<dim3((unsigned)((a.rn + 127) / 128), dt, (unsigned)gn), NT>>>(a, sb);
+    else
+        dq_fast_kernel<T, 4><<<dim3((unsigned)((a.rn + 63) / 64), dt, (unsigned)gn), NT>>>(a, sb);
     CUDA_TRY(cudaGetLastError());
-    const dim3 grid((unsigned)((Nk + 16 * DKV_R - 1) / (16 * DKV_R)), dt, (unsigned)gn);
-    dkv_fast_kernel<0, T><<<grid, NT>>>(a, sa, last_chunk);
-    CUDA_TRY(cudaGetLastError());
-    dkv_fast_kernel<1, T><<<grid, NT>>>(a, sb, last_chunk);
+    if (wide_tiles(Nk, dt, gn, causal))
+        sums_dkv<T, 8>(a, sa, sb, dim3((unsigned)((Nk + 127) / 128), dt, (unsigned)gn), last_chunk);
+    else
+        sums_dkv<T, 4>(a, sa, sb, dim3((unsigned)((Nk + 63) / 64), dt, (unsigned)gn), last_chunk);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }
