@@ -16,6 +16,14 @@ constexpr int RT = 256;
 /* The rows kernels' stages, in emu_bwd_fast_rows_ok's order (their indices in flt_kinds_of's packing). */
 enum { RL_SOFTMAX, RL_SUM_ACC, RL_STATS, RL_P, RL_DELTA_ACC, RL_DSOFT_P, RL_DSOFT, RL_DS, RL_BWD_P, RL_N };
 
+/* naive(F)'s kinds (policy.py: p, ds and bwd_p in F, the rest in the accumulator's fp32): the kernels' KINDS, every
+ * kind a compile-time constant (no branch on a kind per event; 0: the `kinds` argument's) */
+constexpr int naive_rows_kinds(int f) {
+    return 1 | FLT_F32 << (2 + 2 * RL_SOFTMAX) | FLT_F32 << (2 + 2 * RL_SUM_ACC) | FLT_F32 << (2 + 2 * RL_STATS) |
+           f << (2 + 2 * RL_P) | FLT_F32 << (2 + 2 * RL_DELTA_ACC) | FLT_F32 << (2 + 2 * RL_DSOFT_P) |
+           FLT_F32 << (2 + 2 * RL_DSOFT) | f << (2 + 2 * RL_DS) | f << (2 + 2 * RL_BWD_P);
+}
+
 struct row_at {
     int64_t q;  /* bh * Nq + i */
     int64_t nv; /* keys the row sees */
@@ -44,8 +52,9 @@ __global__ void __launch_bounds__(RT) rows_max_kernel(const __grid_constant__ bw
 
 /* The element-wise steps, a CTA per row: STEP 0 e_j = R_softmax(exp(R_softmax(s_j - m))) in place of s_j; STEP 1
  * dS in place of dP and P' = R_bwd_p(P) in place of P. */
-template <int STEP>
-__global__ void __launch_bounds__(RT) rows_elem_kernel(const __grid_constant__ bwd_args a, const int kinds) {
+template <int STEP, int KINDS = 0>
+__global__ void __launch_bounds__(RT) rows_elem_kernel(const __grid_constant__ bwd_args a, const int kinds_arg) {
+    const int kinds = KINDS ? KINDS : kinds_arg;
     const row_at r = row_of(a, blockIdx.y, blockIdx.x);
     float *s = a.saf + r.off, *dp = a.sbf + r.off;
     const double v = STEP == 0 ? a.row_l[r.q] : a.row_d[r.q];
@@ -70,8 +79,9 @@ constexpr int CW = 4, TP = 33; /* the chains: warps per CTA, pitch of a warp's 3
  * row_d. A warp owns 32 rows; per 32 keys its lanes compute the terms along each row (coalesced) into a tile in
  * shared memory, then each lane runs its own row's chain over the tile (a thread reading its row from memory made
  * every load touch 32 lines: 4.4 ms for STEP 1). */
-template <int STEP>
-__global__ void __launch_bounds__(CW * 32) rows_chain_kernel(const __grid_constant__ bwd_args a, const int kinds) {
+template <int STEP, int KINDS = 0>
+__global__ void __launch_bounds__(CW * 32) rows_chain_kernel(const __grid_constant__ bwd_args a, const int kinds_arg) {
+    const int kinds = KINDS ? KINDS : kinds_arg;
     __shared__ double tiles[CW][32 * TP];
     __shared__ long long offs[CW][32];
     __shared__ int nvs[CW][32];
@@ -123,6 +133,13 @@ __global__ void __launch_bounds__(CW * 32) rows_chain_kernel(const __grid_consta
     else a.row_d[r.q] = dbl_round(flt_kind_at(kinds, RL_DSOFT), acc);
 }
 
+template <int KINDS> void rows_launch(const bwd_args &a, int kinds, dim3 per_cta, dim3 chain) {
+    rows_elem_kernel<0, KINDS><<<per_cta, RT>>>(a, kinds);
+    rows_chain_kernel<0, KINDS><<<chain, CW * 32>>>(a, kinds);
+    rows_chain_kernel<1, KINDS><<<chain, CW * 32>>>(a, kinds);
+    rows_elem_kernel<1, KINDS><<<per_cta, RT>>>(a, kinds);
+}
+
 } // namespace
 
 /* The fast rows kernels' kinds (RL_ order) when the fast pair kernel wrote the fp32 scratch and every stage of the
@@ -139,10 +156,9 @@ fadev_status emu_bwd_fast_rows(const bwd_args &a, int64_t gn) {
     const dim3 per_cta((unsigned)a.rn, (unsigned)gn);
     const dim3 chain((unsigned)((a.rn + CW * 32 - 1) / (CW * 32)), (unsigned)gn);
     rows_max_kernel<<<per_warp, RT>>>(a);
-    rows_elem_kernel<0><<<per_cta, RT>>>(a, kinds);
-    rows_chain_kernel<0><<<chain, CW * 32>>>(a, kinds);
-    rows_chain_kernel<1><<<chain, CW * 32>>>(a, kinds);
-    rows_elem_kernel<1><<<per_cta, RT>>>(a, kinds);
+    if (kinds == naive_rows_kinds(FLT_BF16)) rows_launch<naive_rows_kinds(FLT_BF16)>(a, kinds, per_cta, chain);
+    else if (kinds == naive_rows_kinds(FLT_F16)) rows_launch<naive_rows_kinds(FLT_F16)>(a, kinds, per_cta, chain);
+    else rows_launch<0>(a, kinds, per_cta, chain);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }

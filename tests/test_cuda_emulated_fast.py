@@ -276,6 +276,9 @@ def pair_kinds(*kinds):
 
 BF, F32 = 2, 1
 PAPER_BF16, NAIVE_BF16 = pair_kinds(*[BF] * 7), pair_kinds(BF, BF, F32, BF, F32, F32, BF)
+# emu_backward_rows.cu's naive_rows_kinds(bf16): softmax, sum_acc, stats fp32, p bf16, delta_acc, dsoft_p, dsoft fp32,
+# ds and bwd_p bf16 (pair_kinds' packing)
+NAIVE_ROWS_BF16 = pair_kinds(F32, F32, F32, BF, F32, F32, F32, BF, BF)
 
 
 @pytest.mark.parametrize("kind,preset,expected", [
@@ -283,7 +286,8 @@ PAPER_BF16, NAIVE_BF16 = pair_kinds(*[BF] * 7), pair_kinds(BF, BF, F32, BF, F32,
     ("flash", "paper", ["warp_kernel<2, true, false, false>", f"pair_fast_kernel<2, {PAPER_BF16}>", "dkv_fast_kernel",
                         "dq_fast_kernel"]),
     ("baseline", "naive", ["warp_kernel<2, true, true, false>", f"pair_fast_kernel<2, {NAIVE_BF16}>", "rows_max_kernel",
-                           "rows_elem_kernel<0>", "rows_chain_kernel<0>", "rows_chain_kernel<1>", "rows_elem_kernel<1>"]),
+                           *(f"rows_{k}_kernel<{step}, {NAIVE_ROWS_BF16}>" for k, step in
+                             (("elem", 0), ("chain", 0), ("chain", 1), ("elem", 1)))]),
 ])
 def test_presets_take_the_lean_kernels(kind, preset, expected, monkeypatch):
     """The bit tests above pass whichever path runs; this one says the presets run the lean kernels (and that the
