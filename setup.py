@@ -201,6 +201,17 @@ def config_changed(build_temp, output, config):
     return None if old is None else old != config
 
 
+def touch_if_other_objects(build_temp, output, objects):
+    """Marks ``objects`` newer than ``output`` when they are others than the last link of it used (config_changed's
+    record): a source changed back to a version whose object is cached gives an object older than the module, and
+    setuptools relinks only for a dependency newer than its output. Returns whether it touched them."""
+    if not config_changed(build_temp, output + ":objects", sorted(os.path.basename(o) for o in objects)):
+        return False
+    for obj in objects:
+        os.utime(obj)
+    return True
+
+
 class BuildExt(build_ext):
     """Compiles cuda/*.cu with nvcc into objects linked into fadev._core, when :func:`cuda_decision` says so."""
 
@@ -227,6 +238,7 @@ class BuildExt(build_ext):
                 ext.define_macros.append(("FADEV_WITH_CUDA", "1"))
                 ext.extra_objects.extend(objects)
                 ext.depends.extend(objects)  # relink when an object was compiled again
+                touch_if_other_objects(self.build_temp, self.get_ext_fullpath(ext.name), objects)
                 libdirs = [os.path.join(home, d) for d in CUDA_LIB_DIRS]
                 ext.library_dirs.extend(d for d in libdirs if os.path.isdir(d))
                 ext.libraries.extend(["cudart_static", "rt", "dl"])

@@ -113,6 +113,23 @@ def test_config_record(tmp_path):
     assert changed(temp, so, {"cuda": True}) is False
 
 
+def test_other_objects_relink(tmp_path):
+    """Switching a CUDA source back to a version whose object is cached reuses that object, which is older than the
+    module: the objects of the last link are recorded, and other ones are touched so that setuptools relinks (a GPU
+    run of an A/B found the module still holding the other version's kernels)."""
+    touch = SETUP["touch_if_other_objects"]
+    temp, so = str(tmp_path / "b"), str(tmp_path / "_core.so")
+    a, b = tmp_path / "k.cu.aaaa.o", tmp_path / "k.cu.bbbb.o"
+    for obj in (a, b):
+        obj.write_text("")
+        os.utime(obj, (1_000_000, 1_000_000))
+    assert touch(temp, so, [str(a)]) is False  # the first record: the module is linked anyway
+    assert touch(temp, so, [str(a)]) is False and a.stat().st_mtime == 1_000_000  # the same objects: nothing
+    assert touch(temp, so, [str(b)]) is True and b.stat().st_mtime > 1_000_000  # B replaces A: relink
+    os.utime(a, (1_000_000, 1_000_000))
+    assert touch(temp, so, [str(a)]) is True and a.stat().st_mtime > 1_000_000  # back to the cached A: relink
+
+
 def _build(tree, **env):
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("FADEV_") and k != "LD_PRELOAD"}, **env}
     r = subprocess.run([sys.executable, "setup.py", "build_ext", "--inplace"], cwd=tree, env=env,
