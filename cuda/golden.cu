@@ -12,21 +12,24 @@
  *
  * Tiling: a CTA of W warps (8 where shared memory allows) takes BLOCK_M = 16 W query rows of one head;
  * each warp owns 16 rows and keeps its S tile (16 x BLOCK_N) and O (16 x DV) in registers as m16n8
- * accumulator fragments, and for DQK <= 64 its Q fragments too (loaded once). Q's columns are padded with
- * zeros to DQK = 16, 32, 64, 128 or 256. K and V tiles stream through shared memory with cp.async, each
- * loaded while the other is in use (V_j during S = Q K_j^T; K_{j+1} during the softmax and P V_j), two
- * barriers per tile, as FlashAttention-2. D > 128 splits O into column halves of DV = 128 computed by
- * separate CTAs (S is recomputed). The last query blocks (the most keys under a causal mask) start first.
+ * accumulator fragments. Q stays in shared memory, its columns padded with zeros to DQK = 16, 32, 64, 128 or
+ * 256. K and V tiles stream through shared memory with cp.async, two buffers each: K_{j+1} and V_j land during
+ * iteration j - 1, and one barrier per iteration both makes them visible and frees the buffers of K_j and V_{j-1}
+ * for the next copies; a warp's S_{j+1} product ends iteration j. D > 128 splits O into column halves of
+ * DV = 128 computed by separate CTAs (S is recomputed). The last query blocks (the most keys under a causal
+ * mask) start first. A tile whose every key every row of the warp sees runs without the mask's code.
  *
  * Products: mma.m16n8k16.f64 on sm_90 (one instruction per 16 k-slots: half the instructions of m16n8k8,
  * ncu: the per-instruction operand moves and NOPs were a third of the loop); on sm_80 two m16n8k8 steps of
  * four mma.m8n8k4 each, on the same fragments. A thread's four k-slots t, t+4, t+8, t+12 of a step are
- * dims 4t..4t+3 (for S) and keys 2t, 2t+1, 8+2t, 9+2t (for P V), so that every fragment is whole 16-byte
- * loads into the registers the instruction reads, with no moves: K rows as they are (b = dims 4t..4t+3);
- * Q with rows g and g+8 interleaved (a_i = row g + 8 (i % 2), dim 4t + i / 2); V transposed with its keys
- * in that order; and the P fragment of P V is two S accumulators as they stand. The shared-memory
- * strides (Q pairs 2 DQK + 8, K DQK + 2, V^T BLOCK_N + 2 doubles) make every fragment load free of bank
- * conflicts. */
+ * dims 4t..4t+3 (for S) and keys 2t, 2t+1, 8+2t, 9+2t (for P V), so that the S product's fragments are whole
+ * 16-byte loads into the registers the instruction reads, with no moves: K rows as they are (b = dims
+ * 4t..4t+3), Q with rows g and g+8 interleaved (a_i = row g + 8 (i % 2), dim 4t + i / 2); the P fragment of
+ * P V is two S accumulators as they stand (written by the exp terms in that order), and V's fragment four
+ * 8-byte loads of its rows. The shared-memory strides (Q pairs 2 DQK + 8, K DQK + 2, V DV + 2 doubles) make
+ * every fragment load free of bank conflicts. P V runs by 16-key steps, each after its exp terms, so that a
+ * step's exp terms run beside the last step's MMAs (ncu at D 64: the fp64 pipe, which DMMA and the vector fp64
+ * instructions share, busy 63%; benchmarks/README.md has what bounds it). */
 #include <math.h>
 #include <stdint.h>
 
