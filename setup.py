@@ -9,7 +9,7 @@ Environment:
   FADEV_CUDA=1      build the CUDA kernels whether or not a GPU is visible (error if nvcc is missing)
   CUDA_HOME         CUDA toolkit root (else nvcc is looked up on PATH)
   FADEV_CFLAGS      extra C compiler flags (e.g. the sanitizer flags used by .ci/run)
-  FADEV_NVCC_FLAGS  extra nvcc flags (e.g. -DGOLDEN_BLOCK_N_64=64 to try another golden tile)
+  FADEV_NVCC_FLAGS  extra nvcc flags (e.g. -DGOLDEN_BLOCK_N_64=32 to try another golden tile)
   FADEV_LDFLAGS     extra linker flags
   FADEV_CUDA_ARCH   space-separated SM numbers (default "80 90")
   FADEV_BUILD_JOBS  nvcc processes run side by side (default: the CPU count)

@@ -9,11 +9,12 @@
  * do: R_dq_acc(acc + part) (one fp32 addition when that stage is fp32: double rounding is innocuous), and the
  * chains keep the spec's order (keys ascending for dQ; the K/V head's virtual rows ascending for dK, dV).
  *
- * A CTA computes a tile of outputs (dQ: 64 virtual rows x 64 columns, each of its 256 threads 4 x 4: rows
- * 4g..4g+3, columns tx + 16c; dK, dV: 128 keys x 64 columns, a thread 8 x 4, keys 8g..8g+7: twice the FMAs a
- * shared load) over the reduction in slices of 32 staged in shared memory: the scratch operand as [k][m] (float4
- * reads of four m) and the other operand as [k][n]. A term enters only where
- * the row sees the key; block sums are flushed where the generic kernels flush them.
+ * A CTA computes a tile of outputs (dQ: virtual rows x columns; dK, dV: keys x columns) with 256 threads, each
+ * R x 4 (rows or keys R g..R g + R - 1, columns tx + 16c): R = 4 (64 x 64 tiles), or R = 8 (128 x 64: twice the FMAs
+ * a shared load) where the grid still fills the GPU and there is no causal mask (wide_tiles; dQ only at D <= 64),
+ * over the reduction in slices of 32 staged in shared memory: the scratch operand as [k][m] (float4 reads of four
+ * m) and the other operand as [k][n]. A term enters only where the row sees the key; block sums are flushed where
+ * the generic kernels flush them.
  * Also here: the fast pair kernel (s and dP as fp32 FMA chains, then the element-wise steps, every event a
  * conversion where the stages allow: the lean kernels, emu.cuh's dbl_round). The baseline's fast rows kernels are
  * in emu_backward_rows.cu. */

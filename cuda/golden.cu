@@ -430,7 +430,8 @@ extern "C" fadev_status fadev_cuda_golden_attention(const double *q, const doubl
     a.scale = pr->scale;
     a.dim = (int)pr->dim, a.causal = pr->causal, a.chunks = 1;
     a.vec16 = pr->dim % 2 == 0 && ((uintptr_t)q | (uintptr_t)k | (uintptr_t)v) % 16 == 0;
-    /* (DQK, DV, BLOCK_N): the largest tiles that compile without register spills on sm_80 and sm_90 */
+    /* (DQK, DV, BLOCK_N): the fastest measured on an H100 (benchmarks/README.md); D 64 at 64 keys spills 56 bytes
+     * on sm_90 and is still faster than at 32 (32.5 against 30.4 TFLOP/s); on sm_80 D >= 64 spill a little */
     fadev_status st;
     if (pr->dim <= 16)
         st = launch<16, 16, 32>(a, max_smem);
