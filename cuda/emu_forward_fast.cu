@@ -412,6 +412,7 @@ fast_args emu_fwd::fast_args_of(const emu_ctx &cx, double *out, double *lse, int
     a.lean = fast_lean(cx);
     a.o32 = cx.out_acc.kind == ATT_F32 && att_inside_fp32(&cx.stats.fmt) && att_inside_fp32(&cx.rescale.fmt);
     a.tiles = (cx.pr.seq_q + rows_per_cta - 1) / rows_per_cta;
+    a.units = 0, a.s_keep = nullptr;
     a.block_kv = baseline || cx.pr.block_kv > cx.pr.seq_kv ? cx.pr.seq_kv : cx.pr.block_kv;
     return a;
 }

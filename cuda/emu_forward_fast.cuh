@@ -20,6 +20,9 @@ struct fast_args {
     double *out, *lse;
     int64_t block_kv; /* flash: clamped to seq_kv; baseline: seq_kv */
     int64_t tiles;    /* CTAs per head */
+    int64_t units;    /* the warp kernel's CTA work units (a CTA each, or grid-strided: s_keep) */
+    float *s_keep;    /* the warp kernel's baseline: each resident CTA's scores of pass 0, read by passes 1 and 2
+                       * (emu_forward_warp.cu); NULL: every pass computes them */
     int baseline;
     int p_kind;       /* how R_p rounds an fp32 value (flt_kind) */
     int so_kind;      /* flt_kind of state_out */
@@ -126,21 +129,34 @@ __device__ __forceinline__ double l_kept(const fast_args &a, double lnew, int64_
     return rnd(a.cx.state_stats, lnew, ATT_STREAM(ATT_STATE_STATS, bh), ATT_INDEX(i, jb, 0));
 }
 
+/* The O update's form known at compile time: O_F32 for a.o32 (fp32 operations), the out_acc stage's flt_kind in the
+ * lean kernels (fp32, bf16, fp16), or -1 (read at run time). */
+constexpr int O_F32 = -2;
+
+/* f(std::integral_constant<int, K>{}) with K the O update's form (above): an unrolled O update compiled once per
+ * form, without a per-element branch on it (paper's out_acc events, 2 R DC copies of them, were a tenth of its
+ * forward's instructions and, branching on the kind, its instruction-cache misses). */
+template <bool LEAN, class F> __device__ __forceinline__ void with_o_form(const fast_args &a, F &&f) {
+    if (a.o32) f(std::integral_constant<int, O_F32>{});
+    else if constexpr (LEAN) with_kind(flt_kind_at(a.lean, LK_OUT_ACC), f);
+    else f(std::integral_constant<int, -1>{});
+}
+
 /* 7 (and 9) of block jb for element (i, d) (row_update): O from O, the block's P.V chain pv, the row's factor and
- * l_new. */
-template <bool LEAN>
+ * l_new. K: the O update's form (with_o_form), or -1. */
+template <bool LEAN, int K = -1>
 __device__ __forceinline__ float o_step(const fast_args &a, float o, float pv, double factor, double l_new,
                                         int64_t bh, int64_t i, int64_t jb, int d) {
     const emu_ctx &cx = a.cx;
     const int eager = cx.pr.normalize == FADEV_EAGER, kv_outer = cx.pr.loop_order == FADEV_KV_OUTER;
-    if (a.o32) {
+    if (K == O_F32 || (K == -1 && a.o32)) {
         float o_new = __fadd_rn(__fmul_rn((float)factor, o), pv);
         if (eager) o_new = __fdiv_rn(o_new, (float)l_new);
         if (kv_outer) o_new = r_flt(cx.state_out, a.so_kind, o_new, ATT_STREAM(ATT_STATE_OUT, bh), ATT_INDEX(i, jb, d));
         return o_new;
     }
     if (LEAN) { /* the events below as conversions */
-        const int koa = flt_kind_at(a.lean, LK_OUT_ACC);
+        const int koa = K >= 0 ? K : flt_kind_at(a.lean, LK_OUT_ACC);
         const double scaled = dbl_round(koa, factor * (double)o);
         double o_new = dbl_round(koa, scaled + (double)dbl_round(koa, (double)pv));
         if (eager) o_new = dbl_round(koa, o_new / l_new);

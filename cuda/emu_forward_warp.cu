@@ -95,7 +95,7 @@ __device__ __forceinline__ void stage(float *dst, int pitch_t, int pitch_r, cons
 }
 
 /* Row tile tq (BQ query rows) of query head bh. */
-template <int DC, bool LEAN, bool BASE>
+template <int DC, bool LEAN, bool BASE, bool KEEP>
 __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_t tq) {
     using T = tile<DC>;
     constexpr int R = T::R, BQ = T::BQ, DP = T::DP, EP = T::EP, SPREAD = 32 / R;
@@ -127,12 +127,15 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
         if (T::SPLIT && need_v) stage<DP, KB>(sv, 1, DP, cx.vf + (bhk * Nk + jb0) * D, D, ncta);
         __syncthreads();
     };
-    /* V where K was (no buffer of its own), once every warp's scores are done; every thread calls it */
-    auto stage_v_late = [&](int64_t jb0, int ncta) {
-        if (T::SPLIT) return;
+    /* V of the keys jb0 .. jb0 + ncta - 1 into its buffer (K's where it has none), between two CTA barriers */
+    auto stage_v = [&](int64_t jb0, int ncta) {
         __syncthreads();
         stage<DP, KB>(sv, 1, DP, cx.vf + (bhk * Nk + jb0) * D, D, ncta);
         __syncthreads();
+    };
+    /* V where K was (no buffer of its own), once every warp's scores are done; every thread calls it */
+    auto stage_v_late = [&](int64_t jb0, int ncta) {
+        if (!T::SPLIT) stage_v(jb0, ncta);
     };
     /* the warp's score chains over t ascending (lane L keys L, L + 32 of its R rows) into E; ends with __syncwarp */
     auto scores = [&]() {
@@ -272,30 +275,41 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
         for (int c = 0; c < DC; c++) o[rr][c] = 0.f;
 
     if constexpr (BASE) {
-        /* the baseline: one block of every key, in slices of KB keys, three passes (its scores computed in each: the
-         * same events, the same values): the maxima; the row sums' chains and l; P = R_p(e / l) and P.V */
+        /* the baseline: one block of every key, in slices of KB keys, three passes: the maxima; the row sums' chains
+         * and l; P = R_p(e / l) and P.V. With a.s_keep the first pass stores the rounded scores (lane L's s of row
+         * r at [slice][key][r] of its warp's rows: coalesced) and the others read them back; without, every pass
+         * computes them again (the same events, the same values) */
+        float *keep = KEEP ? a.s_keep + ((int64_t)blockIdx.x * W + w) * ((Nk + KB - 1) / KB) * KB * R : nullptr;
         float mx = -INFINITY;
         int nan = 0, nown_all = 0;
         double rs = 0;
         for (int pass = 0; pass < 3; pass++) {
             const float mf = __shfl_sync(FULL, (float)m, r);
             const double lr = __shfl_sync(FULL, l, r);
+            const bool fresh = pass == 0 || !KEEP; /* this pass computes the scores */
             for (int64_t jb0 = 0; jb0 < Nk; jb0 += KB) {
                 const int n = (int)(KB < Nk - jb0 ? KB : Nk - jb0);
                 const int ncta = (int)emu_visible(cx.pr, i0 + here - 1, jb0, n);
                 if (ncta == 0) break; /* causal: later slices are masked for every row */
-                stage_kv(jb0, ncta, pass == 2);
+                if (fresh) stage_kv(jb0, ncta, pass == 2);
+                else if (pass == 2) stage_v(jb0, ncta);
                 const vis nv{causal, n, hw, iw + Nk - Nq - jb0 + 1};
                 const int kw = hw ? nv.of(hw - 1) : 0, nr = nv.of(r), nown = lane < R ? nv.of(lane) : 0;
+                float *ks = KEEP ? keep + jb0 * R + r : nullptr; /* the slice's scores of row r */
                 if (kw) {
-                    scores();
+                    if (fresh) {
+                        scores();
+                        float unused = -INFINITY;
+                        int unused_nan = 0;
+                        round_scores(jb0, nr, pass == 0 ? mx : unused, pass == 0 ? nan : unused_nan);
+                        if (KEEP && pass == 0)
+                            for (int key = lane / R; key < nr; key += SPREAD) ks[key * R] = er[key * EP];
+                    } else { /* the lane's own entries of E: no barrier; past nr, 0 (its terms are dropped) */
+                        for (int key = lane / R; key < kw; key += SPREAD) er[key * EP] = key < nr ? ks[key * R] : 0.f;
+                    }
                     if (pass == 0) {
-                        round_scores(jb0, nr, mx, nan);
                         nown_all += nown;
                     } else {
-                        float unused = 0.f;
-                        int unused_nan = 0;
-                        round_scores(jb0, nr, unused, unused_nan);
                         if (pass == 2) terms(jb0, nr, kw, mf, std::true_type{}, lr);
                         else terms(jb0, nr, kw, mf, std::false_type{}, lr);
                         if (pass == 1 && nown) rs = row_sum(jb0, nown, rs, false);
@@ -303,7 +317,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                     }
                 }
                 if (pass < 2) continue;
-                stage_v_late(jb0, ncta);
+                if (fresh) stage_v_late(jb0, ncta);
                 if (kw) pv_add(o, kw);
             }
             if (pass == 0) {
@@ -362,16 +376,19 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                 for (int c = 0; c < DC; c++) pv[rr][c] = 0.f;
             pv_add(pv, kw);
             /* 7 (and 9): O from pv (row_update), for the rows that see a key of the block */
+            with_o_form<LEAN>(a, [&](auto OF) {
     #pragma unroll
-            for (int rr = 0; rr < R; rr++) {
-                if (!nv.of(rr)) continue;
-                const double f = sfac[w * R + rr], ln = slnew[w * R + rr];
+                for (int rr = 0; rr < R; rr++) {
+                    if (!nv.of(rr)) continue;
+                    const double f = sfac[w * R + rr], ln = slnew[w * R + rr];
     #pragma unroll
-                for (int c = 0; c < DC; c++) {
-                    const int d = lane + 32 * c;
-                    if (d < D) o[rr][c] = o_step<LEAN>(a, o[rr][c], pv[rr][c], f, ln, bh, iw + rr, jb, d);
+                    for (int c = 0; c < DC; c++) {
+                        const int d = lane + 32 * c;
+                        if (d < D)
+                            o[rr][c] = o_step<LEAN, decltype(OF)::value>(a, o[rr][c], pv[rr][c], f, ln, bh, iw + rr, jb, d);
+                    }
                 }
-            }
+            });
             if (nown) m = mnew, l = l_kept(a, lnew, bh, iw + lane, jb), seen = 1;
         }
         write_out(o, m, l, seen);
@@ -384,35 +401,58 @@ __host__ __device__ __forceinline__ int64_t ctas_per_head(const fast_args &a) {
     return a.cx.pr.causal ? (a.tiles + 1) / 2 : a.tiles;
 }
 
-template <int DC, bool LEAN, bool BASE, bool PAIR>
-__global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fast_args a) {
+/* Work unit u: a row tile, or (PAIR) two. */
+template <int DC, bool LEAN, bool BASE, bool PAIR, bool KEEP>
+__device__ __forceinline__ void warp_unit(const fast_args &a, int64_t u) {
     if constexpr (!PAIR) { /* a kernel of its own: the pair's loop state cost the tile's registers (spills) */
-        warp_tile<DC, LEAN, BASE>(a, blockIdx.x / a.tiles, blockIdx.x % a.tiles);
+        warp_tile<DC, LEAN, BASE, KEEP>(a, u / a.tiles, u % a.tiles);
     } else {
 #pragma unroll 1
         for (int k = 0; k < 2; k++) { /* a loop: the tile's code inlined once; its indices recomputed, not kept */
-            const int64_t per = ctas_per_head(a), p = blockIdx.x % per, last = a.tiles - 1 - p;
+            const int64_t per = ctas_per_head(a), p = u % per, last = a.tiles - 1 - p;
             if (k && (!a.cx.pr.causal || p == last)) break;
             if (k) __syncthreads(); /* the first tile's readers of shared memory are done */
-            warp_tile<DC, LEAN, BASE>(a, blockIdx.x / per, a.cx.pr.causal && !k ? last : p);
+            warp_tile<DC, LEAN, BASE, KEEP>(a, u / per, a.cx.pr.causal && !k ? last : p);
         }
     }
 }
 
-template <int DC, bool LEAN, bool BASE, bool PAIR>
+/* A CTA per unit; with the baseline's score store, the CTAs stride over the units (a.s_keep holds one resident
+ * CTA's scores each). */
+template <int DC, bool LEAN, bool BASE, bool PAIR, bool KEEP>
+__global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fast_args a) {
+    if constexpr (KEEP) {
+#pragma unroll 1
+        for (int64_t u = blockIdx.x; u < a.units; u += gridDim.x) {
+            if (u != blockIdx.x) __syncthreads(); /* the last unit's readers of shared memory are done */
+            warp_unit<DC, LEAN, BASE, PAIR, KEEP>(a, u);
+        }
+    } else {
+        warp_unit<DC, LEAN, BASE, PAIR, KEEP>(a, blockIdx.x);
+    }
+}
+
+template <int DC, bool LEAN, bool BASE, bool PAIR, bool KEEP = false>
 fadev_status launch(const fast_args &a, int64_t ctas) {
     const size_t smem = tile<DC>::bytes;
-    CUDA_TRY(cudaFuncSetAttribute(warp_kernel<DC, LEAN, BASE, PAIR>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CUDA_TRY(cudaFuncSetAttribute(warp_kernel<DC, LEAN, BASE, PAIR, KEEP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   (int)smem));
-    warp_kernel<DC, LEAN, BASE, PAIR><<<(unsigned)ctas, NT, smem>>>(a);
+    warp_kernel<DC, LEAN, BASE, PAIR, KEEP><<<(unsigned)ctas, NT, smem>>>(a);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }
 
+/* the baseline with or without its score store (a kernel each: the store's branches in the recomputing kernel cost
+ * it registers) */
+template <int DC, bool LEAN, bool PAIR>
+fadev_status launch_base(const fast_args &a, int64_t ctas) {
+    return a.s_keep ? launch<DC, LEAN, true, PAIR, true>(a, ctas) : launch<DC, LEAN, true, PAIR, false>(a, ctas);
+}
+
 template <int DC, bool LEAN>
 fadev_status launch_of(const fast_args &a, int64_t ctas) {
-    if (a.cx.pr.causal) return a.baseline ? launch<DC, LEAN, true, true>(a, ctas) : launch<DC, LEAN, false, true>(a, ctas);
-    return a.baseline ? launch<DC, LEAN, true, false>(a, ctas) : launch<DC, LEAN, false, false>(a, ctas);
+    if (a.cx.pr.causal) return a.baseline ? launch_base<DC, LEAN, true>(a, ctas) : launch<DC, LEAN, false, true>(a, ctas);
+    return a.baseline ? launch_base<DC, LEAN, false>(a, ctas) : launch<DC, LEAN, false, false>(a, ctas);
 }
 
 } // namespace
@@ -424,11 +464,41 @@ int emu_fwd::warp_forward_ok(const emu_ctx &cx, int baseline) {
     return (baseline || bkv <= KB) && cx.pr.dim <= 128;
 }
 
+/* The baseline's grid and score store: every resident CTA (2 an SM) a slot of BQ x Nk fp32 scores, where they fit
+ * in min(2 GiB, a third of the free memory) -- FADEV_CUDA_SCRATCH_BYTES lowers that (tests), FADEV_EMU_KEEP=0 turns
+ * the store off -- else a CTA per unit, every pass computing the scores. Storing them saves two of the baseline's
+ * four product chains a score (2 D FMAs; the first pass's maxima need every score before any term) for 12 bytes of
+ * memory traffic a score (one store, two loads). */
+static fadev_status keep_plan(fast_args &a, int64_t bq, device_buffer<float> &keep, int64_t &grid) {
+    grid = a.units;
+    const char *off = getenv("FADEV_EMU_KEEP");
+    if (!a.baseline || (off && strcmp(off, "0") == 0)) return FADEV_OK;
+    int device = 0, sms = 0;
+    CUDA_TRY(cudaGetDevice(&device));
+    CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const int64_t slots = a.units < 2 * (int64_t)sms ? a.units : 2 * (int64_t)sms;
+    const int64_t per = bq * ((a.cx.pr.seq_kv + KB - 1) / KB) * KB; /* floats a slot */
+    size_t free_bytes = 0, total_bytes = 0;
+    CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
+    size_t budget = free_bytes / 3 < ((size_t)2 << 30) ? free_bytes / 3 : ((size_t)2 << 30);
+    const char *cap_text = getenv("FADEV_CUDA_SCRATCH_BYTES");
+    const size_t cap = cap_text ? (size_t)strtoull(cap_text, NULL, 10) : 0;
+    if (cap > 0 && cap < budget) budget = cap;
+    if ((size_t)(slots * per) > budget / sizeof(float)) return FADEV_OK;
+    FADEV_TRY(keep.alloc((size_t)(slots * per), "emulated baseline attention: scores"));
+    a.s_keep = keep.ptr, grid = slots;
+    return FADEV_OK;
+}
+
 fadev_status emu_fwd::warp_forward(const emu_ctx &cx, double *out, double *lse, int baseline) {
     const int d64 = cx.pr.dim <= 64;
-    const fast_args a = fast_args_of(cx, out, lse, baseline, d64 ? tile<2>::BQ : tile<4>::BQ);
-    const int64_t ctas = cx.pr.batch * cx.pr.heads * ctas_per_head(a);
-    if (ctas >= (int64_t)1 << 31) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "emulated attention: grid too large");
+    const int64_t bq = d64 ? tile<2>::BQ : tile<4>::BQ;
+    fast_args a = fast_args_of(cx, out, lse, baseline, (int)bq);
+    a.units = cx.pr.batch * cx.pr.heads * ctas_per_head(a);
+    if (a.units >= (int64_t)1 << 31) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "emulated attention: grid too large");
+    device_buffer<float> keep;
+    int64_t ctas = 0;
+    FADEV_TRY(keep_plan(a, bq, keep, ctas));
     if (d64) return a.lean ? launch_of<2, true>(a, ctas) : launch_of<2, false>(a, ctas);
     return a.lean ? launch_of<4, true>(a, ctas) : launch_of<4, false>(a, ctas);
 }

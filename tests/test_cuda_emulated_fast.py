@@ -136,6 +136,36 @@ def test_warp_kernel_is_tiled_kernel(D, causal, monkeypatch):
         assert differing(wo, to) == 0 and differing(wl, tl) == 0, f"{kind} {policy} {kw}: warp kernel != tiled kernel"
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_baseline_score_store_is_recomputation(D, causal, monkeypatch):
+    """The warp kernel's baseline stores its first pass's scores for the other two where they fit (a slot per
+    resident CTA, the CTAs striding over the work units); FADEV_EMU_KEEP=0, or a scratch budget too small for the
+    slots, computes them in every pass. More units than resident CTAs (64 heads x 5 or 9 row tiles), ragged tiles,
+    Nq != Nk, grouped-query heads: the same bits either way, the generic kernels' and the CPU's."""
+    q, k, v = make_qkv(37, 1, 64, 16, 520, 229, D, spread=2.0)
+    for policy in (Policy.naive("bf16"), Policy.paper("fp16")):
+        assert_fast_is_generic("baseline", q, k, v, policy, monkeypatch, cpu=policy.name == "naive(bf16)",
+                               causal=causal)
+        kept = forward("baseline", q, k, v, policy, monkeypatch, False, causal=causal)
+        for env, value in (("FADEV_EMU_KEEP", "0"), ("FADEV_CUDA_SCRATCH_BYTES", "4096")):
+            monkeypatch.setenv(env, value)
+            again = forward("baseline", q, k, v, policy, monkeypatch, False, causal=causal)
+            monkeypatch.delenv(env)
+            assert differing(kept[0], again[0]) == 0 and differing(kept[1], again[1]) == 0, f"{policy} {env}"
+
+
+def test_baseline_score_store_switches(monkeypatch):
+    """The store's kernel runs by default, and FADEV_EMU_KEEP=0 (or too small a budget) runs the recomputing one."""
+    names = kernels_run("baseline", Policy.naive("bf16"), monkeypatch, generic=False)
+    assert "warp_kernel<2, true, true, false, true>" in names, names
+    for env, value in (("FADEV_EMU_KEEP", "0"), ("FADEV_CUDA_SCRATCH_BYTES", "4096")):
+        monkeypatch.setenv(env, value)
+        names = kernels_run("baseline", Policy.naive("bf16"), monkeypatch, generic=False)
+        monkeypatch.delenv(env)
+        assert "warp_kernel<2, true, true, false, false>" in names and "false, true>" not in names, (env, names)
+
+
 @pytest.mark.parametrize("exp2", [False, True])
 def test_exp_transcription_is_cudas_for_every_fp32_input(exp2):
     """The fast kernels' exp and exp2 (emu_exp_fast: CUDA's, transcribed, constants in constant memory) give CUDA's own
@@ -282,10 +312,10 @@ NAIVE_ROWS_BF16 = pair_kinds(F32, F32, F32, BF, F32, F32, F32, BF, BF)
 
 
 @pytest.mark.parametrize("kind,preset,expected", [
-    ("flash", "fa2", ["warp_kernel<2, true, false, false>", "pair_fast_kernel<1, 0>", "dkv_fast_kernel", "dq_fast_kernel"]),
-    ("flash", "paper", ["warp_kernel<2, true, false, false>", f"pair_fast_kernel<2, {PAPER_BF16}>", "dkv_fast_kernel",
+    ("flash", "fa2", ["warp_kernel<2, true, false, false, false>", "pair_fast_kernel<1, 0>", "dkv_fast_kernel", "dq_fast_kernel"]),
+    ("flash", "paper", ["warp_kernel<2, true, false, false, false>", f"pair_fast_kernel<2, {PAPER_BF16}>", "dkv_fast_kernel",
                         "dq_fast_kernel"]),
-    ("baseline", "naive", ["warp_kernel<2, true, true, false>", f"pair_fast_kernel<2, {NAIVE_BF16}>", "rows_max_kernel",
+    ("baseline", "naive", ["warp_kernel<2, true, true, false, true>", f"pair_fast_kernel<2, {NAIVE_BF16}>", "rows_max_kernel",
                            *(f"rows_{k}_kernel<{step}, {NAIVE_ROWS_BF16}>" for k, step in
                              (("elem", 0), ("chain", 0), ("chain", 1), ("elem", 1)))]),
 ])
