@@ -7,14 +7,14 @@
  * row sums and statistics run on 64 of the CTA's 256 threads while the rest wait (ncu: 25% occupancy, 0.6 eligible
  * warps per scheduler, 8.5 cycles per issued instruction). Here the K and V of a block are staged once per block
  * (two CTA barriers) and everything else is the warp's own:
- *   scores: lane L keys L and L + 32 of the warp's R rows (R = 16 at D <= 64, 8 at D <= 128), the fp32 FMA chains
- *     over t ascending, Q^T and K^T from shared memory (R/4 broadcast float4 loads and 2 loads per R x 2 FMAs);
+ *   scores: a lane's tile of keys x the warp's R rows (R = 16 at D <= 64, 8 at D <= 128; tile<>), the fp32 FMA
+ *     chains over t ascending, Q^T and K^T from shared memory (broadcast float4 loads of Q);
  *   the chains' values go to the warp's E[key][row]; then lane L works on row L % R, keys L / R + (32 / R) k: the
  *     scores' roundings and the row's maximum (the lanes of a row combined by shuffles), then the softmax terms
  *     (a key the row does not see: 0), each a rolled loop (the fp64 exp inlined once, not 2 R times);
  *   lane r < R runs row r's sum chain over the visible keys ascending and rewrites each e as P = R_p(e) behind it,
  *     then the row's statistics (row_stats); the row's m, l live in that lane's registers;
- *   P.V: lane L columns L + 32c of the R rows, P broadcast from E, V from shared memory, keys ascending up to the
+ *   P.V: a lane's tile of columns x rows (tile<>), P from E, V from shared memory, keys ascending up to the
  *     warp's last visible key; a key a row does not see has P = +0, whose product with a finite V value adds +-0 to
  *     a chain that is never -0 (it starts at +0, and an exact cancellation in nearest-even gives +0), so the chain
  *     is the one that skips the key; zero-padded t (D not a multiple of 4) likewise adds fmaf(0, 0, acc) = acc;
@@ -32,15 +32,29 @@ namespace {
 constexpr int W = 8;        /* warps per CTA */
 constexpr int NT = 32 * W;  /* threads per CTA */
 constexpr int KB = 64;      /* keys per block, at most */
-constexpr int KP = KB + 1;  /* pitch of K^T [t][key] (conflict-free transposing stores) */
 constexpr unsigned FULL = 0xFFFFFFFFu;
 
-/* The tile of a kernel whose lanes hold DC columns of O each (D <= 32 DC). */
+/* The tile of a kernel for D <= 32 DC. A lane's register tiles: scores, KL keys (key0 + KS j) x SR rows; O and P.V,
+ * CL columns (col0 + CS c) x RL rows. At D 64 (QUAD) 4 contiguous keys or columns x half the warp's rows, so that
+ * each FMA block of a step reads one float4 of K or V and SR / 4 or RL / 4 broadcast float4 of Q or P: 3 shared loads
+ * for 32 FMAs (a key or column every 32 lanes x all R rows took 6, and the shared pipe's queue was the product
+ * loops' largest stall; H100, fa2 bf16 forward 16.6-16.9 -> 17.4-17.8 TFLOP/s). At D 128 the 4-wide tiles measured
+ * 3-9% slower (same run), so it keeps a key or column every 32 lanes. */
 template <int DC> struct tile {
     static constexpr int DP = 32 * DC;         /* the head dimension, padded with zeros */
     static constexpr int R = DC == 2 ? 16 : 8; /* query rows per warp: o, pv take 2 R DC registers */
     static constexpr int BQ = W * R;           /* query rows per CTA */
+    static constexpr bool QUAD = DC == 2;
+    static constexpr int KL = QUAD ? 4 : 2, KS = QUAD ? 1 : 32, SR = QUAD ? R / 2 : R;
+    static constexpr int CL = QUAD ? 4 : DC, CS = QUAD ? 1 : 32, RL = QUAD ? R * DC / 4 : R;
+    static_assert(RL * CL == R * DC && KL * SR * 32 == KB * R && KB == 64, "the lanes' tiles cover the warp's");
+    __device__ static int key0(int lane) { return QUAD ? 4 * (lane & 15) : lane; }
+    __device__ static int srow0(int lane) { return QUAD ? (lane >> 4) * SR : 0; }
+    __device__ static int col0(int lane) { return QUAD ? 4 * (lane % (DP / 4)) : lane; }
+    __device__ static int orow0(int lane) { return QUAD ? lane / (DP / 4) * RL : 0; }
     static constexpr int EP = R + 4;           /* pitch of a warp's E[key][row]: conflict-free float4 stores */
+    static constexpr int KP = QUAD ? KB + 4 : KB + 1; /* pitch of K^T [t][key]: float4 reads of four keys (QUAD,
+                                                       * staged by stage_kt), or conflict-free transposing stores */
     static constexpr bool SPLIT = DC == 2;     /* K and V in buffers of their own; at D 128 V overwrites K (then
                                                 * the CTA's shared memory allows 2 CTAs per SM) */
     static constexpr size_t floats = (size_t)DP * BQ + (size_t)DP * KP + (SPLIT ? (size_t)KB * DP : 0) + (size_t)W * KB * EP;
@@ -94,11 +108,35 @@ __device__ __forceinline__ void stage(float *dst, int pitch_t, int pitch_r, cons
     }
 }
 
+/* K^T [t][key] (pitch KP) of keys [0, have) of src (row pitch D), zeros for t >= D and keys >= have, t < DP: lanes
+ * across keys, so the transposing stores are conflict-free at a pitch of four keys' multiple; a thread's loads are in
+ * flight at once. Ends without a barrier. */
+template <int DP, int KP>
+__device__ __forceinline__ void stage_kt(float *dst, const float *src, int D, int have) {
+    static_assert(DP * KB % (4 * NT) == 0, "whole passes");
+    if (D == DP) { /* float4 along t (16-byte aligned: rows of DP floats) */
+#pragma unroll
+        for (int it = 0; it < DP * KB / (4 * NT); it++) {
+            const int e = it * NT + threadIdx.x, key = e % KB, t = e / KB * 4;
+            const float4 x = key < have ? *(const float4 *)(src + (int64_t)key * D + t) : make_float4(0.f, 0.f, 0.f, 0.f);
+            float *d = dst + t * KP + key;
+            d[0] = x.x, d[KP] = x.y, d[2 * KP] = x.z, d[3 * KP] = x.w;
+        }
+        return;
+    }
+#pragma unroll 16
+    for (int it = 0; it < DP * KB / NT; it++) {
+        const int e = it * NT + threadIdx.x, key = e % KB, t = e / KB;
+        dst[t * KP + key] = t < D && key < have ? src[(int64_t)key * D + t] : 0.f;
+    }
+}
+
 /* Row tile tq (BQ query rows) of query head bh. */
 template <int DC, bool LEAN, bool BASE, bool KEEP>
 __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_t tq) {
     using T = tile<DC>;
-    constexpr int R = T::R, BQ = T::BQ, DP = T::DP, EP = T::EP, SPREAD = 32 / R;
+    constexpr int R = T::R, BQ = T::BQ, DP = T::DP, EP = T::EP, KP = T::KP, SPREAD = 32 / R;
+    constexpr int KL = T::KL, KS = T::KS, SR = T::SR, CL = T::CL, CS = T::CS, RL = T::RL;
     extern __shared__ __align__(16) char smem[];
     float *sq = (float *)smem, *sk = sq + DP * BQ, *sv = T::SPLIT ? sk + DP * KP : sk;
     float *se = sk + DP * KP + (T::SPLIT ? KB * DP : 0);
@@ -123,7 +161,8 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
      * a CTA barrier before and after */
     auto stage_kv = [&](int64_t jb0, int ncta, bool need_v) {
         __syncthreads(); /* the previous block's readers of K, V and E are done */
-        stage<DP, KB>(sk, KP, 1, cx.kf + (bhk * Nk + jb0) * D, D, ncta); /* K^T [t][key] */
+        if constexpr (T::QUAD) stage_kt<DP, KP>(sk, cx.kf + (bhk * Nk + jb0) * D, D, ncta);
+        else stage<DP, KB>(sk, KP, 1, cx.kf + (bhk * Nk + jb0) * D, D, ncta); /* K^T [t][key] */
         if (T::SPLIT && need_v) stage<DP, KB>(sv, 1, DP, cx.vf + (bhk * Nk + jb0) * D, D, ncta);
         __syncthreads();
     };
@@ -137,36 +176,45 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     auto stage_v_late = [&](int64_t jb0, int ncta) {
         if (!T::SPLIT) stage_v(jb0, ncta);
     };
-    /* the warp's score chains over t ascending (lane L keys L, L + 32 of its R rows) into E; ends with __syncwarp */
+    /* the warp's score chains over t ascending (lane L: keys key0 + KS j of rows srow0 .. + SR - 1) into E; ends with
+     * __syncwarp */
+    const int key0 = T::key0(lane), srow0 = T::srow0(lane);
     auto scores = [&]() {
-        float acc[R][2];
+        float acc[SR][KL];
 #pragma unroll
-        for (int rr = 0; rr < R; rr++) acc[rr][0] = acc[rr][1] = 0.f;
-        const float *qs = sq + w * R, *ks = sk + lane;
+        for (int rr = 0; rr < SR; rr++)
+#pragma unroll
+            for (int j = 0; j < KL; j++) acc[rr][j] = 0.f;
+        const float *qs = sq + w * R + srow0, *ks = sk + key0;
         const int D4 = (D + 3) & ~3;
         for (int t0 = 0; t0 < D4; t0 += 4) {
 #pragma unroll
             for (int t = t0; t < t0 + 4; t++) {
-                float qv[R];
+                float qv[SR], kv[KL];
 #pragma unroll
-                for (int r4 = 0; r4 < R / 4; r4++) {
+                for (int r4 = 0; r4 < SR / 4; r4++) {
                     const float4 x = *(const float4 *)(qs + t * BQ + 4 * r4);
                     qv[4 * r4] = x.x, qv[4 * r4 + 1] = x.y, qv[4 * r4 + 2] = x.z, qv[4 * r4 + 3] = x.w;
                 }
-                const float k0 = ks[t * KP], k1 = ks[t * KP + 32];
+                if constexpr (KS == 1 && KL == 4) {
+                    const float4 x = *(const float4 *)(ks + t * KP);
+                    kv[0] = x.x, kv[1] = x.y, kv[2] = x.z, kv[3] = x.w;
+                } else {
 #pragma unroll
-                for (int rr = 0; rr < R; rr++) {
-                    acc[rr][0] = fmaf(qv[rr], k0, acc[rr][0]);
-                    acc[rr][1] = fmaf(qv[rr], k1, acc[rr][1]);
+                    for (int j = 0; j < KL; j++) kv[j] = ks[t * KP + KS * j];
                 }
+#pragma unroll
+                for (int rr = 0; rr < SR; rr++)
+#pragma unroll
+                    for (int j = 0; j < KL; j++) acc[rr][j] = fmaf(qv[rr], kv[j], acc[rr][j]);
             }
         }
 #pragma unroll
-        for (int c = 0; c < 2; c++)
+        for (int j = 0; j < KL; j++)
 #pragma unroll
-            for (int r4 = 0; r4 < R / 4; r4++)
-                *(float4 *)(ew + (lane + 32 * c) * EP + 4 * r4) =
-                    make_float4(acc[4 * r4][c], acc[4 * r4 + 1][c], acc[4 * r4 + 2][c], acc[4 * r4 + 3][c]);
+            for (int r4 = 0; r4 < SR / 4; r4++)
+                *(float4 *)(ew + (key0 + KS * j) * EP + srow0 + 4 * r4) =
+                    make_float4(acc[4 * r4][j], acc[4 * r4 + 1][j], acc[4 * r4 + 2][j], acc[4 * r4 + 3][j]);
         __syncwarp();
     };
     /* s of the lane's visible keys (nr of them) in E, folded into its maximum (mx, nan). The spec's running maximum
@@ -203,23 +251,30 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
         });
         __syncwarp();
     };
-    /* pv += P.V over the block's keys below kw, P from E, V from shared memory */
-    auto pv_add = [&](float (&pv)[R][DC], int kw) {
-        const float *vs = sv + lane;
+    /* pv += P.V over the block's keys below kw, P from E, V from shared memory: lane L columns col0 + CS c of rows
+     * orow0 .. + RL - 1 */
+    const int col0 = T::col0(lane), orow0 = T::orow0(lane);
+    auto pv_add = [&](float (&pv)[RL][CL], int kw) {
+        const float *vs = sv + col0, *ps = ew + orow0;
 #pragma unroll 4
         for (int key = 0; key < kw; key++) {
-            float p[R], vv[DC];
+            float p[RL], vv[CL];
 #pragma unroll
-            for (int r4 = 0; r4 < R / 4; r4++) {
-                const float4 x = *(const float4 *)(ew + key * EP + 4 * r4);
+            for (int r4 = 0; r4 < RL / 4; r4++) {
+                const float4 x = *(const float4 *)(ps + key * EP + 4 * r4);
                 p[4 * r4] = x.x, p[4 * r4 + 1] = x.y, p[4 * r4 + 2] = x.z, p[4 * r4 + 3] = x.w;
             }
+            if constexpr (CS == 1 && CL == 4) {
+                const float4 x = *(const float4 *)(vs + key * DP);
+                vv[0] = x.x, vv[1] = x.y, vv[2] = x.z, vv[3] = x.w;
+            } else {
 #pragma unroll
-            for (int c = 0; c < DC; c++) vv[c] = vs[key * DP + 32 * c];
+                for (int c = 0; c < CL; c++) vv[c] = vs[key * DP + CS * c];
+            }
 #pragma unroll
-            for (int rr = 0; rr < R; rr++)
+            for (int rr = 0; rr < RL; rr++)
 #pragma unroll
-                for (int c = 0; c < DC; c++) pv[rr][c] = fmaf(p[rr], vv[c], pv[rr][c]);
+                for (int c = 0; c < CL; c++) pv[rr][c] = fmaf(p[rr], vv[c], pv[rr][c]);
         }
     };
     /* row `lane`'s chain of the row sum over its visible keys (nown) ascending, from rs; with `write_p`, each e
@@ -250,17 +305,18 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
         return rsum;
     };
     /* the written output from the rows' O (o) and their state in lanes r < R */
-    auto write_out = [&](const float (&o)[R][DC], double m, double l, int seen) {
+    auto write_out = [&](const float (&o)[RL][CL], double m, double l, int seen) {
 #pragma unroll
-        for (int rr = 0; rr < R; rr++) {
-            const double lr = __shfl_sync(FULL, l, rr);
-            const int sr = __shfl_sync(FULL, seen, rr);
-            if (rr >= hw) continue;
-            double *out = a.out + (bh * Nq + iw + rr) * D;
+        for (int rr = 0; rr < RL; rr++) {
+            const int row = orow0 + rr;
+            const double lr = __shfl_sync(FULL, l, row);
+            const int sr = __shfl_sync(FULL, seen, row);
+            if (row >= hw) continue;
+            double *out = a.out + (bh * Nq + iw + row) * D;
 #pragma unroll
-            for (int c = 0; c < DC; c++) {
-                const int d = lane + 32 * c;
-                if (d < D) out[d] = out_of(a, o[rr][c], sr, lr, bh, iw + rr, d);
+            for (int c = 0; c < CL; c++) {
+                const int d = col0 + CS * c;
+                if (d < D) out[d] = out_of(a, o[rr][c], sr, lr, bh, iw + row, d);
             }
         }
         if (a.lse && lane < hw) a.lse[bh * Nq + iw + lane] = lse_of(a, seen, m, l, bh, iw + lane);
@@ -268,11 +324,11 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
 
     double m = -INFINITY, l = 0; /* row `lane`'s state (lanes < R) */
     int seen = 0;
-    float o[R][DC];
+    float o[RL][CL];
 #pragma unroll
-    for (int rr = 0; rr < R; rr++)
+    for (int rr = 0; rr < RL; rr++)
 #pragma unroll
-        for (int c = 0; c < DC; c++) o[rr][c] = 0.f;
+        for (int c = 0; c < CL; c++) o[rr][c] = 0.f;
 
     if constexpr (BASE) {
         /* the baseline: one block of every key, in slices of KB keys, three passes: the maxima; the row sums' chains
@@ -369,23 +425,24 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
             }
             stage_v_late(jb0, ncta);
             if (!kw) continue;
-            float pv[R][DC];
+            float pv[RL][CL];
     #pragma unroll
-            for (int rr = 0; rr < R; rr++)
+            for (int rr = 0; rr < RL; rr++)
     #pragma unroll
-                for (int c = 0; c < DC; c++) pv[rr][c] = 0.f;
+                for (int c = 0; c < CL; c++) pv[rr][c] = 0.f;
             pv_add(pv, kw);
             /* 7 (and 9): O from pv (row_update), for the rows that see a key of the block */
             with_o_form<LEAN>(a, [&](auto OF) {
     #pragma unroll
-                for (int rr = 0; rr < R; rr++) {
-                    if (!nv.of(rr)) continue;
-                    const double f = sfac[w * R + rr], ln = slnew[w * R + rr];
+                for (int rr = 0; rr < RL; rr++) {
+                    const int row = orow0 + rr;
+                    if (!nv.of(row)) continue;
+                    const double f = sfac[w * R + row], ln = slnew[w * R + row];
     #pragma unroll
-                    for (int c = 0; c < DC; c++) {
-                        const int d = lane + 32 * c;
+                    for (int c = 0; c < CL; c++) {
+                        const int d = col0 + CS * c;
                         if (d < D)
-                            o[rr][c] = o_step<LEAN, decltype(OF)::value>(a, o[rr][c], pv[rr][c], f, ln, bh, iw + rr, jb, d);
+                            o[rr][c] = o_step<LEAN, decltype(OF)::value>(a, o[rr][c], pv[rr][c], f, ln, bh, iw + row, jb, d);
                     }
                 }
             });
