@@ -61,7 +61,7 @@ __device__ __forceinline__ float score_of(const fast_args &a, float acc, int64_t
     if (K >= 0 ? K == FLT_F32 : cx.score.kind == ATT_F32) return __fmul_rn((float)cx.c, acc);
     if (LEAN) {
         const int ks = K >= 0 ? K : flt_kind_at(a.lean, LK_SCORE);
-        return dbl_round(ks, cx.c * (double)dbl_round(ks, (double)acc));
+        return dbl_round(ks, cx.c * (double)flt_round(ks, acc)); /* acc is an fp32 value: dbl_round(ks, acc)'s */
     }
     const uint64_t idx = ATT_INDEX(i, j, 0);
     return (float)rnd(cx.score, cx.c * rnd(cx.score, (double)acc, ATT_STREAM(ATT_SCORE_DOT, bh), idx),

@@ -347,11 +347,16 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                 const int n = (int)(KB < Nk - jb0 ? KB : Nk - jb0);
                 const int ncta = (int)emu_visible(cx.pr, i0 + here - 1, jb0, n);
                 if (ncta == 0) break; /* causal: later slices are masked for every row */
-                if (fresh) stage_kv(jb0, ncta, pass == 2);
-                else if (pass == 2) stage_v(jb0, ncta);
                 const vis nv{causal, n, hw, iw + Nk - Nq - jb0 + 1};
                 const int kw = hw ? nv.of(hw - 1) : 0, nr = nv.of(r), nown = lane < R ? nv.of(lane) : 0;
                 float *ks = KEEP ? keep + jb0 * R + r : nullptr; /* the slice's scores of row r */
+                if (!fresh && kw) { /* the lane's own entries of E (past nr 0: their terms are dropped), read before
+                                     * V's staging so that both loads' latencies overlap */
+                    __syncwarp(); /* the last slice's readers of E are done */
+                    for (int key = lane / R; key < kw; key += SPREAD) er[key * EP] = key < nr ? ks[key * R] : 0.f;
+                }
+                if (fresh) stage_kv(jb0, ncta, pass == 2);
+                else if (pass == 2) stage_v(jb0, ncta);
                 if (kw) {
                     if (fresh) {
                         scores();
@@ -360,8 +365,6 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                         round_scores(jb0, nr, pass == 0 ? mx : unused, pass == 0 ? nan : unused_nan);
                         if (KEEP && pass == 0)
                             for (int key = lane / R; key < nr; key += SPREAD) ks[key * R] = er[key * EP];
-                    } else { /* the lane's own entries of E: no barrier; past nr, 0 (its terms are dropped) */
-                        for (int key = lane / R; key < kw; key += SPREAD) er[key * EP] = key < nr ? ks[key * R] : 0.f;
                     }
                     if (pass == 0) {
                         nown_all += nown;
