@@ -11,7 +11,8 @@
  *
  * A CTA computes a tile of outputs (dQ: virtual rows x columns; dK, dV: keys x columns) with 256 threads, each
  * R x 4 (rows or keys R g..R g + R - 1, columns tx + 16c): R = 4 (64 x 64 tiles), or R = 8 (128 x 64: twice the FMAs
- * a shared load) where the grid still fills the GPU and there is no causal mask (wide_tiles; dQ only at D <= 64),
+ * a shared load) where the grid still fills the GPU (cut_of; dQ only at D <= 64); causal, a CTA takes two tiles, the
+ * p-th with the most rows (keys) to see and the p-th with the fewest, where that grid still fills a wave (cut_of),
  * over the reduction in slices of 32 staged in shared memory: the scratch operand as [k][m] (float4 reads of four
  * m) and the other operand as [k][n]. A term enters only where the row sees the key; block sums are flushed where
  * the generic kernels flush them.
@@ -62,11 +63,21 @@ __device__ __forceinline__ void rank1(const float *as, const float *bs, int kk, 
             for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
 }
 
+/* The tile of pass `pass` (0, 1) of this CTA: blockIdx.x in pass 0 when `paired` is 0; else (causal: a tile's work
+ * falls with its index) tiles p = blockIdx.x and paired - 1 - p of `paired`, so that every CTA has about the same
+ * work (the forward's pairing). False: no tile in this pass. */
+__device__ __forceinline__ bool pair_tile(int paired, int pass, int64_t &tile) {
+    const int64_t p = blockIdx.x;
+    tile = pass ? paired - 1 - p : p;
+    return !pass || (paired && tile != p);
+}
+
 /* One CTA of dq: virtual rows rl0.. of the chunk's K/V head g0 + blockIdx.z, columns d0...; the scratch holds
  * T (fp64 from the generic pair kernels, fp32 from the fast one: the same values). */
 /* R rows a thread (4 or 8: a CTA's tile 16 R rows x 64 columns; at 8, 128 registers for 2 CTAs an SM) */
-template <typename T, int R>
-__global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dq_fast_kernel(const __grid_constant__ bwd_args a, const T *sb) {
+template <typename T, int R, bool PAIRED>
+__global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dq_fast_kernel(const __grid_constant__ bwd_args a, const T *sb,
+                                                                     int paired) {
     constexpr int TMQ = 16 * R, APQ = TMQ + 4; /* the CTA's rows; the staged pitch */
     __shared__ __align__(16) float as[TK * APQ];
     __shared__ float bs[TK * TN];
@@ -76,94 +87,101 @@ __global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dq_fast_kernel(const __gri
     const emu_ctx &cx = a.cx;
     const int64_t D = cx.pr.dim, Nq = cx.pr.seq_q, Nk = cx.pr.seq_kv;
     const int bk = (int)a.block_kv; /* <= Nk < 2^21 (the counters' range) */
-    const int64_t gl = blockIdx.z, bg = a.g0 + gl, rl0 = (int64_t)blockIdx.x * TMQ, d0 = (int64_t)blockIdx.y * TN;
     const int tid = threadIdx.x, g = tid >> 4, tx = tid & 15;
-    if (tid == 0) range[0] = INT_MAX, range[1] = 0;
-    __syncthreads();
-    if (tid < TMQ) {
-        int nv = 0;
-        const vrow w = vrow_of(a, bg, a.r0 + (rl0 + tid < a.rn ? rl0 + tid : 0));
-        row_bh[tid] = w.bh, row_i[tid] = w.i;
-        if (rl0 + tid < a.rn) {
-            const int64_t last = last_key(cx.pr, w.i);
-            nv = last < 0 ? 0 : (int)(last + 1 < Nk ? last + 1 : Nk);
-            if (nv > 0) atomicMin(&range[0], nv);
-        }
-        nv_s[tid] = nv;
-        atomicMax(&range[1], nv);
-    }
-    __syncthreads();
-    const int nvmin = range[0], nvmax = range[1];
-    int nv[R];
-#pragma unroll
-    for (int r = 0; r < R; r++) nv[r] = nv_s[g * R + r];
-    float part[R][4], acc[R][4];
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) part[r][c] = 0.f, acc[r][c] = 0.f;
-    const T *ds = sb + (gl * a.chunk_rows + rl0) * Nk;
-    const float *kf = cx.kf + bg * Nk * D + d0;
-    int next_end = bk; /* one past the current key block's last key */
-    for (int k0 = 0; k0 < nvmax; k0 += TK) {
-        const int kn = nvmax - k0 < TK ? nvmax - k0 : TK;
+#pragma unroll 1
+    for (int pass = 0; pass < (PAIRED ? 2 : 1); pass++) { /* PAIRED: row tiles p and tiles - 1 - p (pair_tile) */
+        int64_t tile;
+        if (!pair_tile(PAIRED ? paired : 0, pass, tile)) break;
+        if (pass) __syncthreads(); /* the first tile's readers of nv_s, row_bh, row_i are done */
+        const int64_t gl = blockIdx.z, bg = a.g0 + gl, rl0 = tile * TMQ, d0 = (int64_t)blockIdx.y * TN;
+        if (tid == 0) range[0] = INT_MAX, range[1] = 0;
         __syncthreads();
-        { /* a thread stages one key kk of rows tid / TK + 8k and one column n of keys tid / TN + 4k, walking
-           * pointers (no int64 multiply per element) */
-            const int kk = tid % TK, n = tid % TN;
-            const T *p = ds + (int64_t)(tid / TK) * Nk + k0 + kk;
-#pragma unroll 4
-            for (int m = tid / TK; m < TMQ; m += NT / TK, p += (NT / TK) * Nk)
-                /* keys a row does not see hold no value in the scratch: read, never used */
-                as[kk * APQ + m] = kk < kn && rl0 + m < a.rn && k0 + kk < nv_s[m] ? (float)*p : 0.f;
-            const float *q = kf + (k0 + tid / TN) * D + n;
-            const int nok = d0 + n < D;
-#pragma unroll 4
-            for (int kb = tid / TN; kb < TK; kb += NT / TN, q += (NT / TN) * D)
-                bs[kb * TN + n] = kb < kn && nok ? *q : 0.f;
-        }
-        __syncthreads();
-        /* Pure segments: keys before the next block end and below nvmin (every row with a key sees them, so no
-         * test is needed: rows without keys only gather zeros they never write); a key at a block end or from
-         * nvmin - 1 on is a careful step (visibility per row, flushes). */
-        for (int kk = 0; kk < kn;) {
-            int stop = kn;
-            if (next_end - 1 - k0 < stop) stop = next_end - 1 - k0;
-            if (nvmin - 1 - k0 < stop) stop = nvmin - 1 - k0;
-#pragma unroll 4
-            for (; kk < stop; kk++) rank1<R, APQ>(as, bs, kk, g, tx, (1u << R) - 1, part);
-            if (kk >= kn) break;
-            const int k = k0 + kk;
-            unsigned rows = 0;
-#pragma unroll
-            for (int r = 0; r < R; r++) rows |= (unsigned)(k < nv[r]) << r;
-            rank1<R, APQ>(as, bs, kk, g, tx, rows, part);
-            const int blk_end = k + 1 == next_end;
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                if (!(k < nv[r] && (blk_end || k + 1 == nv[r]))) continue;
-                const uint64_t s17 = bwd_stream(EV_DQ_ACC, row_bh[g * R + r]);
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    acc[r][c] = add_round(a.dq_acc, a.dq_acc_kind, acc[r][c], part[r][c], s17,
-                                          ATT_INDEX(row_i[g * R + r], k / bk, d0 + tx + 16 * c));
-                    part[r][c] = 0.f;
-                }
+        if (tid < TMQ) {
+            int nv = 0;
+            const vrow w = vrow_of(a, bg, a.r0 + (rl0 + tid < a.rn ? rl0 + tid : 0));
+            row_bh[tid] = w.bh, row_i[tid] = w.i;
+            if (rl0 + tid < a.rn) {
+                const int64_t last = last_key(cx.pr, w.i);
+                nv = last < 0 ? 0 : (int)(last + 1 < Nk ? last + 1 : Nk);
+                if (nv > 0) atomicMin(&range[0], nv);
             }
-            if (blk_end) next_end += bk;
-            kk++;
+            nv_s[tid] = nv;
+            atomicMax(&range[1], nv);
         }
-    }
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        if (rl0 + g * R + r >= a.rn) continue;
-        const int64_t bh = row_bh[g * R + r], i = row_i[g * R + r];
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const int64_t d = d0 + tx + 16 * c;
-            if (d >= D) continue;
-            a.dq[(bh * Nq + i) * D + d] = nv[r] == 0 ? 0.0 /* no visible key: exactly 0, no events */
-                : emu_rnd<true>(a.grad, a.c_grad * (double)acc[r][c], bwd_stream(EV_GRAD_DQ, bh), ATT_INDEX(i, d, 0));
+        __syncthreads();
+        const int nvmin = range[0], nvmax = range[1];
+        int nv[R];
+    #pragma unroll
+        for (int r = 0; r < R; r++) nv[r] = nv_s[g * R + r];
+        float part[R][4], acc[R][4];
+    #pragma unroll
+        for (int r = 0; r < R; r++)
+    #pragma unroll
+            for (int c = 0; c < 4; c++) part[r][c] = 0.f, acc[r][c] = 0.f;
+        const T *ds = sb + (gl * a.chunk_rows + rl0) * Nk;
+        const float *kf = cx.kf + bg * Nk * D + d0;
+        int next_end = bk; /* one past the current key block's last key */
+        for (int k0 = 0; k0 < nvmax; k0 += TK) {
+            const int kn = nvmax - k0 < TK ? nvmax - k0 : TK;
+            __syncthreads();
+            { /* a thread stages one key kk of rows tid / TK + 8k and one column n of keys tid / TN + 4k, walking
+               * pointers (no int64 multiply per element) */
+                const int kk = tid % TK, n = tid % TN;
+                const T *p = ds + (int64_t)(tid / TK) * Nk + k0 + kk;
+    #pragma unroll 4
+                for (int m = tid / TK; m < TMQ; m += NT / TK, p += (NT / TK) * Nk)
+                    /* keys a row does not see hold no value in the scratch: read, never used */
+                    as[kk * APQ + m] = kk < kn && rl0 + m < a.rn && k0 + kk < nv_s[m] ? (float)*p : 0.f;
+                const float *q = kf + (k0 + tid / TN) * D + n;
+                const int nok = d0 + n < D;
+    #pragma unroll 4
+                for (int kb = tid / TN; kb < TK; kb += NT / TN, q += (NT / TN) * D)
+                    bs[kb * TN + n] = kb < kn && nok ? *q : 0.f;
+            }
+            __syncthreads();
+            /* Pure segments: keys before the next block end and below nvmin (every row with a key sees them, so no
+             * test is needed: rows without keys only gather zeros they never write); a key at a block end or from
+             * nvmin - 1 on is a careful step (visibility per row, flushes). */
+            for (int kk = 0; kk < kn;) {
+                int stop = kn;
+                if (next_end - 1 - k0 < stop) stop = next_end - 1 - k0;
+                if (nvmin - 1 - k0 < stop) stop = nvmin - 1 - k0;
+    #pragma unroll 4
+                for (; kk < stop; kk++) rank1<R, APQ>(as, bs, kk, g, tx, (1u << R) - 1, part);
+                if (kk >= kn) break;
+                const int k = k0 + kk;
+                unsigned rows = 0;
+    #pragma unroll
+                for (int r = 0; r < R; r++) rows |= (unsigned)(k < nv[r]) << r;
+                rank1<R, APQ>(as, bs, kk, g, tx, rows, part);
+                const int blk_end = k + 1 == next_end;
+    #pragma unroll
+                for (int r = 0; r < R; r++) {
+                    if (!(k < nv[r] && (blk_end || k + 1 == nv[r]))) continue;
+                    const uint64_t s17 = bwd_stream(EV_DQ_ACC, row_bh[g * R + r]);
+    #pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        acc[r][c] = add_round(a.dq_acc, a.dq_acc_kind, acc[r][c], part[r][c], s17,
+                                              ATT_INDEX(row_i[g * R + r], k / bk, d0 + tx + 16 * c));
+                        part[r][c] = 0.f;
+                    }
+                }
+                if (blk_end) next_end += bk;
+                kk++;
+            }
+        }
+    #pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (rl0 + g * R + r >= a.rn) continue;
+            const int64_t bh = row_bh[g * R + r], i = row_i[g * R + r];
+    #pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int64_t d = d0 + tx + 16 * c;
+                if (d >= D) continue;
+                a.dq[(bh * Nq + i) * D + d] = nv[r] == 0 ? 0.0 /* no visible key: exactly 0, no events */
+                    : emu_rnd<true>(a.grad, a.c_grad * (double)acc[r][c], bwd_stream(EV_GRAD_DQ, bh),
+                                    ATT_INDEX(i, d, 0));
+            }
         }
     }
 }
@@ -173,8 +191,9 @@ __global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dq_fast_kernel(const __gri
  * A slice of rows none of which sees a key of the tile (causal: every row before the tile's first key's first
  * row) adds no term and flushes no sum: it is skipped whole (half the causal work; the same events). */
 /* R keys a thread (4 or 8: a CTA's tile 16 R keys x 64 columns; at 8, 128 registers for 2 CTAs an SM) */
-template <int IS_K, typename T, int R>
-__global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk) {
+template <int IS_K, typename T, int R, bool PAIRED>
+__global__ void __launch_bounds__(NT, R == 8 ? 2 : 1)
+dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk, int paired) {
     constexpr int TMK = 16 * R, APK = TMK + 4; /* the CTA's keys; the staged pitch */
     __shared__ __align__(16) float as[TK * APK];
     __shared__ float bs[TK * TN];
@@ -183,105 +202,114 @@ __global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dkv_fast_kernel(const __gr
                                         * bit kk: the row sees every key of the tile; and a row sees some key */
     const emu_ctx &cx = a.cx;
     const int64_t D = cx.pr.dim, Nq = cx.pr.seq_q, Nk = cx.pr.seq_kv, bq = a.block_q;
-    const int64_t gl = blockIdx.z, bg = a.g0 + gl, j0 = (int64_t)blockIdx.x * TMK, d0 = (int64_t)blockIdx.y * TN;
     const int tid = threadIdx.x, g = tid >> 4, tx = tid & 15;
-    const float *ys = IS_K ? cx.qf : a.doutf;
-    double *part_mem = IS_K ? a.dk_part : a.dv_part, *acc_mem = IS_K ? a.dk : a.dv;
-    /* the rows that see key j = j0 + g R + r: i >= first_j = max(0, j - (Nk - Nq)) (causal), every row (not), that
-     * is i - fbase >= r (i >= 0), with one fbase for the thread's R keys */
-    const int64_t fbase = cx.pr.causal ? j0 + g * R - (Nk - Nq) : INT64_MIN / 2;
-    float part[R][4], acc[R][4];
-    int64_t first_max = 0;
-    for (int r = 0; r < R; r++) {
-        const int64_t j = j0 + g * R + r;
-        for (int c = 0; c < 4; c++) {
-            const int64_t d = d0 + tx + 16 * c, at = (bg * Nk + j) * D + d;
-            const int ok = j < Nk && d < D;
-            part[r][c] = ok ? (float)part_mem[at] : 0.f;
-            acc[r][c] = ok ? (float)acc_mem[at] : 0.f;
-        }
-    }
-    const int64_t first_min = cx.pr.causal && j0 > Nk - Nq ? j0 - (Nk - Nq) : 0; /* the tile's first key's */
-    {
-        const int64_t jl = (j0 + TMK - 1 < Nk ? j0 + TMK - 1 : Nk - 1);
-        first_max = cx.pr.causal && jl > Nk - Nq ? jl - (Nk - Nq) : 0;
-    }
-    for (int64_t k0 = 0; k0 < a.rn; k0 += TK) {
-        const int kn = (int)(a.rn - k0 < TK ? a.rn - k0 : TK);
-        __syncthreads();
-        if (tid < TK) { /* warp 0 */
-            const vrow w = vrow_of(a, bg, a.r0 + k0 + (tid < kn ? tid : 0));
-            row_i[tid] = w.i, row_bh[tid] = w.bh, row_off[tid] = (w.bh * Nq + w.i) * D;
-            const unsigned ends = __ballot_sync(0xFFFFFFFFu, tid < kn && ((w.i + 1) % bq == 0 || w.i + 1 == Nq));
-            const unsigned seen = __ballot_sync(0xFFFFFFFFu, tid >= kn || w.i >= first_max);
-            const unsigned some = __ballot_sync(0xFFFFFFFFu, tid < kn && w.i >= first_min);
-            if (tid == 0) slice_mask[0] = ends, slice_mask[1] = seen, slice_mask[2] = some;
-        }
-        __syncthreads();
-        if (!slice_mask[2]) continue; /* no row of the slice sees a key of the tile (uniform: the next pass begins
-                                       * with a barrier) */
-        { /* NT is a multiple of TMK and TN: a thread stages one key m (one column n) of rows tid / TMK + k NT / TMK;
-           * the scratch column is walked by a pointer, the rows of Q / dO start at row_off (once per slice) */
-            const int m = tid % TMK, n = tid % TN;
-            const int64_t j = j0 + m, fj = cx.pr.causal && j > Nk - Nq ? j - (Nk - Nq) : 0;
-            const int jok = j < Nk, nok = d0 + n < D;
-            const T *col = xs + (gl * a.chunk_rows + k0 + tid / TMK) * Nk + j;
-#pragma unroll 4
-            for (int kk = tid / TMK; kk < TK; kk += NT / TMK, col += (NT / TMK) * Nk)
-                as[kk * APK + m] = jok && kk < kn && row_i[kk] >= fj ? (float)*col : 0.f;
-#pragma unroll 4
-            for (int kk = tid / TN; kk < TK; kk += NT / TN)
-                bs[kk * TN + n] = kk < kn && nok ? ys[row_off[kk] + d0 + n] : 0.f;
-        }
-        __syncthreads();
-        /* segments up to the next row that ends its query block; without a test where every row of the slice
-         * sees every key of the tile */
-        unsigned ends = slice_mask[0];
-        const int all_see = slice_mask[1] == 0xFFFFFFFFu;
-        for (int kk = 0; kk < kn;) {
-            const int last = ends ? __ffs(ends) - 1 : kn - 1; /* the segment's last row */
-            if (all_see) {
-#pragma unroll 4
-                for (; kk <= last; kk++) rank1<R, APK>(as, bs, kk, g, tx, (1u << R) - 1, part);
-            } else {
-                for (; kk <= last; kk++) {
-                    const int64_t di = row_i[kk] - fbase; /* key r seen where di >= r */
-                    const unsigned rows = di >= R - 1 ? (1u << R) - 1 : di < 0 ? 0u : (2u << di) - 1;
-                    rank1<R, APK>(as, bs, kk, g, tx, rows, part);
-                }
+#pragma unroll 1
+    for (int pass = 0; pass < (PAIRED ? 2 : 1); pass++) { /* PAIRED: key tiles p and tiles - 1 - p (pair_tile); the
+                                                           * first tile's shared memory is last read before a barrier
+                                                           * the second passes */
+        int64_t tile;
+        if (!pair_tile(PAIRED ? paired : 0, pass, tile)) break;
+        const int64_t gl = blockIdx.z, bg = a.g0 + gl, j0 = tile * TMK, d0 = (int64_t)blockIdx.y * TN;
+        const float *ys = IS_K ? cx.qf : a.doutf;
+        double *part_mem = IS_K ? a.dk_part : a.dv_part, *acc_mem = IS_K ? a.dk : a.dv;
+        /* the rows that see key j = j0 + g R + r: i >= first_j = max(0, j - (Nk - Nq)) (causal), every row (not), that
+         * is i - fbase >= r (i >= 0), with one fbase for the thread's R keys */
+        const int64_t fbase = cx.pr.causal ? j0 + g * R - (Nk - Nq) : INT64_MIN / 2;
+        float part[R][4], acc[R][4];
+        int64_t first_max = 0;
+        for (int r = 0; r < R; r++) {
+            const int64_t j = j0 + g * R + r;
+            for (int c = 0; c < 4; c++) {
+                const int64_t d = d0 + tx + 16 * c, at = (bg * Nk + j) * D + d;
+                const int ok = j < Nk && d < D;
+                part[r][c] = ok ? (float)part_mem[at] : 0.f;
+                acc[r][c] = ok ? (float)acc_mem[at] : 0.f;
             }
-            if (ends & (1u << last)) { /* the query block's last row: its sum joins the running sum */
-                const int64_t i = row_i[last];
-                const uint64_t s_dkv = bwd_stream(IS_K ? EV_DKV_DK : EV_DKV_DV, row_bh[last]);
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    if (i - fbase < r) continue; /* row i does not see key r */
-#pragma unroll
-                    for (int c = 0; c < 4; c++) {
-                        acc[r][c] = add_round(a.dkv_acc, a.dkv_acc_kind, acc[r][c], part[r][c], s_dkv,
-                                              ATT_INDEX(i / bq, j0 + g * R + r, d0 + tx + 16 * c));
-                        part[r][c] = 0.f;
+        }
+        const int64_t first_min = cx.pr.causal && j0 > Nk - Nq ? j0 - (Nk - Nq) : 0; /* the tile's first key's */
+        {
+            const int64_t jl = (j0 + TMK - 1 < Nk ? j0 + TMK - 1 : Nk - 1);
+            first_max = cx.pr.causal && jl > Nk - Nq ? jl - (Nk - Nq) : 0;
+        }
+        for (int64_t k0 = 0; k0 < a.rn; k0 += TK) {
+            const int kn = (int)(a.rn - k0 < TK ? a.rn - k0 : TK);
+            __syncthreads();
+            if (tid < TK) { /* warp 0 */
+                const vrow w = vrow_of(a, bg, a.r0 + k0 + (tid < kn ? tid : 0));
+                row_i[tid] = w.i, row_bh[tid] = w.bh, row_off[tid] = (w.bh * Nq + w.i) * D;
+                const unsigned ends = __ballot_sync(0xFFFFFFFFu, tid < kn && ((w.i + 1) % bq == 0 || w.i + 1 == Nq));
+                const unsigned seen = __ballot_sync(0xFFFFFFFFu, tid >= kn || w.i >= first_max);
+                const unsigned some = __ballot_sync(0xFFFFFFFFu, tid < kn && w.i >= first_min);
+                if (tid == 0) slice_mask[0] = ends, slice_mask[1] = seen, slice_mask[2] = some;
+            }
+            __syncthreads();
+            if (!slice_mask[2]) continue; /* no row of the slice sees a key of the tile (uniform: the next pass begins
+                                           * with a barrier) */
+            { /* NT is a multiple of TMK and TN: a thread stages one key m (one column n) of rows tid / TMK + k NT /
+               * TMK;
+               * the scratch column is walked by a pointer, the rows of Q / dO start at row_off (once per slice) */
+                const int m = tid % TMK, n = tid % TN;
+                const int64_t j = j0 + m, fj = cx.pr.causal && j > Nk - Nq ? j - (Nk - Nq) : 0;
+                const int jok = j < Nk, nok = d0 + n < D;
+                const T *col = xs + (gl * a.chunk_rows + k0 + tid / TMK) * Nk + j;
+    #pragma unroll 4
+                for (int kk = tid / TMK; kk < TK; kk += NT / TMK, col += (NT / TMK) * Nk)
+                    as[kk * APK + m] = jok && kk < kn && row_i[kk] >= fj ? (float)*col : 0.f;
+    #pragma unroll 4
+                for (int kk = tid / TN; kk < TK; kk += NT / TN)
+                    bs[kk * TN + n] = kk < kn && nok ? ys[row_off[kk] + d0 + n] : 0.f;
+            }
+            __syncthreads();
+            /* segments up to the next row that ends its query block; without a test where every row of the slice
+             * sees every key of the tile */
+            unsigned ends = slice_mask[0];
+            const int all_see = slice_mask[1] == 0xFFFFFFFFu;
+            for (int kk = 0; kk < kn;) {
+                const int last = ends ? __ffs(ends) - 1 : kn - 1; /* the segment's last row */
+                if (all_see) {
+    #pragma unroll 4
+                    for (; kk <= last; kk++) rank1<R, APK>(as, bs, kk, g, tx, (1u << R) - 1, part);
+                } else {
+                    for (; kk <= last; kk++) {
+                        const int64_t di = row_i[kk] - fbase; /* key r seen where di >= r */
+                        const unsigned rows = di >= R - 1 ? (1u << R) - 1 : di < 0 ? 0u : (2u << di) - 1;
+                        rank1<R, APK>(as, bs, kk, g, tx, rows, part);
                     }
                 }
-                ends &= ends - 1; /* the lowest set bit is this row's */
+                if (ends & (1u << last)) { /* the query block's last row: its sum joins the running sum */
+                    const int64_t i = row_i[last];
+                    const uint64_t s_dkv = bwd_stream(IS_K ? EV_DKV_DK : EV_DKV_DV, row_bh[last]);
+    #pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        if (i - fbase < r) continue; /* row i does not see key r */
+    #pragma unroll
+                        for (int c = 0; c < 4; c++) {
+                            acc[r][c] = add_round(a.dkv_acc, a.dkv_acc_kind, acc[r][c], part[r][c], s_dkv,
+                                                  ATT_INDEX(i / bq, j0 + g * R + r, d0 + tx + 16 * c));
+                            part[r][c] = 0.f;
+                        }
+                    }
+                    ends &= ends - 1; /* the lowest set bit is this row's */
+                }
             }
         }
-    }
-#pragma unroll
-    for (int r = 0; r < R; r++) {
-        const int64_t j = j0 + g * R + r;
-        if (j >= Nk) continue;
-#pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const int64_t d = d0 + tx + 16 * c, at = (bg * Nk + j) * D + d;
-            if (d >= D) continue;
-            if (!last_chunk) {
-                part_mem[at] = part[r][c], acc_mem[at] = acc[r][c];
-                continue;
+    #pragma unroll
+        for (int r = 0; r < R; r++) {
+            const int64_t j = j0 + g * R + r;
+            if (j >= Nk) continue;
+    #pragma unroll
+            for (int c = 0; c < 4; c++) {
+                const int64_t d = d0 + tx + 16 * c, at = (bg * Nk + j) * D + d;
+                if (d >= D) continue;
+                if (!last_chunk) {
+                    part_mem[at] = part[r][c], acc_mem[at] = acc[r][c];
+                    continue;
+                }
+                const uint64_t idx = ATT_INDEX(j, d, 0);
+                acc_mem[at] = IS_K
+                    ? emu_rnd<true>(a.grad, a.c_grad * (double)acc[r][c], bwd_stream(EV_GRAD_DK, bg), idx)
+                    : emu_rnd<true>(a.grad, (double)acc[r][c], bwd_stream(EV_GRAD_DV, bg), idx);
             }
-            const uint64_t idx = ATT_INDEX(j, d, 0);
-            acc_mem[at] = IS_K ? emu_rnd<true>(a.grad, a.c_grad * (double)acc[r][c], bwd_stream(EV_GRAD_DK, bg), idx)
-                               : emu_rnd<true>(a.grad, (double)acc[r][c], bwd_stream(EV_GRAD_DV, bg), idx);
         }
     }
 }
@@ -446,23 +474,54 @@ int emu_bwd_fast_ok(const bwd_args &a, const fadev_policy *pol, const fadev_poli
            in + bits_in_fp32(&pb->bwd_p) <= 24 && att_inside_fp32(&pb->dq_acc) && att_inside_fp32(&pb->dkv_acc);
 }
 
-/* 8 rows (dQ) or keys (dK, dV) a thread where its grid still fills the GPU at 8 (3 CTAs an SM or more) and no causal
- * mask (whose uneven slices favour the smaller tile). H100, B 1, H 16, N 4096, bf16, backward TFLOP/s at 8 / 4 keys
- * of dK, dV: fa2 D 64 11.8 / 10.4, D 128 12.6 / 11.1; causal 8.0 / 8.2; grouped-query (16 / 4 heads) 8.3 / 10.8 (a
- * quarter of the CTAs). */
-static bool wide_tiles(int64_t rows, unsigned dt, int64_t gn, int causal) {
-    const char *force = getenv("FADEV_EMU_WIDE"); /* tests and benchmarks: 1 always 8, 0 always 4 */
-    if (force && *force) return strcmp(force, "0") != 0;
+/* How dQ's rows or dK's, dV's keys are cut: 8 a thread (a CTA of 128) or 4 (64), and, causal, a CTA per two tiles
+ * (pair_tile) where that grid still fills a wave of 2 CTAs an SM (a grouped-query call's dK, dV at 16 / 4 heads have
+ * half a wave: there the pairing measured 4% slower). 8 where its grid fills the GPU: 3 CTAs an SM unpaired, a wave
+ * paired. H100, B 1, H 16, N 4096, bf16, backward TFLOP/s at 8 / 4 keys of dK, dV: fa2 D 64 11.8 / 10.4, D 128
+ * 12.6 / 11.1; causal (before the pairing) 8.0 / 8.2; grouped-query (16 / 4 heads) 8.3 / 10.8 (a quarter of the
+ * CTAs). FADEV_EMU_WIDE=1 / 0 forces 8 / 4 (tests, benchmarks). */
+struct sums_cut {
+    int wide, paired; /* paired: the tiles' count (a CTA per two), or 0 */
+    dim3 grid;
+};
+static sums_cut cut_of(int64_t rows, unsigned dt, int64_t gn, int causal, bool wide_ok) {
     int device = 0, sms = 0;
     if (cudaGetDevice(&device) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-        return false;
-    return !causal && (rows + 127) / 128 * (int64_t)dt * gn >= 3 * (int64_t)sms;
+        sms = 1;
+    const char *force = getenv("FADEV_EMU_WIDE");
+    const int64_t wave = 2 * (int64_t)sms * 19 / 20; /* paired CTAs enough for a wave, rounding allowed */
+    auto units = [&](int tile, bool pair) { /* CTAs along the rows */
+        const int64_t tiles = (rows + tile - 1) / tile;
+        return pair ? (tiles + 1) / 2 : tiles;
+    };
+    auto ctas = [&](int tile, bool pair) { return units(tile, pair) * (int64_t)dt * gn; };
+    const bool pair8 = causal && ctas(128, true) >= wave, pair4 = causal && ctas(64, true) >= wave;
+    bool wide = wide_ok && (causal ? pair8 : ctas(128, false) >= 3 * (int64_t)sms);
+    if (force && *force) wide = wide_ok && strcmp(force, "0") != 0;
+    sums_cut c;
+    c.wide = wide;
+    const int tile = wide ? 128 : 64;
+    const bool pair = wide ? pair8 : pair4;
+    c.paired = pair ? (int)((rows + tile - 1) / tile) : 0;
+    c.grid = dim3((unsigned)units(tile, pair), dt, (unsigned)gn);
+    return c;
 }
 
-template <typename T, int R> void sums_dkv(const bwd_args &a, const T *sa, const T *sb, dim3 grid, int last_chunk) {
-    dkv_fast_kernel<0, T, R><<<grid, NT>>>(a, sa, last_chunk);
-    dkv_fast_kernel<1, T, R><<<grid, NT>>>(a, sb, last_chunk);
+template <typename T, int R>
+void sums_dkv(const bwd_args &a, const T *sa, const T *sb, const sums_cut &c, int last_chunk) {
+    if (c.paired) {
+        dkv_fast_kernel<0, T, R, true><<<c.grid, NT>>>(a, sa, last_chunk, c.paired);
+        dkv_fast_kernel<1, T, R, true><<<c.grid, NT>>>(a, sb, last_chunk, c.paired);
+    } else {
+        dkv_fast_kernel<0, T, R, false><<<c.grid, NT>>>(a, sa, last_chunk, 0);
+        dkv_fast_kernel<1, T, R, false><<<c.grid, NT>>>(a, sb, last_chunk, 0);
+    }
+}
+
+template <typename T, int R> void sums_dq(const bwd_args &a, const T *sb, const sums_cut &c) {
+    if (c.paired) dq_fast_kernel<T, R, true><<<c.grid, NT>>>(a, sb, c.paired);
+    else dq_fast_kernel<T, R, false><<<c.grid, NT>>>(a, sb, 0);
 }
 
 template <typename T> fadev_status sums(const bwd_args &args, const T *sa, const T *sb, int64_t gn, int last_chunk) {
@@ -472,15 +531,12 @@ template <typename T> fadev_status sums(const bwd_args &args, const T *sa, const
     const int causal = a.cx.pr.causal;
     const unsigned dt = (unsigned)((D + TN - 1) / TN);
     /* dq: 8 rows a thread at D <= 64 (H100, D 64: 3.42 -> 3.15 ms, fa2), 4 above (no gain measured at D 128) */
-    if (D <= 64 && wide_tiles(a.rn, dt, gn, causal))
-        dq_fast_kernel<T, 8><<<dim3((unsigned)((a.rn + 127) / 128), dt, (unsigned)gn), NT>>>(a, sb);
-    else
-        dq_fast_kernel<T, 4><<<dim3((unsigned)((a.rn + 63) / 64), dt, (unsigned)gn), NT>>>(a, sb);
+    const sums_cut cq = cut_of(a.rn, dt, gn, causal, D <= 64), ckv = cut_of(Nk, dt, gn, causal, true);
+    if (cq.wide) sums_dq<T, 8>(a, sb, cq);
+    else sums_dq<T, 4>(a, sb, cq);
     CUDA_TRY(cudaGetLastError());
-    if (wide_tiles(Nk, dt, gn, causal))
-        sums_dkv<T, 8>(a, sa, sb, dim3((unsigned)((Nk + 127) / 128), dt, (unsigned)gn), last_chunk);
-    else
-        sums_dkv<T, 4>(a, sa, sb, dim3((unsigned)((Nk + 63) / 64), dt, (unsigned)gn), last_chunk);
+    if (ckv.wide) sums_dkv<T, 8>(a, sa, sb, ckv, last_chunk);
+    else sums_dkv<T, 4>(a, sa, sb, ckv, last_chunk);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }
