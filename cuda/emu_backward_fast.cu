@@ -479,7 +479,7 @@ int emu_bwd_fast_ok(const bwd_args &a, const fadev_policy *pol, const fadev_poli
  * half a wave: there the pairing measured 4% slower). 8 where its grid fills the GPU: 3 CTAs an SM unpaired, a wave
  * paired. H100, B 1, H 16, N 4096, bf16, backward TFLOP/s at 8 / 4 keys of dK, dV: fa2 D 64 11.8 / 10.4, D 128
  * 12.6 / 11.1; causal (before the pairing) 8.0 / 8.2; grouped-query (16 / 4 heads) 8.3 / 10.8 (a quarter of the
- * CTAs). FADEV_EMU_WIDE=1 / 0 forces 8 / 4 (tests, benchmarks). */
+ * CTAs). FADEV_EMU_WIDE=1 / 0 forces 8 / 4, FADEV_EMU_PAIR=1 / 0 the pairing (tests, benchmarks). */
 struct sums_cut {
     int wide, paired; /* paired: the tiles' count (a CTA per two), or 0 */
     dim3 grid;
@@ -502,7 +502,9 @@ static sums_cut cut_of(int64_t rows, unsigned dt, int64_t gn, int causal, bool w
     sums_cut c;
     c.wide = wide;
     const int tile = wide ? 128 : 64;
-    const bool pair = wide ? pair8 : pair4;
+    bool pair = wide ? pair8 : pair4;
+    const char *pair_force = getenv("FADEV_EMU_PAIR"); /* tests: 1 a CTA per two tiles always (any mask), 0 never */
+    if (pair_force && *pair_force) pair = strcmp(pair_force, "0") != 0;
     c.paired = pair ? (int)((rows + tile - 1) / tile) : 0;
     c.grid = dim3((unsigned)units(tile, pair), dt, (unsigned)gn);
     return c;

@@ -209,17 +209,24 @@ def backward(kind, q, k, v, dout, policy, monkeypatch, generic, causal=False, **
 
 
 def assert_backward_fast_is_generic(kind, q, k, v, dout, policy, monkeypatch, cpu=False, causal=False, **tiles):
-    """The fast backward with the sums' tiles it chooses (at these sizes 4 rows or keys a thread) and with 8 a
-    thread (FADEV_EMU_WIDE=1: what large grids take) against the generic kernels, bit for bit; and the CPU."""
+    """The fast backward with the sums' tiles it chooses (at these sizes 4 rows or keys a thread, a CTA per tile),
+    with 8 a thread (FADEV_EMU_WIDE=1: what large grids take), and with a CTA per two tiles at either width
+    (FADEV_EMU_PAIR=1: what large causal grids take) against the generic kernels, bit for bit; and the CPU."""
     (out, lse), fast = backward(kind, q, k, v, dout, policy, monkeypatch, False, causal=causal, **tiles)
-    monkeypatch.setenv("FADEV_EMU_WIDE", "1")
-    _, wide = backward(kind, q, k, v, dout, policy, monkeypatch, False, causal=causal, **tiles)
-    monkeypatch.delenv("FADEV_EMU_WIDE")
+    variants = {}
+    for env in ({"FADEV_EMU_WIDE": "1"}, {"FADEV_EMU_PAIR": "1"}, {"FADEV_EMU_WIDE": "1", "FADEV_EMU_PAIR": "1"}):
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        variants[" ".join(f"{n}={v}" for n, v in env.items())] = backward(kind, q, k, v, dout, policy, monkeypatch,
+                                                                           False, causal=causal, **tiles)[1]
+        for name in env:
+            monkeypatch.delenv(name)
     _, generic = backward(kind, q, k, v, dout, policy, monkeypatch, True, causal=causal, **tiles)
     where = f"{kind} {policy} causal={causal} {tiles} q{q.shape} k{k.shape}"
-    for name, f, w, g in zip(("dq", "dk", "dv"), fast, wide, generic):
-        helpers.assert_same_bits(f, g, name, where, nan="any", names=("fast", "generic"))
-        helpers.assert_same_bits(w, g, name, where + " FADEV_EMU_WIDE=1", nan="any", names=("fast", "generic"))
+    for i, (name, g) in enumerate(zip(("dq", "dk", "dv"), generic)):
+        helpers.assert_same_bits(fast[i], g, name, where, nan="any", names=("fast", "generic"))
+        for label, grads in variants.items():
+            helpers.assert_same_bits(grads[i], g, name, f"{where} {label}", nan="any", names=("fast", "generic"))
     if cpu:
         fn = fadev.flash_attention_backward if kind == "flash" else fadev.baseline_attention_backward
         ref = fn(q, k, v, out, lse, dout, fadev.policy.as_policy(policy), causal=causal, **tiles)
