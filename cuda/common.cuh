@@ -20,6 +20,11 @@ fadev_status fadev_cuda_finish(const char *where);
 /* The end of an entry point: fadev_cuda_finish, or with `asynchronous` (the kernels queued on a caller's stream,
  * as a CUDA library call leaves them) only the launch errors. */
 fadev_status fadev_cuda_end(int asynchronous, const char *where);
+/* Device scratch one emulated call may hold: min(2 GiB, a third of the free memory), lowered by the environment's
+ * FADEV_CUDA_SCRATCH_BYTES (tests: small problems chunked as large ones are). */
+fadev_status fadev_cuda_scratch_budget(size_t *budget);
+/* The current device's SM count in *sms. */
+fadev_status fadev_cuda_sm_count(int *sms);
 
 #define CUDA_TRY(call)                                                   \
     do {                                                                 \

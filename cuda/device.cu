@@ -36,6 +36,23 @@ static void keep_pool(void) {
     cudaGetLastError();
 }
 
+fadev_status fadev_cuda_scratch_budget(size_t *budget) {
+    size_t free_bytes = 0, total_bytes = 0;
+    CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
+    *budget = free_bytes / 3 < ((size_t)2 << 30) ? free_bytes / 3 : ((size_t)2 << 30);
+    const char *cap_text = getenv("FADEV_CUDA_SCRATCH_BYTES");
+    const size_t cap = cap_text ? (size_t)strtoull(cap_text, NULL, 10) : 0;
+    if (cap > 0 && cap < *budget) *budget = cap;
+    return FADEV_OK;
+}
+
+fadev_status fadev_cuda_sm_count(int *sms) {
+    int device = 0;
+    CUDA_TRY(cudaGetDevice(&device));
+    CUDA_TRY(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
+    return FADEV_OK;
+}
+
 fadev_status fadev_cuda_require_device(void) {
     int count = 0;
     cudaError_t err = cudaGetDeviceCount(&count);

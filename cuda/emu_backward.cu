@@ -364,12 +364,8 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
     args.dq = dq, args.dk = dk, args.dv = dv;
 
     /* chunks: as many (K/V head, virtual row) pairs as about 2 GiB of scratch (or a third of free memory) hold */
-    size_t free_bytes = 0, total_bytes = 0;
-    CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
-    size_t budget = free_bytes / 3 < ((size_t)2 << 30) ? free_bytes / 3 : ((size_t)2 << 30);
-    const char *cap_text = getenv("FADEV_CUDA_SCRATCH_BYTES"); /* tests: many chunks on a small problem */
-    const size_t cap = cap_text ? (size_t)strtoull(cap_text, NULL, 10) : 0;
-    if (cap > 0 && cap < budget) budget = cap;
+    size_t budget = 0;
+    FADEV_TRY(fadev_cuda_scratch_budget(&budget));
     const int fast = emu_bwd_fast_ok(args, pol, pb); /* the register-blocked fp32 sums (emu_backward_fast.cu) */
     const int fast_pairs = fast && emu_bwd_fast_pairs_ok(args); /* fp32 scratch: twice the rows per chunk */
     const size_t row_bytes = (size_t)Nk * 2 * (fast_pairs ? sizeof(float) : sizeof(double));

@@ -245,9 +245,9 @@ dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk,
             __syncthreads();
             if (!slice_mask[2]) continue; /* no row of the slice sees a key of the tile (uniform: the next pass begins
                                            * with a barrier) */
-            { /* NT is a multiple of TMK and TN: a thread stages one key m (one column n) of rows tid / TMK + k NT /
-               * TMK;
-               * the scratch column is walked by a pointer, the rows of Q / dO start at row_off (once per slice) */
+            { /* NT is a multiple of TMK and TN: a thread stages one key m (one column n) of rows
+               * tid / TMK + k NT / TMK; the scratch column is walked by a pointer, the rows of Q / dO start at
+               * row_off (once per slice) */
                 const int m = tid % TMK, n = tid % TN;
                 const int64_t j = j0 + m, fj = cx.pr.causal && j > Nk - Nq ? j - (Nk - Nq) : 0;
                 const int jok = j < Nk, nok = d0 + n < D;
@@ -484,11 +484,7 @@ struct sums_cut {
     int wide, paired; /* paired: the tiles' count (a CTA per two), or 0 */
     dim3 grid;
 };
-static sums_cut cut_of(int64_t rows, unsigned dt, int64_t gn, int causal, bool wide_ok) {
-    int device = 0, sms = 0;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-        sms = 1;
+static sums_cut cut_of(int64_t rows, unsigned dt, int64_t gn, int causal, bool wide_ok, int sms) {
     const char *force = getenv("FADEV_EMU_WIDE");
     const int64_t wave = 2 * (int64_t)sms * 19 / 20; /* paired CTAs enough for a wave, rounding allowed */
     auto units = [&](int tile, bool pair) { /* CTAs along the rows */
@@ -533,7 +529,9 @@ template <typename T> fadev_status sums(const bwd_args &args, const T *sa, const
     const int causal = a.cx.pr.causal;
     const unsigned dt = (unsigned)((D + TN - 1) / TN);
     /* dq: 8 rows a thread at D <= 64 (H100, D 64: 3.42 -> 3.15 ms, fa2), 4 above (no gain measured at D 128) */
-    const sums_cut cq = cut_of(a.rn, dt, gn, causal, D <= 64), ckv = cut_of(Nk, dt, gn, causal, true);
+    int sms = 0;
+    FADEV_TRY(fadev_cuda_sm_count(&sms));
+    const sums_cut cq = cut_of(a.rn, dt, gn, causal, D <= 64, sms), ckv = cut_of(Nk, dt, gn, causal, true, sms);
     if (cq.wide) sums_dq<T, 8>(a, sb, cq);
     else sums_dq<T, 4>(a, sb, cq);
     CUDA_TRY(cudaGetLastError());

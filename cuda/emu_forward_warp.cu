@@ -525,7 +525,7 @@ int emu_fwd::warp_forward_ok(const emu_ctx &cx, int baseline) {
 }
 
 /* The baseline's grid and score store: every resident CTA (2 an SM) a slot of BQ x Nk fp32 scores, where they fit
- * in min(2 GiB, a third of the free memory) -- FADEV_CUDA_SCRATCH_BYTES lowers that (tests), FADEV_EMU_KEEP=0 turns
+ * in fadev_cuda_scratch_budget (min(2 GiB, a third of the free memory); FADEV_CUDA_SCRATCH_BYTES), FADEV_EMU_KEEP=0 turns
  * the store off -- else a CTA per unit, every pass computing the scores. Storing them saves two of the baseline's
  * four product chains a score (2 D FMAs; the first pass's maxima need every score before any term) for 12 bytes of
  * memory traffic a score (one store, two loads). */
@@ -533,17 +533,12 @@ static fadev_status keep_plan(fast_args &a, int64_t bq, device_buffer<float> &ke
     grid = a.units;
     const char *off = getenv("FADEV_EMU_KEEP");
     if (!a.baseline || (off && strcmp(off, "0") == 0)) return FADEV_OK;
-    int device = 0, sms = 0;
-    CUDA_TRY(cudaGetDevice(&device));
-    CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    int sms = 0;
+    FADEV_TRY(fadev_cuda_sm_count(&sms));
     const int64_t slots = a.units < 2 * (int64_t)sms ? a.units : 2 * (int64_t)sms;
     const int64_t per = bq * ((a.cx.pr.seq_kv + KB - 1) / KB) * KB; /* floats a slot */
-    size_t free_bytes = 0, total_bytes = 0;
-    CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
-    size_t budget = free_bytes / 3 < ((size_t)2 << 30) ? free_bytes / 3 : ((size_t)2 << 30);
-    const char *cap_text = getenv("FADEV_CUDA_SCRATCH_BYTES");
-    const size_t cap = cap_text ? (size_t)strtoull(cap_text, NULL, 10) : 0;
-    if (cap > 0 && cap < budget) budget = cap;
+    size_t budget = 0;
+    FADEV_TRY(fadev_cuda_scratch_budget(&budget));
     if ((size_t)(slots * per) > budget / sizeof(float)) return FADEV_OK;
     FADEV_TRY(keep.alloc((size_t)(slots * per), "emulated baseline attention: scores"));
     a.s_keep = keep.ptr, grid = slots;

@@ -184,11 +184,6 @@ def layout(t):
     return strides if not (strides[0] % 8 or strides[1] % 8 or strides[2] % 8) and min(strides) >= 0 else None
 
 
-def readable(t):
-    """``t`` itself when :func:`layout` reads it in place, else a contiguous copy."""
-    return t if layout(t) is not None else t.contiguous()
-
-
 def _readable(t):
     """(:func:`readable` (t), its :func:`layout`)."""
     strides = layout(t)
@@ -196,6 +191,11 @@ def _readable(t):
         return t, strides
     t = t.contiguous()
     return t, layout(t)
+
+
+def readable(t):
+    """``t`` itself when :func:`layout` reads it in place, else a contiguous copy."""
+    return _readable(t)[0]
 
 
 def _layout_like(t, src, src_layout):
