@@ -4,6 +4,7 @@
 #define FADEV_CUDA_COMMON_CUH
 
 #include <cuda_runtime.h>
+#include <stdint.h>
 #include <stdio.h>
 
 #include "../csrc/fadev.h"
@@ -71,5 +72,25 @@ template <typename T> struct device_buffer {
         return fadev_cuda_fail(err, what);
     }
 };
+
+/* Shared memory addresses and asynchronous global -> shared copies (cp.async, sm_80+); `valid` false writes zeros
+ * and reads nothing (src must still be a valid address: callers pass the tensor's base). Every kernel's copies are
+ * these. */
+__device__ __forceinline__ uint32_t smem_u32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void cp_async_16(void *dst, const void *src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_8(void *dst, const void *src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 8 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_4(void *dst, const void *src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 4 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 #endif /* FADEV_CUDA_COMMON_CUH */

@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <type_traits>
+
 #include "emu_backward.cuh"
 
 namespace {
@@ -72,15 +74,27 @@ __device__ __forceinline__ bool pair_tile(int paired, int pass, int64_t &tile) {
     return !pass || (paired && tile != p);
 }
 
+/* The dynamic shared memory of dq_fast_kernel and dkv_fast_kernel at R: two stages of a slice's operands (the
+ * scratch's [k][m] of pitch 16 R + 4, the other's [k][n]). Above 48 KB at R = 8: the launches opt in. */
+template <int R> constexpr size_t sums_smem_bytes() { return 2 * (size_t)TK * (16 * R + 4 + TN) * sizeof(float); }
+
+/* Slice operand copies into shared memory: cp.async from the fp32 scratch (zeros where `ok` is false, nothing read
+ * there), loads and a conversion from the fp64 one (the generic pair kernels'). */
+template <typename T> __device__ __forceinline__ void stage_one(float *dst, const T *src, const T *base, bool ok) {
+    if constexpr (std::is_same<T, float>::value) cp_async_4(dst, ok ? src : base, ok);
+    else *dst = ok ? (float)*src : 0.f;
+}
+
 /* One CTA of dq: virtual rows rl0.. of the chunk's K/V head g0 + blockIdx.z, columns d0...; the scratch holds
- * T (fp64 from the generic pair kernels, fp32 from the fast one: the same values). */
+ * T (fp64 from the generic pair kernels, fp32 from the fast one: the same values). The key slices stream through two
+ * stages (sums_smem_bytes): slice s + 1's copies are in flight while slice s's terms are summed. */
 /* R rows a thread (4 or 8: a CTA's tile 16 R rows x 64 columns; at 8, 128 registers for 2 CTAs an SM) */
 template <typename T, int R, bool PAIRED>
 __global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dq_fast_kernel(const __grid_constant__ bwd_args a, const T *sb,
                                                                      int paired) {
     constexpr int TMQ = 16 * R, APQ = TMQ + 4; /* the CTA's rows; the staged pitch */
-    __shared__ __align__(16) float as[TK * APQ];
-    __shared__ float bs[TK * TN];
+    constexpr int STAGE = TK * (APQ + TN);   /* floats a stage: as [k][m] of pitch APQ, then bs [k][n] */
+    extern __shared__ __align__(16) float dq_stages[];
     __shared__ int nv_s[TMQ];
     __shared__ long long row_bh[TMQ], row_i[TMQ]; /* each row's (bh, i): read at the flushes and the end */
     __shared__ int range[2];
@@ -121,24 +135,32 @@ __global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dq_fast_kernel(const __gri
         const T *ds = sb + (gl * a.chunk_rows + rl0) * Nk;
         const float *kf = cx.kf + bg * Nk * D + d0;
         int next_end = bk; /* one past the current key block's last key */
-        for (int k0 = 0; k0 < nvmax; k0 += TK) {
+        /* slice k0's operands into stage b: a thread stages one key kk of rows tid / TK + 8k and one column n of
+         * keys tid / TN + 4k, walking pointers (no int64 multiply per element) */
+        auto stage = [&](int k0, int b) {
+            float *as = dq_stages + b * STAGE, *bs = as + TK * APQ;
             const int kn = nvmax - k0 < TK ? nvmax - k0 : TK;
-            __syncthreads();
-            { /* a thread stages one key kk of rows tid / TK + 8k and one column n of keys tid / TN + 4k, walking
-               * pointers (no int64 multiply per element) */
-                const int kk = tid % TK, n = tid % TN;
-                const T *p = ds + (int64_t)(tid / TK) * Nk + k0 + kk;
+            const int kk = tid % TK, n = tid % TN;
+            const T *p = ds + (int64_t)(tid / TK) * Nk + k0 + kk;
     #pragma unroll 4
-                for (int m = tid / TK; m < TMQ; m += NT / TK, p += (NT / TK) * Nk)
-                    /* keys a row does not see hold no value in the scratch: read, never used */
-                    as[kk * APQ + m] = kk < kn && rl0 + m < a.rn && k0 + kk < nv_s[m] ? (float)*p : 0.f;
-                const float *q = kf + (k0 + tid / TN) * D + n;
-                const int nok = d0 + n < D;
+            for (int m = tid / TK; m < TMQ; m += NT / TK, p += (NT / TK) * Nk)
+                /* keys a row does not see hold no value in the scratch: not read */
+                stage_one(as + kk * APQ + m, p, sb, kk < kn && rl0 + m < a.rn && k0 + kk < nv_s[m]);
+            const float *q = kf + (k0 + tid / TN) * D + n;
+            const int nok = d0 + n < D;
     #pragma unroll 4
-                for (int kb = tid / TN; kb < TK; kb += NT / TN, q += (NT / TN) * D)
-                    bs[kb * TN + n] = kb < kn && nok ? *q : 0.f;
-            }
-            __syncthreads();
+            for (int kb = tid / TN; kb < TK; kb += NT / TN, q += (NT / TN) * D)
+                stage_one(bs + kb * TN + n, q, cx.kf, kb < kn && nok);
+        };
+        if (nvmax > 0) stage(0, 0);
+        cp_async_commit();
+        for (int k0 = 0; k0 < nvmax; k0 += TK) {
+            const int kn = nvmax - k0 < TK ? nvmax - k0 : TK, b = (k0 / TK) & 1;
+            cp_async_wait_all();
+            __syncthreads(); /* slice k0 staged; every reader of stage b ^ 1 (the slice before) done */
+            if (k0 + TK < nvmax) stage(k0 + TK, b ^ 1);
+            cp_async_commit();
+            const float *as = dq_stages + b * STAGE, *bs = as + TK * APQ;
             /* Pure segments: keys before the next block end and below nvmin (every row with a key sees them, so no
              * test is needed: rows without keys only gather zeros they never write); a key at a block end or from
              * nvmin - 1 on is a careful step (visibility per row, flushes). */
@@ -189,24 +211,27 @@ __global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dq_fast_kernel(const __gri
 /* One CTA of dK (IS_K) or dV: keys j0.. of K/V head g0 + blockIdx.z, columns d0..; the chains go on through the
  * chunk's virtual rows from the state in memory and leave it there, or write the result after the last chunk.
  * A slice of rows none of which sees a key of the tile (causal: every row before the tile's first key's first
- * row) adds no term and flushes no sum: it is skipped whole (half the causal work; the same events). */
+ * row) adds no term and flushes no sum: it is skipped whole (half the causal work; the same events).
+ * The row slices stream through two stages (sums_smem_bytes): slice s + 1's copies are in flight while slice s's
+ * terms are summed. Staged once per slice and summed after, as before,
+ * the global loads' latency was the kernel's largest stall (ncu, fa2 bf16 D 64 causal: long scoreboard 44% of the
+ * samples, barriers 10-14%, issue slots 18-31% busy). */
 /* R keys a thread (4 or 8: a CTA's tile 16 R keys x 64 columns; at 8, 128 registers for 2 CTAs an SM) */
 template <int IS_K, typename T, int R, bool PAIRED>
 __global__ void __launch_bounds__(NT, R == 8 ? 2 : 1)
 dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk, int paired) {
     constexpr int TMK = 16 * R, APK = TMK + 4; /* the CTA's keys; the staged pitch */
-    __shared__ __align__(16) float as[TK * APK];
-    __shared__ float bs[TK * TN];
-    __shared__ long long row_i[TK], row_bh[TK], row_off[TK]; /* row_off: (bh * Nq + i) * D */
-    __shared__ unsigned slice_mask[3]; /* bit kk: the row ends its query block (its sum joins the running sum);
-                                        * bit kk: the row sees every key of the tile; and a row sees some key */
+    constexpr int STAGE = TK * (APK + TN);   /* floats a stage: as [k][m] of pitch APK, then bs [k][n] */
+    extern __shared__ __align__(16) float dkv_stages[];
+    __shared__ long long row_i[2][TK], row_bh[2][TK], row_off[2][TK]; /* per stage; row_off: (bh * Nq + i) * D */
+    __shared__ unsigned slice_mask[2][3]; /* per stage: bit kk: the row ends its query block (its sum joins the
+                                           * running sum); bit kk: the row sees every key of the tile; and a row sees
+                                           * some key */
     const emu_ctx &cx = a.cx;
     const int64_t D = cx.pr.dim, Nq = cx.pr.seq_q, Nk = cx.pr.seq_kv, bq = a.block_q;
     const int tid = threadIdx.x, g = tid >> 4, tx = tid & 15;
 #pragma unroll 1
-    for (int pass = 0; pass < (PAIRED ? 2 : 1); pass++) { /* PAIRED: key tiles p and tiles - 1 - p (pair_tile); the
-                                                           * first tile's shared memory is last read before a barrier
-                                                           * the second passes */
+    for (int pass = 0; pass < (PAIRED ? 2 : 1); pass++) { /* PAIRED: key tiles p and tiles - 1 - p (pair_tile) */
         int64_t tile;
         if (!pair_tile(PAIRED ? paired : 0, pass, tile)) break;
         const int64_t gl = blockIdx.z, bg = a.g0 + gl, j0 = tile * TMK, d0 = (int64_t)blockIdx.y * TN;
@@ -231,39 +256,59 @@ dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk,
             const int64_t jl = (j0 + TMK - 1 < Nk ? j0 + TMK - 1 : Nk - 1);
             first_max = cx.pr.causal && jl > Nk - Nq ? jl - (Nk - Nq) : 0;
         }
-        for (int64_t k0 = 0; k0 < a.rn; k0 += TK) {
+        const int64_t slices = (a.rn + TK - 1) / TK;
+        /* slice s's rows (warp 0) into stage b's row_* and slice_mask */
+        auto meta = [&](int64_t s, int b) {
+            if (tid >= TK) return;
+            const int64_t k0 = s * TK;
             const int kn = (int)(a.rn - k0 < TK ? a.rn - k0 : TK);
-            __syncthreads();
-            if (tid < TK) { /* warp 0 */
-                const vrow w = vrow_of(a, bg, a.r0 + k0 + (tid < kn ? tid : 0));
-                row_i[tid] = w.i, row_bh[tid] = w.bh, row_off[tid] = (w.bh * Nq + w.i) * D;
-                const unsigned ends = __ballot_sync(0xFFFFFFFFu, tid < kn && ((w.i + 1) % bq == 0 || w.i + 1 == Nq));
-                const unsigned seen = __ballot_sync(0xFFFFFFFFu, tid >= kn || w.i >= first_max);
-                const unsigned some = __ballot_sync(0xFFFFFFFFu, tid < kn && w.i >= first_min);
-                if (tid == 0) slice_mask[0] = ends, slice_mask[1] = seen, slice_mask[2] = some;
-            }
-            __syncthreads();
-            if (!slice_mask[2]) continue; /* no row of the slice sees a key of the tile (uniform: the next pass begins
-                                           * with a barrier) */
-            { /* NT is a multiple of TMK and TN: a thread stages one key m (one column n) of rows
-               * tid / TMK + k NT / TMK; the scratch column is walked by a pointer, the rows of Q / dO start at
-               * row_off (once per slice) */
-                const int m = tid % TMK, n = tid % TN;
-                const int64_t j = j0 + m, fj = cx.pr.causal && j > Nk - Nq ? j - (Nk - Nq) : 0;
-                const int jok = j < Nk, nok = d0 + n < D;
-                const T *col = xs + (gl * a.chunk_rows + k0 + tid / TMK) * Nk + j;
+            const vrow w = vrow_of(a, bg, a.r0 + k0 + (tid < kn ? tid : 0));
+            row_i[b][tid] = w.i, row_bh[b][tid] = w.bh, row_off[b][tid] = (w.bh * Nq + w.i) * D;
+            const unsigned ends = __ballot_sync(0xFFFFFFFFu, tid < kn && ((w.i + 1) % bq == 0 || w.i + 1 == Nq));
+            const unsigned seen = __ballot_sync(0xFFFFFFFFu, tid >= kn || w.i >= first_max);
+            const unsigned some = __ballot_sync(0xFFFFFFFFu, tid < kn && w.i >= first_min);
+            if (tid == 0) slice_mask[b][0] = ends, slice_mask[b][1] = seen, slice_mask[b][2] = some;
+        };
+        /* slice s's operands into stage b (none where no row of it sees a key of the tile): NT is a multiple of TMK
+         * and TN: a thread stages one key m (one column n) of rows tid / TMK + k NT / TMK; the scratch column is
+         * walked by a pointer, the rows of Q / dO start at row_off (stage_one) */
+        auto stage = [&](int64_t s, int b) {
+            if (!slice_mask[b][2]) return;
+            float *as = dkv_stages + b * STAGE, *bs = as + TK * APK;
+            const int64_t k0 = s * TK;
+            const int kn = (int)(a.rn - k0 < TK ? a.rn - k0 : TK);
+            const int m = tid % TMK, n = tid % TN;
+            const int64_t j = j0 + m, fj = cx.pr.causal && j > Nk - Nq ? j - (Nk - Nq) : 0;
+            const int jok = j < Nk, nok = d0 + n < D;
+            const T *col = xs + (gl * a.chunk_rows + k0 + tid / TMK) * Nk + j;
     #pragma unroll 4
-                for (int kk = tid / TMK; kk < TK; kk += NT / TMK, col += (NT / TMK) * Nk)
-                    as[kk * APK + m] = jok && kk < kn && row_i[kk] >= fj ? (float)*col : 0.f;
+            for (int kk = tid / TMK; kk < TK; kk += NT / TMK, col += (NT / TMK) * Nk)
+                stage_one(as + kk * APK + m, col, xs, jok && kk < kn && row_i[b][kk] >= fj);
     #pragma unroll 4
-                for (int kk = tid / TN; kk < TK; kk += NT / TN)
-                    bs[kk * TN + n] = kk < kn && nok ? ys[row_off[kk] + d0 + n] : 0.f;
-            }
+            for (int kk = tid / TN; kk < TK; kk += NT / TN)
+                stage_one(bs + kk * TN + n, ys + row_off[b][kk] + d0 + n, ys, kk < kn && nok);
+        };
+        __syncthreads(); /* PAIRED: the first tile's readers of the stages are done */
+        meta(0, 0);
+        __syncthreads();
+        stage(0, 0);
+        cp_async_commit();
+        for (int64_t s = 0; s < slices; s++) {
+            const int b = (int)(s & 1);
+            cp_async_wait_all();
+            __syncthreads(); /* slice s staged; every reader of stage b ^ 1 (slice s - 1) done */
+            if (s + 1 < slices) meta(s + 1, b ^ 1);
             __syncthreads();
+            if (s + 1 < slices) stage(s + 1, b ^ 1);
+            cp_async_commit();
+            if (!slice_mask[b][2]) continue; /* no row of the slice sees a key of the tile (uniform) */
+            const float *as = dkv_stages + b * STAGE, *bs = as + TK * APK;
+            const long long *ri = row_i[b], *rbh = row_bh[b];
+            const int kn = (int)(a.rn - s * TK < TK ? a.rn - s * TK : TK);
             /* segments up to the next row that ends its query block; without a test where every row of the slice
              * sees every key of the tile */
-            unsigned ends = slice_mask[0];
-            const int all_see = slice_mask[1] == 0xFFFFFFFFu;
+            unsigned ends = slice_mask[b][0];
+            const int all_see = slice_mask[b][1] == 0xFFFFFFFFu;
             for (int kk = 0; kk < kn;) {
                 const int last = ends ? __ffs(ends) - 1 : kn - 1; /* the segment's last row */
                 if (all_see) {
@@ -271,14 +316,14 @@ dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk,
                     for (; kk <= last; kk++) rank1<R, APK>(as, bs, kk, g, tx, (1u << R) - 1, part);
                 } else {
                     for (; kk <= last; kk++) {
-                        const int64_t di = row_i[kk] - fbase; /* key r seen where di >= r */
+                        const int64_t di = ri[kk] - fbase; /* key r seen where di >= r */
                         const unsigned rows = di >= R - 1 ? (1u << R) - 1 : di < 0 ? 0u : (2u << di) - 1;
                         rank1<R, APK>(as, bs, kk, g, tx, rows, part);
                     }
                 }
                 if (ends & (1u << last)) { /* the query block's last row: its sum joins the running sum */
-                    const int64_t i = row_i[last];
-                    const uint64_t s_dkv = bwd_stream(IS_K ? EV_DKV_DK : EV_DKV_DV, row_bh[last]);
+                    const int64_t i = ri[last];
+                    const uint64_t s_dkv = bwd_stream(IS_K ? EV_DKV_DK : EV_DKV_DV, rbh[last]);
     #pragma unroll
                     for (int r = 0; r < R; r++) {
                         if (i - fbase < r) continue; /* row i does not see key r */
@@ -506,20 +551,31 @@ static sums_cut cut_of(int64_t rows, unsigned dt, int64_t gn, int causal, bool w
     return c;
 }
 
-template <typename T, int R>
-void sums_dkv(const bwd_args &a, const T *sa, const T *sb, const sums_cut &c, int last_chunk) {
-    if (c.paired) {
-        dkv_fast_kernel<0, T, R, true><<<c.grid, NT>>>(a, sa, last_chunk, c.paired);
-        dkv_fast_kernel<1, T, R, true><<<c.grid, NT>>>(a, sb, last_chunk, c.paired);
-    } else {
-        dkv_fast_kernel<0, T, R, false><<<c.grid, NT>>>(a, sa, last_chunk, 0);
-        dkv_fast_kernel<1, T, R, false><<<c.grid, NT>>>(a, sb, last_chunk, 0);
-    }
+template <typename T, int R, bool PAIRED>
+fadev_status sums_dkv_launch(const bwd_args &a, const T *sa, const T *sb, const sums_cut &c, int last_chunk) {
+    constexpr size_t smem = sums_smem_bytes<R>(); /* above 48 KB at R = 8: opted in */
+    CUDA_TRY(cudaFuncSetAttribute(dkv_fast_kernel<0, T, R, PAIRED>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CUDA_TRY(cudaFuncSetAttribute(dkv_fast_kernel<1, T, R, PAIRED>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    dkv_fast_kernel<0, T, R, PAIRED><<<c.grid, NT, smem>>>(a, sa, last_chunk, c.paired);
+    dkv_fast_kernel<1, T, R, PAIRED><<<c.grid, NT, smem>>>(a, sb, last_chunk, c.paired);
+    return FADEV_OK;
 }
 
-template <typename T, int R> void sums_dq(const bwd_args &a, const T *sb, const sums_cut &c) {
-    if (c.paired) dq_fast_kernel<T, R, true><<<c.grid, NT>>>(a, sb, c.paired);
-    else dq_fast_kernel<T, R, false><<<c.grid, NT>>>(a, sb, 0);
+template <typename T, int R>
+fadev_status sums_dkv(const bwd_args &a, const T *sa, const T *sb, const sums_cut &c, int last_chunk) {
+    return c.paired ? sums_dkv_launch<T, R, true>(a, sa, sb, c, last_chunk)
+                    : sums_dkv_launch<T, R, false>(a, sa, sb, c, last_chunk);
+}
+
+template <typename T, int R, bool PAIRED> fadev_status sums_dq_launch(const bwd_args &a, const T *sb, const sums_cut &c) {
+    constexpr size_t smem = sums_smem_bytes<R>();
+    CUDA_TRY(cudaFuncSetAttribute(dq_fast_kernel<T, R, PAIRED>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    dq_fast_kernel<T, R, PAIRED><<<c.grid, NT, smem>>>(a, sb, c.paired);
+    return FADEV_OK;
+}
+
+template <typename T, int R> fadev_status sums_dq(const bwd_args &a, const T *sb, const sums_cut &c) {
+    return c.paired ? sums_dq_launch<T, R, true>(a, sb, c) : sums_dq_launch<T, R, false>(a, sb, c);
 }
 
 template <typename T> fadev_status sums(const bwd_args &args, const T *sa, const T *sb, int64_t gn, int last_chunk) {
@@ -532,11 +588,9 @@ template <typename T> fadev_status sums(const bwd_args &args, const T *sa, const
     int sms = 0;
     FADEV_TRY(fadev_cuda_sm_count(&sms));
     const sums_cut cq = cut_of(a.rn, dt, gn, causal, D <= 64, sms), ckv = cut_of(Nk, dt, gn, causal, true, sms);
-    if (cq.wide) sums_dq<T, 8>(a, sb, cq);
-    else sums_dq<T, 4>(a, sb, cq);
+    FADEV_TRY((cq.wide ? sums_dq<T, 8>(a, sb, cq) : sums_dq<T, 4>(a, sb, cq)));
     CUDA_TRY(cudaGetLastError());
-    if (ckv.wide) sums_dkv<T, 8>(a, sa, sb, ckv, last_chunk);
-    else sums_dkv<T, 4>(a, sa, sb, ckv, last_chunk);
+    FADEV_TRY((ckv.wide ? sums_dkv<T, 8>(a, sa, sb, ckv, last_chunk) : sums_dkv<T, 4>(a, sa, sb, ckv, last_chunk)));
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }

@@ -103,20 +103,6 @@ __device__ __forceinline__ void load4(double (&x)[4], const double *p) {
     x[0] = lo.x, x[1] = lo.y, x[2] = hi.x, x[3] = hi.y;
 }
 
-__device__ __forceinline__ void cp_async_16(double *dst, const double *src, bool valid) {
-    unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(valid ? 16 : 0) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_8(double *dst, const double *src, bool valid) {
-    unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(s), "l"(src), "r"(valid ? 8 : 0) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
 /* Starts copying a ROWS x COLS tile (shared row stride LDS) from src (row stride ld), W doubles per cp.async (W = 2:
  * src 16-byte aligned, ld and valid_cols even); rows >= valid_rows and columns >= valid_cols are zero-filled
  * (cp.async with source size 0), so no other write pads them. Block sizes and COLS / W are powers of two: where the
