@@ -520,9 +520,10 @@ int emu_bwd_fast_ok(const bwd_args &a, const fadev_policy *pol, const fadev_poli
 }
 
 /* How dQ's rows or dK's, dV's keys are cut: 8 a thread (a CTA of 128) or 4 (64), and, causal, a CTA per two tiles
- * (pair_tile) where that grid still fills a wave of 2 CTAs an SM (a grouped-query call's dK, dV at 16 / 4 heads have
- * half a wave: there the pairing measured 4% slower). 8 where its grid fills the GPU: 3 CTAs an SM unpaired, a wave
- * paired. H100, B 1, H 16, N 4096, bf16, backward TFLOP/s at 8 / 4 keys of dK, dV: fa2 D 64 11.8 / 10.4, D 128
+ * (pair_tile): the 128-wide tiles where that grid still fills a wave of 2 CTAs an SM, the 64-wide ones where it has a
+ * CTA for half the SMs (a grouped-query call's dK, dV at 16 / 4 heads, half a wave paired: with the streamed slices
+ * pairing measured faster there, H100 fa2 bf16 D 64 backward 11.3 -> 12.1 TFLOP/s, paper 9.4 -> 10.0, naive 8.2 ->
+ * 8.7; before them, 4% slower). 8 where its grid fills the GPU: 3 CTAs an SM unpaired, a wave paired. H100, B 1, H 16, N 4096, bf16, backward TFLOP/s at 8 / 4 keys of dK, dV: fa2 D 64 11.8 / 10.4, D 128
  * 12.6 / 11.1; causal (before the pairing) 8.0 / 8.2; grouped-query (16 / 4 heads) 8.3 / 10.8 (a quarter of the
  * CTAs). FADEV_EMU_WIDE=1 / 0 forces 8 / 4, FADEV_EMU_PAIR=1 / 0 the pairing (tests, benchmarks). */
 struct sums_cut {
@@ -537,7 +538,7 @@ static sums_cut cut_of(int64_t rows, unsigned dt, int64_t gn, int causal, bool w
         return pair ? (tiles + 1) / 2 : tiles;
     };
     auto ctas = [&](int tile, bool pair) { return units(tile, pair) * (int64_t)dt * gn; };
-    const bool pair8 = causal && ctas(128, true) >= wave, pair4 = causal && ctas(64, true) >= wave;
+    const bool pair8 = causal && ctas(128, true) >= wave, pair4 = causal && 2 * ctas(64, true) >= sms;
     bool wide = wide_ok && (causal ? pair8 : ctas(128, false) >= 3 * (int64_t)sms);
     if (force && *force) wide = wide_ok && strcmp(force, "0") != 0;
     sums_cut c;
