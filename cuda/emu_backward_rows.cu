@@ -6,8 +6,9 @@
 namespace {
 
 /* The fast baseline rows (naive's class of policies): baseline_rows_kernel's work (emu_backward.cu; the same events
- * in the same order), each event a conversion (dbl_round, or flt_round of an fp32 value), in five launches: the
- * element-wise steps with a CTA per row, the two serial sums (l and D_i) with a thread per row. A warp per
+ * in the same order), each event a conversion (dbl_round, or flt_round of an fp32 value), in four launches: the
+ * element-wise steps (the maxima and e a warp per row, dS and P' a CTA per row), the two serial sums (l and D_i) with a
+ * thread per row. A warp per
  * row running its chains on one lane took 12 ms at naive(bf16), B 1 H 16 N 4096 D 64 (H200); a thread per row for
  * everything left too few warps to hide the memory's latency (18 ms). Per-row values (m, then l; D_i) live in
  * row_l and row_d at the row's query index. */
@@ -36,34 +37,36 @@ __device__ __forceinline__ row_at row_of(const bwd_args &a, int64_t gl, int64_t 
     return {w.bh * a.cx.pr.seq_q + w.i, emu_visible(a.cx.pr, w.i, 0, Nk), (gl * a.chunk_rows + rl) * Nk};
 }
 
-/* m = max_j s_j into row_l, a warp per row (exact in any order: emu_backward.cu). */
-__global__ void __launch_bounds__(RT) rows_max_kernel(const __grid_constant__ bwd_args a) {
-    const int lane = threadIdx.x & 31;
-    const int64_t gl = blockIdx.y, rl = (int64_t)blockIdx.x * (RT / 32) + (threadIdx.x >> 5);
-    if (rl >= a.rn) return; /* warp-uniform */
-    const row_at r = row_of(a, gl, rl);
-    const float *s = a.saf + r.off;
-    double m = -INFINITY;
-#pragma unroll 4
-    for (int64_t j = lane; j < r.nv; j += 32) m = att_max(m, (double)s[j]);
-    for (int o = 16; o; o >>= 1) m = att_max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
-    if (lane == 0 && r.nv) a.row_l[r.q] = m;
-}
-
-/* The element-wise steps, a CTA per row: STEP 0 e_j = R_softmax(exp(R_softmax(s_j - m))) in place of s_j; STEP 1
- * dS in place of dP and P' = R_bwd_p(P) in place of P. */
+/* The element-wise steps: STEP 0, a warp per row, m = max_j s_j into row_l (exact in any order: emu_backward.cu),
+ * then e_j = R_softmax(exp(R_softmax(s_j - m))) in place of s_j (the row's second read from the cache; the maxima
+ * were a kernel of their own, and e a CTA per row); STEP 1, a CTA per row (a warp per row measured slower there), dS
+ * in place of dP and P' = R_bwd_p(P) in place of P. exp of an fp32 value: emu_exp_fast (CUDA's bits, emu.cuh). */
 template <int STEP, int KINDS = 0>
 __global__ void __launch_bounds__(RT) rows_elem_kernel(const __grid_constant__ bwd_args a, const int kinds_arg) {
     const int kinds = KINDS ? KINDS : kinds_arg;
-    const row_at r = row_of(a, blockIdx.y, blockIdx.x);
+    constexpr int STRIDE = STEP == 0 ? 32 : RT; /* the threads along a row */
+    const int lane = STEP == 0 ? threadIdx.x & 31 : threadIdx.x;
+    const int64_t gl = blockIdx.y, rl = STEP == 0 ? (int64_t)blockIdx.x * (RT / 32) + (threadIdx.x >> 5) : blockIdx.x;
+    if (rl >= a.rn) return; /* warp-uniform */
+    const row_at r = row_of(a, gl, rl);
     float *s = a.saf + r.off, *dp = a.sbf + r.off;
-    const double v = STEP == 0 ? a.row_l[r.q] : a.row_d[r.q];
+    double v;
+    if (STEP == 0) {
+        double m = -INFINITY;
+#pragma unroll 4
+        for (int64_t j = lane; j < r.nv; j += 32) m = att_max(m, (double)s[j]);
+        for (int o = 16; o; o >>= 1) m = att_max(m, __shfl_xor_sync(0xFFFFFFFFu, m, o));
+        if (lane == 0 && r.nv) a.row_l[r.q] = m;
+        v = m;
+    } else {
+        v = r.nv ? a.row_d[r.q] : 0.0;
+    }
     const int ksm = flt_kind_at(kinds, RL_SOFTMAX), kdsp = flt_kind_at(kinds, RL_DSOFT_P);
     const int kdso = flt_kind_at(kinds, RL_DSOFT), kds = flt_kind_at(kinds, RL_DS), kbp = flt_kind_at(kinds, RL_BWD_P);
 #pragma unroll 4
-    for (int64_t j = threadIdx.x; j < r.nv; j += RT) {
+    for (int64_t j = lane; j < r.nv; j += STRIDE) {
         if (STEP == 0) {
-            s[j] = dbl_round(ksm, exp((double)dbl_round(ksm, (double)s[j] - v)));
+            s[j] = dbl_round(ksm, emu_exp_fast(0, (double)dbl_round(ksm, (double)s[j] - v)));
         } else {
             const float p = s[j];
             dp[j] = ds_lean(a, kdsp, kdso, kds, p, (double)dp[j], v);
@@ -133,8 +136,8 @@ __global__ void __launch_bounds__(CW * 32) rows_chain_kernel(const __grid_consta
     else a.row_d[r.q] = dbl_round(flt_kind_at(kinds, RL_DSOFT), acc);
 }
 
-template <int KINDS> void rows_launch(const bwd_args &a, int kinds, dim3 per_cta, dim3 chain) {
-    rows_elem_kernel<0, KINDS><<<per_cta, RT>>>(a, kinds);
+template <int KINDS> void rows_launch(const bwd_args &a, int kinds, dim3 per_warp, dim3 per_cta, dim3 chain) {
+    rows_elem_kernel<0, KINDS><<<per_warp, RT>>>(a, kinds);
     rows_chain_kernel<0, KINDS><<<chain, CW * 32>>>(a, kinds);
     rows_chain_kernel<1, KINDS><<<chain, CW * 32>>>(a, kinds);
     rows_elem_kernel<1, KINDS><<<per_cta, RT>>>(a, kinds);
@@ -155,10 +158,9 @@ fadev_status emu_bwd_fast_rows(const bwd_args &a, int64_t gn) {
     const dim3 per_warp((unsigned)((a.rn + RT / 32 - 1) / (RT / 32)), (unsigned)gn);
     const dim3 per_cta((unsigned)a.rn, (unsigned)gn);
     const dim3 chain((unsigned)((a.rn + CW * 32 - 1) / (CW * 32)), (unsigned)gn);
-    rows_max_kernel<<<per_warp, RT>>>(a);
-    if (kinds == naive_rows_kinds(FLT_BF16)) rows_launch<naive_rows_kinds(FLT_BF16)>(a, kinds, per_cta, chain);
-    else if (kinds == naive_rows_kinds(FLT_F16)) rows_launch<naive_rows_kinds(FLT_F16)>(a, kinds, per_cta, chain);
-    else rows_launch<0>(a, kinds, per_cta, chain);
+    if (kinds == naive_rows_kinds(FLT_BF16)) rows_launch<naive_rows_kinds(FLT_BF16)>(a, kinds, per_warp, per_cta, chain);
+    else if (kinds == naive_rows_kinds(FLT_F16)) rows_launch<naive_rows_kinds(FLT_F16)>(a, kinds, per_warp, per_cta, chain);
+    else rows_launch<0>(a, kinds, per_warp, per_cta, chain);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }

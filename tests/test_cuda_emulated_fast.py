@@ -322,7 +322,7 @@ NAIVE_ROWS_BF16 = pair_kinds(F32, F32, F32, BF, F32, F32, F32, BF, BF)
     ("flash", "fa2", ["warp_kernel<2, true, false, false, false>", "pair_fast_kernel<1, 0>", "dkv_fast_kernel", "dq_fast_kernel"]),
     ("flash", "paper", ["warp_kernel<2, true, false, false, false>", f"pair_fast_kernel<2, {PAPER_BF16}>", "dkv_fast_kernel",
                         "dq_fast_kernel"]),
-    ("baseline", "naive", ["warp_kernel<2, true, true, false, true>", f"pair_fast_kernel<2, {NAIVE_BF16}>", "rows_max_kernel",
+    ("baseline", "naive", ["warp_kernel<2, true, true, false, true>", f"pair_fast_kernel<2, {NAIVE_BF16}>",
                            *(f"rows_{k}_kernel<{step}, {NAIVE_ROWS_BF16}>" for k, step in
                              (("elem", 0), ("chain", 0), ("chain", 1), ("elem", 1)))]),
 ])
