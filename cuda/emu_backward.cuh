@@ -55,12 +55,21 @@ __device__ __forceinline__ int64_t last_key(const fadev_attention_params &pr, in
     return pr.causal ? i + pr.seq_kv - pr.seq_q : pr.seq_kv - 1;
 }
 
+/* The fast kernels' tiles (emu_backward_fast.cu, emu_backward_pairs.cu): TM rows (or keys) x TN columns or keys a
+ * CTA of NT threads, the reduction staged in slices of TK; AP the pitch of a staged [k][m] operand. */
+namespace emu_bwd_tiles {
+constexpr int TM = 64, TN = 64, TK = 32, NT = 256;
+constexpr int AP = TM + 4;
+static_assert(NT % TK == 0 && NT % TM == 0 && NT % TN == 0 && NT % 128 == 0,
+              "the staging loops give a thread one t, key or column");
+} // namespace emu_bwd_tiles
+
 /* The fast sums (emu_backward_fast.cu): whether they apply (grad_acc fp32 nearest-even, every dQ, dK, dV product
  * exact in fp32, the running sums fp32 values; FADEV_EMU_GENERIC=1 turns them off), and, per chunk, dq and then dK,
  * dV carried through the chunk's rows, reading the scratch P' (sa) and dS (sb). */
 int emu_bwd_fast_ok(const bwd_args &a, const fadev_policy *pol, const fadev_policy_backward *pb);
 fadev_status emu_bwd_fast_sums(const bwd_args &a, int64_t gn, int last_chunk);
-/* The fast pair kernel: s and dP as register-blocked fp32 FMA chains, P' and dS (flash) or s and dP (baseline)
+/* The fast pair kernel (emu_backward_pairs.cu): s and dP as register-blocked fp32 FMA chains, P' and dS (flash) or s and dP (baseline)
  * written to the fp32 scratch (saf, sbf), where emu_bwd_fast_ok holds, dP's and the scores' products are exact too,
  * and (baseline) every value the rows kernel keeps in the scratch is an fp32 value. */
 int emu_bwd_fast_pairs_ok(const bwd_args &a);
