@@ -39,25 +39,26 @@ __device__ __forceinline__ float add_round(const att_stage &st, int fk, float ac
     return (float)emu_rnd<true>(st, (double)acc + (double)part, stream, idx);
 }
 
-/* One rank-1 step of a thread's R x 4 tile: part[r][c] += a[kk][R g + r] b[kk][tx + 16c] (one fmaf each) for the rows
- * r whose bit is set in `rows` (all R set: a constant there compiles to the plain FMA block); a [k][m] of pitch P. */
-template <int R = 4, int P = AP>
+/* One rank-1 step of a thread's R x C tile: part[r][c] += a[kk][R g + r] b[kk][tx + 16c] (one fmaf each) for the rows
+ * r whose bit is set in `rows` (all R set: a constant there compiles to the plain FMA block); a [k][m] of pitch P,
+ * b [k][n] of pitch 16 C. */
+template <int R = 4, int P = AP, int C = 4>
 __device__ __forceinline__ void rank1(const float *as, const float *bs, int kk, int g, int tx, unsigned rows,
-                                      float part[R][4]) {
+                                      float part[R][C]) {
     float av[R];
 #pragma unroll
     for (int h = 0; h < R / 4; h++) {
         const float4 a4 = *(const float4 *)(as + kk * P + g * R + 4 * h);
         av[4 * h] = a4.x, av[4 * h + 1] = a4.y, av[4 * h + 2] = a4.z, av[4 * h + 3] = a4.w;
     }
-    float bv[4];
+    float bv[C];
 #pragma unroll
-    for (int c = 0; c < 4; c++) bv[c] = bs[kk * TN + tx + 16 * c];
+    for (int c = 0; c < C; c++) bv[c] = bs[kk * 16 * C + tx + 16 * c];
 #pragma unroll
     for (int r = 0; r < R; r++)
         if (rows >> r & 1u)
 #pragma unroll
-            for (int c = 0; c < 4; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
+            for (int c = 0; c < C; c++) part[r][c] = fmaf(av[r], bv[c], part[r][c]);
 }
 
 /* The tile of pass `pass` (0, 1) of this CTA: blockIdx.x in pass 0 when `paired` is 0; else (causal: a tile's work
@@ -71,7 +72,9 @@ __device__ __forceinline__ bool pair_tile(int paired, int pass, int64_t &tile) {
 
 /* The dynamic shared memory of dq_fast_kernel and dkv_fast_kernel at R: two stages of a slice's operands (the
  * scratch's [k][m] of pitch 16 R + 4, the other's [k][n]). Above 48 KB at R = 8: the launches opt in. */
-template <int R> constexpr size_t sums_smem_bytes() { return 2 * (size_t)TK * (16 * R + 4 + TN) * sizeof(float); }
+template <int R, int C = 4> constexpr size_t sums_smem_bytes() {
+    return 2 * (size_t)TK * (16 * R + 4 + 16 * C) * sizeof(float);
+}
 
 /* Slice operand copies into shared memory: cp.async from the fp32 scratch (zeros where `ok` is false, nothing read
  * there), loads and a conversion from the fp64 one (the generic pair kernels'). */
@@ -211,12 +214,14 @@ __global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dq_fast_kernel(const __gri
  * terms are summed. Staged once per slice and summed after, as before,
  * the global loads' latency was the kernel's largest stall (ncu, fa2 bf16 D 64 causal: long scoreboard 44% of the
  * samples, barriers 10-14%, issue slots 18-31% busy). */
-/* R keys a thread (4 or 8: a CTA's tile 16 R keys x 64 columns; at 8, 128 registers for 2 CTAs an SM) */
-template <int IS_K, typename T, int R, bool PAIRED>
+/* R keys a thread (4 or 8: a CTA's tile 16 R keys x 16 C columns; at 8, 128 registers for 2 CTAs an SM), C columns
+ * (4, or 2 where the grid is short of a wave: twice the CTAs) */
+template <int IS_K, typename T, int R, bool PAIRED, int C>
 __global__ void __launch_bounds__(NT, R == 8 ? 2 : 1)
 dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk, int paired) {
     constexpr int TMK = 16 * R, APK = TMK + 4; /* the CTA's keys; the staged pitch */
-    constexpr int STAGE = TK * (APK + TN);   /* floats a stage: as [k][m] of pitch APK, then bs [k][n] */
+    constexpr int TNC = 16 * C;             /* the CTA's columns */
+    constexpr int STAGE = TK * (APK + TNC);  /* floats a stage: as [k][m] of pitch APK, then bs [k][n] */
     extern __shared__ __align__(16) float dkv_stages[];
     __shared__ long long row_i[2][TK], row_bh[2][TK], row_off[2][TK]; /* per stage; row_off: (bh * Nq + i) * D */
     __shared__ unsigned slice_mask[2][3]; /* per stage: bit kk: the row ends its query block (its sum joins the
@@ -229,17 +234,17 @@ dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk,
     for (int pass = 0; pass < (PAIRED ? 2 : 1); pass++) { /* PAIRED: key tiles p and tiles - 1 - p (pair_tile) */
         int64_t tile;
         if (!pair_tile(PAIRED ? paired : 0, pass, tile)) break;
-        const int64_t gl = blockIdx.z, bg = a.g0 + gl, j0 = tile * TMK, d0 = (int64_t)blockIdx.y * TN;
+        const int64_t gl = blockIdx.z, bg = a.g0 + gl, j0 = tile * TMK, d0 = (int64_t)blockIdx.y * TNC;
         const float *ys = IS_K ? cx.qf : a.doutf;
         double *part_mem = IS_K ? a.dk_part : a.dv_part, *acc_mem = IS_K ? a.dk : a.dv;
         /* the rows that see key j = j0 + g R + r: i >= first_j = max(0, j - (Nk - Nq)) (causal), every row (not), that
          * is i - fbase >= r (i >= 0), with one fbase for the thread's R keys */
         const int64_t fbase = cx.pr.causal ? j0 + g * R - (Nk - Nq) : INT64_MIN / 2;
-        float part[R][4], acc[R][4];
+        float part[R][C], acc[R][C];
         int64_t first_max = 0;
         for (int r = 0; r < R; r++) {
             const int64_t j = j0 + g * R + r;
-            for (int c = 0; c < 4; c++) {
+            for (int c = 0; c < C; c++) {
                 const int64_t d = d0 + tx + 16 * c, at = (bg * Nk + j) * D + d;
                 const int ok = j < Nk && d < D;
                 part[r][c] = ok ? (float)part_mem[at] : 0.f;
@@ -265,14 +270,14 @@ dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk,
             if (tid == 0) slice_mask[b][0] = ends, slice_mask[b][1] = seen, slice_mask[b][2] = some;
         };
         /* slice s's operands into stage b (none where no row of it sees a key of the tile): NT is a multiple of TMK
-         * and TN: a thread stages one key m (one column n) of rows tid / TMK + k NT / TMK; the scratch column is
+         * and TNC: a thread stages one key m (one column n) of rows tid / TMK + k NT / TMK; the scratch column is
          * walked by a pointer, the rows of Q / dO start at row_off (stage_one) */
         auto stage = [&](int64_t s, int b) {
             if (!slice_mask[b][2]) return;
             float *as = dkv_stages + b * STAGE, *bs = as + TK * APK;
             const int64_t k0 = s * TK;
             const int kn = (int)(a.rn - k0 < TK ? a.rn - k0 : TK);
-            const int m = tid % TMK, n = tid % TN;
+            const int m = tid % TMK, n = tid % TNC;
             const int64_t j = j0 + m, fj = cx.pr.causal && j > Nk - Nq ? j - (Nk - Nq) : 0;
             const int jok = j < Nk, nok = d0 + n < D;
             const T *col = xs + (gl * a.chunk_rows + k0 + tid / TMK) * Nk + j;
@@ -280,8 +285,8 @@ dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk,
             for (int kk = tid / TMK; kk < TK; kk += NT / TMK, col += (NT / TMK) * Nk)
                 stage_one(as + kk * APK + m, col, xs, jok && kk < kn && row_i[b][kk] >= fj);
     #pragma unroll 4
-            for (int kk = tid / TN; kk < TK; kk += NT / TN)
-                stage_one(bs + kk * TN + n, ys + row_off[b][kk] + d0 + n, ys, kk < kn && nok);
+            for (int kk = tid / TNC; kk < TK; kk += NT / TNC)
+                stage_one(bs + kk * TNC + n, ys + row_off[b][kk] + d0 + n, ys, kk < kn && nok);
         };
         __syncthreads(); /* PAIRED: the first tile's readers of the stages are done */
         meta(0, 0);
@@ -308,12 +313,12 @@ dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk,
                 const int last = ends ? __ffs(ends) - 1 : kn - 1; /* the segment's last row */
                 if (all_see) {
     #pragma unroll 4
-                    for (; kk <= last; kk++) rank1<R, APK>(as, bs, kk, g, tx, (1u << R) - 1, part);
+                    for (; kk <= last; kk++) rank1<R, APK, C>(as, bs, kk, g, tx, (1u << R) - 1, part);
                 } else {
                     for (; kk <= last; kk++) {
                         const int64_t di = ri[kk] - fbase; /* key r seen where di >= r */
                         const unsigned rows = di >= R - 1 ? (1u << R) - 1 : di < 0 ? 0u : (2u << di) - 1;
-                        rank1<R, APK>(as, bs, kk, g, tx, rows, part);
+                        rank1<R, APK, C>(as, bs, kk, g, tx, rows, part);
                     }
                 }
                 if (ends & (1u << last)) { /* the query block's last row: its sum joins the running sum */
@@ -323,7 +328,7 @@ dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk,
                     for (int r = 0; r < R; r++) {
                         if (i - fbase < r) continue; /* row i does not see key r */
     #pragma unroll
-                        for (int c = 0; c < 4; c++) {
+                        for (int c = 0; c < C; c++) {
                             acc[r][c] = add_round(a.dkv_acc, a.dkv_acc_kind, acc[r][c], part[r][c], s_dkv,
                                                   ATT_INDEX(i / bq, j0 + g * R + r, d0 + tx + 16 * c));
                             part[r][c] = 0.f;
@@ -338,7 +343,7 @@ dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk,
             const int64_t j = j0 + g * R + r;
             if (j >= Nk) continue;
     #pragma unroll
-            for (int c = 0; c < 4; c++) {
+            for (int c = 0; c < C; c++) {
                 const int64_t d = d0 + tx + 16 * c, at = (bg * Nk + j) * D + d;
                 if (d >= D) continue;
                 if (!last_chunk) {
@@ -376,44 +381,56 @@ int emu_bwd_fast_ok(const bwd_args &a, const fadev_policy *pol, const fadev_poli
  * CTAs). FADEV_EMU_WIDE=1 / 0 forces 8 / 4, FADEV_EMU_PAIR=1 / 0 the pairing (tests, benchmarks). */
 struct sums_cut {
     int wide, paired; /* paired: the tiles' count (a CTA per two), or 0 */
+    int cols;         /* columns a thread: 4, or 2 (dK, dV of grids short of a wave) */
     dim3 grid;
 };
-static sums_cut cut_of(int64_t rows, unsigned dt, int64_t gn, int causal, bool wide_ok, int sms) {
-    const char *force = getenv("FADEV_EMU_WIDE");
+static sums_cut cut_of(int64_t rows, int64_t D, int64_t gn, int causal, bool wide_ok, bool narrow_ok, int sms) {
+    const char *force = getenv("FADEV_EMU_WIDE"), *cols_force = getenv("FADEV_EMU_COLS");
     const int64_t wave = 2 * (int64_t)sms * 19 / 20; /* paired CTAs enough for a wave, rounding allowed */
     auto units = [&](int tile, bool pair) { /* CTAs along the rows */
         const int64_t tiles = (rows + tile - 1) / tile;
         return pair ? (tiles + 1) / 2 : tiles;
     };
-    auto ctas = [&](int tile, bool pair) { return units(tile, pair) * (int64_t)dt * gn; };
+    const int64_t dt4 = (D + 63) / 64;
+    auto ctas = [&](int tile, bool pair) { return units(tile, pair) * dt4 * gn; };
     const bool pair8 = causal && ctas(128, true) >= wave, pair4 = causal && 2 * ctas(64, true) >= sms;
     bool wide = wide_ok && (causal ? pair8 : ctas(128, false) >= 3 * (int64_t)sms);
     if (force && *force) wide = wide_ok && strcmp(force, "0") != 0;
-    sums_cut c;
-    c.wide = wide;
     const int tile = wide ? 128 : 64;
     bool pair = wide ? pair8 : pair4;
     const char *pair_force = getenv("FADEV_EMU_PAIR"); /* tests: 1 a CTA per two tiles always (any mask), 0 never */
     if (pair_force && *pair_force) pair = strcmp(pair_force, "0") != 0;
+    /* 2 columns a thread (twice the CTAs) where the grid would be short of a wave: 4 K/V heads of 16 under a mask */
+    bool narrow = narrow_ok && !wide && D > 32 && ctas(tile, pair) < wave;
+    if (cols_force && *cols_force) narrow = narrow_ok && !wide && strcmp(cols_force, "2") == 0; /* tests */
+    sums_cut c;
+    c.wide = wide, c.cols = narrow ? 2 : 4;
     c.paired = pair ? (int)((rows + tile - 1) / tile) : 0;
-    c.grid = dim3((unsigned)units(tile, pair), dt, (unsigned)gn);
+    c.grid = dim3((unsigned)units(tile, pair), (unsigned)((D + 16 * c.cols - 1) / (16 * c.cols)), (unsigned)gn);
     return c;
 }
 
-template <typename T, int R, bool PAIRED>
+template <typename T, int R, bool PAIRED, int C>
 fadev_status sums_dkv_launch(const bwd_args &a, const T *sa, const T *sb, const sums_cut &c, int last_chunk) {
-    constexpr size_t smem = sums_smem_bytes<R>(); /* above 48 KB at R = 8: opted in */
-    CUDA_TRY(cudaFuncSetAttribute(dkv_fast_kernel<0, T, R, PAIRED>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    CUDA_TRY(cudaFuncSetAttribute(dkv_fast_kernel<1, T, R, PAIRED>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    dkv_fast_kernel<0, T, R, PAIRED><<<c.grid, NT, smem>>>(a, sa, last_chunk, c.paired);
-    dkv_fast_kernel<1, T, R, PAIRED><<<c.grid, NT, smem>>>(a, sb, last_chunk, c.paired);
+    constexpr size_t smem = sums_smem_bytes<R, C>(); /* above 48 KB at R = 8: opted in */
+    CUDA_TRY(cudaFuncSetAttribute(dkv_fast_kernel<0, T, R, PAIRED, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)smem));
+    CUDA_TRY(cudaFuncSetAttribute(dkv_fast_kernel<1, T, R, PAIRED, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)smem));
+    dkv_fast_kernel<0, T, R, PAIRED, C><<<c.grid, NT, smem>>>(a, sa, last_chunk, c.paired);
+    dkv_fast_kernel<1, T, R, PAIRED, C><<<c.grid, NT, smem>>>(a, sb, last_chunk, c.paired);
     return FADEV_OK;
 }
 
-template <typename T, int R>
+/* 8 keys a thread (4 columns), or 4 keys by 4 or 2 columns */
+template <typename T>
 fadev_status sums_dkv(const bwd_args &a, const T *sa, const T *sb, const sums_cut &c, int last_chunk) {
-    return c.paired ? sums_dkv_launch<T, R, true>(a, sa, sb, c, last_chunk)
-                    : sums_dkv_launch<T, R, false>(a, sa, sb, c, last_chunk);
+    if (c.wide) return c.paired ? sums_dkv_launch<T, 8, true, 4>(a, sa, sb, c, last_chunk)
+                                : sums_dkv_launch<T, 8, false, 4>(a, sa, sb, c, last_chunk);
+    if (c.cols == 2) return c.paired ? sums_dkv_launch<T, 4, true, 2>(a, sa, sb, c, last_chunk)
+                                     : sums_dkv_launch<T, 4, false, 2>(a, sa, sb, c, last_chunk);
+    return c.paired ? sums_dkv_launch<T, 4, true, 4>(a, sa, sb, c, last_chunk)
+                    : sums_dkv_launch<T, 4, false, 4>(a, sa, sb, c, last_chunk);
 }
 
 template <typename T, int R, bool PAIRED> fadev_status sums_dq_launch(const bwd_args &a, const T *sb, const sums_cut &c) {
@@ -432,14 +449,13 @@ template <typename T> fadev_status sums(const bwd_args &args, const T *sa, const
     a.dq_acc_kind = flt_kind_of(a.dq_acc), a.dkv_acc_kind = flt_kind_of(a.dkv_acc);
     const int64_t D = a.cx.pr.dim, Nk = a.cx.pr.seq_kv;
     const int causal = a.cx.pr.causal;
-    const unsigned dt = (unsigned)((D + TN - 1) / TN);
     /* dq: 8 rows a thread at D <= 64 (H100, D 64: 3.42 -> 3.15 ms, fa2), 4 above (no gain measured at D 128) */
     int sms = 0;
     FADEV_TRY(fadev_cuda_sm_count(&sms));
-    const sums_cut cq = cut_of(a.rn, dt, gn, causal, D <= 64, sms), ckv = cut_of(Nk, dt, gn, causal, true, sms);
+    const sums_cut cq = cut_of(a.rn, D, gn, causal, D <= 64, false, sms), ckv = cut_of(Nk, D, gn, causal, true, true, sms);
     FADEV_TRY((cq.wide ? sums_dq<T, 8>(a, sb, cq) : sums_dq<T, 4>(a, sb, cq)));
     CUDA_TRY(cudaGetLastError());
-    FADEV_TRY((ckv.wide ? sums_dkv<T, 8>(a, sa, sb, ckv, last_chunk) : sums_dkv<T, 4>(a, sa, sb, ckv, last_chunk)));
+    FADEV_TRY(sums_dkv<T>(a, sa, sb, ckv, last_chunk));
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }

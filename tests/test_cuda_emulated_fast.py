@@ -209,12 +209,14 @@ def backward(kind, q, k, v, dout, policy, monkeypatch, generic, causal=False, **
 
 
 def assert_backward_fast_is_generic(kind, q, k, v, dout, policy, monkeypatch, cpu=False, causal=False, **tiles):
-    """The fast backward with the sums' tiles it chooses (at these sizes 4 rows or keys a thread, a CTA per tile),
-    with 8 a thread (FADEV_EMU_WIDE=1: what large grids take), and with a CTA per two tiles at either width
-    (FADEV_EMU_PAIR=1: what large causal grids take) against the generic kernels, bit for bit; and the CPU."""
+    """The fast backward with the sums' tiles it chooses (at these sizes 4 rows or keys a thread, a CTA per tile, dK
+    and dV 2 columns a thread), with 4 columns (FADEV_EMU_COLS=4: what grids of a wave take), with 8 a thread
+    (FADEV_EMU_WIDE=1: what large grids take), and with a CTA per two tiles at each (FADEV_EMU_PAIR=1: what large
+    causal grids take) against the generic kernels, bit for bit; and the CPU."""
     (out, lse), fast = backward(kind, q, k, v, dout, policy, monkeypatch, False, causal=causal, **tiles)
     variants = {}
-    for env in ({"FADEV_EMU_WIDE": "1"}, {"FADEV_EMU_PAIR": "1"}, {"FADEV_EMU_WIDE": "1", "FADEV_EMU_PAIR": "1"}):
+    for env in ({"FADEV_EMU_COLS": "4"}, {"FADEV_EMU_WIDE": "1"}, {"FADEV_EMU_PAIR": "1"},
+                {"FADEV_EMU_COLS": "4", "FADEV_EMU_PAIR": "1"}, {"FADEV_EMU_WIDE": "1", "FADEV_EMU_PAIR": "1"}):
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         variants[" ".join(f"{n}={v}" for n, v in env.items())] = backward(kind, q, k, v, dout, policy, monkeypatch,
@@ -303,6 +305,16 @@ def kernels_run(kind, policy, monkeypatch, generic):
         bwd(q, k, v, out, lse, do, policy, device="cuda")
         torch.cuda.synchronize()
     return " | ".join(e.key for e in prof.key_averages())
+
+
+def test_backward_sums_cut_short_grids_finer(monkeypatch):
+    """dK, dV of a grid short of a wave (every test-sized one) take 2 columns a thread (twice the CTAs); the switch
+    gives back the 4-column kernel; the bits of both are the generic kernels' (assert_backward_fast_is_generic)."""
+    names = kernels_run("flash", Policy.fa2("bf16"), monkeypatch, generic=False)
+    assert "dkv_fast_kernel<0, float, 4, false, 2>" in names and "false, 4>" not in names, names
+    monkeypatch.setenv("FADEV_EMU_COLS", "4")
+    names = kernels_run("flash", Policy.fa2("bf16"), monkeypatch, generic=False)
+    assert "dkv_fast_kernel<0, float, 4, false, 4>" in names and "false, 2>" not in names, names
 
 
 def pair_kinds(*kinds):
