@@ -10,12 +10,13 @@
  * chains keep the spec's order (keys ascending for dQ; the K/V head's virtual rows ascending for dK, dV).
  *
  * A CTA computes a tile of outputs (dQ: virtual rows x columns; dK, dV: keys x columns) with 256 threads, each
- * R x 4 (rows or keys R g..R g + R - 1, columns tx + 16c): R = 4 (64 x 64 tiles), or R = 8 (128 x 64: twice the FMAs
- * a shared load) where the grid still fills the GPU (cut_of; dQ only at D <= 64); causal, a CTA takes two tiles, the
- * p-th with the most rows (keys) to see and the p-th with the fewest, where that grid still fills a wave (cut_of),
- * over the reduction in slices of 32 staged in shared memory: the scratch operand as [k][m] (float4 reads of four
- * m) and the other operand as [k][n]. A term enters only where the row sees the key; block sums are flushed where
- * the generic kernels flush them.
+ * R x C (rows or keys R g..R g + R - 1, columns tx + 16c): R = 4 (64 x 64 tiles), or R = 8 (128 x 64: twice the FMAs
+ * a shared load) where the grid still fills the GPU (cut_of; dQ only at D <= 64); C = 4, or for dK, dV at R = 4 2
+ * (64 x 32 tiles, twice the CTAs) where their grid is short of a wave; causal, a CTA takes two tiles, the p-th with
+ * the most rows (keys) to see and the p-th with the fewest (cut_of), over the reduction in slices of 32 that stream
+ * through two shared-memory stages: the scratch operand as [k][m] (float4 reads of four m) and the other operand as
+ * [k][n]. A term enters only where the row sees the key; block sums are flushed where the generic kernels flush
+ * them.
  * The fast pair kernel (s and dP as fp32 FMA chains, then the element-wise steps) is in emu_backward_pairs.cu, the
  * baseline's fast rows kernels in emu_backward_rows.cu. */
 #include <limits.h>
