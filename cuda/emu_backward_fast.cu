@@ -212,9 +212,9 @@ __global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dq_fast_kernel(const __gri
  * A slice of rows none of which sees a key of the tile (causal: every row before the tile's first key's first
  * row) adds no term and flushes no sum: it is skipped whole (half the causal work; the same events).
  * The row slices stream through two stages (sums_smem_bytes): slice s + 1's copies are in flight while slice s's
- * terms are summed. Staged once per slice and summed after, as before,
- * the global loads' latency was the kernel's largest stall (ncu, fa2 bf16 D 64 causal: long scoreboard 44% of the
- * samples, barriers 10-14%, issue slots 18-31% busy). */
+ * terms are summed. Staged once per slice and summed after, as before, the global loads' latency was the kernel's
+ * largest stall (ncu on an H200, fa2 bf16 D 64 causal: long scoreboard 44% of the samples, barriers 10-14%, issue
+ * slots 18-31% busy). */
 /* R keys a thread (4 or 8: a CTA's tile 16 R keys x 16 C columns; at 8, 128 registers for 2 CTAs an SM), C columns
  * (4, or 2 where the grid is short of a wave: twice the CTAs) */
 template <int IS_K, typename T, int R, bool PAIRED, int C>
@@ -377,9 +377,11 @@ int emu_bwd_fast_ok(const bwd_args &a, const fadev_policy *pol, const fadev_poli
  * (pair_tile): the 128-wide tiles where that grid still fills a wave of 2 CTAs an SM, the 64-wide ones where it has a
  * CTA for half the SMs (a grouped-query call's dK, dV at 16 / 4 heads, half a wave paired: with the streamed slices
  * pairing measured faster there, H100 fa2 bf16 D 64 backward 11.3 -> 12.1 TFLOP/s, paper 9.4 -> 10.0, naive 8.2 ->
- * 8.7; before them, 4% slower). 8 where its grid fills the GPU: 3 CTAs an SM unpaired, a wave paired. H100, B 1, H 16, N 4096, bf16, backward TFLOP/s at 8 / 4 keys of dK, dV: fa2 D 64 11.8 / 10.4, D 128
- * 12.6 / 11.1; causal (before the pairing) 8.0 / 8.2; grouped-query (16 / 4 heads) 8.3 / 10.8 (a quarter of the
- * CTAs). FADEV_EMU_WIDE=1 / 0 forces 8 / 4, FADEV_EMU_PAIR=1 / 0 the pairing (tests, benchmarks). */
+ * 8.7; before them, 4% slower). 8 where its grid fills the GPU: 3 CTAs an SM unpaired, a wave paired. H100, B 1,
+ * H 16, N 4096, bf16, backward TFLOP/s at 8 / 4 keys of dK, dV: fa2 D 64 11.8 / 10.4, D 128 12.6 / 11.1; causal
+ * (before the pairing) 8.0 / 8.2; grouped-query (16 / 4 heads) 8.3 / 10.8 (a quarter of the CTAs). dK, dV at 4 keys
+ * take 2 columns a thread (twice the CTAs) where their grid is short of a wave. FADEV_EMU_WIDE=1 / 0 forces 8 / 4,
+ * FADEV_EMU_PAIR=1 / 0 the pairing, FADEV_EMU_COLS=2 / 4 the columns (tests, benchmarks). */
 struct sums_cut {
     int wide, paired; /* paired: the tiles' count (a CTA per two), or 0 */
     int cols;         /* columns a thread: 4, or 2 (dK, dV of grids short of a wave) */
@@ -392,7 +394,7 @@ static sums_cut cut_of(int64_t rows, int64_t D, int64_t gn, int causal, bool wid
         const int64_t tiles = (rows + tile - 1) / tile;
         return pair ? (tiles + 1) / 2 : tiles;
     };
-    const int64_t dt4 = (D + 63) / 64;
+    const int64_t dt4 = (D + TN - 1) / TN; /* column tiles at 4 columns a thread */
     auto ctas = [&](int tile, bool pair) { return units(tile, pair) * dt4 * gn; };
     const bool pair8 = causal && ctas(128, true) >= wave, pair4 = causal && 2 * ctas(64, true) >= sms;
     bool wide = wide_ok && (causal ? pair8 : ctas(128, false) >= 3 * (int64_t)sms);
@@ -434,9 +436,11 @@ fadev_status sums_dkv(const bwd_args &a, const T *sa, const T *sb, const sums_cu
                     : sums_dkv_launch<T, 4, false, 4>(a, sa, sb, c, last_chunk);
 }
 
-template <typename T, int R, bool PAIRED> fadev_status sums_dq_launch(const bwd_args &a, const T *sb, const sums_cut &c) {
+template <typename T, int R, bool PAIRED>
+fadev_status sums_dq_launch(const bwd_args &a, const T *sb, const sums_cut &c) {
     constexpr size_t smem = sums_smem_bytes<R>();
-    CUDA_TRY(cudaFuncSetAttribute(dq_fast_kernel<T, R, PAIRED>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CUDA_TRY(cudaFuncSetAttribute(dq_fast_kernel<T, R, PAIRED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  (int)smem));
     dq_fast_kernel<T, R, PAIRED><<<c.grid, NT, smem>>>(a, sb, c.paired);
     return FADEV_OK;
 }
@@ -453,7 +457,8 @@ template <typename T> fadev_status sums(const bwd_args &args, const T *sa, const
     /* dq: 8 rows a thread at D <= 64 (H100, D 64: 3.42 -> 3.15 ms, fa2), 4 above (no gain measured at D 128) */
     int sms = 0;
     FADEV_TRY(fadev_cuda_sm_count(&sms));
-    const sums_cut cq = cut_of(a.rn, D, gn, causal, D <= 64, false, sms), ckv = cut_of(Nk, D, gn, causal, true, true, sms);
+    const sums_cut cq = cut_of(a.rn, D, gn, causal, D <= 64, false, sms);
+    const sums_cut ckv = cut_of(Nk, D, gn, causal, true, true, sms);
     FADEV_TRY((cq.wide ? sums_dq<T, 8>(a, sb, cq) : sums_dq<T, 4>(a, sb, cq)));
     CUDA_TRY(cudaGetLastError());
     FADEV_TRY(sums_dkv<T>(a, sa, sb, ckv, last_chunk));
