@@ -373,7 +373,7 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
     int64_t C = pairs >= R ? R : pairs, Gc = pairs >= R ? pairs / R : 1;
     C = C < (int64_t)65535 * PAIR_ROWS ? C : (int64_t)65535 * PAIR_ROWS;
     Gc = Gc < G ? Gc : G;
-    Gc = Gc < 65535 ? Gc : 65535;
+    Gc = Gc < 32767 ? Gc : 32767; /* gridDim.z <= 65535: the fast dK and dV share a launch of 2 gn */
     args.chunk_rows = C;
 
     const size_t n_q = (size_t)(B * H * Nq * D), n_kv = (size_t)(G * Nk * D), n_rows = (size_t)(B * H * Nq);
@@ -396,6 +396,12 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
     if (fast_pairs) /* fp32 scratch in the same buffers */
         args.saf = (float *)sa.ptr, args.sbf = (float *)sb.ptr;
     args.sa = sa.ptr, args.sb = sb.ptr, args.dk_part = dk_part.ptr, args.dv_part = dv_part.ptr;
+    device_buffer<unsigned> row_max; /* the fast rows' maxima, from the fast pair kernel (every chunk's rows its own) */
+    if (baseline && emu_bwd_fast_rows_ok(args)) {
+        FADEV_TRY(row_max.alloc(n_rows, "emulated attention backward: row maxima"));
+        CUDA_TRY(cudaMemset(row_max.ptr, 0, n_rows * sizeof(unsigned)));
+        args.row_max = row_max.ptr;
+    }
     CUDA_TRY(cudaMemset(dk, 0, n_kv * sizeof(double)));
     CUDA_TRY(cudaMemset(dv, 0, n_kv * sizeof(double)));
     CUDA_TRY(cudaMemset(dk_part.ptr, 0, n_kv * sizeof(double)));

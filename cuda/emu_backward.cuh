@@ -32,6 +32,7 @@ struct bwd_args {
     double *dout;                            /* R_input(dout) */
     float *doutf;                            /* the same as fp32 for the fast sums, or null */
     double *row_l, *row_d;                   /* flash: L_i and D_i per query row */
+    unsigned *row_max;                       /* the baseline's fast rows: max_j s_j per query row (max_key), or null */
     emu_mag *qmag, *domag;                   /* per K/V head: magnitudes of its group's Q and dO */
     double *sa, *sb;                         /* scratch [g - g0][r - r0][j]: P' (baseline: s first), dS (dP) */
     float *saf, *sbf;                        /* the same scratch as fp32 values (fast pair kernel), or null */
@@ -98,6 +99,16 @@ __device__ __forceinline__ float ds_lean(const bwd_args &a, int kdsp, int kdso, 
     float u = dbl_round(kdso, (double)flt_round(kdsp, p) * t);
     if (a.ds_scaled) u = dbl_round(kdso, a.c_ds * (double)u);
     return flt_round(kds, u);
+}
+
+/* An order-preserving key of an fp32 value, for atomicMax: NaN above everything (att_max propagates it; payloads are
+ * not part of the spec), -0 below +0 (a zero's sign in m changes no later value: exp(+-0) = 1); 0 below every key. */
+__device__ __forceinline__ unsigned max_key(float x) {
+    const unsigned u = __float_as_uint(x);
+    return x != x ? 0xFFFFFFFFu : u >> 31 ? ~u : u | 0x80000000u;
+}
+__device__ __forceinline__ float max_of_key(unsigned k) {
+    return k == 0xFFFFFFFFu ? __uint_as_float(0x7FC00000u) : __uint_as_float(k >> 31 ? k & 0x7FFFFFFFu : ~k);
 }
 
 /* The fast baseline rows kernels (emu_backward_rows.cu): baseline_rows_kernel's work with the same events, where the

@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dq_fast_kernel(const __gri
     }
 }
 
-/* One CTA of dK (IS_K) or dV: keys j0.. of K/V head g0 + blockIdx.z, columns d0..; the chains go on through the
+/* One CTA of dK (IS_K) or dV: keys j0.. of K/V head g0 + gl, columns d0..; the chains go on through the
  * chunk's virtual rows from the state in memory and leave it there, or write the result after the last chunk.
  * A slice of rows none of which sees a key of the tile (causal: every row before the tile's first key's first
  * row) adds no term and flushes no sum: it is skipped whole (half the causal work; the same events).
@@ -216,10 +216,17 @@ __global__ void __launch_bounds__(NT, R == 8 ? 2 : 1) dq_fast_kernel(const __gri
  * largest stall (ncu on an H200, fa2 bf16 D 64 causal: long scoreboard 44% of the samples, barriers 10-14%, issue
  * slots 18-31% busy). */
 /* R keys a thread (4 or 8: a CTA's tile 16 R keys x 16 C columns; at 8, 128 registers for 2 CTAs an SM), C columns
- * (4, or 2 where the grid is short of a wave: twice the CTAs) */
-template <int IS_K, typename T, int R, bool PAIRED, int C>
+ * (4, or 2 where the grid is short of a wave: twice the CTAs).
+ * dV (blockIdx.z < gn: P' in sa) and dK (the rest: dS in sb) in one launch: they share no data, and the grid of
+ * one alone is short of a wave where there are few K/V heads (4 of 16 under a causal mask: half a wave paired); as
+ * two launches, the second waited for the first's last CTA. Which one is a value, not a template argument: the two
+ * bodies in one kernel took 159 registers where one takes 105. */
+template <typename T, int R, bool PAIRED, int C>
 __global__ void __launch_bounds__(NT, R == 8 ? 2 : 1)
-dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk, int paired) {
+dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *sa, const T *sb, int last_chunk, int paired, int gn) {
+    const bool IS_K = (int)blockIdx.z >= gn;
+    const T *xs = IS_K ? sb : sa;
+    const int64_t gl = IS_K ? blockIdx.z - gn : blockIdx.z;
     constexpr int TMK = 16 * R, APK = TMK + 4; /* the CTA's keys; the staged pitch */
     constexpr int TNC = 16 * C;             /* the CTA's columns */
     constexpr int STAGE = TK * (APK + TNC);  /* floats a stage: as [k][m] of pitch APK, then bs [k][n] */
@@ -235,7 +242,7 @@ dkv_fast_kernel(const __grid_constant__ bwd_args a, const T *xs, int last_chunk,
     for (int pass = 0; pass < (PAIRED ? 2 : 1); pass++) { /* PAIRED: key tiles p and tiles - 1 - p (pair_tile) */
         int64_t tile;
         if (!pair_tile(PAIRED ? paired : 0, pass, tile)) break;
-        const int64_t gl = blockIdx.z, bg = a.g0 + gl, j0 = tile * TMK, d0 = (int64_t)blockIdx.y * TNC;
+        const int64_t bg = a.g0 + gl, j0 = tile * TMK, d0 = (int64_t)blockIdx.y * TNC;
         const float *ys = IS_K ? cx.qf : a.doutf;
         double *part_mem = IS_K ? a.dk_part : a.dv_part, *acc_mem = IS_K ? a.dk : a.dv;
         /* the rows that see key j = j0 + g R + r: i >= first_j = max(0, j - (Nk - Nq)) (causal), every row (not), that
@@ -403,8 +410,10 @@ static sums_cut cut_of(int64_t rows, int64_t D, int64_t gn, int causal, bool wid
     bool pair = wide ? pair8 : pair4;
     const char *pair_force = getenv("FADEV_EMU_PAIR"); /* tests: 1 a CTA per two tiles always (any mask), 0 never */
     if (pair_force && *pair_force) pair = strcmp(pair_force, "0") != 0;
-    /* 2 columns a thread (twice the CTAs) where the grid would be short of a wave: 4 K/V heads of 16 under a mask */
-    bool narrow = narrow_ok && !wide && D > 32 && ctas(tile, pair) < wave;
+    /* 2 columns a thread (twice the CTAs) where dK's and dV's grid (2 gn K/V heads: one launch) would be short of a
+     * wave. With dK and dV in one launch, 4 K/V heads of 16 under a mask fill a wave at 4 columns, which then measured
+     * faster (H100, D 64 bf16 backward TFLOP/s, 2 columns -> 4: fa2 11.4 / 12.2 -> 14.6 / 13.8, naive 9.7 -> 11.0) */
+    bool narrow = narrow_ok && !wide && D > 32 && 2 * ctas(tile, pair) < wave;
     if (cols_force && *cols_force) narrow = narrow_ok && !wide && strcmp(cols_force, "2") == 0; /* tests */
     sums_cut c;
     c.wide = wide, c.cols = narrow ? 2 : 4;
@@ -416,12 +425,10 @@ static sums_cut cut_of(int64_t rows, int64_t D, int64_t gn, int causal, bool wid
 template <typename T, int R, bool PAIRED, int C>
 fadev_status sums_dkv_launch(const bwd_args &a, const T *sa, const T *sb, const sums_cut &c, int last_chunk) {
     constexpr size_t smem = sums_smem_bytes<R, C>(); /* above 48 KB at R = 8: opted in */
-    CUDA_TRY(cudaFuncSetAttribute(dkv_fast_kernel<0, T, R, PAIRED, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    CUDA_TRY(cudaFuncSetAttribute(dkv_fast_kernel<T, R, PAIRED, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   (int)smem));
-    CUDA_TRY(cudaFuncSetAttribute(dkv_fast_kernel<1, T, R, PAIRED, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)smem));
-    dkv_fast_kernel<0, T, R, PAIRED, C><<<c.grid, NT, smem>>>(a, sa, last_chunk, c.paired);
-    dkv_fast_kernel<1, T, R, PAIRED, C><<<c.grid, NT, smem>>>(a, sb, last_chunk, c.paired);
+    const dim3 both(c.grid.x, c.grid.y, 2 * c.grid.z);
+    dkv_fast_kernel<T, R, PAIRED, C><<<both, NT, smem>>>(a, sa, sb, last_chunk, c.paired, (int)c.grid.z);
     return FADEV_OK;
 }
 

@@ -108,7 +108,8 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
                 }
         }
     }
-    /* the pair kernel's element-wise steps */
+    /* the pair kernel's element-wise steps; the baseline's rows' maxima over the tile's visible s (row_max) */
+    unsigned mk[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int r = 0; r < 4; r++) {
         const int m = g * 4 + r;
@@ -128,6 +129,7 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
                 const double dpv = flt_round(flt_kind_at(lk, PK_DP), pacc[r][c]);
                 if (a.baseline) { /* s and dP for the rows kernel */
                     pa[j] = (float)s, pb[j] = (float)dpv;
+                    mk[r] = max(mk[r], max_key((float)s));
                     continue;
                 }
                 /* x is an fp32 value (dbl_round): emu_exp_fast gives CUDA's exp bits (emu.cuh) */
@@ -145,12 +147,20 @@ __global__ void __launch_bounds__(NT) pair_fast_kernel(const __grid_constant__ b
             const double dpv = emu_rnd<true>(a.dp, (double)pacc[r][c], bwd_stream(EV_DP, bh), idx);
             if (a.baseline) { /* s and dP for the rows kernel (fp32 values: emu_bwd_fast_pairs_ok) */
                 pa[j] = (float)s, pb[j] = (float)dpv;
+                mk[r] = max(mk[r], max_key((float)s));
                 continue;
             }
             const double x = emu_rnd<true>(cx.softmax, s - L, ATT_STREAM(ATT_SOFTMAX_SUB, bh), idx);
             const double p = emu_rnd<true>(cx.softmax, emu_exp(cx.exp2, x), ATT_STREAM(ATT_SOFTMAX_EXP, bh), idx);
             pa[j] = (float)emu_rnd<true>(a.bwd_p, p, bwd_stream(EV_BWD_P, bh), idx);
             pb[j] = (float)ds_of<true>(a, p, dpv, Di, bh, idx);
+        }
+    }
+    if (a.row_max) { /* a row's 16 threads are a half warp (tid = 16 g + tx): their maximum key, one atomic a row */
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            for (int o = 8; o; o >>= 1) mk[r] = max(mk[r], __shfl_xor_sync(0xFFFFFFFFu, mk[r], o));
+            if (tx == 0 && mk[r]) atomicMax(a.row_max + row_at[g * 4 + r], mk[r]);
         }
     }
 }

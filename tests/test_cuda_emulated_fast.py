@@ -311,10 +311,10 @@ def test_backward_sums_cut_short_grids_finer(monkeypatch):
     """dK, dV of a grid short of a wave (every test-sized one) take 2 columns a thread (twice the CTAs); the switch
     gives back the 4-column kernel; the bits of both are the generic kernels' (assert_backward_fast_is_generic)."""
     names = kernels_run("flash", Policy.fa2("bf16"), monkeypatch, generic=False)
-    assert "dkv_fast_kernel<0, float, 4, false, 2>" in names and "false, 4>" not in names, names
+    assert "dkv_fast_kernel<float, 4, false, 2>" in names and "false, 4>" not in names, names
     monkeypatch.setenv("FADEV_EMU_COLS", "4")
     names = kernels_run("flash", Policy.fa2("bf16"), monkeypatch, generic=False)
-    assert "dkv_fast_kernel<0, float, 4, false, 4>" in names and "false, 2>" not in names, names
+    assert "dkv_fast_kernel<float, 4, false, 4>" in names and "false, 2>" not in names, names
 
 
 def pair_kinds(*kinds):
@@ -335,8 +335,7 @@ NAIVE_ROWS_BF16 = pair_kinds(F32, F32, F32, BF, F32, F32, F32, BF, BF)
     ("flash", "paper", ["warp_kernel<2, true, false, false, false>", f"pair_fast_kernel<2, {PAPER_BF16}>", "dkv_fast_kernel",
                         "dq_fast_kernel"]),
     ("baseline", "naive", ["warp_kernel<2, true, true, false, true>", f"pair_fast_kernel<2, {NAIVE_BF16}>",
-                           *(f"rows_{k}_kernel<{step}, {NAIVE_ROWS_BF16}>" for k, step in
-                             (("elem", 0), ("chain", 0), ("chain", 1), ("elem", 1)))]),
+                           *(f"rows_{k}_kernel<{NAIVE_ROWS_BF16}>" for k in ("soft", "delta", "ds"))]),
 ])
 def test_presets_take_the_lean_kernels(kind, preset, expected, monkeypatch):
     """The bit tests above pass whichever path runs; this one says the presets run the lean kernels (and that the
