@@ -232,6 +232,10 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     };
     /* the softmax terms of the lane's keys below kw in E (0 past nr); with `div`, P = R_p(e / lr) instead (the
      * baseline's last pass); ends with __syncwarp */
+    auto p_div = [&](float e, double lr, int64_t j) { /* P = R_p(e / l) */
+        return LEAN ? dbl_round(a.p_kind, (double)e / lr)
+                    : (float)rnd(cx.p, (double)e / lr, ATT_STREAM(ATT_P, bh), ATT_INDEX(i, j, 0));
+    };
     auto terms = [&](int64_t jb0, int nr, int kw, float mf, auto div, double lr) {
         lean_kind<LEAN>(flt_kind_at(a.lean, LK_SOFTMAX), [&](auto KS) {
             with_exp(cx.exp2, [&](auto E2) {
@@ -242,9 +246,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                 for (int key = lane / R; key < kw; key += SPREAD) { /* past nr: computed, not kept */
                     float e = term_of<LEAN, decltype(KS)::value, decltype(E2)::value>(a, er[key * EP], (double)mf,
                                                                                       mf, bh, i, jb0 + key, kk);
-                    if constexpr (decltype(div)::value)
-                        e = LEAN ? dbl_round(a.p_kind, (double)e / lr)
-                                 : (float)rnd(cx.p, (double)e / lr, ATT_STREAM(ATT_P, bh), ATT_INDEX(i, jb0 + key, 0));
+                    if constexpr (decltype(div)::value) e = p_div(e, lr, jb0 + key);
                     er[key * EP] = key < nr ? e : 0.f;
                 }
             });
@@ -333,8 +335,9 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     if constexpr (BASE) {
         /* the baseline: one block of every key, in slices of KB keys, three passes: the maxima; the row sums' chains
          * and l; P = R_p(e / l) and P.V. With a.s_keep the first pass stores the rounded scores (lane L's s of row
-         * r at [slice][key][r] of its warp's rows: coalesced) and the others read them back; without, every pass
-         * computes them again (the same events, the same values) */
+         * r at [slice][key][r] of its warp's rows: coalesced), the second reads them back and stores e in their
+         * place, the third reads e (one exp an element, not two); without, every pass computes the scores again,
+         * the third the terms too (the same events, the same values) */
         float *keep = KEEP ? a.s_keep + ((int64_t)blockIdx.x * W + w) * ((Nk + KB - 1) / KB) * KB * R : nullptr;
         float mx = -INFINITY;
         int nan = 0, nown_all = 0;
@@ -368,10 +371,16 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                     }
                     if (pass == 0) {
                         nown_all += nown;
+                    } else if (pass == 2 && KEEP) { /* E holds e (0 past nr) */
+                        for (int key = lane / R; key < nr; key += SPREAD)
+                            er[key * EP] = p_div(er[key * EP], lr, jb0 + key);
+                        __syncwarp();
                     } else {
                         if (pass == 2) terms(jb0, nr, kw, mf, std::true_type{}, lr);
                         else terms(jb0, nr, kw, mf, std::false_type{}, lr);
                         if (pass == 1 && nown) rs = row_sum(jb0, nown, rs, false);
+                        if (KEEP && pass == 1) /* e in place of s for the last pass: the lane's own entries */
+                            for (int key = lane / R; key < nr; key += SPREAD) ks[key * R] = er[key * EP];
                         __syncwarp();
                     }
                 }
