@@ -70,9 +70,10 @@ static_assert(NT % TK == 0 && NT % TM == 0 && NT % TN == 0 && NT % 128 == 0,
  * dV carried through the chunk's rows, reading the scratch P' (sa) and dS (sb). */
 int emu_bwd_fast_ok(const bwd_args &a, const fadev_policy *pol, const fadev_policy_backward *pb);
 fadev_status emu_bwd_fast_sums(const bwd_args &a, int64_t gn, int last_chunk);
-/* The fast pair kernel (emu_backward_pairs.cu): s and dP as register-blocked fp32 FMA chains, P' and dS (flash) or s and dP (baseline)
- * written to the fp32 scratch (saf, sbf), where emu_bwd_fast_ok holds, dP's and the scores' products are exact too,
- * and (baseline) every value the rows kernel keeps in the scratch is an fp32 value. */
+/* The fast pair kernel (emu_backward_pairs.cu): s and dP as register-blocked fp32 FMA chains, P' and dS (flash) or
+ * s and dP (baseline; with row_max, their rows' maxima too) written to the fp32 scratch (saf, sbf), where
+ * emu_bwd_fast_ok holds, dP's and the scores' products are exact too, and (baseline) every value the rows kernel
+ * keeps in the scratch is an fp32 value. */
 int emu_bwd_fast_pairs_ok(const bwd_args &a);
 fadev_status emu_bwd_fast_pairs(const bwd_args &a, int64_t gn);
 

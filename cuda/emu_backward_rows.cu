@@ -9,12 +9,12 @@ namespace {
  * in the same order), each event a conversion (dbl_round, or flt_round of an fp32 value), in three launches over the
  * scratch: the softmax (e in place of s, and l; m is the pair kernel's row_max), P in place of e and D_i, then dS in
  * place of dP and P' in place of P. The first two keep each row's serial sum on one thread: a warp owns GR
- * consecutive rows, whose 32-key blocks
- * stream through two shared-memory slots (cp.async: block b + 1's copies in flight while block b is used); on each
- * block the lanes compute the element-wise values a key a lane (coalesced, every lane busy), then GR lanes run their
- * rows' chains over the slot. (A warp of 32 rows loading a block into registers, 140 of them, ran at 15% occupancy;
- * a lane running everything of its own row left a causal call's longest rows on one warp: 32 rows x 4096 keys of exps
- * in series.) Per-row values: l in row_l, D_i in row_d, at the row's query index. */
+ * consecutive rows, whose 32-key blocks stream through two shared-memory slots (cp.async: block b + 1's copies in
+ * flight while block b is used); on each block the lanes compute the element-wise values a key a lane (coalesced,
+ * every lane busy), then GR lanes run their rows' chains over the slot. (A warp of 32 rows loading a block into
+ * registers, 140 of them, ran at 15% occupancy; a lane running everything of its own row left a causal call's
+ * longest rows on one warp: 32 rows x 4096 keys of exps in series.) Per-row values: l in row_l, D_i in row_d, at
+ * the row's query index. */
 constexpr unsigned FULL = 0xFFFFFFFFu;
 constexpr int RT = 256;  /* dS, P': the threads of a CTA per row */
 /* rows a warp in the chains' kernels. H100, naive bf16 GQA 16/4 causal D 64: D_i's kernel 0.92 ms at 16, 1.02-1.09
@@ -112,28 +112,24 @@ __device__ __forceinline__ void stream_blocks(float *slots, float *const (&src)[
     }
 }
 
-/* acc = step(acc, row[c]) (or step(acc, row[c], c)) for c < n, in order: a full block's 32 unrolled, so its shared
+/* acc = step(acc, row[c], c) for c < n, in order: a full block's 32 unrolled, so its shared
  * loads run ahead of the chain, which then waits only on its own operations. n is block_keys's, not clamped: with
  * min(max(n, 0), 32) == 32 as the test, ptxas's fused min/max sent lanes of n <= 0 down the unrolled path
  * (compute-sanitizer: lanes past the group's rows read past the slots). */
-template <typename F> __device__ __forceinline__ float chain_step(F &step, float acc, float t, int c) {
-    if constexpr (std::is_invocable_v<F, float, float, int>) return step(acc, t, c);
-    else return step(acc, t);
-}
 template <typename F> __device__ __forceinline__ float chain_over(const float *row, int n, float acc, F &&step) {
     if (n >= 32) {
 #pragma unroll
-        for (int c = 0; c < 32; c++) acc = chain_step(step, acc, row[c], c);
+        for (int c = 0; c < 32; c++) acc = step(acc, row[c], c);
     } else {
-        for (int c = 0; c < n; c++) acc = chain_step(step, acc, row[c], c);
+        for (int c = 0; c < n; c++) acc = step(acc, row[c], c);
     }
     return acc;
 }
 
 /* The softmax of each row: m = max_j s_j (the pair kernel's row_max: max is exact in any order, as att_max's, a
  * zero's sign aside, which no later value depends on: exp(+-0) = 1), e_j = R_softmax(exp(R_softmax(s_j - m))) in
- * place of s_j and l = R_stats(chain of R_sum_acc(acc + e_j)) into row_l. exp of an fp32 value: emu_exp_fast (CUDA's bits,
- * emu.cuh). */
+ * place of s_j and l = R_stats(chain of R_sum_acc(acc + e_j)) into row_l. exp of an fp32 value: emu_exp_fast
+ * (CUDA's bits, emu.cuh). */
 template <int KINDS = 0>
 __global__ void __launch_bounds__(GW * 32) rows_soft_kernel(const __grid_constant__ bwd_args a, const int kinds_arg) {
     const int kinds = KINDS ? KINDS : kinds_arg;
@@ -165,10 +161,10 @@ __global__ void __launch_bounds__(GW * 32) rows_soft_kernel(const __grid_constan
         __syncwarp();
         const float *row = slot + lane * GP;
         if (ksum == FLT_F32) /* R_f32(R_f64(acc + e)) = R_f32(acc + e) for fp32 acc and e: 53 >= 2 * 24 + 2 */
-            acc = chain_over(row, block_keys(g, j0), acc, [](float x, float t) { return __fadd_rn(x, t); });
+            acc = chain_over(row, block_keys(g, j0), acc, [](float x, float t, int) { return __fadd_rn(x, t); });
         else
             acc = chain_over(row, block_keys(g, j0), acc,
-                             [&](float x, float t) { return dbl_round(ksum, (double)x + (double)t); });
+                             [&](float x, float t, int) { return dbl_round(ksum, (double)x + (double)t); });
     });
     if (lane < g.rows && g.me.nv) a.row_l[g.me.q] = dbl_round(flt_kind_at(kinds, RL_STATS), (double)acc);
 }
