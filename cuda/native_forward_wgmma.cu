@@ -17,87 +17,14 @@
  * each score, so the same bits as the mma.sync kernel wherever both have the tile (measured on an H100 for every
  * shared tile, and tested: tests/test_cuda_native_wgmma.py).
  * Built for sm_90a only (setup.py); the host refuses other GPUs. */
-#include "native_forward.cuh"
-#include "wgmma.cuh"
+#include "native_forward_wgmma.cuh"
 
 template <int D, int BQ, int BKV> constexpr int native_wgmma_smem() { return (BQ + 6 * BKV) * D * 2 + 1024; }
-
-/* Q's A operand in registers (loaded once, D / 4 registers a thread; the scores' products then read only Kj from
- * shared memory) or read by descriptor from shared memory for every tile. Default (FADEV_WGMMA_QREG 1): registers at
- * D 64 with up to 2 warpgroups, where the m64nNk16 products of a 64-wide head are short and shared-memory bandwidth
- * is the tighter limit; shared memory at D 128, whose registers hold O, and with 3 warpgroups (168 registers a
- * thread: ptxas serialises the wgmma, warning C7512). FADEV_WGMMA_QREG (setup.py's FADEV_NVCC_FLAGS) 0: never, 2:
- * wherever D 64 -- the same bits either way, for timing the choice. */
-#ifndef FADEV_WGMMA_QREG
-#define FADEV_WGMMA_QREG 1
-#endif
-template <int D, int BQ>
-constexpr bool wgmma_qreg = D == 64 && (FADEV_WGMMA_QREG == 2 || (FADEV_WGMMA_QREG == 1 && BQ <= 128));
-
-/* The products of one K/V tile, issued by this warpgroup and committed as one wgmma group (not waited for).
- * S = Q Kj^T: A = this warpgroup's 64 Q rows (registers qf, or by descriptor), B = Kj, both K-major; k16 slice kk in
- * panel kk / 4 at byte 32 (kk % 4). */
-template <typename T, int D, int BQ, int BKV, int QN>
-__device__ __forceinline__ void issue_scores(float (&s)[BKV / 2], const uint32_t (&qf)[QN][4], uint32_t aQ, uint32_t aK) {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-        const uint64_t dk = wgmma_kslice(aK, BKV, kk);
-        if constexpr (wgmma_qreg<D, BQ>)
-            wgmma_rs<T, BKV, 0>(s, qf[kk], dk, kk > 0);
-        else
-            wgmma_ss<T, BKV>(s, wgmma_kslice(aQ, BQ, kk), dk, kk > 0);
-    }
-    wgmma_commit();
-}
-/* O += round(P) Vj: A = P from registers (key chunk kk), B = Vj MN-major: keys kk*16.. at byte 2048 kk, the 64-column
- * panels BKV * 128 bytes apart. */
-template <typename T, int D, int BKV>
-__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&pa)[BKV / 16][4], uint32_t aV) {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BKV / 16; ++kk) wgmma_rs<T, D, 1>(o, pa[kk], wgmma_desc(aV + kk * 2048, BKV * 128, 1024), 1);
-    wgmma_commit();
-}
-
-/* The softmax of one score tile, in place: scale, mask (keys past lim[r] of rows g, g + 8), new row maxima m, P =
- * exp2(S - m) in s; alpha = exp2(m_old - m) and the rows' partial sums of P for the caller to apply to O and l once
- * the previous tile's P V is done. The same operations in the same order as native_forward.cuh's kernel. */
-template <int BKV>
-__device__ __forceinline__ void tile_softmax(float (&s)[BKV / 2], float (&m)[2], float (&alpha)[2], float (&sum)[2],
-                                             float scale_log2, bool masked, int kv0, int t4, const int (&lim)[2]) {
-    with_mask(masked, [&](auto mask) {
-#pragma unroll
-        for (int nb = 0; nb < BKV / 8; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[4 * nb + e] *= scale_log2;
-                if (mask.value && kv0 + nb * 8 + 2 * t4 + (e & 1) > lim[e >> 1]) s[4 * nb + e] = -INFINITY;
-            }
-    });
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float mx = m[r];
-#pragma unroll
-        for (int nb = 0; nb < BKV / 8; ++nb) mx = fmaxf(mx, fmaxf(s[4 * nb + 2 * r], s[4 * nb + 2 * r + 1]));
-        mx = quad_max(mx);
-        const float ref = mx == -INFINITY ? 0.f : mx; /* all keys so far masked: P = 0, O and l stay 0 */
-        alpha[r] = fast_exp2(m[r] - ref);
-        m[r] = mx;
-        sum[r] = 0.f;
-#pragma unroll
-        for (int nb = 0; nb < BKV / 8; ++nb) {
-            s[4 * nb + 2 * r] = fast_exp2(s[4 * nb + 2 * r] - ref);
-            s[4 * nb + 2 * r + 1] = fast_exp2(s[4 * nb + 2 * r + 1] - ref);
-            sum[r] += s[4 * nb + 2 * r] + s[4 * nb + 2 * r + 1];
-        }
-    }
-}
 
 template <typename T, int D, int BQ, int BKV>
 __global__ void __launch_bounds__(BQ * 2, 1) native_forward_wgmma_kernel(const native_fwd_args a) {
 #if FADEV_WGMMA
-    constexpr int NT = BQ * 2, C = D / 8;
+    constexpr int NT = BQ * 2;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     /* the swizzle atoms must be 1024-byte aligned (wgmma.cuh) */
     T *sQ = reinterpret_cast<T *>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u));
@@ -173,12 +100,7 @@ __global__ void __launch_bounds__(BQ * 2, 1) native_forward_wgmma_kernel(const n
         tile_softmax<BKV>(s, m, alpha, sum, a.scale_log2, masked(j + 1), (j + 1) * BKV, t4, lim);
         wgmma_wait_all();
         wgmma_fence_regs(o);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            l[r] = l[r] * alpha[r] + sum[r];
-#pragma unroll
-            for (int db = 0; db < D / 8; ++db) o[4 * db + 2 * r] *= alpha[r], o[4 * db + 2 * r + 1] *= alpha[r];
-        }
+        rescale_o<D>(o, l, alpha, sum);
         wgmma_pack_a<T, BKV>(pa, s);
     }
     issue_pv<T, D, BKV>(o, pa, smem_u32(sV + (n_kt - 1) % 3 * BKV * D));
@@ -188,27 +110,7 @@ __global__ void __launch_bounds__(BQ * 2, 1) native_forward_wgmma_kernel(const n
     /* every product of this warpgroup is done before its Q rows are overwritten: stage this warp's output rows in its
      * own rows of the Q tile, then store whole 16-byte chunks */
     asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory");
-    float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = q0 + wrow + g + 8 * r;
-        l[r] = quad_sum(l[r]);
-        inv[r] = l[r] > 0.f ? 1.f / l[r] : 0.f;
-        if (t4 == 0 && row < a.seq_q) L[row] = l[r] > 0.f ? m[r] * NATIVE_LN2 + logf(l[r]) : -INFINITY;
-    }
-#pragma unroll
-    for (int db = 0; db < D / 8; ++db) {
-        *reinterpret_cast<uint32_t *>(sQ + wswz<BQ>(wrow + g, db) + 2 * t4) = pack2<T>(o[4 * db] * inv[0], o[4 * db + 1] * inv[0]);
-        *reinterpret_cast<uint32_t *>(sQ + wswz<BQ>(wrow + g + 8, db) + 2 * t4) =
-            pack2<T>(o[4 * db + 2] * inv[1], o[4 * db + 3] * inv[1]);
-    }
-    __syncwarp();
-#pragma unroll
-    for (int c = lane; c < 16 * C; c += 32) {
-        const int r = c / C, row = q0 + wrow + r;
-        if (row < a.seq_q)
-            *reinterpret_cast<uint4 *>(O.row(row) + c % C * 8) = *reinterpret_cast<const uint4 *>(sQ + wswz<BQ>(wrow + r, c % C));
-    }
+    store_out<T, D, BQ>(o, m, l, sQ, O, L, q0, wrow, lane, a.seq_q);
 #else
     __trap(); /* not an sm_90a build: never launched (native_forward_wgmma checks the device) */
 #endif
@@ -224,6 +126,9 @@ static fadev_status native_wgmma_launch(const native_fwd_args &a, int64_t ctas) 
 }
 
 template <typename T> static fadev_status native_wgmma_dispatch(const fadev_native_params *p, const native_fwd_args &a, int64_t ctas) {
+    bool ran = false;
+    FADEV_TRY(native_forward_tma(p, a, ctas, &ran));
+    if (ran) return FADEV_OK;
     const int d = (int)p->attn.dim, bq = p->attn.block_q, bkv = p->attn.block_kv;
 #define NATIVE_WGMMA_CASE(dim, q, kv) \
     if (d == dim && bq == q && bkv == kv) return native_wgmma_launch<T, dim, q, kv>(a, ctas);

@@ -1,0 +1,272 @@
+/* The native forward on Hopper with FlashAttention-3's division of labour (mma = 1 where the tile and the layout allow
+ * it; native_forward_wgmma.cu otherwise): one CTA per (batch, head, 128 query rows) of three warpgroups,
+ *   warpgroup 0, the producer: one thread issues the tensor memory accelerator's tile copies (cp.async.bulk.tensor,
+ *     128-byte swizzle: the wgmma layout of wgmma.cuh) of Q, and of K and V into STAGES stages, each completing on
+ *     its stage's "full" mbarrier; it waits on a stage's "empty" mbarrier before refilling it. Its registers go to
+ *     the consumers (setmaxnreg).
+ *   warpgroups 1 and 2, the consumers: 64 query rows each, the cp.async kernel's loop (the scores of tile j + 1
+ *     issued before P_j V_j, the softmax of j + 1 while P_j V_j runs) on the same fragments with the same functions
+ *     (native_forward_wgmma.cuh), so the same bits; they release K_j once its scores are done and V_j once P_j V_j
+ *     is, and take turns at issuing their products (named barriers, FlashAttention-3's ping-pong: one warpgroup's
+ *     softmax runs while the other's products hold the tensor cores).
+ * No thread issues a copy instruction per 16 bytes any more, and the consumers hold 240 registers (the cp.async
+ * kernel: 214 of 255 for all 256 threads, loads included).
+ * The tensor maps are encoded on the host for each call (cuTensorMapEncodeTiled through the runtime's driver entry
+ * point: no link against libcuda); a layout they cannot describe (a stride past 2^40 bytes) runs the cp.async kernel.
+ * Rows past the end of Q, K, V are zero-filled by the copy engine, as cp.async zero-fills them. */
+#include "native_forward_wgmma.cuh"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+/* FADEV_TMA_PINGPONG 0 (setup.py's FADEV_NVCC_FLAGS): the consumers issue their products whenever they are ready
+ * (the same bits; for timing the choice: ping-pong measured 2-16% faster, benchmarks/README.md) */
+#ifndef FADEV_TMA_PINGPONG
+#define FADEV_TMA_PINGPONG 1
+#endif
+
+namespace {
+
+struct tma_maps {
+    CUtensorMap q, k, v;
+};
+
+/* mbarriers (PTX ISA 8.0): arrival counts, expected transaction bytes, phase-parity waits */
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+/* until the phase of parity `parity` has completed (a fresh barrier: parity 1 counts as completed) */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+/* one box of a 4-D tensor map (D, rows, heads, batch) into shared memory at dst, completing on bar */
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap *map, uint32_t bar, int col, int row, int head,
+                                         int batch) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, "
+                 "%4, %5}], [%6];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(bar)
+                 : "memory");
+}
+/* ROWS rows of a head as D / 64 panels of 64 columns (one box each) */
+template <int D, int ROWS>
+__device__ __forceinline__ void tma_rows(uint32_t dst, const CUtensorMap *map, uint32_t bar, int row, int head,
+                                         int batch) {
+#pragma unroll
+    for (int p = 0; p < D / 64; ++p) tma_load(dst + p * ROWS * 128, map, bar, p * 64, row, head, batch);
+}
+/* named barriers 1..: bar.sync waits for `count` threads' arrivals (its own included), bar.arrive only arrives */
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+constexpr int TMA_BQ = 128, TMA_THREADS = 384;
+
+template <int D, int BKV, int STAGES> constexpr int tma_smem() {
+    return (TMA_BQ + 2 * STAGES * BKV) * D * 2 + 1024 + (1 + 4 * STAGES) * 8;
+}
+
+template <typename T, int D, int BKV, int STAGES, bool PP>
+__global__ void __launch_bounds__(TMA_THREADS, 1)
+    native_forward_tma_kernel(const native_fwd_args a, const __grid_constant__ tma_maps maps) {
+#if FADEV_WGMMA
+    constexpr int BQ = TMA_BQ, KV_BYTES = BKV * D * 2;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    /* the swizzle atoms must be 1024-byte aligned (wgmma.cuh) */
+    T *sQ = reinterpret_cast<T *>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u));
+    T *sK = sQ + BQ * D, *sV = sK + STAGES * BKV * D;
+    /* mbarriers: Q full; K full, V full, K empty, V empty per stage */
+    const uint32_t bars = smem_u32(sV + STAGES * BKV * D), full_q = bars;
+    auto full_k = [&](int st) { return bars + 8 * (1 + st); };
+    auto full_v = [&](int st) { return bars + 8 * (1 + STAGES + st); };
+    auto empty_k = [&](int st) { return bars + 8 * (1 + 2 * STAGES + st); };
+    auto empty_v = [&](int st) { return bars + 8 * (1 + 3 * STAGES + st); };
+    const int tid = threadIdx.x;
+
+    const fwd_tile<T, D, BQ, BKV> tile(a);
+    const int q0 = tile.q0, off = tile.off, n_kt = tile.n_kt;
+    if (n_kt == 0) return tile.template write_empty<TMA_THREADS>(a, tid);
+    if (tid == 0) {
+        mbar_init(full_q, 1);
+        for (int st = 0; st < STAGES; ++st)
+            mbar_init(full_k(st), 1), mbar_init(full_v(st), 1), mbar_init(empty_k(st), 256),
+                mbar_init(empty_v(st), 256);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (tid < 128) { /* the producer */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+        if (tid == 0) {
+            const int bh = (int)(blockIdx.x / a.n_qt), b = bh / a.heads, h = bh % a.heads, hk = h / a.group;
+            mbar_expect_tx(full_q, BQ * D * 2);
+            tma_rows<D, BQ>(smem_u32(sQ), &maps.q, full_q, q0, h, b);
+            for (int j = 0; j < n_kt; ++j) {
+                const int st = j % STAGES;
+                const uint32_t ph = ((j / STAGES) & 1) ^ 1;
+                mbar_wait(empty_k(st), ph);
+                mbar_expect_tx(full_k(st), KV_BYTES);
+                tma_rows<D, BKV>(smem_u32(sK + st * BKV * D), &maps.k, full_k(st), j * BKV, hk, b);
+                mbar_wait(empty_v(st), ph);
+                mbar_expect_tx(full_v(st), KV_BYTES);
+                tma_rows<D, BKV>(smem_u32(sV + st * BKV * D), &maps.v, full_v(st), j * BKV, hk, b);
+            }
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    /* consumer warpgroup cw (0, 1): rows [64 cw, 64 cw + 64) of the tile; warp rows as the cp.async kernel's */
+    const int ct = tid - 128, lane = ct & 31, warp = ct >> 5, cw = warp >> 2, g = lane >> 2, t4 = lane & 3;
+    const int wrow = warp * 16;
+    /* ping-pong: consumer cw issues its products between bar.sync on barrier 3 + cw and bar.arrive on the other's */
+    auto turn = [&]() { if constexpr (PP) named_sync(3 + cw, 256); };
+    auto pass = [&](bool last) { if constexpr (PP) if (!(last && cw == 1)) named_arrive(3 + (cw ^ 1), 256); };
+    if constexpr (PP) if (cw == 1) named_arrive(3, 256); /* consumer 0 issues first */
+
+    int lim[2]; /* the last key rows g and g + 8 of this warp may see */
+    lim[0] = lim[1] = a.seq_kv - 1;
+    if (a.causal) lim[0] = min(lim[0], q0 + wrow + g + off), lim[1] = min(lim[1], q0 + wrow + g + 8 + off);
+    auto masked = [&](int j) { return (j + 1) * BKV > a.seq_kv || (a.causal && (j + 1) * BKV - 1 > q0 + off); };
+
+    float o[D / 2], s[BKV / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2], sum[2];
+    uint32_t pa[BKV / 16][4];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    const uint32_t aQ = smem_u32(sQ) + cw * 64 * 128; /* this warpgroup's 64 rows of each Q panel */
+
+    mbar_wait(full_q, 0);
+    uint32_t qf[wgmma_qreg<D, BQ> ? D / 16 : 1][4];
+    if constexpr (wgmma_qreg<D, BQ>) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+            ldmatrix_x4(qf[kk], sQ + wswz<BQ>(wrow + (lane & 15), kk * 2 + (lane >> 4)));
+    }
+    mbar_wait(full_k(0), 0);
+    turn();
+    issue_scores<T, D, BQ, BKV>(s, qf, aQ, smem_u32(sK));
+    pass(false);
+    wgmma_wait_all();
+    wgmma_fence_regs(s);
+    mbar_arrive(empty_k(0));
+    tile_softmax<BKV>(s, m, alpha, sum, a.scale_log2, masked(0), 0, t4, lim);
+    l[0] = sum[0], l[1] = sum[1];
+    wgmma_pack_a<T, BKV>(pa, s);
+
+    for (int j = 0; j + 1 < n_kt; ++j) {
+        const int sj = j % STAGES, sn = (j + 1) % STAGES;
+        mbar_wait(full_k(sn), ((j + 1) / STAGES) & 1);
+        mbar_wait(full_v(sj), (j / STAGES) & 1);
+        turn();
+        issue_scores<T, D, BQ, BKV>(s, qf, aQ, smem_u32(sK + sn * BKV * D));
+        issue_pv<T, D, BKV>(o, pa, smem_u32(sV + sj * BKV * D));
+        pass(false);
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); /* the scores; P_j V_j may run on */
+        wgmma_fence_regs(s);
+        mbar_arrive(empty_k(sn));
+        tile_softmax<BKV>(s, m, alpha, sum, a.scale_log2, masked(j + 1), (j + 1) * BKV, t4, lim);
+        wgmma_wait_all();
+        wgmma_fence_regs(o);
+        mbar_arrive(empty_v(sj));
+        rescale_o<D>(o, l, alpha, sum);
+        wgmma_pack_a<T, BKV>(pa, s);
+    }
+    const int sl = (n_kt - 1) % STAGES;
+    mbar_wait(full_v(sl), ((n_kt - 1) / STAGES) & 1);
+    turn();
+    issue_pv<T, D, BKV>(o, pa, smem_u32(sV + sl * BKV * D));
+    pass(true);
+    wgmma_wait_all();
+    wgmma_fence_regs(o);
+
+    /* every product of this warpgroup is done before its Q rows are overwritten (store_out stages O there) */
+    named_sync(1 + cw, 128);
+    store_out<T, D, BQ>(o, m, l, sQ, tile.O, tile.L, q0, wrow, lane, a.seq_q);
+#else
+    __trap(); /* not an sm_90a build: never launched (native_forward_wgmma checks the device) */
+#endif
+}
+
+/* cuTensorMapEncodeTiled, looked up once through the runtime (NULL where the driver has none) */
+PFN_cuTensorMapEncodeTiled_v12000 tma_encoder() {
+    static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+        void *f = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess ||
+            found != cudaDriverEntryPointSuccess)
+            f = nullptr;
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+    }();
+    return fn;
+}
+
+/* The map of a (batch, heads, rows, D) tensor with strides s, read in boxes of 64 columns x box_rows rows with the
+ * 128-byte swizzle; false where the copy engine cannot describe it. */
+template <typename T>
+bool tma_map(CUtensorMap *map, const void *base, const native_strides &s, int64_t batch, int64_t heads, int64_t rows,
+             int d, int box_rows) {
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = tma_encoder();
+    if (!encode) return false;
+    const cuuint64_t dims[4] = {(cuuint64_t)d, (cuuint64_t)rows, (cuuint64_t)heads, (cuuint64_t)batch};
+    const cuuint64_t strides[3] = {(cuuint64_t)s.r * 2, (cuuint64_t)s.h * 2, (cuuint64_t)s.b * 2};
+    for (cuuint64_t st : strides)
+        if (st >= ((cuuint64_t)1 << 40)) return false;
+    const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1}, one[4] = {1, 1, 1, 1};
+    const CUtensorMapDataType type =
+        std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    return encode(map, type, 4, const_cast<void *>(base), dims, strides, box, one, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <typename T, int D, int BKV, int STAGES, bool PP = FADEV_TMA_PINGPONG != 0>
+fadev_status tma_launch(const fadev_native_params *p, const native_fwd_args &a, int64_t ctas, bool *ran) {
+    tma_maps maps;
+    const int64_t B = p->attn.batch, H = p->attn.heads, Hk = p->attn.heads_kv;
+    if (!tma_map<T>(&maps.q, a.q, a.sq, B, H, a.seq_q, D, TMA_BQ) ||
+        !tma_map<T>(&maps.k, a.k, a.sk, B, Hk, a.seq_kv, D, BKV) ||
+        !tma_map<T>(&maps.v, a.v, a.sv, B, Hk, a.seq_kv, D, BKV))
+        return FADEV_OK; /* *ran stays false: the cp.async kernel runs */
+    constexpr int smem = tma_smem<D, BKV, STAGES>();
+    auto kernel = native_forward_tma_kernel<T, D, BKV, STAGES, PP>;
+    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<(unsigned)ctas, TMA_THREADS, smem, a.stream>>>(a, maps);
+    CUDA_TRY(cudaGetLastError());
+    *ran = true;
+    return FADEV_OK;
+}
+
+/* the tiles with 128 query rows; stages: as many as fit 227 KB (two of 128 keys at D 128, FlashAttention-3's) */
+template <typename T>
+fadev_status tma_dispatch(const fadev_native_params *p, const native_fwd_args &a, int64_t ctas, bool *ran) {
+    const int d = (int)p->attn.dim, bkv = p->attn.block_kv;
+    if (p->attn.block_q != TMA_BQ) return FADEV_OK;
+    if (d == 128 && bkv == 128) return tma_launch<T, 128, 128, 2>(p, a, ctas, ran);
+    if (d == 128 && bkv == 64) return tma_launch<T, 128, 64, 3>(p, a, ctas, ran);
+    if (d == 64 && bkv == 128) return tma_launch<T, 64, 128, 3>(p, a, ctas, ran);
+    if (d == 64 && bkv == 64) return tma_launch<T, 64, 64, 3>(p, a, ctas, ran);
+    return FADEV_OK;
+}
+
+} // namespace
+
+fadev_status native_forward_tma(const fadev_native_params *p, const native_fwd_args &a, int64_t ctas, bool *ran) {
+    *ran = false;
+    return p->dtype == FADEV_NATIVE_FP16 ? tma_dispatch<__half>(p, a, ctas, ran)
+                                         : tma_dispatch<__nv_bfloat16>(p, a, ctas, ran);
+}
