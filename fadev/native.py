@@ -128,14 +128,17 @@ def _host(x, name, code):
 
 
 DEFAULT_TILES = {
-    ("wgmma", False, 64, False): (64, 64), ("wgmma", False, 64, True): (64, 64),
-    ("wgmma", False, 128, False): (128, 128), ("wgmma", False, 128, True): (64, 64),
+    ("wgmma", False, 64, False): (128, 128), ("wgmma", False, 64, True): (128, 128),
+    ("wgmma", False, 128, False): (128, 128), ("wgmma", False, 128, True): (128, 128),
+    ("wgmma", True, 64, False): (64, 64), ("wgmma", True, 64, True): (64, 64),
 }
 """The tile a call with no tile argument runs, per (instruction, backward, head dim, causal); keys it lacks take the
-first of :func:`native_tiles`. Measured (benchmarks/README.md, "The measured tile table": every wgmma forward tile at
-D 64 and 128, N 1k / 4k / 16k, causal or not, on an H200): each entry was the fastest tile or within 2% of it in
-every N. A table, not an autotuner: a tile changes the bits, and a default must give the same bits on every run
-and every machine with the instruction."""
+first of :func:`native_tiles`. Measured (benchmarks/README.md, "The measured tile table" and "The forward with a
+producer warpgroup"): the forward's 128-query-row tiles run the tensor-memory-accelerator kernel (a producer
+warpgroup, two consumers in ping-pong), 1.2-1.5x the other tiles at D 64 and 128, N 1k-16k, causal or not, on an
+H100; the backward's entries keep the tile it ran when the forward's default was (64, 64). A table, not an
+autotuner: a tile changes the bits, and a default must give the same bits on every run and every machine with the
+instruction."""
 
 
 def fit_tile(dim, block_q=None, block_kv=None, *, backward=False, warp_rows=16, mma="sync", causal=False,

@@ -58,7 +58,7 @@ def test_auto_defaults_per_gpu_and_head_dim(capability, dim, want, causal):
     """With every default: the forward and the backward on wgmma where the GPU and build have them (D 64 and 128),
     else mma.sync, deterministic; tiles: native.DEFAULT_TILES' (the measured table) where it has
     one for the instruction, head dim and causal, else the first of the list; the backward on the forward's tile where
-    its list has it."""
+    its list has it, else on the table's or the list's first."""
     q, k, v = _qkv(d=dim)
     with tn._dry_run(tiles=TILES, capability=capability):
         p = tn.plan(q, k, v, causal, None, True)
@@ -66,7 +66,8 @@ def test_auto_defaults_per_gpu_and_head_dim(capability, dim, want, causal):
     table = native.DEFAULT_TILES.get((want[0], False, dim, causal))
     forward = table or TILES[(dim, False, 16, want[0] == "wgmma")][0]
     backward_list = TILES[(dim, True, 16, want[1] == "wgmma")]
-    assert p.tiles == (forward, forward if forward in backward_list else backward_list[0])
+    backward = native.DEFAULT_TILES.get((want[1], True, dim, causal)) or backward_list[0]
+    assert p.tiles == (forward, forward if forward in backward_list else backward)
     assert p.forward[1] == (1, False, 16, int(want[0] == "wgmma"))  # bf16, (not read), 16 rows, instruction
     assert p.backward[1] == (1, True, 16, int(want[1] == "wgmma"))  # deterministic dq
 
@@ -76,16 +77,15 @@ def test_default_tile_table():
     (the first matching tile, as before), the backward, mma.sync, head dims without an entry."""
     wgmma = lambda dim: TILES[(dim, False, 16, 1)]  # noqa: E731
     with tn._dry_run(tiles=TILES, capability=(9, 0)):
-        assert native.fit_tile(64, mma="wgmma") == (64, 64)
-        assert native.fit_tile(64, mma="wgmma", causal=True) == (64, 64)
-        assert native.fit_tile(128, mma="wgmma") == (128, 128)
-        assert native.fit_tile(128, mma="wgmma", causal=True) == (64, 64)
+        for dim in (64, 128):
+            assert native.fit_tile(dim, mma="wgmma") == native.fit_tile(dim, mma="wgmma", causal=True) == (128, 128)
+        assert native.fit_tile(64, mma="wgmma", backward=True) == (64, 64)
+        assert native.fit_tile(128, mma="wgmma", backward=True) == TILES[(128, True, 16, 1)][0]  # no entry: first
         assert native.fit_tile(64, 128, mma="wgmma") == next(t for t in wgmma(64) if t[0] == 128)  # an entry given
         assert native.fit_tile(64, None, 64, mma="wgmma", causal=True) == next(t for t in wgmma(64) if t[1] == 64)
         assert native.fit_tile(64) == TILES[(64, False, 16, 0)][0]  # mma.sync: the list's first
-        assert native.fit_tile(64, backward=True, mma="wgmma") == TILES[(64, True, 16, 1)][0]
         q, k, v = _qkv(d=128)
-        assert tn.plan(q, k, v, True, None, True).tiles[0] == (64, 64)
+        assert tn.plan(q, k, v, True, None, True).tiles[0] == (128, 128)
         assert tn.plan(q, k, v, False, None, True).tiles[0] == (128, 128)
     for (mma, backward, dim, _), tile in native.DEFAULT_TILES.items():  # every entry is a tile the build has
         assert tile in TILES[(dim, backward, 16, native.MMA.index(mma))]
