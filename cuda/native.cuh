@@ -411,9 +411,10 @@ fadev_status native_dq_pass_wgmma(const fadev_native_params *p, native_bwd_args 
     X(64, 128, 128) X(64, 128, 64) X(64, 64, 128) X(64, 64, 64) X(64, 192, 128) X(64, 192, 64)                  \
     X(128, 128, 128) X(128, 128, 64) X(128, 64, 128) X(128, 64, 64)
 /* The backward on warpgroup MMA (native_backward_wgmma.cu): block_kv / 64 warpgroups of 64 keys, each holding its
- * keys' dK and dV (D / 2 floats a thread each) and a 64 x block_q score tile; at D 128 block_q 32 (dK and dV take
- * 128 registers a thread), the mma.sync backward's D 128 tiles, so every wgmma tile has an mma.sync twin. */
-#define NATIVE_BACKWARD_TILES_WGMMA(X) X(64, 64, 128) X(64, 64, 64) X(128, 32, 128) X(128, 32, 64)
+ * keys' dK and dV (D / 2 floats a thread each) and a 64 x block_q score tile; at D 128 (dK and dV take 128 registers
+ * a thread) block_q 32, the mma.sync backward's D 128 tiles, and 64 x 128 (253 registers, no spills; no mma.sync
+ * twin: its dK, dV and deterministic dq are the 32 x 128 tile's bits, the same k16 query chunks in the same order). */
+#define NATIVE_BACKWARD_TILES_WGMMA(X) X(64, 64, 128) X(64, 64, 64) X(128, 32, 128) X(128, 32, 64) X(128, 64, 128)
 
 #define NATIVE_TILE_ROW(dim, bq, bkv) {dim, bq, bkv},
 static const int32_t native_forward_tiles[][3] = {NATIVE_FORWARD_TILES(NATIVE_TILE_ROW)};

@@ -5,7 +5,7 @@
  * One CTA per (batch, K/V head, block_kv keys), block_kv / 64 warpgroups; warpgroup w owns keys [64 w, 64 w + 64)
  * of the tile (warp w4 of it keys 16 w4 .. 16 w4 + 15 of those: the mma.sync kernel's per-warp rows), with their dK
  * and dV in fp32 registers. K and V sit in shared memory, Q, dO, lse and Dvec of the query tiles in two cp.async
- * stages, all in wgmma's 128-byte-swizzled panels. For each query tile (block_q rows: 64 at D 64, 32 at D 128) that
+ * stages, all in wgmma's 128-byte-swizzled panels. For each query tile (block_q rows: 64 at D 64, 32 or 64 at D 128) that
  * sees a key:
  *   S^T = K Q^T, dP^T = V dO^T   D / 16 wgmma each, A = this warpgroup's K / V rows, B = Q / dO (K-major)
  *   P^T, dS^T                    as the mma.sync kernel, on the same fragment layout (wgmma.cuh)
@@ -17,7 +17,7 @@
  *                                atomically (the deterministic mode skips it)
  * dK = scale dK and dV written once at the end (grouped-query heads summed in registers). Tiles:
  * NATIVE_BACKWARD_TILES_WGMMA (native.cuh): at D 128, dK and dV take 128 registers a thread, S^T and dP^T of 32 query
- * rows 32 more. Built for sm_90a only (setup.py); the host refuses other GPUs. */
+ * rows 32 more (of 64 rows: 64 more, 253 registers in all). Built for sm_90a only (setup.py); the host refuses other GPUs. */
 #include "native.cuh"
 #include "wgmma.cuh"
 
@@ -29,7 +29,7 @@ template <int D, int BKV, int BQ> constexpr int native_bwd_wgmma_smem() {
 template <typename T, int D, int BKV, int BQ>
 __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const native_bwd_args a) {
 #if FADEV_WGMMA
-    static_assert((D == 64 && BQ == 64) || (D == 128 && BQ == 32), "D 64 with 64 query rows, D 128 with 32");
+    static_assert((D == 64 && BQ == 64) || (D == 128 && (BQ == 32 || BQ == 64)), "D 64: 64 query rows, D 128: 32 or 64");
     constexpr int NT = BKV * 2;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     /* the swizzle atoms must be 1024-byte aligned (wgmma.cuh); lse and Dvec after the tiles */
@@ -125,15 +125,18 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
             constexpr int NWG = BKV / 64;
             if constexpr (BQ == 64) {
                 /* dQ[q0 .. q0 + 64][DN wg .. + DN] += dS K over the tile's BKV keys, the head dim split over the
-                 * warpgroups: A = dS^T (keys x queries), B = K (keys x d) from column DN wg (byte 2 DN wg of the
-                 * 128-byte rows), both MN-major; keys kk * 16 .. + 16 at byte 2048 kk */
+                 * warpgroups: A = dS^T (keys x queries), B = K (keys x d) from column DN wg (its panel, byte
+                 * 2 (DN wg % 64) of the 128-byte rows), both MN-major; keys kk * 16 .. + 16 at byte 2048 kk */
                 constexpr int DN = D / NWG;
+                const int col0 = wg * DN; /* in 64-column panel col0 / 64 (D 128: one panel a warpgroup) */
                 float dq[DN / 2];
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < BKV / 16; ++kk)
                     wgmma_ss_tt<T, DN>(dq, wgmma_desc(smem_u32(sdS) + kk * 2048, BKV * 128, 1024),
-                                       wgmma_desc(smem_u32(sK) + kk * 2048 + wg * DN * 2, BKV * 128, 1024), kk > 0);
+                                       wgmma_desc(smem_u32(sK) + kk * 2048 + col0 / 64 * BKV * 128 + col0 % 64 * 2,
+                                                  BKV * 128, 1024),
+                                       kk > 0);
                 wgmma_commit();
                 wgmma_wait_all();
                 wgmma_fence_regs(dq);

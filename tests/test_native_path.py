@@ -80,7 +80,8 @@ def test_default_tile_table():
         for dim in (64, 128):
             assert native.fit_tile(dim, mma="wgmma") == native.fit_tile(dim, mma="wgmma", causal=True) == (128, 128)
         assert native.fit_tile(64, mma="wgmma", backward=True) == (64, 64)
-        assert native.fit_tile(128, mma="wgmma", backward=True) == TILES[(128, True, 16, 1)][0]  # no entry: first
+        assert native.fit_tile(128, mma="wgmma", backward=True) == (64, 128)
+        assert native.fit_tile(128, mma="sync", backward=True) == TILES[(128, True, 16, 0)][0]  # no entry: first
         assert native.fit_tile(64, 128, mma="wgmma") == next(t for t in wgmma(64) if t[0] == 128)  # an entry given
         assert native.fit_tile(64, None, 64, mma="wgmma", causal=True) == next(t for t in wgmma(64) if t[1] == 64)
         assert native.fit_tile(64) == TILES[(64, False, 16, 0)][0]  # mma.sync: the list's first
