@@ -138,10 +138,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     auto pass = [&](bool last) { if constexpr (PP) if (!(last && cw == 1)) named_arrive(3 + (cw ^ 1), 256); };
     if constexpr (PP) if (cw == 1) named_arrive(3, 256); /* consumer 0 issues first */
 
-    int lim[2]; /* the last key rows g and g + 8 of this warp may see */
-    lim[0] = lim[1] = a.seq_kv - 1;
-    if (a.causal) lim[0] = min(lim[0], q0 + wrow + g + off), lim[1] = min(lim[1], q0 + wrow + g + 8 + off);
-    auto masked = [&](int j) { return (j + 1) * BKV > a.seq_kv || (a.causal && (j + 1) * BKV - 1 > q0 + off); };
+    const row_limits<BKV> rl(a, q0, off, wrow, g);
 
     float o[D / 2], s[BKV / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2], sum[2];
     uint32_t pa[BKV / 16][4];
@@ -163,7 +160,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     wgmma_wait_all();
     wgmma_fence_regs(s);
     mbar_arrive(empty_k(0));
-    tile_softmax<BKV>(s, m, alpha, sum, a.scale_log2, masked(0), 0, t4, lim);
+    tile_softmax<BKV>(s, m, alpha, sum, a.scale_log2, rl.masked(0), 0, t4, rl.lim);
     l[0] = sum[0], l[1] = sum[1];
     wgmma_pack_a<T, BKV>(pa, s);
 
@@ -178,7 +175,7 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); /* the scores; P_j V_j may run on */
         wgmma_fence_regs(s);
         mbar_arrive(empty_k(sn));
-        tile_softmax<BKV>(s, m, alpha, sum, a.scale_log2, masked(j + 1), (j + 1) * BKV, t4, lim);
+        tile_softmax<BKV>(s, m, alpha, sum, a.scale_log2, rl.masked(j + 1), (j + 1) * BKV, t4, rl.lim);
         wgmma_wait_all();
         wgmma_fence_regs(o);
         mbar_arrive(empty_v(sj));

@@ -51,11 +51,7 @@ __global__ void __launch_bounds__(BQ * 2, 1) native_forward_wgmma_kernel(const n
     }
     cp_async_commit();
 
-    int lim[2]; /* the last key rows g and g + 8 of this warp may see */
-    lim[0] = lim[1] = a.seq_kv - 1;
-    if (a.causal) lim[0] = min(lim[0], q0 + wrow + g + off), lim[1] = min(lim[1], q0 + wrow + g + 8 + off);
-    /* tile j needs masks: ragged end, or keys past the tile's first row's diagonal */
-    auto masked = [&](int j) { return (j + 1) * BKV > a.seq_kv || (a.causal && (j + 1) * BKV - 1 > q0 + off); };
+    const row_limits<BKV> rl(a, q0, off, wrow, g);
 
     float o[D / 2], s[BKV / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2], sum[2];
     uint32_t pa[BKV / 16][4];
@@ -75,7 +71,7 @@ __global__ void __launch_bounds__(BQ * 2, 1) native_forward_wgmma_kernel(const n
     issue_scores<T, D, BQ, BKV>(s, qf, aQ, smem_u32(sK));
     wgmma_wait_all();
     wgmma_fence_regs(s);
-    tile_softmax<BKV>(s, m, alpha, sum, a.scale_log2, masked(0), 0, t4, lim);
+    tile_softmax<BKV>(s, m, alpha, sum, a.scale_log2, rl.masked(0), 0, t4, rl.lim);
     l[0] = sum[0], l[1] = sum[1];
     wgmma_pack_a<T, BKV>(pa, s);
 
@@ -97,7 +93,7 @@ __global__ void __launch_bounds__(BQ * 2, 1) native_forward_wgmma_kernel(const n
         issue_pv<T, D, BKV>(o, pa, smem_u32(sV + j % 3 * BKV * D));
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); /* the scores; P_j V_j may run on */
         wgmma_fence_regs(s);
-        tile_softmax<BKV>(s, m, alpha, sum, a.scale_log2, masked(j + 1), (j + 1) * BKV, t4, lim);
+        tile_softmax<BKV>(s, m, alpha, sum, a.scale_log2, rl.masked(j + 1), (j + 1) * BKV, t4, rl.lim);
         wgmma_wait_all();
         wgmma_fence_regs(o);
         rescale_o<D>(o, l, alpha, sum);

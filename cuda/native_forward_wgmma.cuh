@@ -80,6 +80,20 @@ __device__ __forceinline__ void tile_softmax(float (&s)[BKV / 2], float (&m)[2],
     }
 }
 
+/* The masks of this warp's rows q0 + wrow + g and + 8 (off = Nk - Nq): lim, the last key each may see; masked(j),
+ * whether K/V tile j needs masks at all (ragged end, or keys past the tile's first row's diagonal). */
+template <int BKV> struct row_limits {
+    int lim[2], seq_kv, causal, diag;
+    __device__ __forceinline__ row_limits(const native_fwd_args &a, int q0, int off, int wrow, int g)
+        : seq_kv(a.seq_kv), causal(a.causal), diag(q0 + off) {
+        lim[0] = lim[1] = a.seq_kv - 1;
+        if (a.causal) lim[0] = min(lim[0], q0 + wrow + g + off), lim[1] = min(lim[1], q0 + wrow + g + 8 + off);
+    }
+    __device__ __forceinline__ bool masked(int j) const {
+        return (j + 1) * BKV > seq_kv || (causal && (j + 1) * BKV - 1 > diag);
+    }
+};
+
 /* Once P_j V_j is done: l = alpha l + sum, O = alpha O (rows g and g + 8 of this warp). */
 template <int D>
 __device__ __forceinline__ void rescale_o(float (&o)[D / 2], float (&l)[2], const float (&alpha)[2], const float (&sum)[2]) {
