@@ -1,0 +1,93 @@
+/* Hopper's tensor memory accelerator for the native wgmma kernels (native_forward_tma_wgmma.cu,
+ * native_backward_wgmma.cu): mbarriers, the bulk tensor copies of a head's rows in wgmma's 128-byte-swizzled panels
+ * (wgmma.cuh), and the host's tensor maps of a (batch, heads, rows, D) tensor. */
+#ifndef FADEV_TMA_CUH
+#define FADEV_TMA_CUH
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include "native.cuh"
+
+namespace {
+
+/* mbarriers (PTX ISA 8.0): arrival counts, expected transaction bytes, phase-parity waits */
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+/* until the phase of parity `parity` has completed (a fresh barrier: parity 1 counts as completed) */
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+/* one box of a 4-D tensor map (D, rows, heads, batch) into shared memory at dst, completing on bar */
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap *map, uint32_t bar, int col, int row, int head,
+                                         int batch) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, "
+                 "%4, %5}], [%6];\n" ::"r"(dst),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(head), "r"(batch), "r"(bar)
+                 : "memory");
+}
+/* ROWS rows of a head as D / 64 panels of 64 columns (one box each) */
+template <int D, int ROWS>
+__device__ __forceinline__ void tma_rows(uint32_t dst, const CUtensorMap *map, uint32_t bar, int row, int head,
+                                         int batch) {
+#pragma unroll
+    for (int p = 0; p < D / 64; ++p) tma_load(dst + p * ROWS * 128, map, bar, p * 64, row, head, batch);
+}
+/* named barriers 1..: bar.sync waits for `count` threads' arrivals (its own included), bar.arrive only arrives */
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+/* cuTensorMapEncodeTiled, looked up once through the runtime (NULL where the driver has none) */
+PFN_cuTensorMapEncodeTiled_v12000 tma_encoder() {
+    static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+        void *f = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess ||
+            found != cudaDriverEntryPointSuccess)
+            f = nullptr;
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+    }();
+    return fn;
+}
+
+/* The map of a (batch, heads, rows, D) tensor with strides s, read in boxes of 64 columns x box_rows rows with the
+ * 128-byte swizzle; false where the copy engine cannot describe it. */
+template <typename T>
+bool tma_map(CUtensorMap *map, const void *base, const native_strides &s, int64_t batch, int64_t heads, int64_t rows,
+             int d, int box_rows) {
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = tma_encoder();
+    if (!encode) return false;
+    const cuuint64_t dims[4] = {(cuuint64_t)d, (cuuint64_t)rows, (cuuint64_t)heads, (cuuint64_t)batch};
+    const cuuint64_t strides[3] = {(cuuint64_t)s.r * 2, (cuuint64_t)s.h * 2, (cuuint64_t)s.b * 2};
+    for (cuuint64_t st : strides)
+        if (st >= ((cuuint64_t)1 << 40)) return false;
+    const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1}, one[4] = {1, 1, 1, 1};
+    const CUtensorMapDataType type =
+        std::is_same<T, __half>::value ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    return encode(map, type, 4, const_cast<void *>(base), dims, strides, box, one, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+} // namespace
+
+#endif /* FADEV_TMA_CUH */
