@@ -273,9 +273,10 @@ template <typename T, int D, int BQ, int BKV> struct dq_tile {
     int64_t bh;
     int q0, off, n_kt, row0, lim[2];
     float lse2[2], dvec[2];
-    __device__ __forceinline__ dq_tile(const native_bwd_args &a, int warp, int g) {
-        const int qt = a.n_qt - 1 - (int)(blockIdx.x % a.n_qt);
-        bh = blockIdx.x / a.n_qt; /* b * H + h */
+    __device__ __forceinline__ dq_tile(const native_bwd_args &a, int warp, int g)
+        : dq_tile(a, warp, g, blockIdx.x / a.n_qt, a.n_qt - 1 - (int)(blockIdx.x % a.n_qt)) {}
+    /* query tile qt (of BQ rows) of head bh = b * H + h */
+    __device__ __forceinline__ dq_tile(const native_bwd_args &a, int warp, int g, int64_t bh_, int qt) : bh(bh_) {
         const int b = (int)bh / a.heads, h = (int)bh % a.heads;
         Q = head_at<const T>(a.q, a.sq, b, h);
         dO = head_at<const T>(a.dout, a.sdo, b, h);
@@ -370,6 +371,9 @@ template <typename F> static inline fadev_status native_dq_dispatch(const fadev_
 fadev_status native_dq_pass(const fadev_native_params *p, native_bwd_args a);
 /* The same pass on Hopper's warpgroup MMA (native_backward_dq_wgmma.cu; the wgmma backward's): the same bits. */
 fadev_status native_dq_pass_wgmma(const fadev_native_params *p, native_bwd_args a);
+/* The same pass with a producer warpgroup and tensor-memory-accelerator loads (native_backward_dq_tma_wgmma.cu) where
+ * the layout can be described to the copy engine: *ran says whether it ran. The same bits. */
+fadev_status native_dq_pass_tma(const fadev_native_params *p, const native_bwd_args &a, bool *ran);
 
 /* ---------------------------------------------------------------- host: tiles and validation */
 

@@ -81,5 +81,8 @@ template <typename T, int D, int BKV> static fadev_status native_dq_wgmma_launch
 }
 
 fadev_status native_dq_pass_wgmma(const fadev_native_params *p, native_bwd_args a) {
+    bool ran = false;
+    FADEV_TRY(native_dq_pass_tma(p, a, &ran));
+    if (ran) return FADEV_OK;
     return native_dq_dispatch(p, [&](auto t, auto d) { return native_dq_wgmma_launch<decltype(t), d.value, 64>(p, a); });
 }
