@@ -1,6 +1,6 @@
 /* The deterministic backward's dQ pass with FlashAttention-3's division of labour (the wgmma backward's at D 128,
- * where the copy engine can describe the layout; native_backward_dq_wgmma.cu otherwise): one CTA per (batch, head, 128 query
- * rows) of three warpgroups,
+ * where the copy engine can describe the layout; native_backward_dq_wgmma.cu otherwise): one CTA per (batch, head,
+ * 128 query rows) of three warpgroups,
  *   warpgroup 0, the producer: one thread issues the tensor memory accelerator's copies of the tile's Q and dO, and
  *     of K and V into DQ_STAGES stages ("full" / "empty" mbarriers, as native_forward_tma_wgmma.cu's);
  *   warpgroups 1 and 2, the consumers: 64 query rows each, the cp.async pass's dq_tile (native.cuh) with its
