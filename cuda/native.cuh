@@ -339,6 +339,13 @@ template <typename T, int D, int BQ, int BKV> struct dq_tile {
                     s[4 * nb + e] = ds<mask.value>(a, s[4 * nb + e], dp[4 * nb + e], e >> 1, kv0 + nb * 8 + 2 * t4 + (e & 1));
         });
     }
+    /* dq = round(scale dQ) of this lane's accumulators (the C fragments of D / 8 column blocks) */
+    __device__ __forceinline__ void store_all(const native_bwd_args &a, const float *dq, int t4) const {
+#pragma unroll
+        for (int db = 0; db < D / 8; ++db)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) store(a, r, db * 8 + 2 * t4, dq[4 * db + 2 * r], dq[4 * db + 2 * r + 1]);
+    }
     /* dq = round(scale dQ): this lane's two columns col, col + 1 of row half r */
     __device__ __forceinline__ void store(const native_bwd_args &a, int r, int col, float x0, float x1) const {
         const int row = row0 + 8 * r;

@@ -24,7 +24,7 @@ struct dq_maps {
 constexpr int DQ_THREADS = 384, DQ_ROWS = 128, DQ_BKV = 64, DQ_STAGES = 3;
 
 template <int D> constexpr int dq_tma_smem() {
-    return (2 * DQ_ROWS + 2 * DQ_STAGES * DQ_BKV) * D * 2 + 1024 + (1 + 4 * DQ_STAGES) * 8;
+    return (2 * DQ_ROWS + 2 * DQ_STAGES * DQ_BKV) * D * 2 + 1024 + kv_barriers<DQ_STAGES>::BYTES;
 }
 
 /* dQ += round(dS) Kj: A = dS (key chunk kk, registers), B = Kj MN-major (keys kk * 16 .. at byte 2048 kk, the
@@ -47,12 +47,7 @@ __global__ void __launch_bounds__(DQ_THREADS, 1)
     /* the swizzle atoms must be 1024-byte aligned (wgmma.cuh) */
     T *sQ = reinterpret_cast<T *>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u));
     T *sdO = sQ + DQ_ROWS * D, *sK = sdO + DQ_ROWS * D, *sV = sK + S * BKV * D;
-    /* mbarriers: Q and dO full; K full, V full, K empty, V empty per stage */
-    const uint32_t bars = smem_u32(sV + S * BKV * D), full_q = bars;
-    auto full_k = [&](int st) { return bars + 8 * (1 + st); };
-    auto full_v = [&](int st) { return bars + 8 * (1 + S + st); };
-    auto empty_k = [&](int st) { return bars + 8 * (1 + 2 * S + st); };
-    auto empty_v = [&](int st) { return bars + 8 * (1 + 3 * S + st); };
+    const kv_barriers<S> bar{smem_u32(sV + S * BKV * D)};
     auto aK = [&](int j) { return smem_u32(sK + j % S * BKV * D); };
     auto aV = [&](int j) { return smem_u32(sV + j % S * BKV * D); };
     const int tid = threadIdx.x;
@@ -60,31 +55,25 @@ __global__ void __launch_bounds__(DQ_THREADS, 1)
     const int64_t bh = blockIdx.x / n_qt;
     /* the CTA's K/V tiles: those its lower 64 rows see (as many as any of its rows) */
     const int n_kt = dq_tile<T, D, 64, BKV>(a, 0, 0, bh, 2 * qt + 1).n_kt;
-    if (tid == 0) {
-        mbar_init(full_q, 1);
-        for (int st = 0; st < S; ++st)
-            mbar_init(full_k(st), 1), mbar_init(full_v(st), 1), mbar_init(empty_k(st), 256),
-                mbar_init(empty_v(st), 256);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
+    if (tid == 0) bar.init(256);
     __syncthreads();
 
     if (tid < 128) { /* the producer */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (tid == 0 && n_kt > 0) {
             const int b = (int)(bh / a.heads), h = (int)(bh % a.heads), hk = h / a.group;
-            mbar_expect_tx(full_q, 2 * DQ_ROWS * D * 2);
-            tma_rows<D, DQ_ROWS>(smem_u32(sQ), &maps.q, full_q, qt * DQ_ROWS, h, b);
-            tma_rows<D, DQ_ROWS>(smem_u32(sdO), &maps.dout, full_q, qt * DQ_ROWS, h, b);
+            mbar_expect_tx(bar.full_q(), 2 * DQ_ROWS * D * 2);
+            tma_rows<D, DQ_ROWS>(smem_u32(sQ), &maps.q, bar.full_q(), qt * DQ_ROWS, h, b);
+            tma_rows<D, DQ_ROWS>(smem_u32(sdO), &maps.dout, bar.full_q(), qt * DQ_ROWS, h, b);
             for (int j = 0; j < n_kt; ++j) {
                 const int st = j % S;
                 const uint32_t ph = ((j / S) & 1) ^ 1;
-                mbar_wait(empty_k(st), ph);
-                mbar_expect_tx(full_k(st), KV_BYTES);
-                tma_rows<D, BKV>(aK(j), &maps.k, full_k(st), j * BKV, hk, b);
-                mbar_wait(empty_v(st), ph);
-                mbar_expect_tx(full_v(st), KV_BYTES);
-                tma_rows<D, BKV>(aV(j), &maps.v, full_v(st), j * BKV, hk, b);
+                mbar_wait(bar.empty_k(st), ph);
+                mbar_expect_tx(bar.full_k(st), KV_BYTES);
+                tma_rows<D, BKV>(aK(j), &maps.k, bar.full_k(st), j * BKV, hk, b);
+                mbar_wait(bar.empty_v(st), ph);
+                mbar_expect_tx(bar.full_v(st), KV_BYTES);
+                tma_rows<D, BKV>(aV(j), &maps.v, bar.full_v(st), j * BKV, hk, b);
             }
         }
         return;
@@ -109,22 +98,22 @@ __global__ void __launch_bounds__(DQ_THREADS, 1)
     if (my_kt > 0) {
         float s[BKV / 2], dp[BKV / 2];
         uint32_t da[BKV / 16][4];
-        mbar_wait(full_q, 0);
-        mbar_wait(full_k(0), 0);
-        mbar_wait(full_v(0), 0);
+        mbar_wait(bar.full_q(), 0);
+        mbar_wait(bar.full_k(0), 0);
+        mbar_wait(bar.full_v(0), 0);
         turn();
         wgmma_score_pair<T, BKV, D, DQ_ROWS, BKV>(s, dp, aQ, aK(0), adO, aV(0));
         pass();
         wgmma_wait_all();
         wgmma_fence_regs(s);
         wgmma_fence_regs(dp);
-        mbar_arrive(empty_v(0));
+        mbar_arrive(bar.empty_v(0));
         tile.ds_tile(a, s, dp, 0, t4); /* dS in place of S */
         wgmma_pack_a<T, BKV>(da, s);
         for (int j = 0; j + 1 < my_kt; ++j) {
             const int n = j + 1;
-            mbar_wait(full_k(n % S), (n / S) & 1);
-            mbar_wait(full_v(n % S), (n / S) & 1);
+            mbar_wait(bar.full_k(n % S), (n / S) & 1);
+            mbar_wait(bar.full_v(n % S), (n / S) & 1);
             turn();
             wgmma_score_pair<T, BKV, D, DQ_ROWS, BKV>(s, dp, aQ, aK(n), adO, aV(n));
             issue_dq<T, D>(dq, da, aK(j));
@@ -132,11 +121,11 @@ __global__ void __launch_bounds__(DQ_THREADS, 1)
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); /* S, dP of tile j + 1 */
             wgmma_fence_regs(s);
             wgmma_fence_regs(dp);
-            mbar_arrive(empty_v(n % S));
+            mbar_arrive(bar.empty_v(n % S));
             tile.ds_tile(a, s, dp, n, t4);
             wgmma_wait_all(); /* dQ += dS_j Kj */
             wgmma_fence_regs(dq);
-            mbar_arrive(empty_k(j % S));
+            mbar_arrive(bar.empty_k(j % S));
             wgmma_pack_a<T, BKV>(da, s);
         }
         turn();
@@ -144,23 +133,20 @@ __global__ void __launch_bounds__(DQ_THREADS, 1)
         pass();
         wgmma_wait_all();
         wgmma_fence_regs(dq);
-        mbar_arrive(empty_k((my_kt - 1) % S));
+        mbar_arrive(bar.empty_k((my_kt - 1) % S));
     } else if (n_kt > 0) { /* this consumer's rows see no key: its one turn of the first tile */
         turn();
         pass();
     }
     for (int j = my_kt; j < n_kt; ++j) { /* the tiles only the other consumer's rows see */
-        mbar_wait(full_k(j % S), (j / S) & 1);
-        mbar_wait(full_v(j % S), (j / S) & 1);
+        mbar_wait(bar.full_k(j % S), (j / S) & 1);
+        mbar_wait(bar.full_v(j % S), (j / S) & 1);
         turn();
         pass();
-        mbar_arrive(empty_k(j % S));
-        mbar_arrive(empty_v(j % S));
+        mbar_arrive(bar.empty_k(j % S));
+        mbar_arrive(bar.empty_v(j % S));
     }
-#pragma unroll
-    for (int db = 0; db < D / 8; ++db)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) tile.store(a, r, db * 8 + 2 * t4, dq[4 * db + 2 * r], dq[4 * db + 2 * r + 1]);
+    tile.store_all(a, dq, t4);
 #else
     __trap(); /* not an sm_90a build: never launched (the wgmma backward checks the device) */
 #endif

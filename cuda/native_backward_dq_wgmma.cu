@@ -65,10 +65,7 @@ __global__ void __launch_bounds__(128) native_dq_wgmma_kernel(const native_bwd_a
     }
     cp_async_wait_all(); /* no copy outlives the CTA */
 
-#pragma unroll
-    for (int db = 0; db < D / 8; ++db)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) tile.store(a, r, db * 8 + 2 * t4, dq[4 * db + 2 * r], dq[4 * db + 2 * r + 1]);
+    tile.store_all(a, dq, t4);
 #else
     __trap(); /* not an sm_90a build: never launched (the wgmma backward checks the device) */
 #endif

@@ -32,7 +32,7 @@ struct tma_maps {
 constexpr int TMA_BQ = 128, TMA_THREADS = 384;
 
 template <int D, int BKV, int STAGES> constexpr int tma_smem() {
-    return (TMA_BQ + 2 * STAGES * BKV) * D * 2 + 1024 + (1 + 4 * STAGES) * 8;
+    return (TMA_BQ + 2 * STAGES * BKV) * D * 2 + 1024 + kv_barriers<STAGES>::BYTES;
 }
 
 template <typename T, int D, int BKV, int STAGES, bool PP>
@@ -44,41 +44,30 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     /* the swizzle atoms must be 1024-byte aligned (wgmma.cuh) */
     T *sQ = reinterpret_cast<T *>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u));
     T *sK = sQ + BQ * D, *sV = sK + STAGES * BKV * D;
-    /* mbarriers: Q full; K full, V full, K empty, V empty per stage */
-    const uint32_t bars = smem_u32(sV + STAGES * BKV * D), full_q = bars;
-    auto full_k = [&](int st) { return bars + 8 * (1 + st); };
-    auto full_v = [&](int st) { return bars + 8 * (1 + STAGES + st); };
-    auto empty_k = [&](int st) { return bars + 8 * (1 + 2 * STAGES + st); };
-    auto empty_v = [&](int st) { return bars + 8 * (1 + 3 * STAGES + st); };
+    const kv_barriers<STAGES> bar{smem_u32(sV + STAGES * BKV * D)};
     const int tid = threadIdx.x;
 
     const fwd_tile<T, D, BQ, BKV> tile(a);
     const int q0 = tile.q0, off = tile.off, n_kt = tile.n_kt;
     if (n_kt == 0) return tile.template write_empty<TMA_THREADS>(a, tid);
-    if (tid == 0) {
-        mbar_init(full_q, 1);
-        for (int st = 0; st < STAGES; ++st)
-            mbar_init(full_k(st), 1), mbar_init(full_v(st), 1), mbar_init(empty_k(st), 256),
-                mbar_init(empty_v(st), 256);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
+    if (tid == 0) bar.init(256);
     __syncthreads();
 
     if (tid < 128) { /* the producer */
         asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
         if (tid == 0) {
             const int bh = (int)(blockIdx.x / a.n_qt), b = bh / a.heads, h = bh % a.heads, hk = h / a.group;
-            mbar_expect_tx(full_q, BQ * D * 2);
-            tma_rows<D, BQ>(smem_u32(sQ), &maps.q, full_q, q0, h, b);
+            mbar_expect_tx(bar.full_q(), BQ * D * 2);
+            tma_rows<D, BQ>(smem_u32(sQ), &maps.q, bar.full_q(), q0, h, b);
             for (int j = 0; j < n_kt; ++j) {
                 const int st = j % STAGES;
                 const uint32_t ph = ((j / STAGES) & 1) ^ 1;
-                mbar_wait(empty_k(st), ph);
-                mbar_expect_tx(full_k(st), KV_BYTES);
-                tma_rows<D, BKV>(smem_u32(sK + st * BKV * D), &maps.k, full_k(st), j * BKV, hk, b);
-                mbar_wait(empty_v(st), ph);
-                mbar_expect_tx(full_v(st), KV_BYTES);
-                tma_rows<D, BKV>(smem_u32(sV + st * BKV * D), &maps.v, full_v(st), j * BKV, hk, b);
+                mbar_wait(bar.empty_k(st), ph);
+                mbar_expect_tx(bar.full_k(st), KV_BYTES);
+                tma_rows<D, BKV>(smem_u32(sK + st * BKV * D), &maps.k, bar.full_k(st), j * BKV, hk, b);
+                mbar_wait(bar.empty_v(st), ph);
+                mbar_expect_tx(bar.full_v(st), KV_BYTES);
+                tma_rows<D, BKV>(smem_u32(sV + st * BKV * D), &maps.v, bar.full_v(st), j * BKV, hk, b);
             }
         }
         return;
@@ -100,44 +89,44 @@ __global__ void __launch_bounds__(TMA_THREADS, 1)
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     const uint32_t aQ = smem_u32(sQ) + cw * 64 * 128; /* this warpgroup's 64 rows of each Q panel */
 
-    mbar_wait(full_q, 0);
+    mbar_wait(bar.full_q(), 0);
     uint32_t qf[wgmma_qreg<D, BQ> ? D / 16 : 1][4];
     if constexpr (wgmma_qreg<D, BQ>) {
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk)
             ldmatrix_x4(qf[kk], sQ + wswz<BQ>(wrow + (lane & 15), kk * 2 + (lane >> 4)));
     }
-    mbar_wait(full_k(0), 0);
+    mbar_wait(bar.full_k(0), 0);
     turn();
     issue_scores<T, D, BQ, BKV>(s, qf, aQ, smem_u32(sK));
     pass(false);
     wgmma_wait_all();
     wgmma_fence_regs(s);
-    mbar_arrive(empty_k(0));
+    mbar_arrive(bar.empty_k(0));
     tile_softmax<BKV>(s, m, alpha, sum, a.scale_log2, rl.masked(0), 0, t4, rl.lim);
     l[0] = sum[0], l[1] = sum[1];
     wgmma_pack_a<T, BKV>(pa, s);
 
     for (int j = 0; j + 1 < n_kt; ++j) {
         const int sj = j % STAGES, sn = (j + 1) % STAGES;
-        mbar_wait(full_k(sn), ((j + 1) / STAGES) & 1);
-        mbar_wait(full_v(sj), (j / STAGES) & 1);
+        mbar_wait(bar.full_k(sn), ((j + 1) / STAGES) & 1);
+        mbar_wait(bar.full_v(sj), (j / STAGES) & 1);
         turn();
         issue_scores<T, D, BQ, BKV>(s, qf, aQ, smem_u32(sK + sn * BKV * D));
         issue_pv<T, D, BKV>(o, pa, smem_u32(sV + sj * BKV * D));
         pass(false);
         asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); /* the scores; P_j V_j may run on */
         wgmma_fence_regs(s);
-        mbar_arrive(empty_k(sn));
+        mbar_arrive(bar.empty_k(sn));
         tile_softmax<BKV>(s, m, alpha, sum, a.scale_log2, rl.masked(j + 1), (j + 1) * BKV, t4, rl.lim);
         wgmma_wait_all();
         wgmma_fence_regs(o);
-        mbar_arrive(empty_v(sj));
+        mbar_arrive(bar.empty_v(sj));
         rescale_o<D>(o, l, alpha, sum);
         wgmma_pack_a<T, BKV>(pa, s);
     }
     const int sl = (n_kt - 1) % STAGES;
-    mbar_wait(full_v(sl), ((n_kt - 1) / STAGES) & 1);
+    mbar_wait(bar.full_v(sl), ((n_kt - 1) / STAGES) & 1);
     turn();
     issue_pv<T, D, BKV>(o, pa, smem_u32(sV + sl * BKV * D));
     pass(true);

@@ -55,6 +55,28 @@ __device__ __forceinline__ void named_arrive(int id, int count) {
     asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+/* The mbarriers of a producer / consumer pipeline at `base` (8-byte aligned shared memory, (1 + 4 STAGES) * 8
+ * bytes): one for the tiles loaded once (Q), and per stage of K and V a "full" (the copy engine's bytes arrived) and
+ * an "empty" (every consumer thread released it) barrier. */
+template <int STAGES> struct kv_barriers {
+    uint32_t base;
+    static constexpr int BYTES = (1 + 4 * STAGES) * 8;
+    __device__ __forceinline__ uint32_t full_q() const { return base; }
+    __device__ __forceinline__ uint32_t full_k(int st) const { return base + 8 * (1 + st); }
+    __device__ __forceinline__ uint32_t full_v(int st) const { return base + 8 * (1 + STAGES + st); }
+    __device__ __forceinline__ uint32_t empty_k(int st) const { return base + 8 * (1 + 2 * STAGES + st); }
+    __device__ __forceinline__ uint32_t empty_v(int st) const { return base + 8 * (1 + 3 * STAGES + st); }
+    /* by one thread, before a barrier of the CTA: the full ones await one arrival (and the bytes), the empty ones
+     * `consumers` */
+    __device__ __forceinline__ void init(int consumers) const {
+        mbar_init(full_q(), 1);
+        for (int st = 0; st < STAGES; ++st)
+            mbar_init(full_k(st), 1), mbar_init(full_v(st), 1), mbar_init(empty_k(st), consumers),
+                mbar_init(empty_v(st), consumers);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+};
+
 /* cuTensorMapEncodeTiled, looked up once through the runtime (NULL where the driver has none) */
 PFN_cuTensorMapEncodeTiled_v12000 tma_encoder() {
     static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
