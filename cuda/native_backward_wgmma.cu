@@ -19,6 +19,7 @@
  * NATIVE_BACKWARD_TILES_WGMMA (native.cuh): at D 128, dK and dV take 128 registers a thread, S^T and dP^T of 32 query
  * rows 32 more (of 64 rows: 64 more, 253 registers in all). Built for sm_90a only (setup.py); the host refuses other GPUs. */
 #include "native.cuh"
+#include "native_backward_wgmma.cuh"
 #include "wgmma.cuh"
 
 /* dS^T takes one 64-column panel of block_kv rows (at block_q 32 half of each 128-byte row is unused) */
@@ -82,34 +83,11 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
         wgmma_fence_regs(sp);
         wgmma_fence_regs(dp);
 
-        /* P^T, then dS^T = P^T (dP^T - Dvec) in place of dP^T; element (nb, e): key key0 + 8 (e >> 1), query
-         * q0 + 8 nb + 2 t4 + (e & 1) */
-        const bool masked = q0 + BQ > a.seq_q || k0 + BKV > a.seq_kv || (a.causal && k0 + BKV - 1 > q0 + off);
-        with_mask(masked, [&](auto mask) {
-#pragma unroll
-            for (int nb = 0; nb < BQ / 8; ++nb) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = nb * 8 + 2 * t4 + (e & 1), key = key0 + 8 * (e >> 1);
-                    float p = fast_exp2(sp[4 * nb + e] * a.scale_log2 - cL[i] * (float)NATIVE_LOG2E);
-                    if (mask.value && (q0 + i >= a.seq_q || key >= a.seq_kv || (a.causal && key > q0 + i + off))) p = 0.f;
-                    sp[4 * nb + e] = p;
-                    dp[4 * nb + e] = p * (dp[4 * nb + e] - cDv[i]);
-                }
-            }
-        });
-
-        /* dV += round(P^T) dO, dK += round(dS^T) Q: A from the accumulators (query chunk kk = blocks 2kk, 2kk + 1),
-         * B = dO / Q rows kk * 16 .. + 16, MN-major */
+        bwd_ds_tile<BQ, BKV>(a, sp, dp, cL, cDv, q0, k0, off, key0, t4); /* P^T, dS^T */
         uint32_t pa[BQ / 16][4], sa[BQ / 16][4];
         wgmma_pack_a<T, BQ>(pa, sp);
         wgmma_pack_a<T, BQ>(sa, dp);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D, 1>(dv, pa[kk], wgmma_desc(adO + kk * 2048, BQ * 128, 1024), 1);
-#pragma unroll
-        for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D, 1>(dk, sa[kk], wgmma_desc(aQ + kk * 2048, BQ * 128, 1024), 1);
-        wgmma_commit();
+        bwd_issue_dkdv<T, D, BQ>(dk, dv, pa, sa, aQ, adO);
 
         if (a.dq_acc) { /* else deterministic: dQ by native_dq_pass */
             /* this warpgroup's dS^T (its 64 keys x BQ queries) to its rows of the tile's dS^T */
@@ -183,19 +161,7 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
     }
     cp_async_wait_all(); /* no copy outlives the CTA */
 
-    const head_rows<T> dK = head_at<T>(a.dk, a.sdk, tile.b, tile.hk), dV = head_at<T>(a.dv, a.sdv, tile.b, tile.hk);
-#pragma unroll
-    for (int db = 0; db < D / 8; ++db) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int key = key0 + 8 * r;
-            if (key < a.seq_kv) {
-                const int col = db * 8 + 2 * t4;
-                *reinterpret_cast<uint32_t *>(dK.row(key) + col) = pack2<T>(dk[4 * db + 2 * r] * a.scale, dk[4 * db + 2 * r + 1] * a.scale);
-                *reinterpret_cast<uint32_t *>(dV.row(key) + col) = pack2<T>(dv[4 * db + 2 * r], dv[4 * db + 2 * r + 1]);
-            }
-        }
-    }
+    bwd_store_dkdv<T, D>(a, tile.b, tile.hk, key0, t4, dk, dv);
 #else
     __trap(); /* not an sm_90a build: never launched (native_backward_wgmma checks the device) */
 #endif
@@ -205,8 +171,11 @@ template <typename T, int D, int BQ, int BKV>
 static fadev_status native_bwd_wgmma_launch(const fadev_native_params *p, const native_bwd_args &a, const void *out) {
     constexpr int smem = native_bwd_wgmma_smem<D, BKV, BQ>();
     FADEV_TRY((native_backward_before<T, D>(p, a, out)));
-    FADEV_TRY(native_bwd_launch(native_backward_wgmma_kernel<T, D, BKV, BQ>, p->attn.batch * p->attn.heads_kv * a.n_kt,
-                                BKV * 2, smem, a));
+    bool ran = false;
+    FADEV_TRY(native_backward_tma(p, a, &ran));
+    if (!ran)
+        FADEV_TRY(native_bwd_launch(native_backward_wgmma_kernel<T, D, BKV, BQ>,
+                                    p->attn.batch * p->attn.heads_kv * a.n_kt, BKV * 2, smem, a));
     return native_backward_after<T, D>(p, a);
 }
 

@@ -66,12 +66,12 @@ template <int STAGES> struct kv_barriers {
     __device__ __forceinline__ uint32_t full_v(int st) const { return base + 8 * (1 + STAGES + st); }
     __device__ __forceinline__ uint32_t empty_k(int st) const { return base + 8 * (1 + 2 * STAGES + st); }
     __device__ __forceinline__ uint32_t empty_v(int st) const { return base + 8 * (1 + 3 * STAGES + st); }
-    /* by one thread, before a barrier of the CTA: the full ones await one arrival (and the bytes), the empty ones
-     * `consumers` */
-    __device__ __forceinline__ void init(int consumers) const {
+    /* by one thread, before a barrier of the CTA: full_q awaits one arrival (and the bytes), the stages' full ones
+     * `full` (the producer's, with the bytes, and any others), the empty ones `consumers` */
+    __device__ __forceinline__ void init(int consumers, int full = 1) const {
         mbar_init(full_q(), 1);
         for (int st = 0; st < STAGES; ++st)
-            mbar_init(full_k(st), 1), mbar_init(full_v(st), 1), mbar_init(empty_k(st), consumers),
+            mbar_init(full_k(st), full), mbar_init(full_v(st), full), mbar_init(empty_k(st), consumers),
                 mbar_init(empty_v(st), consumers);
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }

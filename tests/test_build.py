@@ -190,8 +190,8 @@ def test_wgmma_kernels_keep_their_overlap(tmp_path):
     bad.write_text(SERIALISED)
     sources = sorted(glob.glob(os.path.join(ROOT, "cuda", "*_wgmma.cu")))
     assert [os.path.basename(s) for s in sources] == ["native_backward_dq_tma_wgmma.cu", "native_backward_dq_wgmma.cu",
-                                                      "native_backward_wgmma.cu", "native_forward_tma_wgmma.cu",
-                                                      "native_forward_wgmma.cu"]
+                                                      "native_backward_tma_wgmma.cu", "native_backward_wgmma.cu",
+                                                      "native_forward_tma_wgmma.cu", "native_forward_wgmma.cu"]
     forward = os.path.join(ROOT, "cuda", "native_forward_wgmma.cu")
     jobs = {"bad": (str(bad),), "qreg": (forward, "-DFADEV_WGMMA_QREG=2"), **{s: (s,) for s in sources}}
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as pool:

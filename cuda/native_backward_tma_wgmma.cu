@@ -1,0 +1,219 @@
+/* The wgmma backward's dK/dV kernel with FlashAttention-3's division of labour, for the deterministic mode (dQ by the
+ * dq pass) at block_q 64, block_kv 128 (D 64 and 128) where the copy engine can describe the layout
+ * (native_backward_wgmma.cu's cp.async kernel otherwise): one CTA per (batch, K/V head, 128 keys) of three
+ * warpgroups,
+ *   warpgroup 0, the producer: thread 0 issues the tensor memory accelerator's copies of the tile's K and V (once)
+ *     and of each query tile's Q and dO into BWD_STAGES stages, warp 1 copies the query tile's lse and Dvec beside
+ *     them ("full" / "empty" mbarriers, as native_forward_tma_wgmma.cu's);
+ *   warpgroups 1 and 2, the consumers: keys [64 c, 64 c + 64) of the tile each, the cp.async kernel's steps
+ *     (native_backward_wgmma.cuh) in its order, so the same bits: S^T = K Q^T and dP^T = V dO^T (one wgmma group),
+ *     P^T and dS^T, dV += round(P^T) dO and dK += round(dS^T) Q. A query tile's S^T and dP^T are issued behind the
+ *     last tile's dV and dK products (its P^T and dS^T registers held until they are done), no CTA-wide barrier
+ *     between tiles, and the two consumers take turns at issuing (named barriers: ping-pong), so that one's softmax
+ *     runs while the other's products are on the tensor cores.
+ * Every query tile is a turn of both consumers (a causal tile that none of a consumer's keys sees gives P = 0), so the
+ * turns pair up. FADEV_NATIVE_TMA_BWD=0 runs the cp.async kernel instead (tests compare the two bit for bit). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "native.cuh"
+#include "native_backward_wgmma.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace {
+
+struct bwd_maps {
+    CUtensorMap q, dout, k, v;
+};
+
+/* 3 stages of Q, dO, lse and Dvec: at D 64 two left the consumers waiting (H200: 10-20% slower than three); at D
+ * 128 the two measured the same */
+constexpr int BWD_THREADS = 384, BWD_BQ = 64, BWD_BKV = 128, BWD_STAGES = 3;
+
+template <int D, int S> constexpr int bwd_tma_smem() {
+    return (2 * BWD_BKV + 2 * S * BWD_BQ) * D * 2 + 2 * S * BWD_BQ * 4 + 1024 + kv_barriers<S>::BYTES;
+}
+
+template <typename T, int D, int S, bool PAIRED>
+__global__ void __launch_bounds__(BWD_THREADS, 1)
+    native_backward_tma_kernel(const native_bwd_args a, const __grid_constant__ bwd_maps maps) {
+#if FADEV_WGMMA
+    constexpr int BQ = BWD_BQ, BKV = BWD_BKV;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    /* the swizzle atoms must be 1024-byte aligned (wgmma.cuh) */
+    T *sK = reinterpret_cast<T *>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u));
+    T *sV = sK + BKV * D, *sQ = sV + BKV * D, *sdO = sQ + S * BQ * D;
+    float *sL = reinterpret_cast<float *>(sdO + S * BQ * D), *sDv = sL + S * BQ;
+    /* full_q: K and V; stage st: full_k (Q and dO's bytes, and warp 1's 32 arrivals with lse, Dvec), empty_k */
+    const kv_barriers<S> bar{smem_u32(sDv + S * BQ)};
+    const bwd_tile<T, D, BKV, BQ> tile(a);
+    const int tid = threadIdx.x, n_it = tile.n_it;
+    if (tid == 0) bar.init(256, 33);
+    __syncthreads();
+
+    if (tid < 128) { /* the producer */
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n"); /* 24 + 2 x 240: the CTA's 384 x 168 registers */
+        const int b = (int)tile.b, hk = (int)tile.hk;
+        /* iteration it = query head hk * group + hi, query tile qt_start + it % per_head, in stage st (phase ph):
+         * counted, not divided (the producer's 32 registers) */
+        auto each_tile = [&](auto &&f) {
+            int st = 0, ph = 0;
+            for (int hi = 0; hi < a.group; ++hi)
+                for (int qt = tile.qt_start; qt < tile.qt_start + tile.per_head; ++qt) {
+                    mbar_wait(bar.empty_k(st), ph ^ 1);
+                    f(hk * a.group + hi, qt * BQ, st);
+                    if (++st == S) st = 0, ph ^= 1;
+                }
+        };
+        if (tid == 0 && n_it > 0) {
+            mbar_expect_tx(bar.full_q(), 2 * BKV * D * 2);
+            tma_rows<D, BKV>(smem_u32(sK), &maps.k, bar.full_q(), tile.k0, hk, b);
+            tma_rows<D, BKV>(smem_u32(sV), &maps.v, bar.full_q(), tile.k0, hk, b);
+            each_tile([&](int h, int q0, int st) {
+                mbar_expect_tx(bar.full_k(st), 2 * BQ * D * 2);
+                tma_rows<D, BQ>(smem_u32(sQ + st * BQ * D), &maps.q, bar.full_k(st), q0, h, b);
+                tma_rows<D, BQ>(smem_u32(sdO + st * BQ * D), &maps.dout, bar.full_k(st), q0, h, b);
+            });
+        } else if (tid >= 32 && tid < 64) {
+            const int lane = tid - 32;
+            each_tile([&](int h, int q0, int st) {
+                const int64_t row = ((int64_t)b * a.heads + h) * a.seq_q + q0;
+#pragma unroll
+                for (int r = lane; r < BQ; r += 32) { /* rows past the end: 0, as the cp.async kernel's zero fill */
+                    const bool ok = q0 + r < a.seq_q;
+                    sL[st * BQ + r] = ok ? a.lse[row + r] : 0.f;
+                    sDv[st * BQ + r] = ok ? a.dvec[row + r] : 0.f;
+                }
+                mbar_arrive(bar.full_k(st));
+            });
+        }
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+    const int ct = tid - 128, lane = ct & 31, warp = ct >> 5, cw = warp >> 2, g = lane >> 2, t4 = lane & 3;
+    const int k0 = tile.k0, key0 = k0 + warp * 16 + g; /* as the cp.async kernel's warp `warp` */
+    const uint32_t aK = smem_u32(sK) + cw * 64 * 128, aV = smem_u32(sV) + cw * 64 * 128; /* this consumer's rows */
+    /* ping-pong: issue between bar.sync on 3 + cw and bar.arrive on the other's; each consumer has n_it + 1 turns
+     * (PAIRED: a turn issues tile it's dV, dK products with tile it + 1's S^T, dP^T) or 2 n_it (a turn each) */
+    static_assert(!PAIRED || D <= 64, "at D 128 the pair's registers (S^T, dP^T beside P^T, dS^T) exceed 240");
+    const int n_turns = PAIRED ? n_it + 1 : 2 * n_it;
+    int turns = 0;
+    auto turn = [&]() { named_sync(3 + cw, 256); };
+    auto pass = [&]() {
+        if (!(cw == 1 && ++turns == n_turns)) named_arrive(3 + (cw ^ 1), 256);
+    };
+    if (n_it > 0 && cw == 1) named_arrive(3, 256); /* consumer 0 issues first */
+    auto aQ = [&](int it) { return smem_u32(sQ + it % S * BQ * D); };
+    auto adO = [&](int it) { return smem_u32(sdO + it % S * BQ * D); };
+    auto full = [&](int it) { mbar_wait(bar.full_k(it % S), (it / S) & 1); };
+
+    float dk[D / 2], dv[D / 2], sp[BQ / 2], dp[BQ / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+    uint32_t pa[BQ / 16][4], sa[BQ / 16][4];
+    /* S^T = K Q^T, dP^T = V dO^T of query tile it */
+    auto scores = [&](int it) { wgmma_score_pair<T, BQ, D, BKV, BQ>(sp, dp, aK, aQ(it), aV, adO(it)); };
+    /* P^T, dS^T of query tile it from its S^T, dP^T (landed), as the dV, dK products' A operands */
+    auto softmax = [&](int it) {
+        wgmma_fence_regs(sp);
+        wgmma_fence_regs(dp);
+        bwd_ds_tile<BQ, BKV>(a, sp, dp, sL + it % S * BQ, sDv + it % S * BQ, tile.first_row(it), k0, tile.off, key0, t4);
+        wgmma_pack_a<T, BQ>(pa, sp);
+        wgmma_pack_a<T, BQ>(sa, dp);
+    };
+    auto dkdv = [&](int it) { bwd_issue_dkdv<T, D, BQ>(dk, dv, pa, sa, aQ(it), adO(it)); };
+    /* tile it's dV, dK products done (waited for): its stage is read no more */
+    auto release = [&](int it) {
+        wgmma_fence_regs(dk);
+        wgmma_fence_regs(dv);
+        mbar_arrive(bar.empty_k(it % S));
+    };
+    /* every wgmma batch is waited for at the end of its turn's step: none in flight across a loop's back edge
+     * (ptxas would serialise them) */
+    if constexpr (PAIRED) {
+        if (n_it > 0) {
+            mbar_wait(bar.full_q(), 0);
+            full(0);
+            turn();
+            scores(0);
+            pass();
+            wgmma_wait_all();
+        }
+        for (int it = 0; it + 1 < n_it; ++it) {
+            softmax(it);
+            full(it + 1);
+            turn();
+            dkdv(it);
+            scores(it + 1);
+            pass();
+            wgmma_wait_all();
+            release(it);
+        }
+        if (n_it > 0) {
+            softmax(n_it - 1);
+            turn();
+            dkdv(n_it - 1);
+            pass();
+            wgmma_wait_all();
+            release(n_it - 1);
+        }
+    } else {
+        if (n_it > 0) mbar_wait(bar.full_q(), 0);
+        for (int it = 0; it < n_it; ++it) {
+            full(it);
+            turn();
+            scores(it);
+            pass();
+            wgmma_wait_all();
+            softmax(it);
+            turn();
+            dkdv(it);
+            pass();
+            wgmma_wait_all();
+            release(it);
+        }
+    }
+    bwd_store_dkdv<T, D>(a, tile.b, tile.hk, key0, t4, dk, dv);
+#else
+    __trap(); /* not an sm_90a build: never launched (the wgmma backward checks the device) */
+#endif
+}
+
+template <typename T, int D, bool PAIRED = false>
+fadev_status bwd_tma_launch(const fadev_native_params *p, const native_bwd_args &a, bool *ran) {
+    bwd_maps maps;
+    const int64_t B = p->attn.batch, H = p->attn.heads, Hk = p->attn.heads_kv;
+    if (!tma_map<T>(&maps.q, a.q, a.sq, B, H, a.seq_q, D, BWD_BQ) ||
+        !tma_map<T>(&maps.dout, a.dout, a.sdo, B, H, a.seq_q, D, BWD_BQ) ||
+        !tma_map<T>(&maps.k, a.k, a.sk, B, Hk, a.seq_kv, D, BWD_BKV) ||
+        !tma_map<T>(&maps.v, a.v, a.sv, B, Hk, a.seq_kv, D, BWD_BKV))
+        return FADEV_OK; /* *ran stays false: the cp.async kernel runs */
+    constexpr int smem = bwd_tma_smem<D, BWD_STAGES>();
+    auto kernel = native_backward_tma_kernel<T, D, BWD_STAGES, PAIRED>;
+    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<(unsigned)(B * Hk * a.n_kt), BWD_THREADS, smem, a.stream>>>(a, maps);
+    CUDA_TRY(cudaGetLastError());
+    *ran = true;
+    return FADEV_OK;
+}
+
+} // namespace
+
+fadev_status native_backward_tma(const fadev_native_params *p, const native_bwd_args &a, bool *ran) {
+    *ran = false;
+    const char *off = getenv("FADEV_NATIVE_TMA_BWD");
+    if ((off && strcmp(off, "0") == 0) || a.dq_acc || p->attn.block_q != BWD_BQ || p->attn.block_kv != BWD_BKV)
+        return FADEV_OK;
+    const char *pe = getenv("FADEV_BWD_PAIRED"); /* development A/B */
+    if (p->attn.dim == 64 && pe && strcmp(pe, "0") == 0)
+        return p->dtype == FADEV_NATIVE_FP16 ? bwd_tma_launch<__half, 64>(p, a, ran)
+                                             : bwd_tma_launch<__nv_bfloat16, 64>(p, a, ran);
+    if (p->attn.dim == 64)
+        return p->dtype == FADEV_NATIVE_FP16 ? bwd_tma_launch<__half, 64, true>(p, a, ran)
+                                             : bwd_tma_launch<__nv_bfloat16, 64, true>(p, a, ran);
+    if (p->attn.dim == 128)
+        return p->dtype == FADEV_NATIVE_FP16 ? bwd_tma_launch<__half, 128>(p, a, ran)
+                                             : bwd_tma_launch<__nv_bfloat16, 128>(p, a, ran);
+    return FADEV_OK;
+}
