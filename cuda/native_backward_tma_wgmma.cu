@@ -7,12 +7,12 @@
  *     them ("full" / "empty" mbarriers, as native_forward_tma_wgmma.cu's);
  *   warpgroups 1 and 2, the consumers: keys [64 c, 64 c + 64) of the tile each, the cp.async kernel's steps
  *     (native_backward_wgmma.cuh) in its order, so the same bits: S^T = K Q^T and dP^T = V dO^T (one wgmma group),
- *     P^T and dS^T, dV += round(P^T) dO and dK += round(dS^T) Q. A query tile's S^T and dP^T are issued behind the
- *     last tile's dV and dK products (its P^T and dS^T registers held until they are done), no CTA-wide barrier
- *     between tiles, and the two consumers take turns at issuing (named barriers: ping-pong), so that one's softmax
- *     runs while the other's products are on the tensor cores.
- * Every query tile is a turn of both consumers (a causal tile that none of a consumer's keys sees gives P = 0), so the
- * turns pair up. FADEV_NATIVE_TMA_BWD=0 runs the cp.async kernel instead (tests compare the two bit for bit). */
+ *     P^T and dS^T, dV += round(P^T) dO and dK += round(dS^T) Q, each product group waited for in its turn; no
+ *     CTA-wide barrier between query tiles (a stage is released by its consumers' mbarrier arrivals), and the two
+ *     consumers take turns at issuing (named barriers: ping-pong), so that one's softmax runs while the other's
+ *     products are on the tensor cores.
+ * Every query tile is two turns of each consumer (a causal tile that none of a consumer's keys sees gives P = 0), so
+ * the turns pair up. FADEV_NATIVE_TMA_BWD=0 runs the cp.async kernel instead (tests compare the two bit for bit). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -27,15 +27,15 @@ struct bwd_maps {
     CUtensorMap q, dout, k, v;
 };
 
-/* 3 stages of Q, dO, lse and Dvec: at D 64 two left the consumers waiting (H200: 10-20% slower than three); at D
- * 128 the two measured the same */
+/* 3 stages of Q, dO, lse and Dvec: at D 64 two left the consumers waiting (H200: 10-20% slower than three, with the
+ * next tile's S^T and dP^T issued beside this tile's dV and dK products); at D 128 the two measured the same */
 constexpr int BWD_THREADS = 384, BWD_BQ = 64, BWD_BKV = 128, BWD_STAGES = 3;
 
 template <int D, int S> constexpr int bwd_tma_smem() {
     return (2 * BWD_BKV + 2 * S * BWD_BQ) * D * 2 + 2 * S * BWD_BQ * 4 + 1024 + kv_barriers<S>::BYTES;
 }
 
-template <typename T, int D, int S, bool PAIRED>
+template <typename T, int D, int S>
 __global__ void __launch_bounds__(BWD_THREADS, 1)
     native_backward_tma_kernel(const native_bwd_args a, const __grid_constant__ bwd_maps maps) {
 #if FADEV_WGMMA
@@ -94,85 +94,43 @@ __global__ void __launch_bounds__(BWD_THREADS, 1)
     const int ct = tid - 128, lane = ct & 31, warp = ct >> 5, cw = warp >> 2, g = lane >> 2, t4 = lane & 3;
     const int k0 = tile.k0, key0 = k0 + warp * 16 + g; /* as the cp.async kernel's warp `warp` */
     const uint32_t aK = smem_u32(sK) + cw * 64 * 128, aV = smem_u32(sV) + cw * 64 * 128; /* this consumer's rows */
-    /* ping-pong: issue between bar.sync on 3 + cw and bar.arrive on the other's; each consumer has n_it + 1 turns
-     * (PAIRED: a turn issues tile it's dV, dK products with tile it + 1's S^T, dP^T) or 2 n_it (a turn each) */
-    static_assert(!PAIRED || D <= 64, "at D 128 the pair's registers (S^T, dP^T beside P^T, dS^T) exceed 240");
-    const int n_turns = PAIRED ? n_it + 1 : 2 * n_it;
+    /* ping-pong (each consumer 2 n_it turns): issue between bar.sync on 3 + cw and bar.arrive on the other's */
     int turns = 0;
     auto turn = [&]() { named_sync(3 + cw, 256); };
     auto pass = [&]() {
-        if (!(cw == 1 && ++turns == n_turns)) named_arrive(3 + (cw ^ 1), 256);
+        if (!(cw == 1 && ++turns == 2 * n_it)) named_arrive(3 + (cw ^ 1), 256);
     };
     if (n_it > 0 && cw == 1) named_arrive(3, 256); /* consumer 0 issues first */
-    auto aQ = [&](int it) { return smem_u32(sQ + it % S * BQ * D); };
-    auto adO = [&](int it) { return smem_u32(sdO + it % S * BQ * D); };
-    auto full = [&](int it) { mbar_wait(bar.full_k(it % S), (it / S) & 1); };
 
-    float dk[D / 2], dv[D / 2], sp[BQ / 2], dp[BQ / 2];
+    float dk[D / 2], dv[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
-    uint32_t pa[BQ / 16][4], sa[BQ / 16][4];
-    /* S^T = K Q^T, dP^T = V dO^T of query tile it */
-    auto scores = [&](int it) { wgmma_score_pair<T, BQ, D, BKV, BQ>(sp, dp, aK, aQ(it), aV, adO(it)); };
-    /* P^T, dS^T of query tile it from its S^T, dP^T (landed), as the dV, dK products' A operands */
-    auto softmax = [&](int it) {
+    if (n_it > 0) mbar_wait(bar.full_q(), 0);
+    /* each wgmma group is waited for in its own step: none in flight across the loop's back edge, where ptxas would
+     * serialise it; and at D 128 S^T, dP^T of the next tile beside this tile's P^T, dS^T would exceed 240 registers
+     * (at D 64, that pairing measured no faster) */
+    for (int it = 0; it < n_it; ++it) {
+        const int st = it % S;
+        const uint32_t aQ = smem_u32(sQ + st * BQ * D), adO = smem_u32(sdO + st * BQ * D);
+        mbar_wait(bar.full_k(st), (it / S) & 1);
+        float sp[BQ / 2], dp[BQ / 2];
+        turn();
+        wgmma_score_pair<T, BQ, D, BKV, BQ>(sp, dp, aK, aQ, aV, adO); /* S^T = K Q^T, dP^T = V dO^T */
+        pass();
+        wgmma_wait_all();
         wgmma_fence_regs(sp);
         wgmma_fence_regs(dp);
-        bwd_ds_tile<BQ, BKV>(a, sp, dp, sL + it % S * BQ, sDv + it % S * BQ, tile.first_row(it), k0, tile.off, key0, t4);
+        bwd_ds_tile<BQ, BKV>(a, sp, dp, sL + st * BQ, sDv + st * BQ, tile.first_row(it), k0, tile.off, key0, t4);
+        uint32_t pa[BQ / 16][4], sa[BQ / 16][4];
         wgmma_pack_a<T, BQ>(pa, sp);
         wgmma_pack_a<T, BQ>(sa, dp);
-    };
-    auto dkdv = [&](int it) { bwd_issue_dkdv<T, D, BQ>(dk, dv, pa, sa, aQ(it), adO(it)); };
-    /* tile it's dV, dK products done (waited for): its stage is read no more */
-    auto release = [&](int it) {
+        turn();
+        bwd_issue_dkdv<T, D, BQ>(dk, dv, pa, sa, aQ, adO);
+        pass();
+        wgmma_wait_all();
         wgmma_fence_regs(dk);
         wgmma_fence_regs(dv);
-        mbar_arrive(bar.empty_k(it % S));
-    };
-    /* every wgmma batch is waited for at the end of its turn's step: none in flight across a loop's back edge
-     * (ptxas would serialise them) */
-    if constexpr (PAIRED) {
-        if (n_it > 0) {
-            mbar_wait(bar.full_q(), 0);
-            full(0);
-            turn();
-            scores(0);
-            pass();
-            wgmma_wait_all();
-        }
-        for (int it = 0; it + 1 < n_it; ++it) {
-            softmax(it);
-            full(it + 1);
-            turn();
-            dkdv(it);
-            scores(it + 1);
-            pass();
-            wgmma_wait_all();
-            release(it);
-        }
-        if (n_it > 0) {
-            softmax(n_it - 1);
-            turn();
-            dkdv(n_it - 1);
-            pass();
-            wgmma_wait_all();
-            release(n_it - 1);
-        }
-    } else {
-        if (n_it > 0) mbar_wait(bar.full_q(), 0);
-        for (int it = 0; it < n_it; ++it) {
-            full(it);
-            turn();
-            scores(it);
-            pass();
-            wgmma_wait_all();
-            softmax(it);
-            turn();
-            dkdv(it);
-            pass();
-            wgmma_wait_all();
-            release(it);
-        }
+        mbar_arrive(bar.empty_k(st)); /* the tile's stage is read no more */
     }
     bwd_store_dkdv<T, D>(a, tile.b, tile.hk, key0, t4, dk, dv);
 #else
@@ -180,7 +138,7 @@ __global__ void __launch_bounds__(BWD_THREADS, 1)
 #endif
 }
 
-template <typename T, int D, bool PAIRED = false>
+template <typename T, int D>
 fadev_status bwd_tma_launch(const fadev_native_params *p, const native_bwd_args &a, bool *ran) {
     bwd_maps maps;
     const int64_t B = p->attn.batch, H = p->attn.heads, Hk = p->attn.heads_kv;
@@ -190,7 +148,7 @@ fadev_status bwd_tma_launch(const fadev_native_params *p, const native_bwd_args 
         !tma_map<T>(&maps.v, a.v, a.sv, B, Hk, a.seq_kv, D, BWD_BKV))
         return FADEV_OK; /* *ran stays false: the cp.async kernel runs */
     constexpr int smem = bwd_tma_smem<D, BWD_STAGES>();
-    auto kernel = native_backward_tma_kernel<T, D, BWD_STAGES, PAIRED>;
+    auto kernel = native_backward_tma_kernel<T, D, BWD_STAGES>;
     CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     kernel<<<(unsigned)(B * Hk * a.n_kt), BWD_THREADS, smem, a.stream>>>(a, maps);
     CUDA_TRY(cudaGetLastError());
@@ -205,13 +163,9 @@ fadev_status native_backward_tma(const fadev_native_params *p, const native_bwd_
     const char *off = getenv("FADEV_NATIVE_TMA_BWD");
     if ((off && strcmp(off, "0") == 0) || a.dq_acc || p->attn.block_q != BWD_BQ || p->attn.block_kv != BWD_BKV)
         return FADEV_OK;
-    const char *pe = getenv("FADEV_BWD_PAIRED"); /* development A/B */
-    if (p->attn.dim == 64 && pe && strcmp(pe, "0") == 0)
+    if (p->attn.dim == 64)
         return p->dtype == FADEV_NATIVE_FP16 ? bwd_tma_launch<__half, 64>(p, a, ran)
                                              : bwd_tma_launch<__nv_bfloat16, 64>(p, a, ran);
-    if (p->attn.dim == 64)
-        return p->dtype == FADEV_NATIVE_FP16 ? bwd_tma_launch<__half, 64, true>(p, a, ran)
-                                             : bwd_tma_launch<__nv_bfloat16, 64, true>(p, a, ran);
     if (p->attn.dim == 128)
         return p->dtype == FADEV_NATIVE_FP16 ? bwd_tma_launch<__half, 128>(p, a, ran)
                                              : bwd_tma_launch<__nv_bfloat16, 128>(p, a, ran);

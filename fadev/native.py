@@ -130,18 +130,19 @@ def _host(x, name, code):
 DEFAULT_TILES = {
     ("wgmma", False, 64, False): (128, 128), ("wgmma", False, 64, True): (128, 128),
     ("wgmma", False, 128, False): (128, 128), ("wgmma", False, 128, True): (128, 128),
-    ("wgmma", True, 64, False): (64, 64), ("wgmma", True, 64, True): (64, 64),
+    ("wgmma", True, 64, False): (64, 64), ("wgmma", True, 64, True): (64, 128),
     ("wgmma", True, 128, False): (64, 128), ("wgmma", True, 128, True): (64, 128),
 }
 """The tile a call with no tile argument runs, per (instruction, backward, head dim, causal); keys it lacks take the
 first of :func:`native_tiles`. Measured (benchmarks/README.md, "The measured tile table" and "The forward with a
 producer warpgroup"): the forward's 128-query-row tiles run the tensor-memory-accelerator kernel (a producer
 warpgroup, two consumers in ping-pong), 1.2-1.5x the other tiles at D 64 and 128, N 1k-16k, causal or not, on an
-H100; the backward's D 64 entries keep the tile it ran when the forward's default was (64, 64), its D 128 entries
-take 64 query rows (1.12-1.17x the 32-row tile on an H200, and, deterministic, the same bits: the same k16 query
-chunks in the same order). A table, not an
-autotuner: a tile changes the bits, and a default must give the same bits on every run and every machine with the
-instruction."""
+H100; the backward's (64, 128) tiles run, deterministic, the producer / consumer kernel
+(cuda/native_backward_tma_wgmma.cu: 1.04-1.14x the cp.async kernel at D 128 on an H100, the same bits): the D 128
+entries' tile, and D 64's causal one (the (64, 64) tile's speed at N 1k, 1.08-1.12x it at 4k and 16k), while D 64
+without a mask keeps (64, 64) (the producer kernel 1.12x faster at N 16k, the same at 4k, 6-12% slower at 1k). A
+table, not an autotuner: a tile changes the bits, and a default must give the same bits on every run and every
+machine with the instruction."""
 
 
 def fit_tile(dim, block_q=None, block_kv=None, *, backward=False, warp_rows=16, mma="sync", causal=False,
