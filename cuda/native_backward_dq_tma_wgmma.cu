@@ -17,10 +17,6 @@
 
 namespace {
 
-struct dq_maps {
-    CUtensorMap q, dout, k, v;
-};
-
 constexpr int DQ_THREADS = 384, DQ_ROWS = 128, DQ_BKV = 64, DQ_STAGES = 3;
 
 template <int D> constexpr int dq_tma_smem() {
@@ -40,7 +36,7 @@ __device__ __forceinline__ void issue_dq(float (&dq)[D / 2], const uint32_t (&da
 
 template <typename T, int D>
 __global__ void __launch_bounds__(DQ_THREADS, 1)
-    native_dq_tma_kernel(const native_bwd_args a, const __grid_constant__ dq_maps maps) {
+    native_dq_tma_kernel(const native_bwd_args a, const __grid_constant__ bwd_maps maps) {
 #if FADEV_WGMMA
     constexpr int BKV = DQ_BKV, S = DQ_STAGES, KV_BYTES = BKV * D * 2;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -154,21 +150,9 @@ __global__ void __launch_bounds__(DQ_THREADS, 1)
 
 template <typename T, int D>
 fadev_status dq_tma_launch(const fadev_native_params *p, const native_bwd_args &a, bool *ran) {
-    dq_maps maps;
-    const int64_t B = p->attn.batch, H = p->attn.heads, Hk = p->attn.heads_kv;
-    if (!tma_map<T>(&maps.q, a.q, a.sq, B, H, a.seq_q, D, DQ_ROWS) ||
-        !tma_map<T>(&maps.dout, a.dout, a.sdo, B, H, a.seq_q, D, DQ_ROWS) ||
-        !tma_map<T>(&maps.k, a.k, a.sk, B, Hk, a.seq_kv, D, DQ_BKV) ||
-        !tma_map<T>(&maps.v, a.v, a.sv, B, Hk, a.seq_kv, D, DQ_BKV))
-        return FADEV_OK; /* *ran stays false: the cp.async pass runs */
-    constexpr int smem = dq_tma_smem<D>();
-    auto kernel = native_dq_tma_kernel<T, D>;
-    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const int64_t ctas = B * H * ((a.seq_q + DQ_ROWS - 1) / DQ_ROWS);
-    kernel<<<(unsigned)ctas, DQ_THREADS, smem, a.stream>>>(a, maps);
-    CUDA_TRY(cudaGetLastError());
-    *ran = true;
-    return FADEV_OK;
+    return bwd_tma_run<T>(native_dq_tma_kernel<T, D>, p, a, D, DQ_ROWS, DQ_BKV,
+                          p->attn.batch * p->attn.heads * ((a.seq_q + DQ_ROWS - 1) / DQ_ROWS), DQ_THREADS,
+                          dq_tma_smem<D>(), ran);
 }
 
 } // namespace

@@ -23,10 +23,6 @@
 
 namespace {
 
-struct bwd_maps {
-    CUtensorMap q, dout, k, v;
-};
-
 /* 3 stages of Q, dO, lse and Dvec: at D 64 two left the consumers waiting (H200: 10-20% slower than three, with the
  * next tile's S^T and dP^T issued beside this tile's dV and dK products); at D 128 the two measured the same */
 constexpr int BWD_THREADS = 384, BWD_BQ = 64, BWD_BKV = 128, BWD_STAGES = 3;
@@ -140,20 +136,8 @@ __global__ void __launch_bounds__(BWD_THREADS, 1)
 
 template <typename T, int D>
 fadev_status bwd_tma_launch(const fadev_native_params *p, const native_bwd_args &a, bool *ran) {
-    bwd_maps maps;
-    const int64_t B = p->attn.batch, H = p->attn.heads, Hk = p->attn.heads_kv;
-    if (!tma_map<T>(&maps.q, a.q, a.sq, B, H, a.seq_q, D, BWD_BQ) ||
-        !tma_map<T>(&maps.dout, a.dout, a.sdo, B, H, a.seq_q, D, BWD_BQ) ||
-        !tma_map<T>(&maps.k, a.k, a.sk, B, Hk, a.seq_kv, D, BWD_BKV) ||
-        !tma_map<T>(&maps.v, a.v, a.sv, B, Hk, a.seq_kv, D, BWD_BKV))
-        return FADEV_OK; /* *ran stays false: the cp.async kernel runs */
-    constexpr int smem = bwd_tma_smem<D, BWD_STAGES>();
-    auto kernel = native_backward_tma_kernel<T, D, BWD_STAGES>;
-    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    kernel<<<(unsigned)(B * Hk * a.n_kt), BWD_THREADS, smem, a.stream>>>(a, maps);
-    CUDA_TRY(cudaGetLastError());
-    *ran = true;
-    return FADEV_OK;
+    return bwd_tma_run<T>(native_backward_tma_kernel<T, D, BWD_STAGES>, p, a, D, BWD_BQ, BWD_BKV,
+                          p->attn.batch * p->attn.heads_kv * a.n_kt, BWD_THREADS, bwd_tma_smem<D, BWD_STAGES>(), ran);
 }
 
 } // namespace

@@ -110,6 +110,35 @@ bool tma_map(CUtensorMap *map, const void *base, const native_strides &s, int64_
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+/* The backward kernels' maps (native_backward_tma_wgmma.cu, native_backward_dq_tma_wgmma.cu): Q and dO read in boxes
+ * of q_rows rows, K and V of kv_rows; false where the copy engine cannot describe one of them. */
+struct bwd_maps {
+    CUtensorMap q, dout, k, v;
+};
+template <typename T>
+bool bwd_tma_maps(bwd_maps *m, const fadev_native_params *p, const native_bwd_args &a, int d, int q_rows, int kv_rows) {
+    const int64_t B = p->attn.batch, H = p->attn.heads, Hk = p->attn.heads_kv;
+    return tma_map<T>(&m->q, a.q, a.sq, B, H, a.seq_q, d, q_rows) &&
+           tma_map<T>(&m->dout, a.dout, a.sdo, B, H, a.seq_q, d, q_rows) &&
+           tma_map<T>(&m->k, a.k, a.sk, B, Hk, a.seq_kv, d, kv_rows) &&
+           tma_map<T>(&m->v, a.v, a.sv, B, Hk, a.seq_kv, d, kv_rows);
+}
+
+/* Runs a backward producer / consumer kernel(a, maps) on `ctas` CTAs where the maps can be described (*ran true),
+ * else leaves *ran false for the cp.async kernel. */
+template <typename T>
+fadev_status bwd_tma_run(void (*kernel)(native_bwd_args, bwd_maps), const fadev_native_params *p,
+                         const native_bwd_args &a, int d, int q_rows, int kv_rows, int64_t ctas, int threads, int smem,
+                         bool *ran) {
+    bwd_maps maps;
+    if (!bwd_tma_maps<T>(&maps, p, a, d, q_rows, kv_rows)) return FADEV_OK;
+    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<(unsigned)ctas, threads, smem, a.stream>>>(a, maps);
+    CUDA_TRY(cudaGetLastError());
+    *ran = true;
+    return FADEV_OK;
+}
+
 } // namespace
 
 #endif /* FADEV_TMA_CUH */
