@@ -130,7 +130,7 @@ def _host(x, name, code):
 DEFAULT_TILES = {
     ("wgmma", False, 64, False): (128, 128), ("wgmma", False, 64, True): (128, 128),
     ("wgmma", False, 128, False): (128, 128), ("wgmma", False, 128, True): (128, 128),
-    ("wgmma", True, 64, False): (64, 64), ("wgmma", True, 64, True): (64, 128),
+    ("wgmma", True, 64, False): (64, 64), ("wgmma", True, 64, True): (64, 64),
     ("wgmma", True, 128, False): (64, 128), ("wgmma", True, 128, True): (64, 128),
 }
 """The tile a call with no tile argument runs, per (instruction, backward, head dim, causal); keys it lacks take the
@@ -138,17 +138,26 @@ first of :func:`native_tiles`. Measured (benchmarks/README.md, "The measured til
 producer warpgroup"): the forward's 128-query-row tiles run the tensor-memory-accelerator kernel (a producer
 warpgroup, two consumers in ping-pong), 1.2-1.5x the other tiles at D 64 and 128, N 1k-16k, causal or not, on an
 H100; the backward's (64, 128) tiles run, deterministic, the producer / consumer kernel
-(cuda/native_backward_tma_wgmma.cu: 1.04-1.14x the cp.async kernel at D 128 on an H100, the same bits): the D 128
-entries' tile, and D 64's causal one (the (64, 64) tile's speed at N 1k, 1.08-1.12x it at 4k and 16k), while D 64
-without a mask keeps (64, 64) (the producer kernel 1.12x faster at N 16k, the same at 4k, 6-12% slower at 1k). A
-table, not an autotuner: a tile changes the bits, and a default must give the same bits on every run and every
+(cuda/native_backward_tma_wgmma.cu: 1.04-1.21x the cp.async kernel at D 128 on an H100, the same bits), the D 128
+entries' tile; D 64 keeps (64, 64) up to the lengths :data:`LONG_TILES` names. A table, not an autotuner: a tile changes the bits, and a default must give the same bits on every run and every
 machine with the instruction."""
 
 
+LONG_TILES = {
+    ("wgmma", True, 64, False): (16384, (64, 128)), ("wgmma", True, 64, True): (4096, (64, 128)),
+}
+"""From ``seq_q`` >= the length given, the tile a call with no tile argument runs instead of :data:`DEFAULT_TILES`'
+(same keys). Measured (benchmarks/README.md, "The backward's dK/dV kernel on a producer warpgroup"; H100, bf16,
+deterministic): at D 64 the producer / consumer kernel of the (64, 128) tile pays its set-up (K and V, three
+warpgroups, one CTA an SM) over a CTA's query tiles, so it beats (64, 64) at length: causal 1.08-1.09x at N 4k,
+1.04-1.12x at 16k, and 0.92-0.99x at 1k; without a mask 1.09-1.12x at 16k, 0.94-1.03x at 4k, 0.81-0.95x at 1k."""
+
+
 def fit_tile(dim, block_q=None, block_kv=None, *, backward=False, warp_rows=16, mma="sync", causal=False,
-             names="block_q, block_kv") -> tuple:
+             seq_q=None, names="block_q, block_kv") -> tuple:
     """The one tile fitter of the native kernels: the (block_q, block_kv) they run for head dim ``dim``: with no
-    tile entry given, :data:`DEFAULT_TILES`' tile for (``mma``, ``backward``, ``dim``, ``causal``) where it has one,
+    tile entry given, :data:`LONG_TILES`' tile for (``mma``, ``backward``, ``dim``, ``causal``) where it has one and
+    ``seq_q`` (the query length; None: short) reaches its length, else :data:`DEFAULT_TILES`' where it has one,
     else the first of :func:`native_tiles` matching the given entries (None matches any). ValueError naming
     ``names`` and the supported tiles when none does (``mma`` or ``warp_rows`` when they leave no tile at that head
     dim)."""
@@ -161,7 +170,11 @@ def fit_tile(dim, block_q=None, block_kv=None, *, backward=False, warp_rows=16, 
     if not tiles:
         raise ValueError(f"q: the native kernels do not support head dim {dim}")
     if block_q is None and block_kv is None:
-        table = DEFAULT_TILES.get((mma, bool(backward), int(dim), bool(causal)))
+        key = (mma, bool(backward), int(dim), bool(causal))
+        long = LONG_TILES.get(key)
+        if long and seq_q is not None and seq_q >= long[0] and long[1] in tiles:
+            return long[1]
+        table = DEFAULT_TILES.get(key)
         if table in tiles:
             return table
     fits = [t for t in tiles if block_q in (None, t[0]) and block_kv in (None, t[1])]
@@ -181,7 +194,8 @@ def _params(q4, causal, scale, block_q, block_kv, code, gpu, backward=False, det
     mma = resolve_mma(mma, dim, backward=backward, block_q=block_q, block_kv=block_kv, warp_rows=warp_rows,
                       device=gpu.index)
     causal = _args.causal_of(causal)
-    tile = fit_tile(dim, block_q, block_kv, backward=backward, warp_rows=warp_rows, mma=mma, causal=causal)
+    tile = fit_tile(dim, block_q, block_kv, backward=backward, warp_rows=warp_rows, mma=mma, causal=causal,
+                    seq_q=q4.shape[2])
     call = _args.Call(None, _args.scale_of(scale, dim), causal, *tile)
     return call, (code, deterministic, warp_rows, MMA.index(mma))
 

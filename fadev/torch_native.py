@@ -98,14 +98,15 @@ def _device_index(device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def _choose_tiles(dim, index, options, causal):
-    """((forward tile, backward tile), (forward mma, backward mma)) of the native options."""
+def _choose_tiles(dim, index, options, causal, seq_q=None):
+    """((forward tile, backward tile), (forward mma, backward mma)) of the native options (seq_q: the query length,
+    for fadev.native.LONG_TILES)."""
     block_q, block_kv, backward_block_q, backward_block_kv, _, mma, backward_mma = options
     if not native_tiles(dim):
         raise ValueError(f"query: the native kernel has no tiles for head dim {dim} (supported: those "
                          f"fadev.native_tiles lists, 64 and 128)")
     fmma = resolve_mma(mma, dim, block_q=block_q, block_kv=block_kv, device=index)
-    forward = fit_tile(dim, block_q, block_kv, mma=fmma, causal=causal)
+    forward = fit_tile(dim, block_q, block_kv, mma=fmma, causal=causal, seq_q=seq_q)
     if backward_mma is None:  # explicit instructions are the forward's; the backward then runs mma.sync, as before
         backward_mma = "auto" if mma == "auto" else "sync"
     explicit = backward_block_q is not None or backward_block_kv is not None
@@ -114,7 +115,7 @@ def _choose_tiles(dim, index, options, causal):
     if not explicit and forward in native_tiles(dim, backward=True, mma=bmma):
         return (forward, forward), (fmma, bmma)
     backward = fit_tile(dim, backward_block_q, backward_block_kv, backward=True, mma=bmma, causal=causal,
-                        names="backward_block_q, backward_block_kv")
+                        seq_q=seq_q, names="backward_block_q, backward_block_kv")
     return (forward, backward), (fmma, bmma)
 
 
@@ -130,7 +131,7 @@ def _build(q, k, v, is_causal, scale, enable_gqa, options) -> Plan:
         raise TypeError(f"scale must be a real number or None, got {scale!r}")
     index = _device_index(q.device)
     (b, h, nq, dim), (_, hkv, nk, _) = q.shape, k.shape
-    tiles, mma_pair = _choose_tiles(dim, index, options, bool(is_causal))
+    tiles, mma_pair = _choose_tiles(dim, index, options, bool(is_causal), nq)
     shape = (b, h, hkv, nq, nk, dim)
     scale, causal, code = _args.scale_of(scale, dim), bool(is_causal), _CODE[q.dtype]
     calls = tuple((_args.Call(None, scale, causal, *tile).c, (code, bool(deterministic) and i == 1, 16, MMA.index(m)))

@@ -81,6 +81,15 @@ def test_default_tile_table():
             assert native.fit_tile(dim, mma="wgmma") == native.fit_tile(dim, mma="wgmma", causal=True) == (128, 128)
         assert native.fit_tile(64, mma="wgmma", backward=True) == (64, 64)
         assert native.fit_tile(128, mma="wgmma", backward=True) == (64, 128)
+        # LONG_TILES: from its length on, D 64's backward takes (64, 128); below it, and for an explicit entry, not
+        for causal, n in ((True, 4096), (False, 16384)):
+            assert native.fit_tile(64, mma="wgmma", backward=True, causal=causal, seq_q=n) == (64, 128)
+            assert native.fit_tile(64, mma="wgmma", backward=True, causal=causal, seq_q=n - 1) == (64, 64)
+            assert native.fit_tile(64, None, 64, mma="wgmma", backward=True, causal=causal, seq_q=n) == (64, 64)
+        assert native.fit_tile(128, mma="wgmma", backward=True, seq_q=1 << 20) == (64, 128)  # no entry at D 128
+        for n, tile in ((1024, (64, 64)), (4096, (64, 128))):  # plan passes the query length
+            q, k, v = _qkv(b=1, h=1, hkv=1, n=n, d=64)
+            assert tn.plan(q, k, v, True, None, True).tiles == ((128, 128), tile)
         assert native.fit_tile(128, mma="sync", backward=True) == TILES[(128, True, 16, 0)][0]  # no entry: first
         assert native.fit_tile(64, 128, mma="wgmma") == next(t for t in wgmma(64) if t[0] == 128)  # an entry given
         assert native.fit_tile(64, None, 64, mma="wgmma", causal=True) == next(t for t in wgmma(64) if t[1] == 64)
@@ -89,6 +98,8 @@ def test_default_tile_table():
         assert tn.plan(q, k, v, True, None, True).tiles[0] == (128, 128)
         assert tn.plan(q, k, v, False, None, True).tiles[0] == (128, 128)
     for (mma, backward, dim, _), tile in native.DEFAULT_TILES.items():  # every entry is a tile the build has
+        assert tile in TILES[(dim, backward, 16, native.MMA.index(mma))]
+    for (mma, backward, dim, _), (_, tile) in native.LONG_TILES.items():
         assert tile in TILES[(dim, backward, 16, native.MMA.index(mma))]
 
 
