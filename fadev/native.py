@@ -138,7 +138,7 @@ first of :func:`native_tiles`. Measured (benchmarks/README.md, "The measured til
 producer warpgroup"): the forward's 128-query-row tiles run the tensor-memory-accelerator kernel (a producer
 warpgroup, two consumers in ping-pong), 1.2-1.5x the other tiles at D 64 and 128, N 1k-16k, causal or not, on an
 H100; the backward's (64, 128) tiles run, deterministic, the producer / consumer kernel
-(cuda/native_backward_tma_wgmma.cu: 1.04-1.21x the cp.async kernel at D 128 on an H100, the same bits), the D 128
+(cuda/native_backward_tma_wgmma.cu: 1.02-1.21x the cp.async kernel at D 128 on an H100, the same bits), the D 128
 entries' tile; D 64 keeps (64, 64) up to the lengths :data:`LONG_TILES` names. A table, not an autotuner: a tile changes the bits, and a default must give the same bits on every run and every
 machine with the instruction."""
 
@@ -149,8 +149,8 @@ LONG_TILES = {
 """From ``seq_q`` >= the length given, the tile a call with no tile argument runs instead of :data:`DEFAULT_TILES`'
 (same keys). Measured (benchmarks/README.md, "The backward's dK/dV kernel on a producer warpgroup"; H100, bf16,
 deterministic): at D 64 the producer / consumer kernel of the (64, 128) tile pays its set-up (K and V, three
-warpgroups, one CTA an SM) over a CTA's query tiles, so it beats (64, 64) at length: causal 1.08-1.09x at N 4k,
-1.04-1.12x at 16k, and 0.92-0.99x at 1k; without a mask 1.09-1.12x at 16k, 0.94-1.03x at 4k, 0.81-0.95x at 1k."""
+warpgroups, one CTA an SM) over a CTA's query tiles, so it beats (64, 64) at length: causal 1.08-1.11x at N 4k,
+1.04-1.12x at 16k, and 0.95-0.99x at 1k; without a mask 1.09-1.14x at 16k, 0.94-0.99x at 4k, 0.81-0.94x at 1k."""
 
 
 def fit_tile(dim, block_q=None, block_kv=None, *, backward=False, warp_rows=16, mma="sync", causal=False,
