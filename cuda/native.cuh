@@ -364,8 +364,8 @@ template <typename T, int D> fadev_status native_backward_after(const fadev_nati
 fadev_status native_backward_wgmma(const fadev_native_params *p, const native_bwd_args &a, const void *out);
 
 /* The dK/dV kernel with a producer warpgroup and tensor-memory-accelerator loads (native_backward_tma_wgmma.cu): the
- * deterministic mode's 64 x 128 tile at D 64 and 128 where the copy engine can describe the layout; *ran says whether
- * it ran. The same bits as native_backward_wgmma's kernel. */
+ * 64 x 128 tile at D 64 and 128 where the copy engine can describe the layout; *ran says whether it ran. The same
+ * bits as native_backward_wgmma's kernel (the atomic mode's dq: the same sums, added in another order). */
 fadev_status native_backward_tma(const fadev_native_params *p, const native_bwd_args &a, bool *ran);
 
 /* The instances a dQ pass launches (both instructions' passes): launch(T{}, std::integral_constant<int, D>{}) for the

@@ -1,5 +1,5 @@
-/* The wgmma backward's dK/dV kernel with FlashAttention-3's division of labour, for the deterministic mode (dQ by the
- * dq pass) at block_q 64, block_kv 128 (D 64 and 128) where the copy engine can describe the layout
+/* The wgmma backward's dK/dV kernel with FlashAttention-3's division of labour at block_q 64, block_kv 128 (D 64 and
+ * 128; deterministic: dQ by the dq pass; atomic: below) where the copy engine can describe the layout
  * (native_backward_wgmma.cu's cp.async kernel otherwise): one CTA per (batch, K/V head, 128 keys) of three
  * warpgroups,
  *   warpgroup 0, the producer: thread 0 issues the tensor memory accelerator's copies of the tile's K and V (once)
@@ -12,7 +12,10 @@
  *     consumers take turns at issuing (named barriers: ping-pong), so that one's softmax runs while the other's
  *     products are on the tensor cores.
  * Every query tile is two turns of each consumer (a causal tile that none of a consumer's keys sees gives P = 0), so
- * the turns pair up. FADEV_NATIVE_TMA_BWD=0 runs the cp.async kernel instead (tests compare the two bit for bit). */
+ * the turns pair up. The atomic mode (dQ added to the fp32 workspace, as FlashAttention-2 and the cp.async kernel)
+ * sums tile j's dQ in this kernel from both consumers' dS^T of j in shared memory, each consumer half the head dim,
+ * after its tile j + 1's products (ATOMIC). FADEV_NATIVE_TMA_BWD=0 runs the cp.async kernel instead (tests compare
+ * the two: bit for bit where deterministic). */
 #include <stdlib.h>
 #include <string.h>
 
@@ -27,11 +30,16 @@ namespace {
  * next tile's S^T and dP^T issued beside this tile's dV and dK products); at D 128 the two measured the same */
 constexpr int BWD_THREADS = 384, BWD_BQ = 64, BWD_BKV = 128, BWD_STAGES = 3;
 
-template <int D, int S> constexpr int bwd_tma_smem() {
-    return (2 * BWD_BKV + 2 * S * BWD_BQ) * D * 2 + 2 * S * BWD_BQ * 4 + 1024 + kv_barriers<S>::BYTES;
+/* the atomic mode's dS^T buffers (BKV x 64 each): a consumer computes tile j's dQ product after tile j + 1's second
+ * turn, and the buffer is written again at tile j + 3 (the other consumer's product of j is done by then) */
+constexpr int BWD_DS = 3;
+
+template <int D, int S, bool ATOMIC> constexpr int bwd_tma_smem() {
+    return (2 * BWD_BKV + 2 * S * BWD_BQ + (ATOMIC ? BWD_DS * BWD_BKV * BWD_BQ / D : 0)) * D * 2 +
+           2 * S * BWD_BQ * 4 + 1024 + kv_barriers<S>::BYTES;
 }
 
-template <typename T, int D, int S>
+template <typename T, int D, int S, bool ATOMIC>
 __global__ void __launch_bounds__(BWD_THREADS, 1)
     native_backward_tma_kernel(const native_bwd_args a, const __grid_constant__ bwd_maps maps) {
 #if FADEV_WGMMA
@@ -40,7 +48,8 @@ __global__ void __launch_bounds__(BWD_THREADS, 1)
     /* the swizzle atoms must be 1024-byte aligned (wgmma.cuh) */
     T *sK = reinterpret_cast<T *>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u));
     T *sV = sK + BKV * D, *sQ = sV + BKV * D, *sdO = sQ + S * BQ * D;
-    float *sL = reinterpret_cast<float *>(sdO + S * BQ * D), *sDv = sL + S * BQ;
+    T *sdS = sdO + S * BQ * D; /* ATOMIC: BWD_DS buffers of dS^T */
+    float *sL = reinterpret_cast<float *>(sdS + (ATOMIC ? BWD_DS * BKV * BQ : 0)), *sDv = sL + S * BQ;
     /* full_q: K and V; stage st: full_k (Q and dO's bytes, and warp 1's 32 arrivals with lse, Dvec), empty_k */
     const kv_barriers<S> bar{smem_u32(sDv + S * BQ)};
     const bwd_tile<T, D, BKV, BQ> tile(a);
@@ -101,6 +110,21 @@ __global__ void __launch_bounds__(BWD_THREADS, 1)
     float dk[D / 2], dv[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+    /* ATOMIC: tile j's dQ[.][DN cw .. + DN] (the head dim split over the consumers) from both consumers' dS^T of j,
+     * after tile j + 1's dV and dK products (in their turn, its 32 registers beside theirs and P^T, dS^T's exceed 240
+     * at D 128) and added to the workspace. ds_bar(c, j): consumer c's dS^T of tile j stored (c arrives, the other
+     * waits); two barriers a consumer, by the tile's parity, since c may store tile j + 1's before the other has
+     * waited for j's (not j + 2's: that needs the other's turns of tile j + 1) */
+    auto ds_bar = [](int c, int j) { return 5 + c + 2 * (j & 1); };
+    constexpr int DN = D / 2;
+    float dq[DN / 2];
+    auto dq_issue = [&](int j) {
+        bwd_issue_dq<T, DN, BKV>(dq, smem_u32(sdS + j % BWD_DS * BKV * BQ), smem_u32(sK), cw * DN);
+    };
+    auto dq_add = [&](int j) {
+        wgmma_fence_regs(dq);
+        bwd_add_dq<D, DN>(a, dq, tile.head_of(a, j), tile.first_row(j), cw * DN, warp & 3, g, t4);
+    };
     if (n_it > 0) mbar_wait(bar.full_q(), 0);
     /* each wgmma group is waited for in its own step: none in flight across the loop's back edge, where ptxas would
      * serialise it; and at D 128 S^T, dP^T of the next tile beside this tile's P^T, dS^T would exceed 240 registers
@@ -120,6 +144,12 @@ __global__ void __launch_bounds__(BWD_THREADS, 1)
         uint32_t pa[BQ / 16][4], sa[BQ / 16][4];
         wgmma_pack_a<T, BQ>(pa, sp);
         wgmma_pack_a<T, BQ>(sa, dp);
+        if constexpr (ATOMIC) { /* this consumer's dS^T of tile it, for both consumers' dQ products */
+            bwd_store_ds<T, BKV, BQ>(sdS + it % BWD_DS * BKV * BQ, sa, warp * 16, g, t4);
+            fence_proxy_async();
+            named_arrive(ds_bar(cw, it), 256);
+            if (it > 0) named_sync(ds_bar(cw ^ 1, it - 1), 256); /* the other's dS^T of tile it - 1 */
+        }
         turn();
         bwd_issue_dkdv<T, D, BQ>(dk, dv, pa, sa, aQ, adO);
         pass();
@@ -127,6 +157,21 @@ __global__ void __launch_bounds__(BWD_THREADS, 1)
         wgmma_fence_regs(dk);
         wgmma_fence_regs(dv);
         mbar_arrive(bar.empty_k(st)); /* the tile's stage is read no more */
+        if constexpr (ATOMIC) {
+            if (it > 0) {
+                dq_issue(it - 1);
+                wgmma_wait_all();
+                dq_add(it - 1);
+            }
+        }
+    }
+    if constexpr (ATOMIC) { /* the last tile's dQ */
+        if (n_it > 0) {
+            named_sync(ds_bar(cw ^ 1, n_it - 1), 256);
+            dq_issue(n_it - 1);
+            wgmma_wait_all();
+            dq_add(n_it - 1);
+        }
     }
     bwd_store_dkdv<T, D>(a, tile.b, tile.hk, key0, t4, dk, dv);
 #else
@@ -136,8 +181,12 @@ __global__ void __launch_bounds__(BWD_THREADS, 1)
 
 template <typename T, int D>
 fadev_status bwd_tma_launch(const fadev_native_params *p, const native_bwd_args &a, bool *ran) {
-    return bwd_tma_run<T>(native_backward_tma_kernel<T, D, BWD_STAGES>, p, a, D, BWD_BQ, BWD_BKV,
-                          p->attn.batch * p->attn.heads_kv * a.n_kt, BWD_THREADS, bwd_tma_smem<D, BWD_STAGES>(), ran);
+    const int64_t ctas = p->attn.batch * p->attn.heads_kv * a.n_kt;
+    if (a.dq_acc)
+        return bwd_tma_run<T>(native_backward_tma_kernel<T, D, BWD_STAGES, true>, p, a, D, BWD_BQ, BWD_BKV, ctas,
+                              BWD_THREADS, bwd_tma_smem<D, BWD_STAGES, true>(), ran);
+    return bwd_tma_run<T>(native_backward_tma_kernel<T, D, BWD_STAGES, false>, p, a, D, BWD_BQ, BWD_BKV, ctas,
+                          BWD_THREADS, bwd_tma_smem<D, BWD_STAGES, false>(), ran);
 }
 
 } // namespace
@@ -145,7 +194,7 @@ fadev_status bwd_tma_launch(const fadev_native_params *p, const native_bwd_args 
 fadev_status native_backward_tma(const fadev_native_params *p, const native_bwd_args &a, bool *ran) {
     *ran = false;
     const char *off = getenv("FADEV_NATIVE_TMA_BWD");
-    if ((off && strcmp(off, "0") == 0) || a.dq_acc || p->attn.block_q != BWD_BQ || p->attn.block_kv != BWD_BKV)
+    if ((off && strcmp(off, "0") == 0) || p->attn.block_q != BWD_BQ || p->attn.block_kv != BWD_BKV)
         return FADEV_OK;
     if (p->attn.dim == 64)
         return p->dtype == FADEV_NATIVE_FP16 ? bwd_tma_launch<__half, 64>(p, a, ran)

@@ -90,43 +90,17 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
         bwd_issue_dkdv<T, D, BQ>(dk, dv, pa, sa, aQ, adO);
 
         if (a.dq_acc) { /* else deterministic: dQ by native_dq_pass */
-            /* this warpgroup's dS^T (its 64 keys x BQ queries) to its rows of the tile's dS^T */
-#pragma unroll
-            for (int nb = 0; nb < BQ / 8; ++nb) {
-                const int r0 = wkey + g;
-                *reinterpret_cast<uint32_t *>(sdS + wswz<BKV>(r0, nb) + 2 * t4) = sa[nb >> 1][(nb & 1) * 2];
-                *reinterpret_cast<uint32_t *>(sdS + wswz<BKV>(r0 + 8, nb) + 2 * t4) = sa[nb >> 1][(nb & 1) * 2 + 1];
-            }
+            bwd_store_ds<T, BKV, BQ>(sdS, sa, wkey, g, t4); /* this warpgroup's dS^T to its rows of the tile's */
             fence_proxy_async();
             __syncthreads(); /* every warpgroup's dS^T stored */
-            float *dQ = a.dq_acc + bh * a.seq_q * D;
             constexpr int NWG = BKV / 64;
-            if constexpr (BQ == 64) {
-                /* dQ[q0 .. q0 + 64][DN wg .. + DN] += dS K over the tile's BKV keys, the head dim split over the
-                 * warpgroups: A = dS^T (keys x queries), B = K (keys x d) from column DN wg (its panel, byte
-                 * 2 (DN wg % 64) of the 128-byte rows), both MN-major; keys kk * 16 .. + 16 at byte 2048 kk */
+            if constexpr (BQ == 64) { /* the head dim split over the warpgroups (native_backward_wgmma.cuh) */
                 constexpr int DN = D / NWG;
-                const int col0 = wg * DN; /* in 64-column panel col0 / 64 (D 128: one panel a warpgroup) */
                 float dq[DN / 2];
-                wgmma_fence();
-#pragma unroll
-                for (int kk = 0; kk < BKV / 16; ++kk)
-                    wgmma_ss_tt<T, DN>(dq, wgmma_desc(smem_u32(sdS) + kk * 2048, BKV * 128, 1024),
-                                       wgmma_desc(smem_u32(sK) + kk * 2048 + col0 / 64 * BKV * 128 + col0 % 64 * 2,
-                                                  BKV * 128, 1024),
-                                       kk > 0);
-                wgmma_commit();
+                bwd_issue_dq<T, DN, BKV>(dq, smem_u32(sdS), smem_u32(sK), wg * DN);
                 wgmma_wait_all();
                 wgmma_fence_regs(dq);
-#pragma unroll
-                for (int nb = 0; nb < DN / 8; ++nb) {
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) { /* two adjacent columns at once (sm_90's float2 atomicAdd) */
-                        const int row = q0 + (warp & 3) * 16 + g + 8 * r, col = wg * DN + nb * 8 + 2 * t4;
-                        if (row < a.seq_q)
-                            atomicAdd(reinterpret_cast<float2 *>(dQ + (int64_t)row * D + col), make_float2(dq[4 * nb + 2 * r], dq[4 * nb + 2 * r + 1]));
-                    }
-                }
+                bwd_add_dq<D, DN>(a, dq, bh, q0, wg * DN, warp & 3, g, t4);
             } else {
                 /* dQ^T[d][q0 .. q0 + BQ] += K^T dS^T for the head dim's 64-column panels pn = wg, wg + NWG, ..:
                  * A = panel pn of K (keys x 64 d), B = dS^T (keys x BQ queries), both MN-major; element (nb, e) of
@@ -148,7 +122,7 @@ __global__ void __launch_bounds__(BKV * 2, 1) native_backward_wgmma_kernel(const
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
                             const int row = q0 + nb * 8 + 2 * t4 + (e & 1), col = pn * 64 + (warp & 3) * 16 + g + 8 * (e >> 1);
-                            if (row < a.seq_q) atomicAdd(dQ + (int64_t)row * D + col, dq[4 * nb + e]);
+                            if (row < a.seq_q) atomicAdd(a.dq_acc + (bh * a.seq_q + row) * D + col, dq[4 * nb + e]);
                         }
                     }
                 }

@@ -44,7 +44,47 @@ __device__ __forceinline__ void bwd_issue_dkdv(float (&dk)[D / 2], float (&dv)[D
     for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs<T, D, 1>(dk, sa[kk], wgmma_desc(aQ + kk * 2048, BQ * 128, 1024), 1);
     wgmma_commit();
 }
+
+/* The atomic mode's dQ steps. bwd_store_ds: this warpgroup's dS^T (its 64 keys from tile row wkey x BQ queries; sa
+ * as packed for the dK product) to its rows of the tile's dS^T (BKV x 64, one panel). At block_q 64, bwd_issue_dq:
+ * dQ[q0 .. q0 + 64][col0 .. col0 + DN] += dS K over the tile's BKV keys, the head dim split over the BKV / 64
+ * warpgroups (col0 = DN wg): A = dS^T (keys x queries), B = K (keys x d) from column col0 (its panel, byte 2 (col0 %
+ * 64) of the 128-byte rows), both MN-major, keys kk * 16 .. + 16 at byte 2048 kk; one wgmma group, not waited for.
+ * bwd_add_dq: the product added to the fp32 workspace (two adjacent columns at once: sm_90's float2 atomicAdd). */
+template <typename T, int BKV, int BQ>
+__device__ __forceinline__ void bwd_store_ds(T *ds, const uint32_t (&sa)[BQ / 16][4], int wkey, int g, int t4) {
+#pragma unroll
+    for (int nb = 0; nb < BQ / 8; ++nb) {
+        const int r0 = wkey + g;
+        *reinterpret_cast<uint32_t *>(ds + wswz<BKV>(r0, nb) + 2 * t4) = sa[nb >> 1][(nb & 1) * 2];
+        *reinterpret_cast<uint32_t *>(ds + wswz<BKV>(r0 + 8, nb) + 2 * t4) = sa[nb >> 1][(nb & 1) * 2 + 1];
+    }
+}
+template <typename T, int DN, int BKV>
+__device__ __forceinline__ void bwd_issue_dq(float (&dq)[DN / 2], uint32_t sdS, uint32_t sK, int col0) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BKV / 16; ++kk)
+        wgmma_ss_tt<T, DN>(dq, wgmma_desc(sdS + kk * 2048, BKV * 128, 1024),
+                           wgmma_desc(sK + kk * 2048 + col0 / 64 * BKV * 128 + col0 % 64 * 2, BKV * 128, 1024), kk > 0);
+    wgmma_commit();
+}
 #endif
+template <int D, int DN>
+__device__ __forceinline__ void bwd_add_dq(const native_bwd_args &a, const float (&dq)[DN / 2], int64_t bh, int q0,
+                                           int col0, int warp4, int g, int t4) {
+    float *dQ = a.dq_acc + bh * a.seq_q * D;
+#pragma unroll
+    for (int nb = 0; nb < DN / 8; ++nb) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = q0 + warp4 * 16 + g + 8 * r, col = col0 + nb * 8 + 2 * t4;
+            if (row < a.seq_q)
+                atomicAdd(reinterpret_cast<float2 *>(dQ + (int64_t)row * D + col),
+                          make_float2(dq[4 * nb + 2 * r], dq[4 * nb + 2 * r + 1]));
+        }
+    }
+}
 
 /* dK = scale dK and dV of this lane's keys, written once at the end */
 template <typename T, int D>

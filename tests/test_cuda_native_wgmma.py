@@ -145,18 +145,25 @@ def test_wgmma_backward(case, shape, dtype_name, causal, deterministic):
 @pytest.mark.parametrize("shape", SHAPES + [(1, 4, 2, 300, 300)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
-def test_wgmma_backward_producer_kernel_same_bits(d, shape, causal, layout, monkeypatch):
-    """The deterministic 64 x 128 tile runs the producer / consumer kernel (cuda/native_backward_tma_wgmma.cu) where
-    the copy engine can describe the layout: the same dq, dk, dv bits as the cp.async kernel
-    (FADEV_NATIVE_TMA_BWD=0), on ragged, grouped-query and causal shapes, contiguous or (B, N, H, D) strided."""
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic"])
+def test_wgmma_backward_producer_kernel_same_bits(d, shape, causal, layout, deterministic, monkeypatch):
+    """The 64 x 128 tile runs the producer / consumer kernel (cuda/native_backward_tma_wgmma.cu) where the copy engine
+    can describe the layout: the same dq, dk, dv bits as the cp.async kernel (FADEV_NATIVE_TMA_BWD=0), on ragged,
+    grouped-query and causal shapes, contiguous or (B, N, H, D) strided; in the atomic mode the same dk, dv bits and
+    dq within the atomic adds' reordering (the same per-tile sums: 2^-7 of the largest |dq|, bf16's step)."""
     q, k, v, dout = _inputs(shape, d, torch.bfloat16, "wgmma-tma-bwd", d, causal)
     if layout == "strided":  # the heads interleaved along the rows, as a (B, N, H, D) tensor viewed as (B, H, N, D)
         q, k, v, dout = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, dout))
     out, lse = fadev.native_attention(q, k, v, causal=causal, return_lse=True)
-    kw = dict(causal=causal, block_q=64, block_kv=128, deterministic=True, mma="wgmma")
+    kw = dict(causal=causal, block_q=64, block_kv=128, deterministic=deterministic, mma="wgmma")
     grads = fadev.native_attention_backward(q, k, v, out, lse, dout, **kw)
     monkeypatch.setenv("FADEV_NATIVE_TMA_BWD", "0")
     ref = fadev.native_attention_backward(q, k, v, out, lse, dout, **kw)
+    info = f"D {d} {shape} causal={causal} {layout} deterministic={deterministic}"
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
         assert torch.isfinite(g.float()).all(), name
-        assert torch.equal(g.view(torch.int16), r.view(torch.int16)), f"{name}: D {d} {shape} causal={causal} {layout}"
+        if name == "dq" and not deterministic:
+            err = (g.float() - r.float()).abs().max().item()
+            assert err <= 2 ** -7 * r.float().abs().max().item(), f"dq: {err:.3e} [{info}]"
+        else:
+            assert torch.equal(g.view(torch.int16), r.view(torch.int16)), f"{name} [{info}]"
