@@ -36,7 +36,7 @@ constexpr int BWD_DS = 3;
 
 template <int D, int S, bool ATOMIC> constexpr int bwd_tma_smem() {
     return (2 * BWD_BKV + 2 * S * BWD_BQ + (ATOMIC ? BWD_DS * BWD_BKV * BWD_BQ / D : 0)) * D * 2 +
-           2 * S * BWD_BQ * 4 + 1024 + kv_barriers<S>::BYTES;
+           (ATOMIC ? BWD_BQ * D * 4 : 0) + 2 * S * BWD_BQ * 4 + 1024 + kv_barriers<S>::BYTES;
 }
 
 template <typename T, int D, int S, bool ATOMIC>
@@ -48,8 +48,9 @@ __global__ void __launch_bounds__(BWD_THREADS, 1)
     /* the swizzle atoms must be 1024-byte aligned (wgmma.cuh) */
     T *sK = reinterpret_cast<T *>(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u));
     T *sV = sK + BKV * D, *sQ = sV + BKV * D, *sdO = sQ + S * BQ * D;
-    T *sdS = sdO + S * BQ * D; /* ATOMIC: BWD_DS buffers of dS^T */
-    float *sL = reinterpret_cast<float *>(sdS + (ATOMIC ? BWD_DS * BKV * BQ : 0)), *sDv = sL + S * BQ;
+    T *sdS = sdO + S * BQ * D; /* ATOMIC: BWD_DS buffers of dS^T, then each consumer's dQ box (BQ x D / 2 fp32) */
+    float *sdq = reinterpret_cast<float *>(sdS + (ATOMIC ? BWD_DS * BKV * BQ : 0));
+    float *sL = sdq + (ATOMIC ? BQ * D : 0), *sDv = sL + S * BQ;
     /* full_q: K and V; stage st: full_k (Q and dO's bytes, and warp 1's 32 arrivals with lse, Dvec), empty_k */
     const kv_barriers<S> bar{smem_u32(sDv + S * BQ)};
     const bwd_tile<T, D, BKV, BQ> tile(a);
@@ -121,9 +122,24 @@ __global__ void __launch_bounds__(BWD_THREADS, 1)
     auto dq_issue = [&](int j) {
         bwd_issue_dq<T, DN, BKV>(dq, smem_u32(sdS + j % BWD_DS * BKV * BQ), smem_u32(sK), cw * DN);
     };
+    /* the product through shared memory (this consumer's box, free once its last reduction has read it: barrier
+     * 9 + cw, the consumer's own) to the copy engine's reduce-add into the workspace (rows past the end: not
+     * written) */
+    float *box = sdq + cw * BQ * DN;
+    const bool leader = (ct & 127) == 0;
     auto dq_add = [&](int j) {
         wgmma_fence_regs(dq);
-        bwd_add_dq<D, DN>(a, dq, tile.head_of(a, j), tile.first_row(j), cw * DN, warp & 3, g, t4);
+        if (leader) bulk_wait_read();
+        named_sync(9 + cw, 128);
+#pragma unroll
+        for (int nb = 0; nb < DN / 8; ++nb)
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+                *reinterpret_cast<float2 *>(box + ((warp & 3) * 16 + g + 8 * r) * DN + nb * 8 + 2 * t4) =
+                    make_float2(dq[4 * nb + 2 * r], dq[4 * nb + 2 * r + 1]);
+        fence_proxy_async();
+        named_sync(9 + cw, 128);
+        if (leader) tma_reduce_add(&maps.dq, smem_u32(box), cw * DN, tile.first_row(j), (int)tile.head_of(a, j));
     };
     if (n_it > 0) mbar_wait(bar.full_q(), 0);
     /* each wgmma group is waited for in its own step: none in flight across the loop's back edge, where ptxas would
@@ -171,6 +187,7 @@ __global__ void __launch_bounds__(BWD_THREADS, 1)
             dq_issue(n_it - 1);
             wgmma_wait_all();
             dq_add(n_it - 1);
+            if (leader) bulk_wait(); /* the reductions done before the CTA ends */
         }
     }
     bwd_store_dkdv<T, D>(a, tile.b, tile.hk, key0, t4, dk, dv);
@@ -182,9 +199,9 @@ __global__ void __launch_bounds__(BWD_THREADS, 1)
 template <typename T, int D>
 fadev_status bwd_tma_launch(const fadev_native_params *p, const native_bwd_args &a, bool *ran) {
     const int64_t ctas = p->attn.batch * p->attn.heads_kv * a.n_kt;
-    if (a.dq_acc)
-        return bwd_tma_run<T>(native_backward_tma_kernel<T, D, BWD_STAGES, true>, p, a, D, BWD_BQ, BWD_BKV, ctas,
-                              BWD_THREADS, bwd_tma_smem<D, BWD_STAGES, true>(), ran);
+    if (a.dq_acc) /* two stages: the dS^T and dQ buffers take the third's shared memory */
+        return bwd_tma_run<T>(native_backward_tma_kernel<T, D, 2, true>, p, a, D, BWD_BQ, BWD_BKV, ctas, BWD_THREADS,
+                              bwd_tma_smem<D, 2, true>(), ran, D / 2);
     return bwd_tma_run<T>(native_backward_tma_kernel<T, D, BWD_STAGES, false>, p, a, D, BWD_BQ, BWD_BKV, ctas,
                           BWD_THREADS, bwd_tma_smem<D, BWD_STAGES, false>(), ran);
 }

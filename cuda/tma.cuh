@@ -110,18 +110,43 @@ bool tma_map(CUtensorMap *map, const void *base, const native_strides &s, int64_
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+/* The map of the atomic backward's fp32 dQ workspace (batch * heads, rows, d; contiguous), written by reductions in
+ * boxes of box_cols columns x box_rows rows (no swizzle: the box lies row by row in shared memory). */
+inline bool tma_map_f32(CUtensorMap *map, float *base, int64_t heads, int64_t rows, int d, int box_cols, int box_rows) {
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = tma_encoder();
+    if (!encode) return false;
+    const cuuint64_t dims[3] = {(cuuint64_t)d, (cuuint64_t)rows, (cuuint64_t)heads};
+    const cuuint64_t strides[2] = {(cuuint64_t)d * 4, (cuuint64_t)(rows * d) * 4};
+    const cuuint32_t box[3] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows, 1}, one[3] = {1, 1, 1};
+    return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, base, dims, strides, box, one, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                  CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+/* box (c0, c1, c2) of map += the box at src (shared memory), by the copy engine; a bulk group: commit, then wait
+ * (.read: until src may be written again) */
+__device__ __forceinline__ void tma_reduce_add(const CUtensorMap *map, uint32_t src, int c0, int c1, int c2) {
+    asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                 ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(src) : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 /* The backward kernels' maps (native_backward_tma_wgmma.cu, native_backward_dq_tma_wgmma.cu): Q and dO read in boxes
- * of q_rows rows, K and V of kv_rows; false where the copy engine cannot describe one of them. */
+ * of q_rows rows, K and V of kv_rows, and with dq_cols the atomic dQ workspace reduced into in boxes of dq_cols x
+ * q_rows; false where the copy engine cannot describe one of them. */
 struct bwd_maps {
-    CUtensorMap q, dout, k, v;
+    CUtensorMap q, dout, k, v, dq;
 };
 template <typename T>
-bool bwd_tma_maps(bwd_maps *m, const fadev_native_params *p, const native_bwd_args &a, int d, int q_rows, int kv_rows) {
+bool bwd_tma_maps(bwd_maps *m, const fadev_native_params *p, const native_bwd_args &a, int d, int q_rows, int kv_rows,
+                  int dq_cols) {
     const int64_t B = p->attn.batch, H = p->attn.heads, Hk = p->attn.heads_kv;
     return tma_map<T>(&m->q, a.q, a.sq, B, H, a.seq_q, d, q_rows) &&
            tma_map<T>(&m->dout, a.dout, a.sdo, B, H, a.seq_q, d, q_rows) &&
            tma_map<T>(&m->k, a.k, a.sk, B, Hk, a.seq_kv, d, kv_rows) &&
-           tma_map<T>(&m->v, a.v, a.sv, B, Hk, a.seq_kv, d, kv_rows);
+           tma_map<T>(&m->v, a.v, a.sv, B, Hk, a.seq_kv, d, kv_rows) &&
+           (!dq_cols || tma_map_f32(&m->dq, a.dq_acc, B * H, a.seq_q, d, dq_cols, q_rows));
 }
 
 /* Runs a backward producer / consumer kernel(a, maps) on `ctas` CTAs where the maps can be described (*ran true),
@@ -129,9 +154,9 @@ bool bwd_tma_maps(bwd_maps *m, const fadev_native_params *p, const native_bwd_ar
 template <typename T>
 fadev_status bwd_tma_run(void (*kernel)(native_bwd_args, bwd_maps), const fadev_native_params *p,
                          const native_bwd_args &a, int d, int q_rows, int kv_rows, int64_t ctas, int threads, int smem,
-                         bool *ran) {
+                         bool *ran, int dq_cols = 0) {
     bwd_maps maps;
-    if (!bwd_tma_maps<T>(&maps, p, a, d, q_rows, kv_rows)) return FADEV_OK;
+    if (!bwd_tma_maps<T>(&maps, p, a, d, q_rows, kv_rows, dq_cols)) return FADEV_OK;
     CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     kernel<<<(unsigned)ctas, threads, smem, a.stream>>>(a, maps);
     CUDA_TRY(cudaGetLastError());
