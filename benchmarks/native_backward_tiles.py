@@ -4,9 +4,9 @@
     PYTHONPATH=. python benchmarks/native_backward_tiles.py [NxB,...]   (default 1024x16,4096x4,16384x1)
 
 ms per backward (benchmarks/timing.py's cuda_seconds: windows of back-to-back calls between CUDA events, median)
-and the ratio to SDPA flash and cuDNN in the same run. The deterministic 64 x 128 tile runs the producer / consumer
-kernel (cuda/native_backward_tma_wgmma.cu); its "cp.async" line is the same tile on the cp.async kernel
-(FADEV_NATIVE_TMA_BWD=0), the same bits. Needs a CUDA GPU with compute capability 9.0 (the wgmma tiles) and fadev
+and the ratio to SDPA flash and cuDNN in the same run. The 64 x 128 tile runs the producer / consumer kernel
+(cuda/native_backward_tma_wgmma.cu); its "cp.async" lines are the same tile on the cp.async kernel
+(FADEV_NATIVE_TMA_BWD=0): the same bits deterministic. Needs a CUDA GPU with compute capability 9.0 (the wgmma tiles) and fadev
 built with FADEV_CUDA=1. Results: benchmarks/README.md, "The wgmma backward at D 128, the wgmma dq pass, strided
 layouts" and "The backward's dK/dV kernel on a producer warpgroup"."""
 import os
@@ -51,7 +51,7 @@ for D in (64, 128):
                     out, lse = tn.run_forward(p, q, k, v)
                     name = f"wgmma {bq}x{bk}{' det' if det else ''}"
                     res[name] = t(lambda: tn.run_backward(p, q, k, v, out, lse, do))
-                    if det and (bq, bk) == (64, 128):  # the producer / consumer kernel's tile: the cp.async kernel too
+                    if (bq, bk) == (64, 128):  # the producer / consumer kernel's tile: the cp.async kernel too
                         os.environ["FADEV_NATIVE_TMA_BWD"] = "0"
                         res[name + " cp.async"] = t(lambda: tn.run_backward(p, q, k, v, out, lse, do))
                         del os.environ["FADEV_NATIVE_TMA_BWD"]
