@@ -14,8 +14,9 @@
  * Every query tile is two turns of each consumer (a causal tile that none of a consumer's keys sees gives P = 0), so
  * the turns pair up. The atomic mode (dQ added to the fp32 workspace, as FlashAttention-2 and the cp.async kernel)
  * sums tile j's dQ in this kernel from both consumers' dS^T of j in shared memory, each consumer half the head dim,
- * after its tile j + 1's products (ATOMIC). FADEV_NATIVE_TMA_BWD=0 runs the cp.async kernel instead (tests compare
- * the two: bit for bit where deterministic). */
+ * after its tile j + 1's products, and hands it to the copy engine's reduce-add (ATOMIC; two stages, for shared
+ * memory). FADEV_NATIVE_TMA_BWD=0 runs the cp.async kernel instead (tests compare the two: bit for bit where
+ * deterministic). */
 #include <stdlib.h>
 #include <string.h>
 
