@@ -411,6 +411,11 @@ fast_args emu_fwd::fast_args_of(const emu_ctx &cx, double *out, double *lse, int
     a.so_kind = flt_kind_of(cx.state_out);
     a.lean = fast_lean(cx);
     a.o32 = cx.out_acc.kind == ATT_F32 && att_inside_fp32(&cx.stats.fmt) && att_inside_fp32(&cx.rescale.fmt);
+    /* o16: the factor is the stats stage's a_l when eager (l_new is that stage's too), else the rescale stage's alpha
+     * (emu_row_stats) */
+    const int koa = flt_kind_of(cx.out_acc);
+    const att_stage &fac = cx.pr.normalize == FADEV_EAGER ? cx.stats : cx.rescale;
+    a.o16 = a.lean && (koa == FLT_BF16 || koa == FLT_F16) && flt_kind_of(fac) == koa ? koa : 0;
     a.tiles = (cx.pr.seq_q + rows_per_cta - 1) / rows_per_cta;
     a.units = 0, a.s_keep = nullptr;
     a.block_kv = baseline || cx.pr.block_kv > cx.pr.seq_kv ? cx.pr.seq_kv : cx.pr.block_kv;

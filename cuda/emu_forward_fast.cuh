@@ -30,6 +30,9 @@ struct fast_args {
     int o32;          /* out_acc is fp32 nearest-even and the stats and rescale stages' values are fp32 values: the
                        * O update's operations are on fp32 values and round once in fp32 (double rounding is
                        * innocuous for *, +, /) */
+    int o16;          /* the lean kernels: out_acc is bf16 or fp16 (flt_kind) and the O update's factor and l are
+                       * values of the same format: its operations in fp32, each rounded once more to that format
+                       * (o_step); else 0 */
 };
 
 /* The arguments for a plan (host side). */
@@ -129,16 +132,20 @@ __device__ __forceinline__ double l_kept(const fast_args &a, double lnew, int64_
     return rnd(a.cx.state_stats, lnew, ATT_STREAM(ATT_STATE_STATS, bh), ATT_INDEX(i, jb, 0));
 }
 
-/* The O update's form known at compile time: O_F32 for a.o32 (fp32 operations), the out_acc stage's flt_kind in the
- * lean kernels (fp32, bf16, fp16), or -1 (read at run time). */
-constexpr int O_F32 = -2;
+/* The O update's form known at compile time: O_F32 for a.o32 (fp32 operations), O_N16 + k for a.o16 = k in the lean
+ * kernels (bf16 or fp16 out_acc, its operations in fp32: o_step), or -1 (the kinds read at run time). */
+constexpr int O_F32 = -2, O_N16 = 4;
 
 /* f(std::integral_constant<int, K>{}) with K the O update's form (above): an unrolled O update compiled once per
  * form, without a per-element branch on it (paper's out_acc events, 2 R DC copies of them, were a tenth of its
- * forward's instructions and, branching on the kind, its instruction-cache misses). */
+ * forward's instructions and, branching on the kind, its instruction-cache misses). Forms no policy of the kernel
+ * needs are not compiled into it: each form's 2 R DC copies lengthen the kernel (fa2's forward measured 2-4% slower
+ * with paper's double-precision forms beside its own). */
 template <bool LEAN, class F> __device__ __forceinline__ void with_o_form(const fast_args &a, F &&f) {
     if (a.o32) f(std::integral_constant<int, O_F32>{});
-    else if constexpr (LEAN) with_kind(flt_kind_at(a.lean, LK_OUT_ACC), f);
+    else if constexpr (!LEAN) f(std::integral_constant<int, -1>{});
+    else if (a.o16 == FLT_BF16) f(std::integral_constant<int, O_N16 + FLT_BF16>{});
+    else if (a.o16 == FLT_F16) f(std::integral_constant<int, O_N16 + FLT_F16>{});
     else f(std::integral_constant<int, -1>{});
 }
 
@@ -153,6 +160,18 @@ __device__ __forceinline__ float o_step(const fast_args &a, float o, float pv, d
         float o_new = __fadd_rn(__fmul_rn((float)factor, o), pv);
         if (eager) o_new = __fdiv_rn(o_new, (float)l_new);
         if (kv_outer) o_new = r_flt(cx.state_out, a.so_kind, o_new, ATT_STREAM(ATT_STATE_OUT, bh), ATT_INDEX(i, jb, d));
+        return o_new;
+    }
+    if constexpr (K >= O_N16) { /* the lean events below with o, factor and l_new values of the format k (a.o16):
+                                 * a product or sum of two such values, or their quotient, rounded to fp32 and then
+                                 * to k is its rounding to k (fp32's 24 bits >= 2 p + 2 for p <= 11: double rounding
+                                 * is innocuous; benchmarks/exhaustive_rounding.py checks every pair), and the fp64
+                                 * operations below round them to fp64 and then to k: the same values */
+        constexpr int k = K - O_N16;
+        const float scaled = flt_round(k, __fmul_rn((float)factor, o));
+        float o_new = flt_round(k, __fadd_rn(scaled, flt_round(k, pv)));
+        if (eager) o_new = flt_round(k, __fdiv_rn(o_new, (float)l_new));
+        if (kv_outer) o_new = flt_round(flt_kind_at(a.lean, LK_STATE_OUT), o_new);
         return o_new;
     }
     if (LEAN) { /* the events below as conversions */

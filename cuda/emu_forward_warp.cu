@@ -187,26 +187,38 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
             for (int j = 0; j < KL; j++) acc[rr][j] = 0.f;
         const float *qs = sq + w * R + srow0, *ks = sk + key0;
         const int D4 = (D + 3) & ~3;
+        /* the operands of step t (SR values of Q^T, KL of K^T) */
+        auto load = [&](int t, float (&qv)[SR], float (&kv)[KL]) {
+#pragma unroll
+            for (int r4 = 0; r4 < SR / 4; r4++) {
+                const float4 x = *(const float4 *)(qs + t * BQ + 4 * r4);
+                qv[4 * r4] = x.x, qv[4 * r4 + 1] = x.y, qv[4 * r4 + 2] = x.z, qv[4 * r4 + 3] = x.w;
+            }
+            if constexpr (KS == 1 && KL == 4) {
+                const float4 x = *(const float4 *)(ks + t * KP);
+                kv[0] = x.x, kv[1] = x.y, kv[2] = x.z, kv[3] = x.w;
+            } else {
+#pragma unroll
+                for (int j = 0; j < KL; j++) kv[j] = ks[t * KP + KS * j];
+            }
+        };
+        float qv[SR], kv[KL];
+        load(0, qv, kv);
         for (int t0 = 0; t0 < D4; t0 += 4) {
 #pragma unroll
             for (int t = t0; t < t0 + 4; t++) {
-                float qv[SR], kv[KL];
-#pragma unroll
-                for (int r4 = 0; r4 < SR / 4; r4++) {
-                    const float4 x = *(const float4 *)(qs + t * BQ + 4 * r4);
-                    qv[4 * r4] = x.x, qv[4 * r4 + 1] = x.y, qv[4 * r4 + 2] = x.z, qv[4 * r4 + 3] = x.w;
-                }
-                if constexpr (KS == 1 && KL == 4) {
-                    const float4 x = *(const float4 *)(ks + t * KP);
-                    kv[0] = x.x, kv[1] = x.y, kv[2] = x.z, kv[3] = x.w;
-                } else {
-#pragma unroll
-                    for (int j = 0; j < KL; j++) kv[j] = ks[t * KP + KS * j];
-                }
+                /* step t + 1's operands in flight during step t's FMAs (row D4 of Q^T or K^T, read at the last
+                 * step and not used, lies inside the CTA's shared memory: K^T's buffer, or V's or E's) */
+                float qn[SR], kn[KL];
+                load(t + 1, qn, kn);
 #pragma unroll
                 for (int rr = 0; rr < SR; rr++)
 #pragma unroll
                     for (int j = 0; j < KL; j++) acc[rr][j] = fmaf(qv[rr], kv[j], acc[rr][j]);
+#pragma unroll
+                for (int rr = 0; rr < SR; rr++) qv[rr] = qn[rr];
+#pragma unroll
+                for (int j = 0; j < KL; j++) kv[j] = kn[j];
             }
         }
 #pragma unroll
@@ -258,9 +270,8 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     const int col0 = T::col0(lane), orow0 = T::orow0(lane);
     auto pv_add = [&](float (&pv)[RL][CL], int kw) {
         const float *vs = sv + col0, *ps = ew + orow0;
-#pragma unroll 4
-        for (int key = 0; key < kw; key++) {
-            float p[RL], vv[CL];
+        /* the operands of key `key` (RL values of P, CL of V) */
+        auto load = [&](int key, float (&p)[RL], float (&vv)[CL]) {
 #pragma unroll
             for (int r4 = 0; r4 < RL / 4; r4++) {
                 const float4 x = *(const float4 *)(ps + key * EP + 4 * r4);
@@ -273,10 +284,23 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
 #pragma unroll
                 for (int c = 0; c < CL; c++) vv[c] = vs[key * DP + CS * c];
             }
+        };
+        float p[RL], vv[CL];
+        load(0, p, vv);
+#pragma unroll 4
+        for (int key = 0; key < kw; key++) {
+            /* key + 1's operands in flight during key's FMAs (at key + 1 = KB: inside the CTA's shared memory, not
+             * used) */
+            float pn[RL], vn[CL];
+            load(key + 1, pn, vn);
 #pragma unroll
             for (int rr = 0; rr < RL; rr++)
 #pragma unroll
                 for (int c = 0; c < CL; c++) pv[rr][c] = fmaf(p[rr], vv[c], pv[rr][c]);
+#pragma unroll
+            for (int rr = 0; rr < RL; rr++) p[rr] = pn[rr];
+#pragma unroll
+            for (int c = 0; c < CL; c++) vv[c] = vn[c];
         }
     };
     /* row `lane`'s chain of the row sum over its visible keys (nown) ascending, from rs; with `write_p`, each e
@@ -327,10 +351,12 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     double m = -INFINITY, l = 0; /* row `lane`'s state (lanes < R) */
     int seen = 0;
     float o[RL][CL];
+    auto zero_o = [&]() {
 #pragma unroll
-    for (int rr = 0; rr < RL; rr++)
+        for (int rr = 0; rr < RL; rr++)
 #pragma unroll
-        for (int c = 0; c < CL; c++) o[rr][c] = 0.f;
+            for (int c = 0; c < CL; c++) o[rr][c] = 0.f;
+    };
 
     if constexpr (BASE) {
         /* the baseline: one block of every key, in slices of KB keys, three passes: the maxima; the row sums' chains
@@ -342,7 +368,11 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
         float mx = -INFINITY;
         int nan = 0, nown_all = 0;
         double rs = 0;
+        /* with the store, each pass compiled on its own: O's registers live in the last one only (one loop, they
+         * were live in all three, and the kernel spilled) */
+#pragma unroll(KEEP ? 3 : 1)
         for (int pass = 0; pass < 3; pass++) {
+            if (pass == 2) zero_o();
             const float mf = __shfl_sync(FULL, (float)m, r);
             const double lr = __shfl_sync(FULL, l, r);
             const bool fresh = pass == 0 || !KEEP; /* this pass computes the scores */
@@ -402,7 +432,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
         write_out(o, m, l, seen);
         return;
     } else {
-
+        zero_o();
         const int64_t bkv = a.block_kv;
         for (int64_t jb = 0, jb0 = 0; jb0 < Nk; jb++, jb0 += bkv) {
             const int n = (int)(bkv < Nk - jb0 ? bkv : Nk - jb0);
