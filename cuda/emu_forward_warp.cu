@@ -131,6 +131,41 @@ __device__ __forceinline__ void stage_kt(float *dst, const float *src, int D, in
     }
 }
 
+/* The operands of one step of a product loop (the scores' over t, P.V's over keys): NA values at a (float4 loads,
+ * 16-byte aligned) and NB at b, BS apart (one float4 where BS = 1 and NB = 4). */
+template <int NA, int NB, int BS>
+__device__ __forceinline__ void step_operands(float (&av)[NA], float (&bv)[NB], const float *a, const float *b) {
+#pragma unroll
+    for (int r4 = 0; r4 < NA / 4; r4++) {
+        const float4 x = *(const float4 *)(a + 4 * r4);
+        av[4 * r4] = x.x, av[4 * r4 + 1] = x.y, av[4 * r4 + 2] = x.z, av[4 * r4 + 3] = x.w;
+    }
+    if constexpr (BS == 1 && NB == 4) {
+        const float4 x = *(const float4 *)b;
+        bv[0] = x.x, bv[1] = x.y, bv[2] = x.z, bv[3] = x.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < NB; j++) bv[j] = b[BS * j];
+    }
+}
+
+/* One step, acc[r][j] = fmaf(av[r], bv[j], acc[r][j]), with the next step's operands (at an, bn) loaded first into
+ * av, bv: in flight during the FMAs. */
+template <int NA, int NB, int BS>
+__device__ __forceinline__ void fma_step(float (&acc)[NA][NB], float (&av)[NA], float (&bv)[NB], const float *an,
+                                         const float *bn) {
+    float a2[NA], b2[NB];
+    step_operands<NA, NB, BS>(a2, b2, an, bn);
+#pragma unroll
+    for (int r = 0; r < NA; r++)
+#pragma unroll
+        for (int j = 0; j < NB; j++) acc[r][j] = fmaf(av[r], bv[j], acc[r][j]);
+#pragma unroll
+    for (int r = 0; r < NA; r++) av[r] = a2[r];
+#pragma unroll
+    for (int j = 0; j < NB; j++) bv[j] = b2[j];
+}
+
 /* Row tile tq (BQ query rows) of query head bh. */
 template <int DC, bool LEAN, bool BASE, bool KEEP>
 __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_t tq) {
@@ -187,39 +222,13 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
             for (int j = 0; j < KL; j++) acc[rr][j] = 0.f;
         const float *qs = sq + w * R + srow0, *ks = sk + key0;
         const int D4 = (D + 3) & ~3;
-        /* the operands of step t (SR values of Q^T, KL of K^T) */
-        auto load = [&](int t, float (&qv)[SR], float (&kv)[KL]) {
-#pragma unroll
-            for (int r4 = 0; r4 < SR / 4; r4++) {
-                const float4 x = *(const float4 *)(qs + t * BQ + 4 * r4);
-                qv[4 * r4] = x.x, qv[4 * r4 + 1] = x.y, qv[4 * r4 + 2] = x.z, qv[4 * r4 + 3] = x.w;
-            }
-            if constexpr (KS == 1 && KL == 4) {
-                const float4 x = *(const float4 *)(ks + t * KP);
-                kv[0] = x.x, kv[1] = x.y, kv[2] = x.z, kv[3] = x.w;
-            } else {
-#pragma unroll
-                for (int j = 0; j < KL; j++) kv[j] = ks[t * KP + KS * j];
-            }
-        };
         float qv[SR], kv[KL];
-        load(0, qv, kv);
+        step_operands<SR, KL, KS>(qv, kv, qs, ks);
         for (int t0 = 0; t0 < D4; t0 += 4) {
 #pragma unroll
-            for (int t = t0; t < t0 + 4; t++) {
-                /* step t + 1's operands in flight during step t's FMAs (row D4 of Q^T or K^T, read at the last
-                 * step and not used, lies inside the CTA's shared memory: K^T's buffer, or V's or E's) */
-                float qn[SR], kn[KL];
-                load(t + 1, qn, kn);
-#pragma unroll
-                for (int rr = 0; rr < SR; rr++)
-#pragma unroll
-                    for (int j = 0; j < KL; j++) acc[rr][j] = fmaf(qv[rr], kv[j], acc[rr][j]);
-#pragma unroll
-                for (int rr = 0; rr < SR; rr++) qv[rr] = qn[rr];
-#pragma unroll
-                for (int j = 0; j < KL; j++) kv[j] = kn[j];
-            }
+            for (int t = t0; t < t0 + 4; t++) /* row D4 of Q^T or K^T, read at the last step and not used, lies inside
+                                               * the CTA's shared memory: K^T's buffer, or V's or E's */
+                fma_step<SR, KL, KS>(acc, qv, kv, qs + (t + 1) * BQ, ks + (t + 1) * KP);
         }
 #pragma unroll
         for (int j = 0; j < KL; j++)
@@ -270,38 +279,11 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     const int col0 = T::col0(lane), orow0 = T::orow0(lane);
     auto pv_add = [&](float (&pv)[RL][CL], int kw) {
         const float *vs = sv + col0, *ps = ew + orow0;
-        /* the operands of key `key` (RL values of P, CL of V) */
-        auto load = [&](int key, float (&p)[RL], float (&vv)[CL]) {
-#pragma unroll
-            for (int r4 = 0; r4 < RL / 4; r4++) {
-                const float4 x = *(const float4 *)(ps + key * EP + 4 * r4);
-                p[4 * r4] = x.x, p[4 * r4 + 1] = x.y, p[4 * r4 + 2] = x.z, p[4 * r4 + 3] = x.w;
-            }
-            if constexpr (CS == 1 && CL == 4) {
-                const float4 x = *(const float4 *)(vs + key * DP);
-                vv[0] = x.x, vv[1] = x.y, vv[2] = x.z, vv[3] = x.w;
-            } else {
-#pragma unroll
-                for (int c = 0; c < CL; c++) vv[c] = vs[key * DP + CS * c];
-            }
-        };
         float p[RL], vv[CL];
-        load(0, p, vv);
+        step_operands<RL, CL, CS>(p, vv, ps, vs);
 #pragma unroll 4
-        for (int key = 0; key < kw; key++) {
-            /* key + 1's operands in flight during key's FMAs (at key + 1 = KB: inside the CTA's shared memory, not
-             * used) */
-            float pn[RL], vn[CL];
-            load(key + 1, pn, vn);
-#pragma unroll
-            for (int rr = 0; rr < RL; rr++)
-#pragma unroll
-                for (int c = 0; c < CL; c++) pv[rr][c] = fmaf(p[rr], vv[c], pv[rr][c]);
-#pragma unroll
-            for (int rr = 0; rr < RL; rr++) p[rr] = pn[rr];
-#pragma unroll
-            for (int c = 0; c < CL; c++) vv[c] = vn[c];
-        }
+        for (int key = 0; key < kw; key++) /* key + 1 = KB: inside the CTA's shared memory, not used */
+            fma_step<RL, CL, CS>(pv, p, vv, ps + (key + 1) * EP, vs + (key + 1) * DP);
     };
     /* row `lane`'s chain of the row sum over its visible keys (nown) ascending, from rs; with `write_p`, each e
      * rewritten as P = R_p(e) behind it */
