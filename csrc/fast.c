@@ -80,6 +80,38 @@ __attribute__((target("avx512f"))) static int rne_chunk512(const att_stage *st, 
     for (; i < n; i++) y[i] = rne_one(st, shifter, x[i], &tail);
     return bad != 0 || tail;
 }
+
+/* rne_chunk512's rule with AVX2, four lanes (GCC 12 compiles rne_chunk's loop to scalar code for AVX2: its unsigned
+ * 64-bit compares have no AVX2 instruction). The compares here are signed, which gives the unsigned answers: a (an
+ * absolute value), lo, hi and span are below 2^63; a - lo is below 2^63 wherever a >= lo, the lanes where it is
+ * read; r is below 2^63 wherever a <= hi, and a lane with a > hi is out of range whatever r is. */
+__attribute__((target("avx2"))) static int rne_chunk256(const att_stage *st, const double *x, double *y, int64_t n) {
+    const __m256i abs = _mm256_set1_epi64x(0x7FFFFFFFFFFFFFFFll), lo = _mm256_set1_epi64x((long long)st->lo_bits);
+    const __m256i span = _mm256_set1_epi64x((long long)(st->hi_bits - st->lo_bits));
+    const __m256i hi = _mm256_set1_epi64x((long long)st->hi_bits), half = _mm256_set1_epi64x((long long)st->half_m1);
+    const __m256i keep = _mm256_set1_epi64x((long long)st->keep_mask), one = _mm256_set1_epi64x(1);
+    const __m128i shift = _mm_cvtsi32_si128(st->shift);
+    const double shifter = subnormal_shifter(st);
+    const __m256d sh = _mm256_set1_pd(shifter);
+    const __m256i no_sub = _mm256_set1_epi64x(shifter == 0.0 ? -1 : 0);
+    __m256i bad = _mm256_setzero_si256();
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        __m256i u = _mm256_loadu_si256((const __m256i *)(x + i)), a = _mm256_and_si256(u, abs);
+        __m256i r = _mm256_add_epi64(_mm256_add_epi64(a, half), _mm256_and_si256(_mm256_srl_epi64(a, shift), one));
+        r = _mm256_and_si256(r, keep);
+        __m256i below = _mm256_castpd_si256(_mm256_sub_pd(_mm256_add_pd(_mm256_castsi256_pd(a), sh), sh));
+        __m256i is_below = _mm256_cmpgt_epi64(lo, a);
+        __m256i out = _mm256_or_si256(_mm256_cmpgt_epi64(_mm256_sub_epi64(a, lo), span), _mm256_cmpgt_epi64(r, hi));
+        bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_and_si256(is_below, no_sub), _mm256_andnot_si256(is_below, out)));
+        r = _mm256_castpd_si256(_mm256_blendv_pd(_mm256_castsi256_pd(r), _mm256_castsi256_pd(below),
+                                                 _mm256_castsi256_pd(is_below)));
+        _mm256_storeu_si256((__m256i *)(y + i), _mm256_or_si256(r, _mm256_andnot_si256(abs, u)));
+    }
+    int tail = 0;
+    for (; i < n; i++) y[i] = rne_one(st, shifter, x[i], &tail);
+    return !_mm256_testz_si256(bad, bad) || tail;
+}
 #endif
 
 FAST_CLONES static int rne_chunk(const att_stage *st, const double *x, double *y, int64_t n) {
@@ -110,7 +142,9 @@ int att_round_n(const att_stage *st, const double *x, double *y, int64_t n) {
             const int64_t m = n - i < CHUNK ? n - i : CHUNK;
             double *out = x == y ? tmp : y + i; /* in place: through tmp, x is read again below */
 #if X86
-            const int bad = att_cpu_avx512() ? rne_chunk512(st, x + i, out, m) : rne_chunk(st, x + i, out, m);
+            const int bad = att_cpu_avx512() ? rne_chunk512(st, x + i, out, m)
+                            : att_cpu_fma()  ? rne_chunk256(st, x + i, out, m)
+                                             : rne_chunk(st, x + i, out, m);
 #else
             const int bad = rne_chunk(st, x + i, out, m);
 #endif
