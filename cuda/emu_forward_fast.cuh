@@ -71,24 +71,58 @@ __device__ __forceinline__ float score_of(const fast_args &a, float acc, int64_t
                       ATT_STREAM(ATT_SCORE_SCALED, bh), idx);
 }
 
+/* The softmax term's first event, x = R_softmax(s - m), an fp32 value (term_of). */
+template <bool LEAN, int K = -1>
+__device__ __forceinline__ float term_x(const fast_args &a, float s, double m, float mf, int64_t bh, int64_t i,
+                                        int64_t j) {
+    const emu_ctx &cx = a.cx;
+    if (LEAN) { /* every event a conversion (dbl_round), no index */
+        const int ksm = K >= 0 ? K : flt_kind_at(a.lean, LK_SOFTMAX);
+        return ksm == FLT_F32 ? __fsub_rn(s, mf) : dbl_round(ksm, (double)s - m);
+    }
+    /* s - m of two fp32 values: one fp32 rounding when the stage is fp32 (double rounding is innocuous) */
+    return cx.softmax.kind == ATT_F32 ? __fsub_rn(s, mf)
+                                      : (float)rnd(cx.softmax, (double)s - m, ATT_STREAM(ATT_SOFTMAX_SUB, bh),
+                                                   ATT_INDEX(i, j, 0));
+}
+
+/* The term's second event, R_softmax(y) of y = E(x). */
+template <bool LEAN, int K = -1>
+__device__ __forceinline__ float term_e(const fast_args &a, double y, int64_t bh, int64_t i, int64_t j) {
+    if (LEAN) return dbl_round(K >= 0 ? K : flt_kind_at(a.lean, LK_SOFTMAX), y);
+    return r_dbl(a.cx.softmax, y, ATT_STREAM(ATT_SOFTMAX_EXP, bh), ATT_INDEX(i, j, 0));
+}
+
 /* The softmax term e = R_softmax(E(R_softmax(s - m))) of score (i, j); m (an fp32 value, or NaN / -inf) also as
  * the float mf. K: the lean kernels' softmax kind, as score_of's; E: 1 exp2, 0 exp, -1 cx.exp2. x is an fp32 value:
  * emu_exp_fast (CUDA's exp, the same bits for every fp32 input) with its constants from kk. */
 template <bool LEAN, int K = -1, int E = -1>
 __device__ __forceinline__ float term_of(const fast_args &a, float s, double m, float mf, int64_t bh, int64_t i,
                                          int64_t j, const double *kk = emu_exp_k) {
-    const emu_ctx &cx = a.cx;
-    const int e2 = E >= 0 ? E : cx.exp2;
-    if (LEAN) { /* every event a conversion (dbl_round), no index */
-        const int ksm = K >= 0 ? K : flt_kind_at(a.lean, LK_SOFTMAX);
-        const float x = ksm == FLT_F32 ? __fsub_rn(s, mf) : dbl_round(ksm, (double)s - m);
-        return dbl_round(ksm, emu_exp_fast(e2, (double)x, kk));
+    const int e2 = E >= 0 ? E : a.cx.exp2;
+    const float x = term_x<LEAN, K>(a, s, m, mf, bh, i, j);
+    return term_e<LEAN, K>(a, emu_exp_fast(e2, (double)x, kk), bh, i, j);
+}
+
+/* dbl_round(fk, (double)e / l) of fp32 values e and l, for fk other than FLT_EVENT (the baseline's P = R_p(e / l)),
+ * mostly in fp32: q = RN32(e / l) and its rounding to fk, unless q is a midpoint between two values of fk (then the
+ * exact quotient, on one side of q, may round the other way) or |q| > 1 (past it, fk's overflow threshold would need
+ * the same care; a softmax quotient is at most 1): then the fp64 division. Why it is the same value: every midpoint
+ * of bf16 and fp16 is an fp32 value, and RN32 is monotone, so q and the exact quotient lie on the same side of every
+ * midpoint that q is not; for fp32, fp64's 53 >= 2 * 24 + 2 bits make the double rounding innocuous. */
+__device__ __forceinline__ float quot_round(int fk, float e, float l) {
+    const float q = __fdiv_rn(e, l);
+    if (fk == FLT_F32) return q;
+    if (fabsf(q) <= 1.f) {
+        if (fk == FLT_BF16) {
+            if ((__float_as_uint(q) & 0xFFFFu) != 0x8000u) return flt_round(fk, q);
+        } else { /* fp16: its neighbours below and above |q|, whose sum (12 bits) is exact in fp32 */
+            const unsigned short h = __half_as_ushort(__float2half_rz(q));
+            const float lo = __half2float(__ushort_as_half(h)), hi = __half2float(__ushort_as_half((unsigned short)(h + 1)));
+            if (lo == q || lo + hi != 2.f * q) return flt_round(fk, q);
+        }
     }
-    const uint64_t idx = ATT_INDEX(i, j, 0);
-    /* s - m of two fp32 values: one fp32 rounding when the stage is fp32 (double rounding is innocuous) */
-    const float x = cx.softmax.kind == ATT_F32 ? __fsub_rn(s, mf)
-                                               : (float)rnd(cx.softmax, (double)s - m, ATT_STREAM(ATT_SOFTMAX_SUB, bh), idx);
-    return r_dbl(cx.softmax, emu_exp_fast(e2, (double)x, kk), ATT_STREAM(ATT_SOFTMAX_EXP, bh), idx);
+    return dbl_round(fk, (double)e / (double)l);
 }
 
 /* f(std::integral_constant<int, 1>{}) for the exp2 form, else f(...<int, 0>{}): a loop's exp fixed at compile time. */
@@ -150,12 +184,13 @@ template <bool LEAN, class F> __device__ __forceinline__ void with_o_form(const 
 }
 
 /* 7 (and 9) of block jb for element (i, d) (row_update): O from O, the block's P.V chain pv, the row's factor and
- * l_new. K: the O update's form (with_o_form), or -1. */
-template <bool LEAN, int K = -1>
+ * l_new. K: the O update's form (with_o_form), or -1. PLAIN: the caller has checked that the normalisation is
+ * deferred and the loop order q_outer (fa2's and paper's), so the update has no branch on either. */
+template <bool LEAN, int K = -1, bool PLAIN = false>
 __device__ __forceinline__ float o_step(const fast_args &a, float o, float pv, double factor, double l_new,
                                         int64_t bh, int64_t i, int64_t jb, int d) {
     const emu_ctx &cx = a.cx;
-    const int eager = cx.pr.normalize == FADEV_EAGER, kv_outer = cx.pr.loop_order == FADEV_KV_OUTER;
+    const int eager = !PLAIN && cx.pr.normalize == FADEV_EAGER, kv_outer = !PLAIN && cx.pr.loop_order == FADEV_KV_OUTER;
     if (K == O_F32 || (K == -1 && a.o32)) {
         float o_new = __fadd_rn(__fmul_rn((float)factor, o), pv);
         if (eager) o_new = __fdiv_rn(o_new, (float)l_new);

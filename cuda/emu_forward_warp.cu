@@ -34,6 +34,7 @@ constexpr int NT = 32 * W;  /* threads per CTA */
 constexpr int KB = 64;      /* keys per block, at most */
 constexpr unsigned FULL = 0xFFFFFFFFu;
 
+
 /* The tile of a kernel for D <= 32 DC. A lane's register tiles: scores, KL keys (key0 + KS j) x SR rows; O and P.V,
  * CL columns (col0 + CS c) x RL rows. At D 64 (QUAD) 4 contiguous keys or columns x half the warp's rows, so that
  * each FMA block of a step reads one float4 of K or V and SR / 4 or RL / 4 broadcast float4 of Q or P: 3 shared loads
@@ -172,6 +173,9 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     using T = tile<DC>;
     constexpr int R = T::R, BQ = T::BQ, DP = T::DP, EP = T::EP, KP = T::KP, SPREAD = 32 / R;
     constexpr int KL = T::KL, KS = T::KS, SR = T::SR, CL = T::CL, CS = T::CS, RL = T::RL;
+    /* softmax terms whose exps interleave (terms): 4 in the flash kernels; 2 in the baseline's, where 4 spilled
+     * (H100: naive's forward 5-20% slower at 4, within the spread at 2) */
+    constexpr int TG = BASE ? 2 : 4;
     extern __shared__ __align__(16) char smem[];
     float *sq = (float *)smem, *sk = sq + DP * BQ, *sv = T::SPLIT ? sk + DP * KP : sk;
     float *se = sk + DP * KP + (T::SPLIT ? KB * DP : 0);
@@ -253,23 +257,47 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     };
     /* the softmax terms of the lane's keys below kw in E (0 past nr); with `div`, P = R_p(e / lr) instead (the
      * baseline's last pass); ends with __syncwarp */
-    auto p_div = [&](float e, double lr, int64_t j) { /* P = R_p(e / l) */
-        return LEAN ? dbl_round(a.p_kind, (double)e / lr)
-                    : (float)rnd(cx.p, (double)e / lr, ATT_STREAM(ATT_P, bh), ATT_INDEX(i, j, 0));
+    auto p_div = [&](float e, double lr, int64_t j) { /* P = R_p(e / l); l an fp32 value: quot_round's */
+        if (LEAN) return (double)(float)lr == lr ? quot_round(a.p_kind, e, (float)lr) : dbl_round(a.p_kind, (double)e / lr);
+        return (float)rnd(cx.p, (double)e / lr, ATT_STREAM(ATT_P, bh), ATT_INDEX(i, j, 0));
     };
     auto terms = [&](int64_t jb0, int nr, int kw, float mf, auto div, double lr) {
         lean_kind<LEAN>(flt_kind_at(a.lean, LK_SOFTMAX), [&](auto KS) {
             with_exp(cx.exp2, [&](auto E2) {
+                constexpr int K = decltype(KS)::value, X2 = decltype(E2)::value;
                 double kk[16]; /* the exp's constants in registers for the loop */
 #pragma unroll
                 for (int c = 0; c < 16; c++) kk[c] = emu_exp_kg[c];
-#pragma unroll 2
-                for (int key = lane / R; key < kw; key += SPREAD) { /* past nr: computed, not kept */
-                    float e = term_of<LEAN, decltype(KS)::value, decltype(E2)::value>(a, er[key * EP], (double)mf,
-                                                                                      mf, bh, i, jb0 + key, kk);
+                auto x_of = [&](int key) { return (double)term_x<LEAN, K>(a, er[key * EP], (double)mf, mf, bh, i, jb0 + key); };
+                auto put = [&](int key, double y) { /* past nr: computed, not kept */
+                    float e = term_e<LEAN, K>(a, y, bh, i, jb0 + key);
                     if constexpr (decltype(div)::value) e = p_div(e, lr, jb0 + key);
                     er[key * EP] = key < nr ? e : 0.f;
+                };
+                /* TG keys at a time: their exps' reductions and polynomials without a branch (emu_exp_poly), so that
+                 * the TG dependent DFMA chains interleave (emu_exp_fast's range test is a branch, across which ptxas
+                 * did not move the next key's chain: one chain at a time, the terms' time spent waiting); where a
+                 * key is near or past the range, emu_exp_fast for all TG (in range it is emu_exp_scaled of
+                 * emu_exp_poly's: the same bits) */
+                int key = lane / R;
+#pragma unroll 1
+                for (; key + (TG - 1) * SPREAD < kw; key += TG * SPREAD) {
+                    double x[TG], p[TG];
+                    int n[TG];
+                    bool in = true;
+#pragma unroll
+                    for (int g = 0; g < TG; g++) x[g] = x_of(key + g * SPREAD), in = in && emu_exp_in_range(X2, x[g]);
+#pragma unroll
+                    for (int g = 0; g < TG; g++) p[g] = emu_exp_poly(X2, x[g], kk, n[g]);
+                    if (in) {
+#pragma unroll
+                        for (int g = 0; g < TG; g++) put(key + g * SPREAD, emu_exp_scaled(p[g], n[g]));
+                    } else {
+#pragma unroll
+                        for (int g = 0; g < TG; g++) put(key + g * SPREAD, emu_exp_fast(X2, x[g], kk));
+                    }
                 }
+                for (; key < kw; key += SPREAD) put(key, emu_exp_fast(X2, x_of(key), kk));
             });
         });
         __syncwarp();
@@ -368,7 +396,16 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                 if (!fresh && kw) { /* the lane's own entries of E (past nr 0: their terms are dropped), read before
                                      * V's staging so that both loads' latencies overlap */
                     __syncwarp(); /* the last slice's readers of E are done */
-                    for (int key = lane / R; key < kw; key += SPREAD) er[key * EP] = key < nr ? ks[key * R] : 0.f;
+                    constexpr int LB = 16; /* loads in flight a lane (unrolled by 4, the loop waited for the L2
+                                            * every 4 keys: a tenth of naive's forward, H100) */
+                    for (int k0 = lane / R; k0 < kw; k0 += LB * SPREAD) {
+                        float t[LB];
+#pragma unroll
+                        for (int g = 0; g < LB; g++) t[g] = k0 + g * SPREAD < nr ? ks[(k0 + g * SPREAD) * R] : 0.f;
+#pragma unroll
+                        for (int g = 0; g < LB; g++)
+                            if (k0 + g * SPREAD < kw) er[(k0 + g * SPREAD) * EP] = t[g];
+                    }
                 }
                 if (fresh) stage_kv(jb0, ncta, pass == 2);
                 else if (pass == 2) stage_v(jb0, ncta);
@@ -416,6 +453,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     } else {
         zero_o();
         const int64_t bkv = a.block_kv;
+        const bool plain = cx.pr.normalize != FADEV_EAGER && cx.pr.loop_order != FADEV_KV_OUTER;
         for (int64_t jb = 0, jb0 = 0; jb0 < Nk; jb++, jb0 += bkv) {
             const int n = (int)(bkv < Nk - jb0 ? bkv : Nk - jb0);
             const int ncta = (int)emu_visible(cx.pr, i0 + here - 1, jb0, n); /* keys any row of the CTA sees */
@@ -455,8 +493,10 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     #pragma unroll
                 for (int c = 0; c < CL; c++) pv[rr][c] = 0.f;
             pv_add(pv, kw);
-            /* 7 (and 9): O from pv (row_update), for the rows that see a key of the block */
-            with_o_form<LEAN>(a, [&](auto OF) {
+            /* 7 (and 9): O from pv (row_update), for the rows that see a key of the block. PLAIN (fa2's and paper's
+             * deferred normalisation in q_outer order, o_step): no branch an element, and the padded columns
+             * (t >= D: V's zeros, so pv = 0 and o stays 0; never written) updated too */
+            auto o_update = [&](auto OF, auto PLAIN) {
     #pragma unroll
                 for (int rr = 0; rr < RL; rr++) {
                     const int row = orow0 + rr;
@@ -465,10 +505,16 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     #pragma unroll
                     for (int c = 0; c < CL; c++) {
                         const int d = col0 + CS * c;
-                        if (d < D)
-                            o[rr][c] = o_step<LEAN, decltype(OF)::value>(a, o[rr][c], pv[rr][c], f, ln, bh, iw + row, jb, d);
+                        if (decltype(PLAIN)::value || d < D)
+                            o[rr][c] = o_step<LEAN, decltype(OF)::value, decltype(PLAIN)::value>(
+                                a, o[rr][c], pv[rr][c], f, ln, bh, iw + row, jb, d);
                     }
                 }
+            };
+            with_o_form<LEAN>(a, [&](auto OF) {
+                if constexpr (decltype(OF)::value == O_F32 || decltype(OF)::value >= O_N16)
+                    if (plain) return o_update(OF, std::true_type{});
+                o_update(OF, std::false_type{});
             });
             if (nown) m = mnew, l = l_kept(a, lnew, bh, iw + lane, jb), seen = 1;
         }

@@ -75,11 +75,13 @@ def test_shapes_causal_gqa_fast_is_generic(Nq, Nk, heads, monkeypatch):
     assert_fast_is_generic("baseline", q, k, v, Policy.naive("bf16"), monkeypatch, causal=True)
 
 
-@pytest.mark.parametrize("case", ["underflow", "overflow", "nonfinite", "subnormal_inputs"])
+@pytest.mark.parametrize("case", ["underflow", "overflow", "nonfinite", "subnormal_inputs", "wide_scores"])
 def test_extreme_values_fast_is_generic(case, monkeypatch):
     """Products below fp32's normals (the generic kernels' float tier does not apply there: the fast path's FMA
     must still give the fp64-then-round bits), scores past fp32's range (inf - inf: NaN rows), non-finite
-    inputs (the fast path steps aside) and subnormal inputs."""
+    inputs (the fast path steps aside), subnormal inputs, and finite scores so far apart that s - m leaves the
+    exp's reduced range (below -708 / -1022: libdevice's other path, which the warp kernel's grouped softmax terms
+    take for a whole group when one of its keys needs it) while a row's largest scores stay in it."""
     q, k, v = make_qkv(25, 1, 2, 2, 96, 96, 32)
     if case == "underflow":
         k = k * 1e-20
@@ -90,6 +92,9 @@ def test_extreme_values_fast_is_generic(case, monkeypatch):
     elif case == "nonfinite":
         q[0, 0, 3, 2] = np.nan
         v[0, 1, 7, 0] = np.inf
+    elif case == "wide_scores":
+        q[0, 0] *= 400
+        q[0, 1, ::2] *= 150
     else:
         q[0, 1] *= 1e-40
         v[0, 0, ::3] *= 1e-39
