@@ -1,0 +1,152 @@
+/* The emulated forward's warp kernel (emu_forward_warp.cu): its CTA shape and register tiles, the rows' visibility,
+ * the staging of Q, K and V into shared memory, and the product loops' steps. Included by emu_forward_warp.cu only. */
+#ifndef FADEV_EMU_FORWARD_WARP_CUH
+#define FADEV_EMU_FORWARD_WARP_CUH
+
+#include "emu_forward_fast.cuh"
+
+namespace emu_warp {
+
+using namespace emu_fwd;
+
+constexpr int W = 8;        /* warps per CTA */
+constexpr int NT = 32 * W;  /* threads per CTA */
+constexpr int KB = 64;      /* keys per block, at most */
+constexpr unsigned FULL = 0xFFFFFFFFu;
+
+
+/* The tile of a kernel for D <= 32 DC. A lane's register tiles: scores, KL keys (key0 + KS j) x SR rows; O and P.V,
+ * CL columns (col0 + CS c) x RL rows. At D 64 (QUAD) 4 contiguous keys or columns x half the warp's rows, so that
+ * each FMA block of a step reads one float4 of K or V and SR / 4 or RL / 4 broadcast float4 of Q or P: 3 shared loads
+ * for 32 FMAs (a key or column every 32 lanes x all R rows took 6, and the shared pipe's queue was the product
+ * loops' largest stall; H100, fa2 bf16 forward 16.6-16.9 -> 17.4-17.8 TFLOP/s). At D 128 the 4-wide tiles measured
+ * 3-9% slower (same run), so it keeps a key or column every 32 lanes. */
+template <int DC> struct tile {
+    static constexpr int DP = 32 * DC;         /* the head dimension, padded with zeros */
+    static constexpr int R = DC == 2 ? 16 : 8; /* query rows per warp: o, pv take 2 R DC registers */
+    static constexpr int BQ = W * R;           /* query rows per CTA */
+    static constexpr bool QUAD = DC == 2;
+    static constexpr int KL = QUAD ? 4 : 2, KS = QUAD ? 1 : 32, SR = QUAD ? R / 2 : R;
+    static constexpr int CL = QUAD ? 4 : DC, CS = QUAD ? 1 : 32, RL = QUAD ? R * DC / 4 : R;
+    static_assert(RL * CL == R * DC && KL * SR * 32 == KB * R && KB == 64, "the lanes' tiles cover the warp's");
+    __device__ static int key0(int lane) { return QUAD ? 4 * (lane & 15) : lane; }
+    __device__ static int srow0(int lane) { return QUAD ? (lane >> 4) * SR : 0; }
+    __device__ static int col0(int lane) { return QUAD ? 4 * (lane % (DP / 4)) : lane; }
+    __device__ static int orow0(int lane) { return QUAD ? lane / (DP / 4) * RL : 0; }
+    static constexpr int EP = R + 4;           /* pitch of a warp's E[key][row]: conflict-free float4 stores */
+    static constexpr int KP = QUAD ? KB + 4 : KB + 1; /* pitch of K^T [t][key]: float4 reads of four keys (QUAD,
+                                                       * staged by stage_kt), or conflict-free transposing stores */
+    static constexpr bool SPLIT = DC == 2;     /* K and V in buffers of their own; at D 128 V overwrites K (then
+                                                * the CTA's shared memory allows 2 CTAs per SM) */
+    static constexpr size_t floats = (size_t)DP * BQ + (size_t)DP * KP + (SPLIT ? (size_t)KB * DP : 0) + (size_t)W * KB * EP;
+    static constexpr size_t bytes = floats * sizeof(float) + 2 * (size_t)W * R * sizeof(double);
+};
+
+/* Rows r of the warp see keys [0, nv(r)) of the block: n keys when not causal, else the causal prefix from `base`
+ * (base + r keys, clamped); rows past the last query row (r >= hw) see none. */
+struct vis {
+    int causal, n, hw;
+    int64_t base;
+    __device__ __forceinline__ int of(int r) const {
+        if (r >= hw) return 0;
+        if (!causal) return n;
+        const int64_t c = base + r;
+        return c < 0 ? 0 : c > n ? n : (int)c;
+    }
+};
+
+/* with_kind(k, f) in the lean kernels; f(-1) (the kinds read at run time) in the others. */
+template <bool LEAN, class F> __device__ __forceinline__ void lean_kind(int k, F &&f) {
+    if constexpr (LEAN) with_kind(k, f);
+    else f(std::integral_constant<int, -1>{});
+}
+
+/* Rows [0, have) of src (row pitch D: keys, or query rows) into dst[row * pitch_r + t * pitch_t], zeros for t >= D
+ * and rows >= have, for t < DP and rows < ROWS; consecutive threads read consecutive t (coalesced), and every load of
+ * a thread is in flight at once. Ends without a barrier. */
+template <int DP, int ROWS>
+__device__ __forceinline__ void stage(float *dst, int pitch_t, int pitch_r, const float *src, int D, int have) {
+    static_assert(DP * ROWS % (4 * NT) == 0, "whole passes");
+    if (D == DP) { /* rows of DP floats, contiguous: float4 loads (16-byte aligned: the buffers' rows are 256 or 512 B) */
+        const float4 *s4 = (const float4 *)src;
+#pragma unroll
+        for (int it = 0; it < DP * ROWS / (4 * NT); it++) {
+            const int e = it * NT + threadIdx.x, t = e % (DP / 4) * 4, row = e / (DP / 4);
+            const float4 x = row < have ? s4[e] : make_float4(0.f, 0.f, 0.f, 0.f);
+            float *d = dst + row * pitch_r + t * pitch_t;
+            if (pitch_t == 1) {
+                *(float4 *)d = x;
+            } else {
+                d[0] = x.x, d[pitch_t] = x.y, d[2 * pitch_t] = x.z, d[3 * pitch_t] = x.w;
+            }
+        }
+        return;
+    }
+#pragma unroll 16
+    for (int it = 0; it < DP * ROWS / NT; it++) {
+        const int e = it * NT + threadIdx.x, t = e % DP, row = e / DP;
+        dst[row * pitch_r + t * pitch_t] = t < D && row < have ? src[row * D + t] : 0.f;
+    }
+}
+
+/* K^T [t][key] (pitch KP) of keys [0, have) of src (row pitch D), zeros for t >= D and keys >= have, t < DP: lanes
+ * across keys, so the transposing stores are conflict-free at a pitch of four keys' multiple; a thread's loads are in
+ * flight at once. Ends without a barrier. */
+template <int DP, int KP>
+__device__ __forceinline__ void stage_kt(float *dst, const float *src, int D, int have) {
+    static_assert(DP * KB % (4 * NT) == 0, "whole passes");
+    if (D == DP) { /* float4 along t (16-byte aligned: rows of DP floats) */
+#pragma unroll
+        for (int it = 0; it < DP * KB / (4 * NT); it++) {
+            const int e = it * NT + threadIdx.x, key = e % KB, t = e / KB * 4;
+            const float4 x = key < have ? *(const float4 *)(src + (int64_t)key * D + t) : make_float4(0.f, 0.f, 0.f, 0.f);
+            float *d = dst + t * KP + key;
+            d[0] = x.x, d[KP] = x.y, d[2 * KP] = x.z, d[3 * KP] = x.w;
+        }
+        return;
+    }
+#pragma unroll 16
+    for (int it = 0; it < DP * KB / NT; it++) {
+        const int e = it * NT + threadIdx.x, key = e % KB, t = e / KB;
+        dst[t * KP + key] = t < D && key < have ? src[(int64_t)key * D + t] : 0.f;
+    }
+}
+
+/* The operands of one step of a product loop (the scores' over t, P.V's over keys): NA values at a (float4 loads,
+ * 16-byte aligned) and NB at b, BS apart (one float4 where BS = 1 and NB = 4). */
+template <int NA, int NB, int BS>
+__device__ __forceinline__ void step_operands(float (&av)[NA], float (&bv)[NB], const float *a, const float *b) {
+#pragma unroll
+    for (int r4 = 0; r4 < NA / 4; r4++) {
+        const float4 x = *(const float4 *)(a + 4 * r4);
+        av[4 * r4] = x.x, av[4 * r4 + 1] = x.y, av[4 * r4 + 2] = x.z, av[4 * r4 + 3] = x.w;
+    }
+    if constexpr (BS == 1 && NB == 4) {
+        const float4 x = *(const float4 *)b;
+        bv[0] = x.x, bv[1] = x.y, bv[2] = x.z, bv[3] = x.w;
+    } else {
+#pragma unroll
+        for (int j = 0; j < NB; j++) bv[j] = b[BS * j];
+    }
+}
+
+/* One step, acc[r][j] = fmaf(av[r], bv[j], acc[r][j]), with the next step's operands (at an, bn) loaded first into
+ * av, bv: in flight during the FMAs. */
+template <int NA, int NB, int BS>
+__device__ __forceinline__ void fma_step(float (&acc)[NA][NB], float (&av)[NA], float (&bv)[NB], const float *an,
+                                         const float *bn) {
+    float a2[NA], b2[NB];
+    step_operands<NA, NB, BS>(a2, b2, an, bn);
+#pragma unroll
+    for (int r = 0; r < NA; r++)
+#pragma unroll
+        for (int j = 0; j < NB; j++) acc[r][j] = fmaf(av[r], bv[j], acc[r][j]);
+#pragma unroll
+    for (int r = 0; r < NA; r++) av[r] = a2[r];
+#pragma unroll
+    for (int j = 0; j < NB; j++) bv[j] = b2[j];
+}
+
+} // namespace emu_warp
+
+#endif /* FADEV_EMU_FORWARD_WARP_CUH */
