@@ -73,6 +73,21 @@ template <typename T> struct device_buffer {
     }
 };
 
+/* Several scratch buffers carved from one device_buffer, each aligned to 256 bytes as cudaMalloc's are: a call
+ * that needed ten allocations and ten frees (microseconds of host time each) makes one of each. `add` reserves
+ * a region (in the planning pass, before `alloc`); `at` is its address afterwards, nullptr for an empty one. */
+struct device_arena {
+    device_buffer<unsigned char> mem;
+    size_t total = 0;
+    size_t add(size_t bytes) {
+        const size_t off = total;
+        total += (bytes + 255) & ~(size_t)255;
+        return bytes ? off : (size_t)-1;
+    }
+    fadev_status alloc(const char *what) { return mem.alloc(total, what); }
+    template <typename T> T *at(size_t off) const { return off == (size_t)-1 ? nullptr : (T *)(mem.ptr + off); }
+};
+
 /* Shared memory addresses and asynchronous global -> shared copies (cp.async, sm_80+); `valid` false writes zeros
  * and reads nothing (src must still be a valid address: callers pass the tensor's base). Every kernel's copies are
  * these. */

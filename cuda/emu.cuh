@@ -220,9 +220,7 @@ __device__ __forceinline__ double emu_mac(const att_stage &acc_stage, double acc
  * magnitudes. `exp2` selects the exp2 form's constants. Validation is the caller's (att_validate first).
  * The buffers live in `store` until it is destroyed. */
 struct emu_inputs {
-    device_buffer<double> q, k, v;
-    device_buffer<float> qf, kf, vf;
-    device_buffer<emu_mag> qmag, kmag, vmag;
+    device_arena mem; /* q, k, v, their fp32 copies and the magnitudes */
 };
 fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const double *k, const double *v,
                          const fadev_attention_params *params, const fadev_policy *policy, int exp2);

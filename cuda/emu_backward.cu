@@ -377,37 +377,29 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
     args.chunk_rows = C;
 
     const size_t n_q = (size_t)(B * H * Nq * D), n_kv = (size_t)(G * Nk * D), n_rows = (size_t)(B * H * Nq);
-    device_buffer<double> dout_r, row_l, row_d, sa, sb, dk_part, dv_part;
-    device_buffer<emu_mag> mags;
-    FADEV_TRY(dout_r.alloc(n_q, "emulated attention backward: dO"));
-    device_buffer<float> dout_f;
-    if (fast) FADEV_TRY(dout_f.alloc(n_q, "emulated attention backward: fp32 dO"));
-    args.doutf = dout_f.ptr;
-    FADEV_TRY(mags.alloc((size_t)(2 * G), "emulated attention backward: magnitudes"));
-    FADEV_TRY(row_l.alloc(n_rows, "emulated attention backward: L")); /* the baseline's fast rows: m, l */
-    FADEV_TRY(row_d.alloc(n_rows, "emulated attention backward: D"));
     const size_t scratch = fast_pairs ? (size_t)(Gc * C * Nk + 1) / 2 : (size_t)(Gc * C * Nk); /* in doubles */
-    FADEV_TRY(sa.alloc(scratch, "emulated attention backward: P' scratch"));
-    FADEV_TRY(sb.alloc(scratch, "emulated attention backward: dS scratch"));
-    FADEV_TRY(dk_part.alloc(n_kv, "emulated attention backward: dK sums"));
-    FADEV_TRY(dv_part.alloc(n_kv, "emulated attention backward: dV sums"));
-    args.dout = dout_r.ptr, args.row_l = row_l.ptr, args.row_d = row_d.ptr;
-    args.qmag = mags.ptr, args.domag = mags.ptr + G;
+    const int rows_max = baseline && fast_pairs; /* room for the fast rows' maxima (emu_bwd_fast_rows_ok needs saf) */
+    /* one allocation for the scratch (dK and dV sums, then the row maxima, adjacent: one memset) */
+    device_arena m;
+    const size_t o_dk = m.add(n_kv * 8), o_dv = m.add(n_kv * 8), o_max = m.add(rows_max ? n_rows * sizeof(unsigned) : 0),
+                 o_do = m.add(n_q * 8), o_dof = m.add(fast ? n_q * 4 : 0), o_mag = m.add(2 * G * sizeof(emu_mag)),
+                 o_l = m.add(n_rows * 8), o_d = m.add(n_rows * 8), o_sa = m.add(scratch * 8), o_sb = m.add(scratch * 8);
+    FADEV_TRY(m.alloc("emulated attention backward: scratch"));
+    args.doutf = m.at<float>(o_dof);
+    args.dout = m.at<double>(o_do), args.row_l = m.at<double>(o_l), args.row_d = m.at<double>(o_d);
+    emu_mag *mags = m.at<emu_mag>(o_mag);
+    args.qmag = mags, args.domag = mags + G;
+    args.sa = m.at<double>(o_sa), args.sb = m.at<double>(o_sb), args.dk_part = m.at<double>(o_dk),
+    args.dv_part = m.at<double>(o_dv);
     if (fast_pairs) /* fp32 scratch in the same buffers */
-        args.saf = (float *)sa.ptr, args.sbf = (float *)sb.ptr;
-    args.sa = sa.ptr, args.sb = sb.ptr, args.dk_part = dk_part.ptr, args.dv_part = dv_part.ptr;
-    device_buffer<unsigned> row_max; /* the fast rows' maxima, from the fast pair kernel (every chunk's rows its own) */
-    if (baseline && emu_bwd_fast_rows_ok(args)) {
-        FADEV_TRY(row_max.alloc(n_rows, "emulated attention backward: row maxima"));
-        CUDA_TRY(cudaMemset(row_max.ptr, 0, n_rows * sizeof(unsigned)));
-        args.row_max = row_max.ptr;
-    }
-    CUDA_TRY(cudaMemset(dk, 0, n_kv * sizeof(double)));
-    CUDA_TRY(cudaMemset(dv, 0, n_kv * sizeof(double)));
-    CUDA_TRY(cudaMemset(dk_part.ptr, 0, n_kv * sizeof(double)));
-    CUDA_TRY(cudaMemset(dv_part.ptr, 0, n_kv * sizeof(double)));
+        args.saf = (float *)args.sa, args.sbf = (float *)args.sb;
+    if (baseline && emu_bwd_fast_rows_ok(args)) args.row_max = m.at<unsigned>(o_max); /* from the fast pair kernel */
+    /* on the legacy default stream, as every kernel here */
+    CUDA_TRY(cudaMemsetAsync(m.mem.ptr + o_dk, 0, (rows_max ? o_max + n_rows * sizeof(unsigned) : o_dv + n_kv * 8) - o_dk, 0));
+    CUDA_TRY(cudaMemsetAsync(dk, 0, n_kv * sizeof(double), 0));
+    CUDA_TRY(cudaMemsetAsync(dv, 0, n_kv * sizeof(double), 0));
 
-    emu_mag_reset_kernel<<<grid_of(2 * G, THREADS) < 1024 ? grid_of(2 * G, THREADS) : 1024, THREADS>>>(mags.ptr, 2 * G);
+    emu_mag_reset_kernel<<<grid_of(2 * G, THREADS) < 1024 ? grid_of(2 * G, THREADS) : 1024, THREADS>>>(mags, 2 * G);
     CUDA_TRY(cudaGetLastError());
     unsigned per_head = emu_blocks((size_t)(Nq * D), THREADS);
     per_head = per_head > 64 ? 64 : per_head;

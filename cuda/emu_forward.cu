@@ -344,11 +344,11 @@ fadev_status run_forward(const double *q, const double *k, const double *v, doub
     const int64_t ctas = params->batch * params->heads * a.tiles;
     if (ctas > (int64_t)1 << 31) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "emulated attention: grid too large");
     const size_t scratch = (size_t)(ctas * params->dim * ROWS);
-    device_buffer<double> o_scratch, pv_scratch;
-    if (flash) FADEV_TRY(o_scratch.alloc(scratch, "emulated flash attention: O"));
-    FADEV_TRY(pv_scratch.alloc(scratch, "emulated attention: P.V partial sums"));
-    a.o_scratch = o_scratch.ptr;
-    a.pv_scratch = pv_scratch.ptr;
+    device_arena m; /* O (flash) and the P.V partial sums */
+    const size_t o_o = m.add(flash ? scratch * 8 : 0), o_pv = m.add(scratch * 8);
+    FADEV_TRY(m.alloc("emulated attention: O and P.V partial sums"));
+    a.o_scratch = m.at<double>(o_o);
+    a.pv_scratch = m.at<double>(o_pv);
     int device = 0, smem_max = 0;
     CUDA_TRY(cudaGetDevice(&device));
     CUDA_TRY(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));

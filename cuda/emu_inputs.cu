@@ -6,15 +6,29 @@
 
 #include "emu.cuh"
 
-/* One launch per tensor: blockIdx.y is the head; each thread walks a stride of that head's rows x D values
- * and the block folds its magnitudes into the head's record (emu_mag_flush: one atomic per block). */
-__global__ void round_inputs_kernel(const double *src, double *dst, float *dstf, int64_t rows, int64_t dim,
-                                    att_stage in, int stage_id, emu_mag *mag, int64_t head0) {
-    const int64_t head = head0 + blockIdx.y, per_head = rows * dim;
-    const double *s = src + head * per_head;
-    double *d_out = dst + head * per_head;
-    float *f_out = dstf ? dstf + head * per_head : nullptr;
-    const uint64_t stream = ATT_STREAM(stage_id, head);
+/* The three tensors' jobs in one launch: blockIdx.z is the tensor, blockIdx.y the head (from head0), and each thread
+ * walks a stride of that head's rows x D values; the block folds its magnitudes into the head's record
+ * (emu_mag_flush: one atomic per block). */
+struct round_job {
+    const double *src;
+    double *dst;
+    float *dstf; /* nullptr: no fp32 copy */
+    emu_mag *mag;
+    int64_t heads, rows;
+    int stage_id;
+};
+struct round_jobs {
+    round_job t[3];
+};
+
+__global__ void round_inputs_kernel(const __grid_constant__ round_jobs jobs, int64_t dim, att_stage in, int64_t head0) {
+    const round_job &j = jobs.t[blockIdx.z];
+    const int64_t head = head0 + blockIdx.y, per_head = j.rows * dim;
+    if (head >= j.heads) return;
+    const double *s = j.src + head * per_head;
+    double *d_out = j.dst + head * per_head;
+    float *f_out = j.dstf ? j.dstf + head * per_head : nullptr;
+    const uint64_t stream = ATT_STREAM(j.stage_id, head);
     unsigned long long lo = 0x7FF0000000000000ull, hi = 0;
     int finite = 1;
     for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < per_head; e += (int64_t)gridDim.x * blockDim.x) {
@@ -24,45 +38,39 @@ __global__ void round_inputs_kernel(const double *src, double *dst, float *dstf,
         if (f_out) f_out[e] = (float)x;
         emu_mag_put(lo, hi, finite, x);
     }
-    if (mag) emu_mag_flush(mag + head, lo, hi, finite);
-}
-
-static fadev_status round_tensor(const double *src, device_buffer<double> &dst, device_buffer<float> &dstf,
-                                 int want_float, device_buffer<emu_mag> *mag, int64_t heads, int64_t rows,
-                                 int64_t dim, const att_stage &in, int stage_id) {
-    const size_t n = (size_t)(heads * rows * dim);
-    FADEV_TRY(dst.alloc(n, "emulated attention: rounded inputs"));
-    if (want_float) FADEV_TRY(dstf.alloc(n, "emulated attention: fp32 inputs"));
-    if (mag) {
-        FADEV_TRY(mag->alloc((size_t)heads, "emulated attention: magnitudes"));
-        emu_mag_reset_kernel<<<emu_blocks((size_t)heads, 256), 256>>>(mag->ptr, heads);
-        CUDA_TRY(cudaGetLastError());
-    }
-    const unsigned threads = 256;
-    unsigned per_head = emu_blocks((size_t)(rows * dim), threads);
-    if (per_head > 64) per_head = 64;
-    for (int64_t h0 = 0; h0 < heads; h0 += 65535) { /* gridDim.y is at most 65535 */
-        const int64_t hn = heads - h0 < 65535 ? heads - h0 : 65535;
-        round_inputs_kernel<<<dim3(per_head, (unsigned)hn), threads>>>(
-            src, dst.ptr, want_float ? dstf.ptr : nullptr, rows, dim, in, stage_id, mag ? mag->ptr : nullptr, h0);
-        CUDA_TRY(cudaGetLastError());
-    }
-    return FADEV_OK;
+    emu_mag_flush(j.mag + head, lo, hi, finite);
 }
 
 fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const double *k, const double *v,
                          const fadev_attention_params *params, const fadev_policy *pol, int exp2) {
     memset(cx, 0, sizeof *cx);
     att_plan_init(cx, params, pol, exp2); /* the stages and constants of att_init */
-    const int64_t B = params->batch, D = params->dim;
-    FADEV_TRY(round_tensor(q, store->q, store->qf, cx->qk_float, &store->qmag, B * params->heads, params->seq_q, D,
-                           cx->input, ATT_IN_Q));
-    FADEV_TRY(round_tensor(k, store->k, store->kf, cx->qk_float, &store->kmag, B * params->heads_kv, params->seq_kv, D,
-                           cx->input, ATT_IN_K));
-    FADEV_TRY(round_tensor(v, store->v, store->vf, cx->pv_float, &store->vmag, B * params->heads_kv, params->seq_kv, D,
-                           cx->input, ATT_IN_V));
-    cx->q = store->q.ptr, cx->k = store->k.ptr, cx->v = store->v.ptr;
-    cx->qf = store->qf.ptr, cx->kf = store->kf.ptr, cx->vf = store->vf.ptr;
-    cx->qmag = store->qmag.ptr, cx->kmag = store->kmag.ptr, cx->vmag = store->vmag.ptr;
+    const int64_t B = params->batch, D = params->dim, hq = B * params->heads, hk = B * params->heads_kv;
+    const size_t nq = (size_t)(hq * params->seq_q * D), nk = (size_t)(hk * params->seq_kv * D);
+    const int fq = cx->qk_float, fv = cx->pv_float;
+    /* one allocation: q, k, v in fp64, their fp32 copies where the float tier may be used, the magnitudes */
+    device_arena &m = store->mem;
+    const size_t oq = m.add(nq * 8), ok = m.add(nk * 8), ov = m.add(nk * 8), oqf = m.add(fq ? nq * 4 : 0),
+                 okf = m.add(fq ? nk * 4 : 0), ovf = m.add(fv ? nk * 4 : 0), omag = m.add((hq + 2 * hk) * sizeof(emu_mag));
+    FADEV_TRY(m.alloc("emulated attention: rounded inputs"));
+    double *rq = m.at<double>(oq), *rk = m.at<double>(ok), *rv = m.at<double>(ov);
+    float *fq32 = m.at<float>(oqf), *fk32 = m.at<float>(okf), *fv32 = m.at<float>(ovf);
+    emu_mag *mags = m.at<emu_mag>(omag);
+    cx->q = rq, cx->k = rk, cx->v = rv, cx->qf = fq32, cx->kf = fk32, cx->vf = fv32;
+    cx->qmag = mags, cx->kmag = mags + hq, cx->vmag = mags + hq + hk;
+    emu_mag_reset_kernel<<<emu_blocks((size_t)(hq + 2 * hk), 256), 256>>>(mags, hq + 2 * hk);
+    CUDA_TRY(cudaGetLastError());
+    const round_jobs jobs = {{{q, rq, fq32, mags, hq, params->seq_q, ATT_IN_Q},
+                              {k, rk, fk32, mags + hq, hk, params->seq_kv, ATT_IN_K},
+                              {v, rv, fv32, mags + hq + hk, hk, params->seq_kv, ATT_IN_V}}};
+    const unsigned threads = 256;
+    const int64_t longest = params->seq_q > params->seq_kv ? params->seq_q : params->seq_kv;
+    unsigned per_head = emu_blocks((size_t)(longest * D), threads);
+    if (per_head > 64) per_head = 64;
+    for (int64_t h0 = 0; h0 < hq; h0 += 65535) { /* gridDim.y is at most 65535; K/V have no more heads than Q */
+        const int64_t hn = hq - h0 < 65535 ? hq - h0 : 65535;
+        round_inputs_kernel<<<dim3(per_head, (unsigned)hn, 3), threads>>>(jobs, D, cx->input, h0);
+        CUDA_TRY(cudaGetLastError());
+    }
     return FADEV_OK;
 }

@@ -33,6 +33,8 @@ def shape_of(shape, name="shape", minimum=1) -> tuple:
     """``shape`` (an integer or a sequence of integers, NumPy integers included) as a tuple of ints, each
     >= ``minimum``; TypeError naming ``name`` for any entry that is not an integer (2.5, True, "4"),
     ValueError for one below ``minimum``."""
+    if type(shape) is tuple and all(type(s) is int and s >= minimum for s in shape):  # the common case, no ABC checks
+        return shape
     if isinstance(shape, (str, bytes)) or not (isinstance(shape, numbers.Integral) or hasattr(shape, "__iter__")):
         raise TypeError(f"{name} must be an int or a tuple of ints, got {shape!r}")
     entries = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)

@@ -31,6 +31,7 @@ was most of fadev's host time in a training step (issue 24: each one stalls the 
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import re
@@ -141,7 +142,7 @@ class DeviceArray:
 
     def reshape(self, *shape) -> "DeviceArray":
         """A view with another shape of the same size (one entry may be -1)."""
-        if len(shape) == 1 and not isinstance(shape[0], numbers.Integral):
+        if len(shape) == 1 and (type(shape[0]) is tuple or not isinstance(shape[0], numbers.Integral)):
             shape = shape[0]
         shape = tuple(int(s) for s in shape)
         if shape.count(-1) == 1:
@@ -285,6 +286,7 @@ def route(device, **named):
 
 # ---------------------------------------------------------------- one GPU call
 
+@functools.cache
 def _torch_dtype(dtype):
     import torch
     table = {np.dtype(np.float64): torch.float64, np.dtype(np.float32): torch.float32,
@@ -366,6 +368,9 @@ class _Gpu:
         return arr
 
     def _from_torch(self, t, name, dtype):
+        self._foreign = True
+        if t.dtype == _torch_dtype(dtype) and t.is_contiguous() and not (t.is_neg() or t.is_conj()):
+            return DeviceArray._view(t.data_ptr(), tuple(t.shape), dtype, t)  # in place: the common case
         t = t.detach()
         if t.is_complex():
             raise TypeError(f"{name}: expected a real tensor, got dtype {t.dtype}")
@@ -375,7 +380,6 @@ class _Gpu:
                 raise TypeError(f"{name}: a tensor of dtype {t.dtype}; this call reads {want}")
             t = t.to(want)
         t = t.resolve_neg().resolve_conj().contiguous()
-        self._foreign = True
         return DeviceArray._view(t.data_ptr(), tuple(t.shape), dtype, t)
 
     def _from_interface(self, x, name, dtype):

@@ -8,6 +8,7 @@ Anywhere a format is expected, its name (``"bf16"``) works too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -175,6 +176,7 @@ def _mode(mode) -> int:
     raise ValueError(f"mode must be one of 'rne', 'rtz', 'stochastic', got {mode!r}")
 
 
+@functools.cache  # the machine's memory does not change; os.sysconf was a system call per check
 def _memory_bytes() -> int:
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -204,3 +204,16 @@ def test_policy_fields_are_keyword_only():
     assert Policy(**stages, state=None).stages()["p"] == "fp32"
     with pytest.raises(TypeError, match="positional"):
         Policy(*["fp32"] * 12)
+
+
+def test_policy_text_parsed_once_and_errors_each_time():
+    """A policy string's Policy is built once (host time per call) and equals the preset; a bad string raises every
+    time, naming the argument it was passed as."""
+    a, b = as_policy("fa2:bf16"), as_policy(" fa2 ( bf16 ) ")
+    assert a is as_policy("fa2:bf16") and a == Policy.fa2("bf16") and b == a
+    assert a._c is as_policy("fa2:bf16")._c  # the C tuple too
+    for _ in range(2):
+        with pytest.raises(ValueError, match="reference 'fa2:nope'"):
+            as_policy("fa2:nope", "reference")
+        with pytest.raises(ValueError, match="malformed"):
+            as_policy("fa2::bf16")
