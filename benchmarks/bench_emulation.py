@@ -17,7 +17,8 @@ format's error of the fp64 answer.
 --device cuda: TFLOP/s of forward and backward per preset and format (forward 4 B H N^2 D flops, backward
 10 B H N^2 D, halved when causal), CUDA float64 tensors in and out through fadev's public API, median of --repeat
 torch.cuda.Event timings after a warm-up, beside the fp32 SIMT matrix product (torch.matmul on float32 with
-torch.backends.cuda.matmul.allow_tf32 = False, 2 n^3 flops) measured in the same run. Validated first: on a
+torch.backends.cuda.matmul.allow_tf32 = False, 2 n^3 flops) measured in the same run; "kernels" is the GPU's
+time in the call's kernels alone (torch.profiler), the rest of the call's time being the GPU waiting for the host. Validated first: on a
 small problem the GPU's outputs equal the CPU's bit for bit (any NaN equal to any NaN, docs/numerics.md "GPU").
 --tiled adds the forward on the kernel the warp kernel replaced (FADEV_EMU_WARP=0: cuda/emu_forward_fast.cu's tiled
 kernel), timed in the same run, and the speed-up over it.
@@ -166,6 +167,19 @@ def cuda_ms(fn, repeat):
     return sorted(times)[len(times) // 2]
 
 
+def kernels_ms(fn):
+    """ms the GPU spends in fn()'s kernels and memsets (torch.profiler's CUDA activity, one call after a warm-up):
+    the call's event time less what the GPU waited for the host."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+
+
 def simt_tflops(repeat, n=8192):
     """fp32 matrix product rate without tensor cores (TF32 off), TFLOP/s."""
     import torch
@@ -209,6 +223,8 @@ def bench_cuda(args):
                 times[generic] = (cuda_ms(lambda: fwd(q, k, v, pol, causal=args.causal, return_lse=True), reps),
                                   cuda_ms(lambda: bwd(q, k, v, out, lse, dout, pol, causal=args.causal), reps))
             os.environ.pop("FADEV_EMU_GENERIC", None)
+            busy = (kernels_ms(lambda: fwd(q, k, v, pol, causal=args.causal, return_lse=True)),
+                    kernels_ms(lambda: bwd(q, k, v, out, lse, dout, pol, causal=args.causal)))
             tiled = None
             if args.tiled:
                 os.environ["FADEV_EMU_WARP"] = "0"
@@ -220,7 +236,8 @@ def bench_cuda(args):
                 ms = times[False][x]
                 tf = flops / (ms * 1e-3) / 1e12
                 gen = f"{times[True][x]:.1f} | {times[True][x] / ms:.1f}x" if True in times else "- | -"
-                row = f"| {pol} | {direction} | {ms:.1f} | {tf:.2f} | {100 * tf / simt:.1f}% | {gen} |"
+                row = (f"| {pol} | {direction} | {ms:.1f} | {tf:.2f} | {100 * tf / simt:.1f}% | {busy[x]:.1f} | "
+                       f"{flops / (busy[x] * 1e-3) / 1e12:.2f} | {gen} |")
                 if args.tiled:
                     row += f" {tiled:.1f} | {tiled / ms:.2f}x |" if x == 0 else " - | - |"
                 rows.append(row)
@@ -228,7 +245,7 @@ def bench_cuda(args):
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; {shape}; CUDA float64 in/out; median of "
           f"{args.repeat}; fp32 SIMT matmul (TF32 off) {simt:.1f} TFLOP/s in this run; generic: the same call "
           f"with FADEV_EMU_GENERIC=1 (one timed run)\n")
-    head = "| preset | direction | ms | TFLOP/s | of fp32 SIMT | generic ms | speed-up |"
+    head = "| preset | direction | ms | TFLOP/s | of fp32 SIMT | kernels ms | kernels TFLOP/s | generic ms | speed-up |"
     if args.tiled:
         head += " tiled ms | over tiled |"
     print(head + "\n|" + "---|" * (head.count("|") - 1))
