@@ -138,7 +138,7 @@ typedef struct fadev_attention_params {
     int32_t loop_order; /* flash: fadev_loop_order */
     int32_t normalize;  /* flash: fadev_normalize */
     int32_t exp_form;   /* flash: fadev_exp_form */
-    int32_t asynchronous; /* CUDA emulated kernels: 0 (the default) the call synchronises the device before it returns;
+    int32_t asynchronous; /* CUDA emulated and golden kernels: 0 (the default) the call synchronises the device before it returns;
                              1 its kernels stay queued on the legacy default stream (PyTorch's default stream) and it
                              returns after the launches, as a CUDA library call. The CPU ignores it. */
 } fadev_attention_params;

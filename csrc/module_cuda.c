@@ -155,7 +155,7 @@ static fadev_status run_native_backward(void *const *p, const device_options *o)
 
 static const device_entry baseline_entry = {"baseline_attention (cuda)", 5, NEEDS_POLICY, 0, run_baseline, 1};
 static const device_entry flash_entry = {"flash_attention (cuda)", 5, NEEDS_POLICY, 0, run_flash, 1};
-static const device_entry golden_entry = {"golden_attention (cuda)", 5, 0, 0, run_golden, 0};
+static const device_entry golden_entry = {"golden_attention (cuda)", 5, 0, 0, run_golden, 1};
 static const device_entry baseline_backward_entry = {"baseline_attention_backward (cuda)", 9, POLICIES, 0,
                                                      run_baseline_backward, 1};
 static const device_entry flash_backward_entry = {"flash_attention_backward (cuda)", 9, POLICIES, 0,
@@ -191,7 +191,7 @@ static PyObject *device_call(const device_entry *e, PyObject *args) {
         if (PyErr_Occurred()) return NULL;
         if (stream != 0)
             return PyErr_Format(PyExc_ValueError, "%s: stream must be 0 (the legacy default stream: the emulated "
-                                "kernels queue there only), got %llu", e->name, stream);
+                                "and golden kernels queue there only), got %llu", e->name, stream);
         o.c.pr.asynchronous = 1;
     }
     fadev_status st;

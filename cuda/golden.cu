@@ -430,5 +430,5 @@ extern "C" fadev_status fadev_cuda_golden_attention(const double *q, const doubl
     else
         st = launch<256, 128, GOLDEN_BLOCK_N_128>(a, max_smem);
     if (st != FADEV_OK) return st;
-    return fadev_cuda_finish("fadev_cuda_golden_attention");
+    return fadev_cuda_end(pr->asynchronous, "fadev_cuda_golden_attention");
 }

@@ -23,8 +23,9 @@ that reads another library's memory and after every call, so arrays written on a
 when fadev reads them and fadev's results are complete when it returns. Work that another library
 queues on a stream *during* a fadev call (another thread) is not ordered with it; synchronise such
 streams yourself (``torch.cuda.current_stream().synchronize()``). One exception, for training loops: the
-emulated kernels (flash and baseline, forward and backward) called with PyTorch tensors while PyTorch's current
-stream is the legacy default stream (its default) are queued there like PyTorch's own operations: no
+emulated kernels (flash and baseline, forward and backward) and the golden fp64 forward called with PyTorch
+tensors while PyTorch's current stream is the legacy default stream (its default) are queued there like
+PyTorch's own operations: no
 synchronisation before or after, and the results are ready for whatever PyTorch runs next on that stream (and
 for the host after the synchronisation any read of them to the host makes). A device synchronisation per call
 was most of fadev's host time in a training step (issue 24: each one stalls the host until the GPU drains).
@@ -444,9 +445,9 @@ class _Gpu:
     # -------------------------------------------------------------- emulated and golden attention
 
     def _queue(self, kernel) -> tuple:
-        """The binding's trailing stream argument: (0,) to queue an emulated kernel on the legacy default stream
-        (module docstring), else () after the device-wide barrier."""
-        if self._queued and kernel != "golden":
+        """The binding's trailing stream argument: (0,) to queue an emulated or golden kernel on the legacy default
+        stream (module docstring), else () after the device-wide barrier."""
+        if self._queued:
             return (0,)
         self._before()
         return ()

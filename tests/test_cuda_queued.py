@@ -71,3 +71,19 @@ def test_binding_stream_must_be_legacy():
     fadev._core.cuda_flash_attention(*ptrs, (1, 1, 1, 4, 4, 8), call.c, 0)  # queued: no error
     torch.cuda.synchronize()
     assert torch.equal(out, torch.zeros_like(out))  # zero queries, keys, values: zero output
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_golden_queued_is_synchronous(causal):
+    """The golden fp64 forward queues too: its results on tensors made by queued PyTorch work, read after more, are the
+    bits of the synchronous call (NumPy inputs, device="cuda")."""
+    q, k, v = make_qkv(45, 2, 4, 2, 130, 130, 64, spread=2.0)
+    want = fadev.golden_attention(q, k, v, causal=causal, return_lse=True, device="cuda")
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(4):
+        busy = busy @ busy / 64.0
+    tq, tk, tv = (torch.from_numpy(x).cuda() * (busy[0, 0] * 0 + 1) for x in (q, k, v))
+    got = fadev.golden_attention(tq, tk, tv, causal=causal, return_lse=True)
+    for name, g, w in zip(("out", "lse"), got, want):
+        helpers.assert_same_bits((g + 0.0).cpu().numpy(), w, name, f"golden causal={causal}", nan="any",
+                                 names=("queued", "synchronous"))
