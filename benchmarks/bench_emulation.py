@@ -14,12 +14,13 @@ the generic code every fast path must equal). Validated first: on a smaller prob
 give the same bits for every preset and format, forward and backward, and every output is finite and within the
 format's error of the fp64 answer.
 
---device cuda: TFLOP/s of forward and backward per preset and format (forward 4 B H N^2 D flops, backward
-10 B H N^2 D, halved when causal), CUDA float64 tensors in and out through fadev's public API, median of --repeat
+--device cuda: TFLOP/s of forward and backward per preset and format (forward 4 B H N^2 D flops, backward 10 B H N^2
+D, halved when causal), CUDA float64 tensors in and out through fadev's public API, median of --repeat
 torch.cuda.Event timings after a warm-up, beside the fp32 SIMT matrix product (torch.matmul on float32 with
-torch.backends.cuda.matmul.allow_tf32 = False, 2 n^3 flops) measured in the same run; "kernels" is the GPU's
-time in the call's kernels alone (torch.profiler), the rest of the call's time being the GPU waiting for the host. Validated first: on a
-small problem the GPU's outputs equal the CPU's bit for bit (any NaN equal to any NaN, docs/numerics.md "GPU").
+torch.backends.cuda.matmul.allow_tf32 = False, 2 n^3 flops) measured in the same run; "kernels" is the GPU's time in
+the call's kernels alone (torch.profiler), the rest of the call's time being the GPU waiting for the host. Validated
+first: on a small problem the GPU's outputs equal the CPU's bit for bit (any NaN equal to any NaN, docs/numerics.md
+"GPU").
 --tiled adds the forward on the kernel the warp kernel replaced (FADEV_EMU_WARP=0: cuda/emu_forward_fast.cu's tiled
 kernel), timed in the same run, and the speed-up over it.
 """

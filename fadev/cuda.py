@@ -25,10 +25,10 @@ queues on a stream *during* a fadev call (another thread) is not ordered with it
 streams yourself (``torch.cuda.current_stream().synchronize()``). One exception, for training loops: the
 emulated kernels (flash and baseline, forward and backward) and the golden fp64 forward called with PyTorch
 tensors while PyTorch's current stream is the legacy default stream (its default) are queued there like
-PyTorch's own operations: no
-synchronisation before or after, and the results are ready for whatever PyTorch runs next on that stream (and
-for the host after the synchronisation any read of them to the host makes). A device synchronisation per call
-was most of fadev's host time in a training step (issue 24: each one stalls the host until the GPU drains).
+PyTorch's own operations: no synchronisation before or after, and the results are ready for whatever PyTorch
+runs next on that stream (and for the host after the synchronisation any read of them to the host makes). A
+device synchronisation per call was most of fadev's host time in a training step (issue 24: each one stalls the
+host until the GPU drains).
 """
 from __future__ import annotations
 
@@ -444,7 +444,7 @@ class _Gpu:
 
     # -------------------------------------------------------------- emulated and golden attention
 
-    def _queue(self, kernel) -> tuple:
+    def _queue(self) -> tuple:
         """The binding's trailing stream argument: (0,) to queue an emulated or golden kernel on the legacy default
         stream (module docstring), else () after the device-wide barrier."""
         if self._queued:
@@ -455,7 +455,7 @@ class _Gpu:
     def _forward(self, kernel, q, k, v, call):
         out, lse = self.empty(q.shape), self.empty(q.shape[:3])
         getattr(_core, f"cuda_{kernel}_attention")(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, _shape(q, k), call,
-                                                   *self._queue(kernel))
+                                                   *self._queue())
         return self.result(out), self.result(lse)
 
     def baseline_attention(self, q, k, v, call):
@@ -470,7 +470,7 @@ class _Gpu:
     def _backward(self, kernel, q, k, v, out, lse, dout, call):
         dq, dk, dv = self.empty(q.shape), self.empty(k.shape), self.empty(v.shape)
         getattr(_core, f"cuda_{kernel}_attention_backward")(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, dout.ptr, dq.ptr,
-                                                            dk.ptr, dv.ptr, _shape(q, k), call, *self._queue(kernel))
+                                                            dk.ptr, dv.ptr, _shape(q, k), call, *self._queue())
         return self.result(dq), self.result(dk), self.result(dv)
 
     def baseline_attention_backward(self, q, k, v, out, lse, dout, call):

@@ -1,7 +1,7 @@
-"""The emulated kernels queued on PyTorch's default stream (fadev.cuda's module docstring, "Streams"): with PyTorch
-CUDA tensors on the legacy default stream, fadev's calls neither synchronise before nor after; the results are
-the synchronous path's bits (NumPy inputs, device="cuda"), also when PyTorch's work on the inputs and on the
-results is still queued around them, and also on a side stream (which takes the synchronous path).
+"""The emulated kernels and the golden forward queued on PyTorch's default stream (fadev.cuda's module docstring,
+"Streams"): with PyTorch CUDA tensors on the legacy default stream, fadev's calls neither synchronise before nor
+after; the results are the synchronous path's bits (NumPy inputs, device="cuda"), also when PyTorch's work on the
+inputs and on the results is still queued around them, and also on a side stream (which takes the synchronous path).
 
 Skipped without a CUDA device, as in CI.
 """
