@@ -30,8 +30,9 @@ using namespace emu_warp;
 
 namespace {
 
-/* Row tile tq (BQ query rows) of query head bh. */
-template <int DC, bool LEAN, bool BASE, bool KEEP>
+/* Row tile tq (BQ query rows) of query head bh; CAUSAL is the call's mask (a template argument, so that the kernel
+ * without a mask has no clamps of the rows' visible keys: fewer registers, fewer spills). */
+template <int DC, bool LEAN, bool BASE, bool KEEP, bool CAUSAL>
 __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_t tq) {
     using T = tile<DC>;
     constexpr int R = T::R, BQ = T::BQ, DP = T::DP, EP = T::EP, KP = T::KP, SPREAD = 32 / R;
@@ -46,7 +47,8 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     const emu_ctx &cx = a.cx;
     const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31;
     const int64_t Nq = cx.pr.seq_q, Nk = cx.pr.seq_kv;
-    const int D = (int)cx.pr.dim, causal = cx.pr.causal;
+    const int D = (int)cx.pr.dim;
+    constexpr int causal = CAUSAL;
     const int64_t i0 = tq * BQ, bhk = emu_kv_head(cx, bh);
     if (!emu_head_finite(cx, bh, bhk)) return; /* the generic launch computes this head */
     const int here = (int)(Nq - i0 < BQ ? Nq - i0 : BQ);
@@ -391,52 +393,52 @@ __host__ __device__ __forceinline__ int64_t ctas_per_head(const fast_args &a) {
     return a.cx.pr.causal ? (a.tiles + 1) / 2 : a.tiles;
 }
 
-/* Work unit u: a row tile, or (PAIR) two. */
-template <int DC, bool LEAN, bool BASE, bool PAIR, bool KEEP>
+/* Work unit u: a row tile, or (CAUSAL) two: the p-th longest and the p-th shortest (ctas_per_head). */
+template <int DC, bool LEAN, bool BASE, bool CAUSAL, bool KEEP>
 __device__ __forceinline__ void warp_unit(const fast_args &a, int64_t u) {
-    if constexpr (!PAIR) { /* a kernel of its own: the pair's loop state cost the tile's registers (spills) */
-        warp_tile<DC, LEAN, BASE, KEEP>(a, u / a.tiles, u % a.tiles);
+    if constexpr (!CAUSAL) { /* a kernel of its own: the pair's loop state cost the tile's registers (spills) */
+        warp_tile<DC, LEAN, BASE, KEEP, false>(a, u / a.tiles, u % a.tiles);
     } else {
 #pragma unroll 1
         for (int k = 0; k < 2; k++) { /* a loop: the tile's code inlined once; its indices recomputed, not kept */
             const int64_t per = ctas_per_head(a), p = u % per, last = a.tiles - 1 - p;
-            if (k && (!a.cx.pr.causal || p == last)) break;
+            if (k && p == last) break;
             if (k) __syncthreads(); /* the first tile's readers of shared memory are done */
-            warp_tile<DC, LEAN, BASE, KEEP>(a, u / per, a.cx.pr.causal && !k ? last : p);
+            warp_tile<DC, LEAN, BASE, KEEP, true>(a, u / per, !k ? last : p);
         }
     }
 }
 
 /* A CTA per unit; with the baseline's score store, the CTAs stride over the units (a.s_keep holds one resident
  * CTA's scores each). */
-template <int DC, bool LEAN, bool BASE, bool PAIR, bool KEEP>
+template <int DC, bool LEAN, bool BASE, bool CAUSAL, bool KEEP>
 __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fast_args a) {
     if constexpr (KEEP) {
 #pragma unroll 1
         for (int64_t u = blockIdx.x; u < a.units; u += gridDim.x) {
             if (u != blockIdx.x) __syncthreads(); /* the last unit's readers of shared memory are done */
-            warp_unit<DC, LEAN, BASE, PAIR, KEEP>(a, u);
+            warp_unit<DC, LEAN, BASE, CAUSAL, KEEP>(a, u);
         }
     } else {
-        warp_unit<DC, LEAN, BASE, PAIR, KEEP>(a, blockIdx.x);
+        warp_unit<DC, LEAN, BASE, CAUSAL, KEEP>(a, blockIdx.x);
     }
 }
 
-template <int DC, bool LEAN, bool BASE, bool PAIR, bool KEEP = false>
+template <int DC, bool LEAN, bool BASE, bool CAUSAL, bool KEEP = false>
 fadev_status launch(const fast_args &a, int64_t ctas) {
     const size_t smem = tile<DC>::bytes;
-    CUDA_TRY(cudaFuncSetAttribute(warp_kernel<DC, LEAN, BASE, PAIR, KEEP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)smem));
-    warp_kernel<DC, LEAN, BASE, PAIR, KEEP><<<(unsigned)ctas, NT, smem>>>(a);
+    auto kernel = warp_kernel<DC, LEAN, BASE, CAUSAL, KEEP>;
+    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    kernel<<<(unsigned)ctas, NT, smem>>>(a);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
 }
 
 /* the baseline with or without its score store (a kernel each: the store's branches in the recomputing kernel cost
  * it registers) */
-template <int DC, bool LEAN, bool PAIR>
+template <int DC, bool LEAN, bool CAUSAL>
 fadev_status launch_base(const fast_args &a, int64_t ctas) {
-    return a.s_keep ? launch<DC, LEAN, true, PAIR, true>(a, ctas) : launch<DC, LEAN, true, PAIR, false>(a, ctas);
+    return a.s_keep ? launch<DC, LEAN, true, CAUSAL, true>(a, ctas) : launch<DC, LEAN, true, CAUSAL, false>(a, ctas);
 }
 
 template <int DC, bool LEAN>

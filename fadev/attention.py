@@ -15,6 +15,7 @@ import numpy as np
 from . import _args
 from . import backends
 from . import cuda as _cuda
+from . import cuda_plans as _plans
 from ._args import MAX_DIM, sram_tiles
 from .formats import as_format, check_bytes, round as _round
 
@@ -28,10 +29,14 @@ def baseline_attention(q, k, v, policy, *, causal=False, scale=None, return_lse=
     (Nq > Nk) gives out = 0 and lse = -inf. ``device``: None (the GPU when an input is a CUDA array),
     "cpu" or "cuda"; the GPU kernel gives the same bits (inputs and results as :mod:`fadev.cuda` says).
     """
+    key, done = _plans.replay("cuda_baseline_attention", device, policy, (causal, scale, return_lse), (q, k, v))
+    if done is not None:
+        return done
     gpu = _cuda.route(device, q=q, k=k, v=v)
     q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu, return_lse)
-    out, lse = backends.of(gpu).forward("baseline", q4, k4, v4, _args.Call(pol, scale, causal))
-    return _args.unshape_forward(out, lse, rank, return_lse)
+    call = _args.Call(pol, scale, causal)
+    out, lse = backends.of(gpu).forward("baseline", q4, k4, v4, call)
+    return _plans.keep(key, gpu, policy, call, q4, k4, _args.unshape_forward(out, lse, rank, return_lse))
 
 
 def golden_attention(q, k, v, *, causal=False, scale=None, return_lse=False, device=None):
@@ -39,6 +44,9 @@ def golden_attention(q, k, v, *, causal=False, scale=None, return_lse=False, dev
     operation fp64, in docs/numerics.md's order); on the GPU fadev's fp64 tensor-core kernel (the same
     mathematics in another operation order, within a few fp64 ulps of the CPU's). Arguments and results
     as :func:`baseline_attention`'s (it has no policy argument: the policy is golden)."""
+    key, done = _plans.replay("cuda_golden_attention", device, None, (causal, scale, return_lse), (q, k, v))
+    if done is not None:
+        return done
     gpu = _cuda.route(device, q=q, k=k, v=v)
     if gpu is None:
         return baseline_attention(q, k, v, "golden", causal=causal, scale=scale, return_lse=return_lse)
@@ -46,7 +54,7 @@ def golden_attention(q, k, v, *, causal=False, scale=None, return_lse=False, dev
     _args.boolean(return_lse, "return_lse")
     call = _args.Call(None, _args.scale_of(scale, q4.shape[3]), _args.causal_of(causal))
     out, lse = backends.of(gpu).forward("golden", q4, k4, v4, call)
-    return _args.unshape_forward(out, lse, rank, return_lse)
+    return _plans.keep(key, gpu, None, call, q4, k4, _args.unshape_forward(out, lse, rank, return_lse))
 
 
 def flash_attention(q, k, v, policy, *, causal=False, scale=None, block_q=None, block_kv=None, sram_bytes=None,
@@ -61,11 +69,15 @@ def flash_attention(q, k, v, policy, *, causal=False, scale=None, block_q=None, 
     defaults, e.g. fa2: 128 x 64, q_outer, deferred, exp2). Returns like :func:`baseline_attention`;
     ``device`` as there.
     """
+    options = (causal, scale, block_q, block_kv, sram_bytes, loop_order, normalize, exp, return_lse)
+    key, done = _plans.replay("cuda_flash_attention", device, policy, options, (q, k, v))
+    if done is not None:
+        return done
     gpu = _cuda.route(device, q=q, k=k, v=v)
     q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu, return_lse)
     call = _args.forward_call(pol, q4, causal, scale, block_q, block_kv, sram_bytes, loop_order, normalize, exp)
     out, lse = backends.of(gpu).forward("flash", q4, k4, v4, call)
-    return _args.unshape_forward(out, lse, rank, return_lse)
+    return _plans.keep(key, gpu, policy, call, q4, k4, _args.unshape_forward(out, lse, rank, return_lse))
 
 
 DISTRIBUTIONS = ("normal", "uniform", "outlier")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from . import _args
 from . import backends
 from . import cuda as _cuda
+from . import cuda_plans as _plans
 
 
 def baseline_attention_backward(q, k, v, out, lse, dout, policy, *, causal=False, scale=None, device=None):
@@ -22,11 +23,16 @@ def baseline_attention_backward(q, k, v, out, lse, dout, policy, *, causal=False
     exactly as :func:`fadev.baseline_attention` computes it, D_i = sum_j P_ij dP_ij, one block of all
     queries and one of all keys. ``out`` and ``lse`` are checked for shape but not read. ``policy``,
     ``causal``, ``scale`` and ``device`` as the forward's."""
+    key, done = _plans.replay("cuda_baseline_attention_backward", device, policy, (causal, scale),
+                              (q, k, v, out, lse, dout))
+    if done is not None:
+        return done
     gpu = _cuda.route(device, q=q, k=k, v=v, out=out, lse=lse, dout=dout)
     q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
     out4, lse3, dout4 = _args.saved(q4, out, lse, dout, rank, gpu)
-    grads = backends.of(gpu).backward("baseline", q4, k4, v4, out4, lse3, dout4, _args.Call(pol, scale, causal))
-    return _args.unshape_grads(grads, rank)
+    call = _args.Call(pol, scale, causal)
+    grads = backends.of(gpu).backward("baseline", q4, k4, v4, out4, lse3, dout4, call)
+    return _plans.keep(key, gpu, policy, call, q4, k4, _args.unshape_grads(grads, rank))
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, policy, *, causal=False, scale=None, block_q=None,
@@ -36,12 +42,16 @@ def flash_attention_backward(q, k, v, out, lse, dout, policy, *, causal=False, s
     ``block_q`` rows (or both from ``sram_bytes``, as the forward's). ``exp`` ("exp" or "exp2") must be
     the forward's. None takes the policy's value (the presets carry their kernel's, e.g. fa2: 128 x 64,
     exp2). ``device`` as the forward's."""
+    key, done = _plans.replay("cuda_flash_attention_backward", device, policy,
+                              (causal, scale, block_q, block_kv, sram_bytes, exp), (q, k, v, out, lse, dout))
+    if done is not None:
+        return done
     gpu = _cuda.route(device, q=q, k=k, v=v, out=out, lse=lse, dout=dout)
     q4, k4, v4, pol, causal, scale, rank = _args.prepare(q, k, v, policy, causal, scale, gpu)
     out4, lse3, dout4 = _args.saved(q4, out, lse, dout, rank, gpu)
     call = _args.backward_call(pol, q4, causal, scale, block_q, block_kv, sram_bytes, exp)
     grads = backends.of(gpu).backward("flash", q4, k4, v4, out4, lse3, dout4, call)
-    return _args.unshape_grads(grads, rank)
+    return _plans.keep(key, gpu, policy, call, q4, k4, _args.unshape_grads(grads, rank))
 
 
 __all__ = ["baseline_attention_backward", "flash_attention_backward"]

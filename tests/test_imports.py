@@ -19,7 +19,7 @@ from helpers import find_cycle
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "fadev"
 
-LAYERS = [("_core",), ("formats",), ("policy",), ("_args",), ("cuda",), ("ring_steps",), ("backends",),
+LAYERS = [("_core",), ("formats",), ("policy",), ("_args",), ("cuda",), ("cuda_plans",), ("ring_steps",), ("backends",),
           ("attention", "backward", "ring", "native", "metrics"), ("",)]
 APPLICATIONS, MAIN = len(LAYERS), len(LAYERS) + 1
 LIBRARY = ({name for layer in LAYERS for name in layer if name}
