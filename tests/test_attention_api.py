@@ -404,3 +404,19 @@ def test_backends_share_one_call_spec(qkv):
     assert not same_bits(golden, out)
     flash_piece = backends.CPU.pieces(call)[0]
     assert same_bits(flash_piece(q, k, v, pol, False)[0], out)
+
+
+def test_host_calls_keep_no_plan(qkv):
+    """fadev.cuda_plans replays GPU calls only: NumPy arrays and CPU tensors get no plan key, so every such call
+    runs the full path (and its checks) each time. (The GPU's replays: tests/test_cuda_plans.py.)"""
+    from fadev import cuda_plans
+    torch = pytest.importorskip("torch")
+    q, k, v = qkv
+    cuda_plans.clear()
+    for args in ((q, k, v), tuple(torch.from_numpy(x) for x in (q, k, v))):
+        assert cuda_plans.replay("cuda_flash_attention", None, "fa2:bf16", (False,), args) == (None, None)
+        fadev.flash_attention(*args, "fa2:bf16")
+        fadev.baseline_attention(*args, "naive:bf16")
+    assert not cuda_plans._PLANS
+    with pytest.raises(TypeError, match="causal"):  # the checks still run on the second call of one argument set
+        fadev.flash_attention(q, k, v, "fa2:bf16", causal=1)
