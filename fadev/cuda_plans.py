@@ -95,8 +95,7 @@ def keep(key, gpu, policy, call, q4, k4, result):
         results += (tuple(result.shape[:-1]),)
     if len(_PLANS) >= _LIMIT:
         _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[key] = _Plan(policy, getattr(_core, key[0]), _shape(q4, k4), call.c,
-                        results, first)
+    _PLANS[key] = _Plan(policy, getattr(_core, key[0]), _shape(q4, k4), call.c, results, first)
     return result
 
 

@@ -121,7 +121,7 @@ def test_what_takes_the_full_path(plans):
         lambda: fadev.flash_attention(q._neg_view(), k, v, pol, causal=True),  # a negative view
         lambda: fadev.flash_attention(q.cpu(), k.cpu(), v.cpu(), pol, causal=True),
     ]
-    for i, call in enumerate(other):
+    for call in other:
         with pytest.raises(Routed):
             call()
     side = torch.cuda.Stream()  # another current stream: the synchronous path
