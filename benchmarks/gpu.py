@@ -123,7 +123,7 @@ def native_rows(quick, backward=True):
                                  f"naive {e_naive:.1e} {'ok' if ok else 'FAILS 2x rule'}"))
                 # defaults as a user calls them (mma="auto": its instruction and default tile), beside the best tiles
                 mma = fadev.native.auto_mma(D)
-                bq, bkv = fadev.native.fit_tile(D, mma=mma, causal=causal)
+                bq, bkv = fadev.native.fit_tile(D, mma=mma, causal=causal, seq_q=N)
                 t_def = cuda_seconds(lambda: fadev.native_attention(q, k, v, causal=causal))
                 rows.append(("native", f"fadev native defaults ({mma} {bq}x{bkv})", shape, "yes" if causal else "no",
                              f"{t_def * 1e3:.2f}", f"{flops / t_def / 1e12:.0f} TFLOP/s",
@@ -165,7 +165,7 @@ def native_rows(quick, backward=True):
                              f"{2.5 * flops / t_sb / 1e12:.0f} TFLOP/s", ""))
                 # the backward's defaults (mma="auto", deterministic), and forward + backward through the torch op
                 mma = fadev.native.auto_mma(D, backward=True)
-                bq, bkv = fadev.native.fit_tile(D, backward=True, mma=mma, causal=causal)
+                bq, bkv = fadev.native.fit_tile(D, backward=True, mma=mma, causal=causal, seq_q=N)
                 t_bd = cuda_seconds(lambda: fadev.native_attention_backward(q, k, v, out, lse, dout, causal=causal))
                 rows.append(("native bwd", f"fadev native defaults ({mma} {bq}x{bkv}, deterministic)", shape,
                              "yes" if causal else "no", f"{t_bd * 1e3:.2f}", f"{2.5 * flops / t_bd / 1e12:.0f} TFLOP/s",
