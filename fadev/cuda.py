@@ -28,7 +28,10 @@ tensors while PyTorch's current stream is the legacy default stream (its default
 PyTorch's own operations: no synchronisation before or after, and the results are ready for whatever PyTorch
 runs next on that stream (and for the host after the synchronisation any read of them to the host makes). A
 device synchronisation per call was most of fadev's host time in a training step (issue 24: each one stalls the
-host until the GPU drains).
+host until the GPU drains). The native kernels (fadev.native_attention and its backward) called with PyTorch
+tensors are queued on PyTorch's current stream, whichever it is, as fadev.torch_native runs them: no
+synchronisation before or after (a synchronisation per call left the GPU idle for each call's host work: at B 16,
+H 16, N 1024 the forward's timed windows were half host time).
 """
 from __future__ import annotations
 
@@ -499,19 +502,26 @@ class _Gpu:
 
     # -------------------------------------------------------------- native kernels
 
+    def _native_stream(self) -> tuple:
+        """The native options' stream: PyTorch's current stream for PyTorch tensors (queued there, no
+        synchronisation: fadev.torch_native's way; module docstring), else () after the device-wide barrier."""
+        if self.kind == "torch":
+            return (torch_stream(self.index),)
+        self._before()
+        return ()
+
     def native_forward(self, q, k, v, call, native):
         out, lse = self.empty(q.shape, q.dtype), self.empty(q.shape[:3], np.float32)
-        self._before()
-        _core.cuda_native_forward(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, _shape(q, k), call, native)
+        _core.cuda_native_forward(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, _shape(q, k), call,
+                                  native + self._native_stream())
         return self.result(out, widen=True), self.result(lse, widen=True)
 
     def native_backward(self, q, k, v, out, lse, dout, call, native):
         dq, dk, dv = self.empty(q.shape, q.dtype), self.empty(k.shape, k.dtype), self.empty(v.shape, v.dtype)
         shape = _shape(q, k)
         workspace = self.empty((max(1, -(-_core.cuda_native_workspace(shape, call, native) // 4)),), np.float32)
-        self._before()
         _core.cuda_native_backward(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, dout.ptr, dq.ptr, dk.ptr, dv.ptr,
-                                   workspace.ptr, shape, call, native)
+                                   workspace.ptr, shape, call, native + self._native_stream())
         return tuple(self.result(g, widen=True) for g in (dq, dk, dv))
 
 

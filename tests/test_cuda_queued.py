@@ -2,6 +2,7 @@
 "Streams"): with PyTorch CUDA tensors on the legacy default stream, fadev's calls neither synchronise before nor
 after; the results are the synchronous path's bits (NumPy inputs, device="cuda"), also when PyTorch's work on the
 inputs and on the results is still queued around them, and also on a side stream (which takes the synchronous path).
+The native kernels queue on PyTorch's current stream, side streams included, with the same checks.
 
 Skipped without a CUDA device, as in CI.
 """
@@ -87,3 +88,31 @@ def test_golden_queued_is_synchronous(causal):
     for name, g, w in zip(("out", "lse"), got, want):
         helpers.assert_same_bits((g + 0.0).cpu().numpy(), w, name, f"golden causal={causal}", nan="any",
                                  names=("queued", "synchronous"))
+
+
+@pytest.mark.parametrize("side", [False, True], ids=["default stream", "side stream"])
+def test_native_queued_is_synchronous(side):
+    """fadev.native_attention and its backward on PyTorch tensors queue on PyTorch's current stream: the call returns
+    while the GPU is still busy with the matmuls queued before it (a synchronising call could not), and its results,
+    read after more queued work, are the bits of the synchronous path (NumPy inputs, bf16), GQA and causal."""
+    bf16 = [torch.from_numpy(x).to(torch.bfloat16) for x in make_qkv(46, 2, 4, 2, 300, 300, 64)]
+    bf16.append(torch.from_numpy(make_qkv(47, 2, 4, 4, 300, 300, 64)[0]).to(torch.bfloat16))
+    q, k, v, dout = (x.double().numpy() for x in bf16)  # bf16 values, exactly, for both paths
+    kw = dict(causal=True, dtype="bf16")
+    want_out, want_lse = fadev.native_attention(q, k, v, return_lse=True, **kw)
+    want = (want_out, want_lse) + tuple(fadev.native_attention_backward(q, k, v, want_out, want_lse, dout, **kw))
+    stream = torch.cuda.Stream() if side else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        tq, tk, tv, td = (x.cuda() for x in bf16)
+        busy = torch.randn(4096, 4096, device="cuda")
+        for _ in range(4):
+            busy = busy @ busy / 64.0
+        tq = tq * (busy[0, 0] * 0 + 1).to(torch.bfloat16)
+        out, lse = fadev.native_attention(tq, tk, tv, causal=True, return_lse=True)
+        after_forward = stream.query()
+        grads = fadev.native_attention_backward(tq, tk, tv, out, lse, td, causal=True)
+        after_backward = stream.query()
+        got = tuple((t.double() + 0.0).cpu().numpy() for t in (out, lse) + tuple(grads))
+    assert not after_forward and not after_backward, "a native call waited for the GPU"
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        helpers.assert_same_bits(g, w, name, f"native side={side}", nan="any", names=("queued", "synchronous"))
