@@ -211,9 +211,9 @@ def native_attention(q, k, v, *, causal=False, scale=None, block_q=None, block_k
     compute capability 9.0 only); ``"sync"`` the mma.sync kernel; ``"auto"`` (the default) the faster of the two for
     this GPU, head dim and tile request (:func:`auto_mma`). PyTorch CUDA tensors of float16 / bfloat16 give tensors
     (``lse`` float32, natural log), the kernels queued on PyTorch's current stream without a device
-    synchronisation (the backward's too); NumPy (or ml_dtypes) arrays are rounded to ``dtype`` ("bf16" or "fp16"; inferred
-    from a float16 / bfloat16 array), copied to the GPU, and come back as float64 NumPy arrays holding the fp16 /
-    bf16 (lse: fp32) values. Not differentiable: see :func:`native_attention_backward`."""
+    synchronisation (the backward's too); NumPy (or ml_dtypes) arrays are rounded to ``dtype`` ("bf16" or "fp16";
+    inferred from a float16 / bfloat16 array), copied to the GPU, and come back as float64 NumPy arrays holding the
+    fp16 / bf16 (lse: fp32) values. Not differentiable: see :func:`native_attention_backward`."""
     _args.boolean(return_lse, "return_lse")
     rows = _warp_rows(warp_rows)
     _args.choice("mma", mma, MMA_CHOICES)
