@@ -67,16 +67,12 @@ __device__ __forceinline__ double emu_exp(int exp2_form, double x) { return exp2
  * (n = rint x by the 1.5 * 2^52 trick), r = f ln2 in two parts; exp: n = rint(x log2 e), r = x - n ln2 in two parts;
  * then e^r by a degree-12 polynomial (Horner), scaled by 2^n in the exponent field; |x| near or past the range
  * (the high word, read as a float, at least 0x1.1fep+2 (exp2) or 0x1.0c4656p+2 (exp)) as libdevice's own path.
- * k: emu_exp_k, or a copy of it in registers (a loop's caller loads it once). */
-#define EMU_EXP_K                                                                                          \
-    {0x1.8p52, -0x1.8p52, 0x1.62e42fefa39efp-1, 0x1.abc9e3b39803fp-56, 0x1.71547652b82fep+0, 0x1.ade1569ce2bdfp-26, \
-     0x1.28af3fca213eap-22, 0x1.71dee62401315p-19, 0x1.a01997c89eb71p-16, 0x1.a01a014761f65p-13,               \
-     0x1.6c16c1852b7afp-10, 0x1.1111111122322p-7, 0x1.55555555502a1p-5, 0x1.5555555555511p-3,                  \
-     0x1.000000000000bp-1, 0x1.0000000000000p+0}
-static __constant__ double emu_exp_k[16] = EMU_EXP_K;
-/* The same in global memory: a loop that loads these into registers once keeps them (ptxas reloads constant memory
- * at every use, as cheap as a register; a global load it does not repeat). */
-static __device__ double emu_exp_kg[16] = EMU_EXP_K;
+ * k: the constants, emu_exp_k. */
+static __constant__ double emu_exp_k[16] = {
+    0x1.8p52, -0x1.8p52, 0x1.62e42fefa39efp-1, 0x1.abc9e3b39803fp-56, 0x1.71547652b82fep+0, 0x1.ade1569ce2bdfp-26,
+    0x1.28af3fca213eap-22, 0x1.71dee62401315p-19, 0x1.a01997c89eb71p-16, 0x1.a01a014761f65p-13,
+    0x1.6c16c1852b7afp-10, 0x1.1111111122322p-7, 0x1.55555555502a1p-5, 0x1.5555555555511p-3,
+    0x1.000000000000bp-1, 0x1.0000000000000p+0};
 
 /* emu_exp_fast's reduction and polynomial: e^r (or 2^f) before the scaling by 2^n, and n. Where
  * emu_exp_in_range(exp2_form, x) holds, emu_exp_fast(x) is emu_exp_scaled(p, n); a loop that tests the range once
