@@ -321,14 +321,42 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
         zero_o();
         const int64_t bkv = a.block_kv;
         const bool plain = cx.pr.normalize != FADEV_EAGER && cx.pr.loop_order != FADEV_KV_OUTER;
+        /* keys any row of the CTA sees in the block from jb0 */
+        auto ncta_of = [&](int64_t jb0) { return (int)emu_visible(cx.pr, i0 + here - 1, jb0, bkv < Nk - jb0 ? bkv : Nk - jb0); };
+        /* With K and V in buffers of their own (SPLIT, D <= 64), their copies run while the CTA computes (cp.async,
+         * stage_kt_async / stage_rows_async: the same values in the same places as stage_kv's): K of the next
+         * block the loop computes during this block's P.V, V of this block during its scores and softmax terms;
+         * still two CTA barriers a block, each after a wait for the thread's own copies. Why: the warps waited on
+         * the staging's global loads for ~6% of fa2's D 64 forward and ~9% causal, where both CTAs of an SM stage at
+         * once (ncu source counters, H100); H200: fa2 6% faster, causal 11%, paper 3% and 10% (benchmarks/README) */
+        constexpr bool ASYNC = T::SPLIT;
+        auto prefetch_k = [&](int64_t jb0) { /* K of the next block the loop computes from the one at jb0 */
+            for (int64_t j0 = jb0; j0 < Nk; j0 += bkv) {
+                const int nc = ncta_of(j0);
+                if (nc) {
+                    if constexpr (ASYNC) stage_kt_async<DP, KP>(sk, cx.kf + (bhk * Nk + j0) * D, D, nc);
+                    cp_async_commit();
+                    return;
+                }
+                if (causal) return; /* the loop breaks there */
+            }
+        };
+        if constexpr (ASYNC) prefetch_k(0);
         for (int64_t jb = 0, jb0 = 0; jb0 < Nk; jb++, jb0 += bkv) {
             const int n = (int)(bkv < Nk - jb0 ? bkv : Nk - jb0);
-            const int ncta = (int)emu_visible(cx.pr, i0 + here - 1, jb0, n); /* keys any row of the CTA sees */
+            const int ncta = ncta_of(jb0);
             if (ncta == 0) {
                 if (causal) break; /* later blocks are masked too, for every row */
                 continue;
             }
-            stage_kv(jb0, ncta, true);
+            if constexpr (ASYNC) { /* K landed; every warp's P.V of the last block done, so V's buffer is free */
+                cp_async_wait_all();
+                __syncthreads();
+                stage_rows_async<DP, KB>(sv, cx.vf + (bhk * Nk + jb0) * D, D, ncta);
+                cp_async_commit();
+            } else {
+                stage_kv(jb0, ncta, true);
+            }
             const vis nv{causal, n, hw, iw + Nk - Nq - jb0 + 1};
             const int kw = hw ? nv.of(hw - 1) : 0; /* keys the warp's rows see (the last row sees the most) */
             const int nown = lane < R ? nv.of(lane) : 0, nr = nv.of(r);
@@ -352,7 +380,13 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                 }
                 __syncwarp();
             }
-            stage_v_late(jb0, ncta);
+            if constexpr (ASYNC) { /* V landed; every warp's scores done, so K's buffer is free */
+                cp_async_wait_all();
+                __syncthreads();
+                prefetch_k(jb0 + bkv);
+            } else {
+                stage_v_late(jb0, ncta);
+            }
             if (!kw) continue;
             float pv[RL][CL];
     #pragma unroll

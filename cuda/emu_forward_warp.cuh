@@ -112,6 +112,39 @@ __device__ __forceinline__ void stage_kt(float *dst, const float *src, int D, in
     }
 }
 
+/* stage<DP, ROWS>(dst, 1, DP, ...) and stage_kt<DP, KP> as cp.async copies (common.cuh; zeros where `valid` is false):
+ * the same values in the same places, landing while the CTA computes. The caller commits, waits and syncs. */
+template <int DP, int ROWS>
+__device__ __forceinline__ void stage_rows_async(float *dst, const float *src, int D, int have) {
+    if (D == DP) { /* 16-byte copies (aligned as stage's float4 loads) */
+#pragma unroll
+        for (int it = 0; it < DP * ROWS / (4 * NT); it++) {
+            const int e = it * NT + threadIdx.x, t = e % (DP / 4) * 4, row = e / (DP / 4);
+            cp_async_16(dst + row * DP + t, row < have ? src + (int64_t)row * D + t : src, row < have);
+        }
+        return;
+    }
+#pragma unroll 4
+    for (int it = 0; it < DP * ROWS / NT; it++) {
+        const int e = it * NT + threadIdx.x, t = e % DP, row = e / DP;
+        const bool ok = t < D && row < have;
+        cp_async_4(dst + row * DP + t, ok ? src + (int64_t)row * D + t : src, ok);
+    }
+}
+template <int DP, int KP>
+__device__ __forceinline__ void stage_kt_async(float *dst, const float *src, int D, int have) {
+    static_assert(KP % 32 == 4 && DP % 8 == 0 && KB == 64, "a warp's copies: 4 keys x 8 t, one bank each");
+#pragma unroll 4
+    for (int it = 0; it < DP * KB / NT; it++) { /* a warp: 8 consecutive t (a 32-byte sector) of 4 keys, whose
+                                                * places t KP + key fall in 32 distinct banks (a warp of 32 keys
+                                                * at one t, stage_kt's order, read 32 sectors a copy: the forward
+                                                * 6% slower than with stage_kt, H200) */
+        const int e = it * NT + threadIdx.x, key = (e >> 3) & (KB - 1), t = (e >> 9) * 8 + (e & 7);
+        const bool ok = t < D && key < have;
+        cp_async_4(dst + t * KP + key, ok ? src + (int64_t)key * D + t : src, ok);
+    }
+}
+
 /* The operands of one step of a product loop (the scores' over t, P.V's over keys): NA values at a (float4 loads,
  * 16-byte aligned) and NB at b, BS apart (one float4 where BS = 1 and NB = 4). */
 template <int NA, int NB, int BS>

@@ -141,6 +141,21 @@ def test_warp_kernel_is_tiled_kernel(D, causal, monkeypatch):
         assert differing(wo, to) == 0 and differing(wl, tl) == 0, f"{kind} {policy} {kw}: warp kernel != tiled kernel"
 
 
+@pytest.mark.parametrize("D", [33, 40, 64])
+@pytest.mark.parametrize("Nq,Nk", [(300, 70), (70, 300), (129, 129)])
+def test_warp_kernel_async_staging_is_generic(D, Nq, Nk, monkeypatch):
+    """The warp forward's flash kernels at 32 < D <= 64 copy K and V into shared memory asynchronously (the next
+    block's K during this block's P.V): blocks of 16, 48 and 64 keys, the last one short (zeros past the keys), D not
+    a multiple of 4 (4-byte copies) or 64 (16-byte), causal with more queries than keys (row tiles whose rows see no
+    key: nothing is copied, nothing awaited) and fewer, a CTA with two row tiles, grouped-query heads; the same bits
+    as the generic kernel, and (D 40) as the CPU."""
+    q, k, v = make_qkv(31, 1, 4, 2, Nq, Nk, D, spread=2.0)
+    for policy, block_kv in ((Policy.fa2("bf16"), 64), (Policy.paper("fp16"), 48), (Policy.fa2("fp16"), 16)):
+        for causal in (False, True):
+            assert_fast_is_generic("flash", q, k, v, policy, monkeypatch, cpu=D == 40 and causal, causal=causal,
+                                   block_kv=block_kv)
+
+
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_baseline_score_store_is_recomputation(D, causal, monkeypatch):
