@@ -321,13 +321,14 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
         zero_o();
         const int64_t bkv = a.block_kv;
         const bool plain = cx.pr.normalize != FADEV_EAGER && cx.pr.loop_order != FADEV_KV_OUTER;
-        /* keys any row of the CTA sees in the block from jb0 */
-        auto ncta_of = [&](int64_t jb0) { return (int)emu_visible(cx.pr, i0 + here - 1, jb0, bkv < Nk - jb0 ? bkv : Nk - jb0); };
+        auto ncta_of = [&](int64_t jb0) { /* keys any row of the CTA sees in the block from jb0 */
+            return (int)emu_visible(cx.pr, i0 + here - 1, jb0, bkv < Nk - jb0 ? bkv : Nk - jb0);
+        };
         /* With K and V in buffers of their own (SPLIT, D <= 64), their copies run while the CTA computes (cp.async,
          * stage_kt_async / stage_rows_async: the same values in the same places as stage_kv's): K of the next
          * block the loop computes during this block's P.V, V of this block during its scores and softmax terms;
          * still two CTA barriers a block, each after a wait for the thread's own copies. Why: the warps waited on
-         * the staging's global loads for ~6% of fa2's D 64 forward and ~9% causal, where both CTAs of an SM stage at
+         * the staging's global loads for ~5% of fa2's D 64 forward and ~10% causal, where both CTAs of an SM stage at
          * once (ncu source counters, H100); H200: fa2 6% faster, causal 11%, paper 3% and 10% (benchmarks/README) */
         constexpr bool ASYNC = T::SPLIT;
         auto prefetch_k = [&](int64_t jb0) { /* K of the next block the loop computes from the one at jb0 */
