@@ -357,6 +357,10 @@ fadev_status fadev_cuda_ulp_error(const double *test, const double *ref, size_t 
  * ref_form 0, exp2 for 1: the other form is the check's own test that it sees a difference), for the fp32 inputs whose
  * encodings are start .. start + count - 1 (at most 2^32): *mismatches = how many differ in any bit. */
 fadev_status fadev_cuda_exp_check(int exp2_form, int ref_form, uint64_t start, uint64_t count, uint64_t *mismatches);
+/* The emulated forward's table of softmax terms (cuda/emu_exp_table.cu) for bf16 (bf16 != 0) or fp16 and exp2_form,
+ * against the computation (dbl_round of the transcribed exp in ref_form, as above) for every 16-bit encoding of a value
+ * <= 0: *mismatches, and the table's clamp bounds in *lo, *hi (magnitude bits). */
+fadev_status fadev_cuda_exp_table_check(int bf16, int exp2_form, int ref_form, uint64_t *mismatches, int *lo, int *hi);
 
 /* Native FlashAttention-2-style kernel on the tensor cores (native_forward.cu, native_backward.cu): fp16 or bf16
  * inputs and outputs, fp32 accumulation (mma.sync), online softmax in fp32 with exp2. q, out, dout, dq:

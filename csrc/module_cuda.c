@@ -302,6 +302,23 @@ static PyObject *py_cuda_exp_check(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(bad);
 }
 
+static PyObject *py_cuda_exp_table_check(PyObject *self, PyObject *args) {
+    const char *fmt;
+    int exp2_form, ref_form = -1;
+    if (!PyArg_ParseTuple(args, "sp|p", &fmt, &exp2_form, &ref_form)) return NULL;
+    if (strcmp(fmt, "bf16") != 0 && strcmp(fmt, "fp16") != 0)
+        return PyErr_Format(PyExc_ValueError, "fmt must be 'bf16' or 'fp16', got %R", PyTuple_GET_ITEM(args, 0));
+    if (ref_form < 0) ref_form = exp2_form;
+    uint64_t bad = 0;
+    int lo = 0, hi = 0;
+    fadev_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fadev_cuda_exp_table_check(fmt[0] == 'b', exp2_form, ref_form, &bad, &lo, &hi);
+    Py_END_ALLOW_THREADS
+    if (st != FADEV_OK) return raise_device_status(st, "exp_table_check (cuda)");
+    return Py_BuildValue("Kii", (unsigned long long)bad, lo, hi);
+}
+
 /* ------------------------------------------------------------ method table */
 
 PyMethodDef cuda_methods[] = {
@@ -331,6 +348,10 @@ PyMethodDef cuda_methods[] = {
      "cuda_exp_check(exp2, start, count[, ref_exp2]) -> how many fp32 inputs (encodings start .. start + count - 1) "
      "the emulated kernels' exp (exp2 False) or exp2 transcription gives other fp64 bits than CUDA's exp or exp2 "
      "(ref_exp2, default exp2)"},
+    {"cuda_exp_table_check", py_cuda_exp_table_check, METH_VARARGS,
+     "cuda_exp_table_check(fmt, exp2[, ref_exp2]) -> (mismatches, lo, hi): the emulated forward's table of softmax "
+     "terms for fmt 'bf16' or 'fp16' against the computation (exp2 form ref_exp2, default exp2) for every 16-bit value "
+     "<= 0, and the table's clamp bounds (magnitude bits)"},
     {"cuda_native_tiles", py_cuda_native_tiles, METH_VARARGS,
      "cuda_native_tiles(dim, backward, warp_rows, mma) -> [(block_q, block_kv), ...] of the forward (backward False; "
      "warp_rows 16 or 32) or the backward (warp_rows 16 or 32); mma 1: the wgmma kernels' tiles"},

@@ -418,6 +418,7 @@ fast_args emu_fwd::fast_args_of(const emu_ctx &cx, double *out, double *lse, int
     a.o16 = a.lean && (koa == FLT_BF16 || koa == FLT_F16) && flt_kind_of(fac) == koa ? koa : 0;
     a.tiles = (cx.pr.seq_q + rows_per_cta - 1) / rows_per_cta;
     a.units = 0, a.s_keep = nullptr;
+    a.etab = exp_tab{nullptr, 0, 0};
     a.block_kv = baseline || cx.pr.block_kv > cx.pr.seq_kv ? cx.pr.seq_kv : cx.pr.block_kv;
     return a;
 }

@@ -15,6 +15,25 @@ namespace emu_fwd {
 /* The lean kernels' stages (fast_lean), their indices in flt_kinds_of's packing; state_out only with kv_outer. */
 enum { LK_SCORE, LK_SOFTMAX, LK_OUT_ACC, LK_P, LK_STATE_OUT, LK_N };
 
+/* The lean kernels' softmax terms of bf16 or fp16 x <= 0 by x's magnitude bits, clamped to [lo, hi] (tab_term;
+ * emu_exp_table.cu builds it); t NULL: computed. */
+struct exp_tab {
+    const unsigned short *t;
+    int lo, hi;
+};
+
+/* The table for softmax kind fk (flt_kind) and exp form, built on this device at its first use; t NULL for other kinds
+ * and with FADEV_EMU_EXP_TABLE=0 in the environment. */
+fadev_status exp_table_of(int fk, int exp2_form, exp_tab &out);
+
+/* The softmax term R_K(E(x)) of a value x <= 0 of format K (FLT_BF16 or FLT_F16) from the table: the same bits as
+ * term_e of emu_exp_fast (emu_exp_table.cu). */
+template <int K> __device__ __forceinline__ float tab_term(const exp_tab &tb, float x) {
+    const int m = K == FLT_BF16 ? (int)(__float_as_uint(x) >> 16) & 0x7FFF : (int)__half_as_ushort(__float2half_rn(x)) & 0x7FFF;
+    const unsigned short h = __ldg(tb.t + min(max(m, tb.lo), tb.hi));
+    return K == FLT_BF16 ? __uint_as_float((unsigned)h << 16) : __half2float(__ushort_as_half(h));
+}
+
 struct fast_args {
     emu_ctx cx;
     double *out, *lse;
@@ -30,6 +49,7 @@ struct fast_args {
     int o32;          /* out_acc is fp32 nearest-even and the stats and rescale stages' values are fp32 values: the
                        * O update's operations are on fp32 values and round once in fp32 (double rounding is
                        * innocuous for *, +, /) */
+    exp_tab etab;     /* the warp kernel's softmax terms from a table (lean, softmax bf16 or fp16), else t NULL */
     int o16;          /* the lean kernels: out_acc is bf16 or fp16 (flt_kind) and the O update's factor and l are
                        * values of the same format: its operations in fp32, each rounded once more to that format
                        * (o_step); else 0 */

@@ -135,18 +135,45 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                  * forwards 1-3% faster without; 8 exps interleaved instead of 4, which the freed registers allow,
                  * no faster) */
                 const double *kk = emu_exp_k;
-                auto x_of = [&](int key) { return (double)term_x<LEAN, K>(a, er[key * EP], (double)mf, mf, bh, i, jb0 + key); };
-                auto put = [&](int key, double y) { /* past nr: computed, not kept */
-                    float e = term_e<LEAN, K>(a, y, bh, i, jb0 + key);
+                auto x_of = [&](int key) { return term_x<LEAN, K>(a, er[key * EP], (double)mf, mf, bh, i, jb0 + key); };
+                auto put_e = [&](int key, float e) { /* past nr: computed, not kept */
                     if constexpr (decltype(div)::value) e = p_div(e, lr, jb0 + key);
                     er[key * EP] = key < nr ? e : 0.f;
                 };
+                auto put = [&](int key, double y) { put_e(key, term_e<LEAN, K>(a, y, bh, i, jb0 + key)); };
+                int key = lane / R;
+                if constexpr (LEAN && !BASE && (K == FLT_BF16 || K == FLT_F16)) {
+                    if (a.etab.t) { /* a 16-bit x <= 0: its term from the table (emu_exp_table.cu), TT loads in flight;
+                                     * else (NaN, x > 0) computed. Not in the baseline's kernels (its presets' terms
+                                     * are fp32; the code cost their registers) */
+                        constexpr int TT = 4;
+#pragma unroll 1
+                        for (; key + (TT - 1) * SPREAD < kw; key += TT * SPREAD) {
+                            float x[TT];
+                            bool in = true;
+#pragma unroll
+                            for (int g = 0; g < TT; g++) x[g] = x_of(key + g * SPREAD), in = in && x[g] <= 0.f;
+                            if (in) {
+#pragma unroll
+                                for (int g = 0; g < TT; g++) put_e(key + g * SPREAD, tab_term<K>(a.etab, x[g]));
+                            } else {
+#pragma unroll 1
+                                for (int g = 0; g < TT; g++) put(key + g * SPREAD, emu_exp_fast(X2, x[g], kk));
+                            }
+                        }
+                        for (; key < kw; key += SPREAD) {
+                            const float x = x_of(key);
+                            if (x <= 0.f) put_e(key, tab_term<K>(a.etab, x));
+                            else put(key, emu_exp_fast(X2, x, kk));
+                        }
+                        return;
+                    }
+                }
                 /* TG keys at a time: their exps' reductions and polynomials without a branch (emu_exp_poly), so that
                  * the TG dependent DFMA chains interleave (emu_exp_fast's range test is a branch, across which ptxas
                  * did not move the next key's chain: one chain at a time, the terms' time spent waiting); where a
                  * key is near or past the range, emu_exp_fast for all TG (in range it is emu_exp_scaled of
                  * emu_exp_poly's: the same bits) */
-                int key = lane / R;
 #pragma unroll 1
                 for (; key + (TG - 1) * SPREAD < kw; key += TG * SPREAD) {
                     double x[TG], p[TG];
@@ -523,6 +550,7 @@ fadev_status emu_fwd::warp_forward(const emu_ctx &cx, double *out, double *lse, 
     device_buffer<float> keep;
     int64_t ctas = 0;
     FADEV_TRY(keep_plan(a, bq, keep, ctas));
+    if (a.lean) FADEV_TRY(exp_table_of(flt_kind_at(a.lean, LK_SOFTMAX), cx.exp2, a.etab));
     if (d64) return a.lean ? launch_of<2, true>(a, ctas) : launch_of<2, false>(a, ctas);
     return a.lean ? launch_of<4, true>(a, ctas) : launch_of<4, false>(a, ctas);
 }

@@ -309,6 +309,40 @@ def test_backward_chunked_fast_is_generic(monkeypatch, scratch_rows, preset):
                                         causal=True, **({"block_q": 16, "block_kv": 32} if kind == "flash" else {}))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("exp2", [False, True])
+def test_exp_table_is_the_computation(fmt, exp2):
+    """The warp forward's table of softmax terms (cuda/emu_exp_table.cu: R(E(x)) of 16-bit x <= 0, clamped) equals the
+    computation for every 16-bit encoding of a value <= 0, -0 and -inf included; the same check against the other
+    exp form finds differences (it can fail). The clamp keeps the table small (bf16: what L1 holds beside the
+    kernel's shared memory)."""
+    from fadev import _core
+    bad, lo, hi = _core.cuda_exp_table_check(fmt, exp2)
+    assert bad == 0 and 0 < lo < hi
+    assert hi - lo < (3000 if fmt == "bf16" else 20000), (lo, hi)
+    assert _core.cuda_exp_table_check(fmt, exp2, not exp2)[0] > 500
+    with pytest.raises(ValueError, match="fmt"):
+        _core.cuda_exp_table_check("fp32", exp2)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("exp", ["exp", "exp2"])
+def test_exp_table_forward_is_computed_forward(fmt, exp, monkeypatch):
+    """paper's forward with its softmax terms from the table == without it (FADEV_EMU_EXP_TABLE=0) == the generic
+    kernels == the C core, on scores wide enough that the terms run from 1 through underflow (spread 6: s - m down
+    to hundreds), causal and not, grouped-query heads, a short last block."""
+    q, k, v = make_qkv(37, 1, 4, 2, 150, 203, 48, spread=6.0)
+    policy = Policy.paper(fmt).replace(exp=exp)
+    for causal in (False, True):
+        monkeypatch.delenv("FADEV_EMU_EXP_TABLE", raising=False)
+        to, tl = forward("flash", q, k, v, policy, monkeypatch, False, causal=causal)
+        monkeypatch.setenv("FADEV_EMU_EXP_TABLE", "0")
+        co, cl = forward("flash", q, k, v, policy, monkeypatch, False, causal=causal)
+        monkeypatch.delenv("FADEV_EMU_EXP_TABLE")
+        assert differing(to, co) == 0 and differing(tl, cl) == 0, (fmt, exp, causal)
+        assert_fast_is_generic("flash", q, k, v, policy, monkeypatch, cpu=True, causal=causal)
+
+
 # ---------------------------------------------------------------- which kernels run
 
 
