@@ -27,6 +27,8 @@
  *     O (registers); V is staged in slices of 32 keys, P read as float4 from S;
  *   a flash block of at most 128 keys is one subtile, its scores computed once; a larger block (and the baseline,
  *   whose one block is every key) computes its scores again in each pass (the same events, the same values). */
+#include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -419,6 +421,11 @@ fast_args emu_fwd::fast_args_of(const emu_ctx &cx, double *out, double *lse, int
     a.tiles = (cx.pr.seq_q + rows_per_cta - 1) / rows_per_cta;
     a.units = 0, a.s_keep = nullptr;
     a.etab = exp_tab{nullptr, 0, 0};
+    a.cf = (float)cx.c;
+    uint32_t cbits;
+    memcpy(&cbits, &a.cf, sizeof cbits);
+    a.c12 = a.lean && (double)a.cf == cx.c && fabsf(a.cf) >= 0x1p-126f && fabsf(a.cf) <= FLT_MAX &&
+            (cbits & 0x7FFu) == 0; /* the low 11 of 23 fraction bits zero: <= 13 significant bits */
     a.block_kv = baseline || cx.pr.block_kv > cx.pr.seq_kv ? cx.pr.seq_kv : cx.pr.block_kv;
     return a;
 }

@@ -49,6 +49,11 @@ struct fast_args {
     int o32;          /* out_acc is fp32 nearest-even and the stats and rescale stages' values are fp32 values: the
                        * O update's operations are on fp32 values and round once in fp32 (double rounding is
                        * innocuous for *, +, /) */
+    /* The lean kernels' scaled score in fp32 (score_of with C32; docs/numerics.md): c12, c = cf has at most 13
+     * significant bits and is an fp32 normal, so c times a bf16 or fp16 score (<= 11 bits: <= 24 together) is exact
+     * in fp32 where the product is an fp32 normal, and R_score of the fp32 product is R_score of the fp64 one */
+    float cf;
+    int c12;
     exp_tab etab;     /* the warp kernel's softmax terms from a table (lean, softmax bf16 or fp16), else t NULL */
     int o16;          /* the lean kernels: out_acc is bf16 or fp16 (flt_kind) and the O update's factor and l are
                        * values of the same format: its operations in fp32, each rounded once more to that format
@@ -77,14 +82,21 @@ __device__ __forceinline__ float r_dbl(const att_stage &st, double x, uint64_t s
 
 /* s = R_score(c R_score(acc)) of score (i, j) from its fp32 chain acc: acc is an fp32 value, so for an fp32 stage
  * the inner rounding is the identity and the product c * acc is rounded once in fp32. K >= 0: the lean kernels'
- * score kind, known at compile time (the kernel dispatched on it); -1: read from the arguments. */
-template <bool LEAN, int K = -1>
+ * score kind, known at compile time (the kernel dispatched on it); -1: read from the arguments. C32: the product in
+ * fp32 where a.c12 allows (the baseline's warp kernels: naive's forward 2-4% faster, H100; in the flash kernels, which
+ * fa2 and paper share, the code cost fa2 registers and 2-3%) */
+template <bool LEAN, int K = -1, bool C32 = false>
 __device__ __forceinline__ float score_of(const fast_args &a, float acc, int64_t bh, int64_t i, int64_t j) {
     const emu_ctx &cx = a.cx;
     if (K >= 0 ? K == FLT_F32 : cx.score.kind == ATT_F32) return __fmul_rn((float)cx.c, acc);
     if (LEAN) {
         const int ks = K >= 0 ? K : flt_kind_at(a.lean, LK_SCORE);
-        return dbl_round(ks, cx.c * (double)flt_round(ks, acc)); /* acc is an fp32 value: dbl_round(ks, acc)'s */
+        const float r = flt_round(ks, acc); /* acc is an fp32 value: dbl_round(ks, acc)'s */
+        if (C32 && K != FLT_F32 && a.c12) { /* c r exact in fp32 where normal (a.c12); an overflow is inf in both */
+            const float p = __fmul_rn(a.cf, r);
+            if (fabsf(p) >= 0x1p-126f) return flt_round(ks, p);
+        }
+        return dbl_round(ks, cx.c * (double)r);
     }
     const uint64_t idx = ATT_INDEX(i, j, 0);
     return (float)rnd(cx.score, cx.c * rnd(cx.score, (double)acc, ATT_STREAM(ATT_SCORE_DOT, bh), idx),

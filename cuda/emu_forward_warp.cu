@@ -114,7 +114,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
         lean_kind<LEAN>(flt_kind_at(a.lean, LK_SCORE), [&](auto KS) {
 #pragma unroll 2
             for (int key = lane / R; key < nr; key += SPREAD) {
-                const float s = score_of<LEAN, decltype(KS)::value>(a, er[key * EP], bh, i, jb0 + key);
+                const float s = score_of<LEAN, decltype(KS)::value, BASE>(a, er[key * EP], bh, i, jb0 + key);
                 er[key * EP] = s;
                 nan |= s != s, mx = fmaxf(mx, s);
             }

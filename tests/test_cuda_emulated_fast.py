@@ -99,7 +99,7 @@ def test_extreme_values_fast_is_generic(case, monkeypatch):
         q[0, 1] *= 1e-40
         v[0, 0, ::3] *= 1e-39
     for kind in ("flash", "baseline"):
-        for policy in (Policy.fa2("bf16"), Policy.paper("bf16"), Policy.fa2("fp16")):
+        for policy in (Policy.fa2("bf16"), Policy.paper("bf16"), Policy.fa2("fp16"), Policy.paper("fp16")):
             assert_fast_is_generic(kind, q, k, v, policy, monkeypatch, cpu=True, causal=False)
 
 
@@ -330,9 +330,14 @@ def test_exp_table_is_the_computation(fmt, exp2):
 def test_exp_table_forward_is_computed_forward(fmt, exp, monkeypatch):
     """paper's forward with its softmax terms from the table == without it (FADEV_EMU_EXP_TABLE=0) == the generic
     kernels == the C core, on scores wide enough that the terms run from 1 through underflow (spread 6: s - m down
-    to hundreds), causal and not, grouped-query heads, a short last block."""
+    to hundreds), causal and not, grouped-query heads, a short last block; and with the score stage in the other
+    16-bit format."""
     q, k, v = make_qkv(37, 1, 4, 2, 150, 203, 48, spread=6.0)
     policy = Policy.paper(fmt).replace(exp=exp)
+    # the scores in the other 16-bit format: s - m rounded through fp64 (the fp32 shortcut needs one format), the
+    # table's x still of the softmax's
+    mixed = policy.replace(score="fp16" if fmt == "bf16" else "bf16")
+    assert_fast_is_generic("flash", q, k, v, mixed, monkeypatch, cpu=True, causal=True)
     for causal in (False, True):
         monkeypatch.delenv("FADEV_EMU_EXP_TABLE", raising=False)
         to, tl = forward("flash", q, k, v, policy, monkeypatch, False, causal=causal)
