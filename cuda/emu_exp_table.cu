@@ -7,9 +7,9 @@
  * above which every term equals -inf's (0: E(x) underflows), both read off the table's own values: a lookup
  * (tab_term, emu_forward_fast.cuh) gives the computation's bits for every x <= 0, by construction, and
  * fadev_cuda_exp_table_check compares the two for all 2^16 encodings. What it saves: the fp64 exp (a dependent chain of
- * 14 DFMA, whose latency the softmax terms' warps waited on, ncu) and the conversions around it, one term of
- * paper(bf16)'s forward in ~9 instructions instead of ~40; the hot part of the table (bf16: ~2,000 entries, 4 KB)
- * stays in L1. A table a device, format and exp form, built at its first use and kept for the process (64 KB). */
+ * 14 DFMA, whose latency the softmax terms' warps waited on, ncu) and the conversions around it: paper(bf16)'s
+ * forward 296 -> 276 instructions a score, 7% faster (H100, benchmarks/README.md); the hot part of the table (bf16:
+ * ~2,000 entries, 4 KB) stays in L1. A table a device, format and exp form, built at its first use and kept for the process (64 KB). */
 #include <array>
 #include <map>
 #include <mutex>
