@@ -213,13 +213,16 @@ __device__ __forceinline__ double emu_mac(const att_stage &acc_stage, double acc
 
 /* Host side (emu_inputs.cu): builds the context (stages classified by the CPU's att_make_stage, constants as
  * att_init) and rounds the inputs on the device (events 0, 1, 2 with the CPU's counters), with per-K/V-head
- * magnitudes. `exp2` selects the exp2 form's constants. Validation is the caller's (att_validate first).
- * The buffers live in `store` until it is destroyed. */
+ * magnitudes. `exp2` selects the exp2 form's constants. `fp64`: write the fp64 rounded copies (cx->q, k, v) always;
+ * 0 (the forward): only where the fast forward cannot take the call (emu_fast_forward_ok), else they are null and
+ * the generic forward, which then computes only the heads the fast kernels leave, reads the fp32 copies (the same
+ * values: the fast path's inputs are fp32 values). Validation is the caller's (att_validate first). The buffers
+ * live in `store` until it is destroyed. */
 struct emu_inputs {
     device_arena mem; /* q, k, v, their fp32 copies and the magnitudes */
 };
 fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const double *k, const double *v,
-                         const fadev_attention_params *params, const fadev_policy *policy, int exp2);
+                         const fadev_attention_params *params, const fadev_policy *policy, int exp2, int fp64);
 
 /* Grid of `n` items in blocks of `threads`, capped to what a 1-D grid holds (kernels stride over the rest). */
 static inline unsigned emu_blocks(size_t n, unsigned threads) {

@@ -348,7 +348,7 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
     FADEV_TRY(fadev_cuda_require_device());
 
     emu_inputs store;
-    FADEV_TRY(emu_prepare(&args.cx, &store, q, k, v, pr, pol, !baseline && pr->exp_form == FADEV_EXP2));
+    FADEV_TRY(emu_prepare(&args.cx, &store, q, k, v, pr, pol, !baseline && pr->exp_form == FADEV_EXP2, 1));
     const emu_ctx &cx = args.cx;
     args.baseline = baseline;
     args.c_ds = fadev_round_one(pr->scale, &pol->score, FADEV_ROUND_NEAREST_EVEN, 0);

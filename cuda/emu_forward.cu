@@ -51,6 +51,10 @@ __device__ __forceinline__ void s_set(const smem_view &sm, int64_t at, double x)
     else sm.sf[at] = (float)x;
 }
 
+/* Element `at` of the rounded q, k or v: the fp64 copy, or where emu_prepare wrote none (the fast path takes the call,
+ * and this kernel only the heads it leaves: their inputs are fp32 values) the fp32 copy, the same value. */
+__device__ __forceinline__ double in_at(const double *d, const float *f, int64_t at) { return d ? d[at] : (double)f[at]; }
+
 __device__ __forceinline__ double q_at(const smem_view &sm, int64_t t, int col) {
     return sm.q ? sm.q[t * ROWS + col] : (double)sm.qf[t * ROWS + col];
 }
@@ -73,15 +77,15 @@ __device__ double score(const emu_ctx &cx, const smem_view &sm, int col, int qk_
         for (int64_t t = 0; t < D; t++) a = a + sm.qf[t * ROWS + col] * k[t];
         acc = a;
     } else {
-        const double *k = cx.k + at;
         double a = 0;
         if (qk_tier == TIER_F64) {
-            for (int64_t t = 0; t < D; t++) a = a + q_at(sm, t, col) * k[t];
+            for (int64_t t = 0; t < D; t++) a = a + q_at(sm, t, col) * in_at(cx.k, cx.kf, at + t);
         } else if (qk_tier == TIER_F64_R32) {
-            for (int64_t t = 0; t < D; t++) a = (double)__double2float_rn(a + q_at(sm, t, col) * k[t]);
+            for (int64_t t = 0; t < D; t++) a = (double)__double2float_rn(a + q_at(sm, t, col) * in_at(cx.k, cx.kf, at + t));
         } else {
             const uint64_t stream = ATT_STREAM(ATT_SCORE_ACC, bh);
-            for (int64_t t = 0; t < D; t++) a = emu_mac(cx.score_acc, a, q_at(sm, t, col), k[t], stream, ATT_INDEX(i, j, t));
+            for (int64_t t = 0; t < D; t++)
+                a = emu_mac(cx.score_acc, a, q_at(sm, t, col), in_at(cx.k, cx.kf, at + t), stream, ATT_INDEX(i, j, t));
         }
         acc = a;
     }
@@ -100,13 +104,15 @@ __device__ __forceinline__ double pv_chunk(const emu_ctx &cx, const smem_view &s
         return a;
     }
     if (pv_tier == TIER_F64) {
-        for (int jj = 0; jj < nc; jj++) acc = acc + s_get(sm, jj * ROWS + col) * cx.v[at + jj * D];
+        for (int jj = 0; jj < nc; jj++) acc = acc + s_get(sm, jj * ROWS + col) * in_at(cx.v, cx.vf, at + jj * D);
     } else if (pv_tier == TIER_F64_R32) {
-        for (int jj = 0; jj < nc; jj++) acc = (double)__double2float_rn(acc + s_get(sm, jj * ROWS + col) * cx.v[at + jj * D]);
+        for (int jj = 0; jj < nc; jj++)
+            acc = (double)__double2float_rn(acc + s_get(sm, jj * ROWS + col) * in_at(cx.v, cx.vf, at + jj * D));
     } else {
         const uint64_t stream = ATT_STREAM(ATT_PV_ACC, bh);
         for (int jj = 0; jj < nc; jj++)
-            acc = emu_mac(cx.pv_acc, acc, s_get(sm, jj * ROWS + col), cx.v[at + jj * D], stream, ATT_INDEX(i, j_first + jj, d));
+            acc = emu_mac(cx.pv_acc, acc, s_get(sm, jj * ROWS + col), in_at(cx.v, cx.vf, at + jj * D), stream,
+                          ATT_INDEX(i, j_first + jj, d));
     }
     return acc;
 }
@@ -121,11 +127,11 @@ __device__ __forceinline__ int pv_tier_of(const emu_ctx &cx, int64_t bhk, double
 /* Loads row i of q into the CTA's shared memory (column `col`) and returns the score tier of the row. */
 __device__ int load_row(const emu_ctx &cx, const smem_view &sm, int col, int64_t bh, int64_t bhk, int64_t i) {
     const int64_t D = cx.pr.dim;
-    const double *q = cx.q + (bh * cx.pr.seq_q + i) * D;
+    const int64_t at = (bh * cx.pr.seq_q + i) * D;
     double lo = INFINITY, hi = 0;
     int finite = 1;
     for (int64_t t = 0; t < D; t++) {
-        const double x = q[t], a = fabs(x);
+        const double x = in_at(cx.q, cx.qf, at + t), a = fabs(x);
         if (sm.q) sm.q[t * ROWS + col] = x;
         else sm.qf[t * ROWS + col] = (float)x;
         if (!(a <= 1.7976931348623157e308)) finite = 0;
@@ -330,7 +336,7 @@ fadev_status run_forward(const double *q, const double *k, const double *v, doub
     FADEV_TRY(fadev_cuda_require_device());
     emu_ctx cx;
     emu_inputs store;
-    FADEV_TRY(emu_prepare(&cx, &store, q, k, v, params, policy, flash && params->exp_form == FADEV_EXP2));
+    FADEV_TRY(emu_prepare(&cx, &store, q, k, v, params, policy, flash && params->exp_form == FADEV_EXP2, 0));
     fwd_args a;
     a.cx = cx;
     /* the fast path (emu_forward_fast.cu) where the policy allows it: its launch computes the heads with finite

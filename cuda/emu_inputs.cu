@@ -11,7 +11,7 @@
  * (emu_mag_flush: one atomic per block). */
 struct round_job {
     const double *src;
-    double *dst;
+    double *dst;  /* nullptr: no fp64 copy */
     float *dstf; /* nullptr: no fp32 copy */
     emu_mag *mag;
     int64_t heads, rows;
@@ -26,7 +26,7 @@ __global__ void round_inputs_kernel(const __grid_constant__ round_jobs jobs, int
     const int64_t head = head0 + blockIdx.y, per_head = j.rows * dim;
     if (head >= j.heads) return;
     const double *s = j.src + head * per_head;
-    double *d_out = j.dst + head * per_head;
+    double *d_out = j.dst ? j.dst + head * per_head : nullptr;
     float *f_out = j.dstf ? j.dstf + head * per_head : nullptr;
     const uint64_t stream = ATT_STREAM(j.stage_id, head);
     unsigned long long lo = 0x7FF0000000000000ull, hi = 0;
@@ -34,7 +34,7 @@ __global__ void round_inputs_kernel(const __grid_constant__ round_jobs jobs, int
     for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < per_head; e += (int64_t)gridDim.x * blockDim.x) {
         const int64_t row = e / dim, col = e % dim;
         const double x = emu_round(in, s[e], stream, ATT_INDEX(row, col, 0));
-        d_out[e] = x;
+        if (d_out) d_out[e] = x;
         if (f_out) f_out[e] = (float)x;
         emu_mag_put(lo, hi, finite, x);
     }
@@ -42,15 +42,18 @@ __global__ void round_inputs_kernel(const __grid_constant__ round_jobs jobs, int
 }
 
 fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const double *k, const double *v,
-                         const fadev_attention_params *params, const fadev_policy *pol, int exp2) {
+                         const fadev_attention_params *params, const fadev_policy *pol, int exp2, int fp64) {
     memset(cx, 0, sizeof *cx);
     att_plan_init(cx, params, pol, exp2); /* the stages and constants of att_init */
     const int64_t B = params->batch, D = params->dim, hq = B * params->heads, hk = B * params->heads_kv;
     const size_t nq = (size_t)(hq * params->seq_q * D), nk = (size_t)(hk * params->seq_kv * D);
     const int fq = cx->qk_float, fv = cx->pv_float;
+    /* the fp64 copies only where a generic kernel may read every head: 8 of the 20 bytes an element the rounding
+     * wrote (H100: 112 us of fa2's 2.8 ms D 64 forward, the kernel at ~75% of the memory bandwidth) */
+    const size_t n64 = fp64 || !emu_fast_forward_ok(*cx, pol) ? 1 : 0;
     /* one allocation: q, k, v in fp64, their fp32 copies where the float tier may be used, the magnitudes */
     device_arena &m = store->mem;
-    const size_t oq = m.add(nq * 8), ok = m.add(nk * 8), ov = m.add(nk * 8), oqf = m.add(fq ? nq * 4 : 0),
+    const size_t oq = m.add(n64 * nq * 8), ok = m.add(n64 * nk * 8), ov = m.add(n64 * nk * 8), oqf = m.add(fq ? nq * 4 : 0),
                  okf = m.add(fq ? nk * 4 : 0), ovf = m.add(fv ? nk * 4 : 0), omag = m.add((hq + 2 * hk) * sizeof(emu_mag));
     FADEV_TRY(m.alloc("emulated attention: rounded inputs"));
     double *rq = m.at<double>(oq), *rk = m.at<double>(ok), *rv = m.at<double>(ov);
