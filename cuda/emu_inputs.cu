@@ -32,8 +32,8 @@ __global__ void round_inputs_kernel(const __grid_constant__ round_jobs jobs, int
     unsigned long long lo = 0x7FF0000000000000ull, hi = 0;
     int finite = 1;
     for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < per_head; e += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t row = e / dim, col = e % dim;
-        const double x = emu_round(in, s[e], stream, ATT_INDEX(row, col, 0));
+        double x; /* emu_round's own fast path first: the event index (two 64-bit divisions) only where it is read */
+        if (!att_round_fast(&in, s[e], &x)) x = emu_round(in, s[e], stream, ATT_INDEX(e / dim, e % dim, 0));
         if (d_out) d_out[e] = x;
         if (f_out) f_out[e] = (float)x;
         emu_mag_put(lo, hi, finite, x);
