@@ -9,7 +9,8 @@
  * fadev_cuda_exp_table_check compares the two for all 2^16 encodings. What it saves: the fp64 exp (a dependent chain of
  * 14 DFMA, whose latency the softmax terms' warps waited on, ncu) and the conversions around it: paper(bf16)'s
  * forward 296 -> 276 instructions a score, 7% faster (H100, benchmarks/README.md); the hot part of the table (bf16:
- * ~2,000 entries, 4 KB) stays in L1. A table a device, format and exp form, built at its first use and kept for the process (64 KB). */
+ * ~2,000 entries, 4 KB) stays in L1. A table a device, format and exp form, built at its first use and kept for the
+ * process (64 KB). */
 #include <array>
 #include <map>
 #include <mutex>
@@ -29,7 +30,9 @@ __global__ void exp_terms_kernel(unsigned short *f, int fk, int exp2_form, int n
     const int m = blockIdx.x * blockDim.x + threadIdx.x;
     if (m > n) return;
     float x = 0.f;
-    if (m < n) x = fk == FLT_BF16 ? __uint_as_float(0x80000000u | (unsigned)m << 16) : -__half2float(__ushort_as_half((unsigned short)m));
+    if (m < n)
+        x = fk == FLT_BF16 ? __uint_as_float(0x80000000u | (unsigned)m << 16)
+                           : -__half2float(__ushort_as_half((unsigned short)m));
     const float e = dbl_round(fk, emu_exp_fast(exp2_form, (double)x));
     f[m] = fk == FLT_BF16 ? (unsigned short)(__float_as_uint(e) >> 16) : __half_as_ushort(__float2half_rn(e));
 }
@@ -89,10 +92,8 @@ extern "C" fadev_status fadev_cuda_exp_table_check(int bf16, int exp2_form, int 
     if (!mismatches || !lo || !hi) return FADEV_ERR_INVALID_ARGUMENT;
     FADEV_TRY(fadev_cuda_require_device());
     exp_tab tb;
-    const char *off = getenv("FADEV_EMU_EXP_TABLE");
-    if (off && strcmp(off, "0") == 0) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "exp_table_check: FADEV_EMU_EXP_TABLE=0");
     FADEV_TRY(exp_table_of(bf16 ? FLT_BF16 : FLT_F16, exp2_form, tb));
-    if (!tb.t) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "exp_table_check: no table");
+    if (!tb.t) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "exp_table_check: no table (FADEV_EMU_EXP_TABLE=0?)");
     device_buffer<unsigned long long> bad;
     FADEV_TRY(bad.alloc(1, "fadev_cuda_exp_table_check: cudaMalloc"));
     CUDA_TRY(cudaMemsetAsync(bad.ptr, 0, sizeof(unsigned long long), 0));

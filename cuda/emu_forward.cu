@@ -53,7 +53,9 @@ __device__ __forceinline__ void s_set(const smem_view &sm, int64_t at, double x)
 
 /* Element `at` of the rounded q, k or v: the fp64 copy, or where emu_prepare wrote none (the fast path takes the call,
  * and this kernel only the heads it leaves: their inputs are fp32 values) the fp32 copy, the same value. */
-__device__ __forceinline__ double in_at(const double *d, const float *f, int64_t at) { return d ? d[at] : (double)f[at]; }
+__device__ __forceinline__ double in_at(const double *d, const float *f, int64_t at) {
+    return d ? d[at] : (double)f[at];
+}
 
 __device__ __forceinline__ double q_at(const smem_view &sm, int64_t t, int col) {
     return sm.q ? sm.q[t * ROWS + col] : (double)sm.qf[t * ROWS + col];
@@ -81,7 +83,8 @@ __device__ double score(const emu_ctx &cx, const smem_view &sm, int col, int qk_
         if (qk_tier == TIER_F64) {
             for (int64_t t = 0; t < D; t++) a = a + q_at(sm, t, col) * in_at(cx.k, cx.kf, at + t);
         } else if (qk_tier == TIER_F64_R32) {
-            for (int64_t t = 0; t < D; t++) a = (double)__double2float_rn(a + q_at(sm, t, col) * in_at(cx.k, cx.kf, at + t));
+            for (int64_t t = 0; t < D; t++)
+                a = (double)__double2float_rn(a + q_at(sm, t, col) * in_at(cx.k, cx.kf, at + t));
         } else {
             const uint64_t stream = ATT_STREAM(ATT_SCORE_ACC, bh);
             for (int64_t t = 0; t < D; t++)

@@ -29,7 +29,8 @@ fadev_status exp_table_of(int fk, int exp2_form, exp_tab &out);
 /* The softmax term R_K(E(x)) of a value x <= 0 of format K (FLT_BF16 or FLT_F16) from the table: the same bits as
  * term_e of emu_exp_fast (emu_exp_table.cu). */
 template <int K> __device__ __forceinline__ float tab_term(const exp_tab &tb, float x) {
-    const int m = K == FLT_BF16 ? (int)(__float_as_uint(x) >> 16) & 0x7FFF : (int)__half_as_ushort(__float2half_rn(x)) & 0x7FFF;
+    const int m = K == FLT_BF16 ? (int)(__float_as_uint(x) >> 16) & 0x7FFF
+                                : (int)__half_as_ushort(__float2half_rn(x)) & 0x7FFF;
     const unsigned short h = __ldg(tb.t + min(max(m, tb.lo), tb.hi));
     return K == FLT_BF16 ? __uint_as_float((unsigned)h << 16) : __half2float(__ushort_as_half(h));
 }

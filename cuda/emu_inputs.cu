@@ -53,8 +53,9 @@ fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const 
     const size_t n64 = fp64 || !emu_fast_forward_ok(*cx, pol) ? 1 : 0;
     /* one allocation: q, k, v in fp64, their fp32 copies where the float tier may be used, the magnitudes */
     device_arena &m = store->mem;
-    const size_t oq = m.add(n64 * nq * 8), ok = m.add(n64 * nk * 8), ov = m.add(n64 * nk * 8), oqf = m.add(fq ? nq * 4 : 0),
-                 okf = m.add(fq ? nk * 4 : 0), ovf = m.add(fv ? nk * 4 : 0), omag = m.add((hq + 2 * hk) * sizeof(emu_mag));
+    const size_t oq = m.add(n64 * nq * 8), ok = m.add(n64 * nk * 8), ov = m.add(n64 * nk * 8),
+                 oqf = m.add(fq ? nq * 4 : 0), okf = m.add(fq ? nk * 4 : 0), ovf = m.add(fv ? nk * 4 : 0),
+                 omag = m.add((hq + 2 * hk) * sizeof(emu_mag));
     FADEV_TRY(m.alloc("emulated attention: rounded inputs"));
     double *rq = m.at<double>(oq), *rk = m.at<double>(ok), *rv = m.at<double>(ov);
     float *fq32 = m.at<float>(oqf), *fk32 = m.at<float>(okf), *fv32 = m.at<float>(ovf);
