@@ -334,8 +334,7 @@ def test_exp_table_forward_is_computed_forward(fmt, exp, monkeypatch):
     16-bit format."""
     q, k, v = make_qkv(37, 1, 4, 2, 150, 203, 48, spread=6.0)
     policy = Policy.paper(fmt).replace(exp=exp)
-    # the scores in the other 16-bit format: s - m rounded through fp64 (the fp32 shortcut needs one format), the
-    # table's x still of the softmax's
+    # the scores in the other 16-bit format: the table's x = R_softmax(s - m) is still a value of the softmax's
     mixed = policy.replace(score="fp16" if fmt == "bf16" else "bf16")
     assert_fast_is_generic("flash", q, k, v, mixed, monkeypatch, cpu=True, causal=True)
     for causal in (False, True):
