@@ -85,6 +85,10 @@ fadev_status fadev_cuda_exp_table_check(int bf16, int exp2_form, int ref_form, u
     return FADEV_ERR_NO_CUDA;
 }
 
+fadev_status fadev_cuda_quot_check(int bf16, int naive, uint64_t *mismatches, uint64_t *pairs) {
+    return FADEV_ERR_NO_CUDA;
+}
+
 fadev_status fadev_cuda_native_tiles(int dim, int backward, int warp_rows, int mma, int32_t *tiles, int max_pairs,
                                      int *count) {
     if (count) *count = 0;

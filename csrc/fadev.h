@@ -361,6 +361,10 @@ fadev_status fadev_cuda_exp_check(int exp2_form, int ref_form, uint64_t start, u
  * against the computation (dbl_round of the transcribed exp in ref_form, as above) for every 16-bit encoding of a value
  * <= 0: *mismatches, and the table's clamp bounds in *lo, *hi (magnitude bits). */
 fadev_status fadev_cuda_exp_table_check(int bf16, int exp2_form, int ref_form, uint64_t *mismatches, int *lo, int *hi);
+/* The emulated baseline's P = R_p(e / l) from l's reciprocal (quot_round_rcp, cuda/emu_forward_fast.cuh) against the
+ * division's (quot_round) for bf16 (bf16 != 0) or fp16 P, every e in [0, 1] and 53,248 values of l in [1, 2^13): *mismatches
+ * of *pairs; naive != 0 checks the reciprocal's product rounded without the bounds' test instead (it must differ). */
+fadev_status fadev_cuda_quot_check(int bf16, int naive, uint64_t *mismatches, uint64_t *pairs);
 
 /* Native FlashAttention-2-style kernel on the tensor cores (native_forward.cu, native_backward.cu): fp16 or bf16
  * inputs and outputs, fp32 accumulation (mma.sync), online softmax in fp32 with exp2. q, out, dout, dq:

@@ -158,6 +158,23 @@ __device__ __forceinline__ float quot_round(int fk, float e, float l) {
     return dbl_round(fk, (double)e / (double)l);
 }
 
+/* R_K(e / l) for K bf16 or fp16 (compile time), l an fp32 value and rl = RN32(1 / l) (__frcp_rn, once a row): the same
+ * value as quot_round's, most often without a division. q0 = RN32(e rl) is two fp32 roundings from e / l, neither
+ * underflowing where q0 >= 2^-125 (rl <= 1 / l's RN32 of a normal value), so |q0 - e / l| <= (2^-23 + 2^-48) e / l and
+ * the exact quotient lies in [q0 (1 - 2^-21), q0 (1 + 2^-21)], whose bounds are rounded outwards. R_K (flt_round, nearest
+ * even) is monotone: where it maps both bounds to one value, that value is R_K(e / l). Else (the quotient within
+ * about 2^-20 of a midpoint of K: about one in 2^11 for bf16, 2^8 for fp16; or q0 tiny) quot_round. */
+template <int K>
+__device__ __forceinline__ float quot_round_rcp(float e, float l, float rl) {
+    const float q0 = __fmul_rn(e, rl);
+    if (q0 == 0.f && e == 0.f) return 0.f; /* +0 / l: quot_round's +0 */
+    if (q0 >= 0x1p-125f && q0 <= 1.f) {
+        const float lo = flt_round(K, __fmul_rd(q0, 1.f - 0x1p-21f)), hi = flt_round(K, __fmul_ru(q0, 1.f + 0x1p-21f));
+        if (lo == hi) return lo;
+    }
+    return quot_round(K, e, l);
+}
+
 /* f(std::integral_constant<int, 1>{}) for the exp2 form, else f(...<int, 0>{}): a loop's exp fixed at compile time. */
 template <class F> __device__ __forceinline__ void with_exp(int exp2_form, F &&f) {
     if (exp2_form) f(std::integral_constant<int, 1>{});

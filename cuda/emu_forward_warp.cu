@@ -126,6 +126,23 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
         if (LEAN) return (double)(float)lr == lr ? quot_round(a.p_kind, e, (float)lr) : dbl_round(a.p_kind, (double)e / lr);
         return (float)rnd(cx.p, (double)e / lr, ATT_STREAM(ATT_P, bh), ATT_INDEX(i, j, 0));
     };
+    /* P = R_p(e / l) of the lane's keys below nr in E, in place: with p's kind known at compile time, bf16 or fp16,
+     * and l an fp32 value, from l's reciprocal rl (quot_round_rcp: H100, naive's forward ...) */
+    auto p_quotients = [&](int64_t jb0, int nr, double lr, float rl) {
+        bool done = false;
+        if constexpr (LEAN)
+            if ((double)(float)lr == lr)
+                with_kind(a.p_kind, [&](auto PK) {
+                    constexpr int K = decltype(PK)::value;
+                    if constexpr (K == FLT_BF16 || K == FLT_F16) {
+                        for (int key = lane / R; key < nr; key += SPREAD)
+                            er[key * EP] = quot_round_rcp<K>(er[key * EP], (float)lr, rl);
+                        done = true;
+                    }
+                });
+        if (!done)
+            for (int key = lane / R; key < nr; key += SPREAD) er[key * EP] = p_div(er[key * EP], lr, jb0 + key);
+    };
     auto terms = [&](int64_t jb0, int nr, int kw, float mf, auto div, double lr) {
         lean_kind<LEAN>(flt_kind_at(a.lean, LK_SOFTMAX), [&](auto KS) {
             with_exp(cx.exp2, [&](auto E2) {
@@ -279,6 +296,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
             if (pass == 2) zero_o();
             const float mf = __shfl_sync(FULL, (float)m, r);
             const double lr = __shfl_sync(FULL, l, r);
+            const float rl = __frcp_rn((float)lr); /* quot_round_rcp's, where l is an fp32 value */
             const bool fresh = pass == 0 || !KEEP; /* this pass computes the scores */
             for (int64_t jb0 = 0; jb0 < Nk; jb0 += KB) {
                 const int n = (int)(KB < Nk - jb0 ? KB : Nk - jb0);
@@ -315,8 +333,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                     if (pass == 0) {
                         nown_all += nown;
                     } else if (pass == 2 && KEEP) { /* E holds e (0 past nr) */
-                        for (int key = lane / R; key < nr; key += SPREAD)
-                            er[key * EP] = p_div(er[key * EP], lr, jb0 + key);
+                        p_quotients(jb0, nr, lr, rl);
                         __syncwarp();
                     } else {
                         if (pass == 2) terms(jb0, nr, kw, mf, std::true_type{}, lr);
@@ -385,12 +402,19 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
             } else {
                 stage_kv(jb0, ncta, true);
             }
-            const vis nv{causal, n, hw, iw + Nk - Nq - jb0 + 1};
-            const int kw = hw ? nv.of(hw - 1) : 0; /* keys the warp's rows see (the last row sees the most) */
-            const int nown = lane < R ? nv.of(lane) : 0, nr = nv.of(r);
+            /* keys the warp's rows see (the last row sees the most). Causal, the rows' other counts are taken after
+             * the scores, and the row state is updated as soon as the statistics are known (not after P.V): what is
+             * live across the product loops decides whether ptxas keeps their next operands' loads a step ahead.
+             * With the counts, m_new and l_new live across them, the causal kernel loaded each operand just before
+             * its FMA (ncu, H100, Nq 128 Nk 4096: its short-scoreboard stalls twice the unmasked kernel's, 9%
+             * slower; after, 2% on an H200). The unmasked kernel measured 1-2% slower so (H200): it keeps its order */
+            const int kw = hw ? vis{causal, n, hw, iw + Nk - Nq - jb0 + 1}.of(hw - 1) : 0;
             double mnew = m, lnew = 0, factor = 0;
+            if (CAUSAL && kw) scores();
+            const vis nv{causal, n, hw, iw + Nk - Nq - jb0 + 1};
+            const int nown = lane < R ? nv.of(lane) : 0, nr = nv.of(r);
             if (kw) {
-                scores();
+                if (!CAUSAL) scores();
                 float mx = -INFINITY;
                 int nan = 0;
                 round_scores(jb0, nr, mx, nan);
@@ -405,6 +429,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                 if (nown) {
                     row_stats(a, bh, iw + lane, jb, m, mnew, l, row_sum(jb0, nown, 0.0, true), lnew, factor);
                     sfac[w * R + lane] = factor, slnew[w * R + lane] = lnew;
+                    if (CAUSAL) m = mnew, l = l_kept(a, lnew, bh, iw + lane, jb), seen = 1;
                 }
                 __syncwarp();
             }
@@ -445,23 +470,30 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                     if (plain) return o_update(OF, std::true_type{});
                 o_update(OF, std::false_type{});
             });
-            if (nown) m = mnew, l = l_kept(a, lnew, bh, iw + lane, jb), seen = 1;
+            if (!CAUSAL && nown) m = mnew, l = l_kept(a, lnew, bh, iw + lane, jb), seen = 1;
         }
         write_out(o, m, l, seen);
     }
 }
 
-/* CTAs per query head: causal, a CTA takes two row tiles, the p-th longest and the p-th shortest, so that every CTA
- * has about the same work (a CTA per tile, longest first, left the last wave to the short ones). */
+/* CTAs per query head: a CTA a row tile, except the causal baseline's, where a CTA takes two, the p-th longest and
+ * the p-th shortest, so that the CTAs striding over its units (the score store's slots) have about the same work.
+ * The causal flash kernels take one tile a CTA, the longest tiles first (the CTAs a multiprocessor takes as others
+ * finish are the shorter ones): the pair's loop, live across the tile's code, cost its product loops their loads a
+ * step ahead (H100, fa2 bf16 causal D 64 ...) */
 __host__ __device__ __forceinline__ int64_t ctas_per_head(const fast_args &a) {
-    return a.cx.pr.causal ? (a.tiles + 1) / 2 : a.tiles;
+    return a.cx.pr.causal && a.baseline ? (a.tiles + 1) / 2 : a.tiles;
 }
 
-/* Work unit u: a row tile, or (CAUSAL) two: the p-th longest and the p-th shortest (ctas_per_head). */
+/* Work unit u: a row tile; causal, the flash kernels' u-th longest, the baseline's two: the p-th longest and the p-th
+ * shortest (ctas_per_head). */
 template <int DC, bool LEAN, bool BASE, bool CAUSAL, bool KEEP>
 __device__ __forceinline__ void warp_unit(const fast_args &a, int64_t u) {
     if constexpr (!CAUSAL) { /* a kernel of its own: the pair's loop state cost the tile's registers (spills) */
         warp_tile<DC, LEAN, BASE, KEEP, false>(a, u / a.tiles, u % a.tiles);
+    } else if constexpr (!BASE) {
+        const int64_t heads = a.units / a.tiles; /* query heads of the call, B H */
+        warp_tile<DC, LEAN, BASE, KEEP, true>(a, u % heads, a.tiles - 1 - u / heads);
     } else {
 #pragma unroll 1
         for (int k = 0; k < 2; k++) { /* a loop: the tile's code inlined once; its indices recomputed, not kept */
