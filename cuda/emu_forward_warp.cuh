@@ -61,17 +61,28 @@ template <bool LEAN, class F> __device__ __forceinline__ void lean_kind(int k, F
     else f(std::integral_constant<int, -1>{});
 }
 
+/* threadIdx.x read where it is used: the staging's indices (a thread's rows and columns of each copy, and their
+ * bounds) derive from it, and from threadIdx.x the compiler hoisted them to the kernel's start, where they stayed
+ * live through every loop (the baseline's kernel: ~60 registers held across its first pass's product loop, whose own
+ * are 44). A volatile read cannot be hoisted, so each staging computes its indices again. */
+__device__ __forceinline__ int tid_fresh() {
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
+}
+
 /* Rows [0, have) of src (row pitch D: keys, or query rows) into dst[row * pitch_r + t * pitch_t], zeros for t >= D
  * and rows >= have, for t < DP and rows < ROWS; consecutive threads read consecutive t (coalesced), and every load of
  * a thread is in flight at once. Ends without a barrier. */
 template <int DP, int ROWS>
 __device__ __forceinline__ void stage(float *dst, int pitch_t, int pitch_r, const float *src, int D, int have) {
+    const int tid = tid_fresh();
     static_assert(DP * ROWS % (4 * NT) == 0, "whole passes");
     if (D == DP) { /* rows of DP floats, contiguous: float4 loads (16-byte aligned: the buffers' rows are 256 or 512 B) */
         const float4 *s4 = (const float4 *)src;
 #pragma unroll
         for (int it = 0; it < DP * ROWS / (4 * NT); it++) {
-            const int e = it * NT + threadIdx.x, t = e % (DP / 4) * 4, row = e / (DP / 4);
+            const int e = it * NT + tid, t = e % (DP / 4) * 4, row = e / (DP / 4);
             const float4 x = row < have ? s4[e] : make_float4(0.f, 0.f, 0.f, 0.f);
             float *d = dst + row * pitch_r + t * pitch_t;
             if (pitch_t == 1) {
@@ -84,7 +95,7 @@ __device__ __forceinline__ void stage(float *dst, int pitch_t, int pitch_r, cons
     }
 #pragma unroll 16
     for (int it = 0; it < DP * ROWS / NT; it++) {
-        const int e = it * NT + threadIdx.x, t = e % DP, row = e / DP;
+        const int e = it * NT + tid, t = e % DP, row = e / DP;
         dst[row * pitch_r + t * pitch_t] = t < D && row < have ? src[row * D + t] : 0.f;
     }
 }
@@ -94,11 +105,12 @@ __device__ __forceinline__ void stage(float *dst, int pitch_t, int pitch_r, cons
  * flight at once. Ends without a barrier. */
 template <int DP, int KP>
 __device__ __forceinline__ void stage_kt(float *dst, const float *src, int D, int have) {
+    const int tid = tid_fresh();
     static_assert(DP * KB % (4 * NT) == 0, "whole passes");
     if (D == DP) { /* float4 along t (16-byte aligned: rows of DP floats) */
 #pragma unroll
         for (int it = 0; it < DP * KB / (4 * NT); it++) {
-            const int e = it * NT + threadIdx.x, key = e % KB, t = e / KB * 4;
+            const int e = it * NT + tid, key = e % KB, t = e / KB * 4;
             const float4 x = key < have ? *(const float4 *)(src + (int64_t)key * D + t) : make_float4(0.f, 0.f, 0.f, 0.f);
             float *d = dst + t * KP + key;
             d[0] = x.x, d[KP] = x.y, d[2 * KP] = x.z, d[3 * KP] = x.w;
@@ -107,7 +119,7 @@ __device__ __forceinline__ void stage_kt(float *dst, const float *src, int D, in
     }
 #pragma unroll 16
     for (int it = 0; it < DP * KB / NT; it++) {
-        const int e = it * NT + threadIdx.x, key = e % KB, t = e / KB;
+        const int e = it * NT + tid, key = e % KB, t = e / KB;
         dst[t * KP + key] = t < D && key < have ? src[(int64_t)key * D + t] : 0.f;
     }
 }
@@ -116,30 +128,32 @@ __device__ __forceinline__ void stage_kt(float *dst, const float *src, int D, in
  * the same values in the same places, landing while the CTA computes. The caller commits, waits and syncs. */
 template <int DP, int ROWS>
 __device__ __forceinline__ void stage_rows_async(float *dst, const float *src, int D, int have) {
+    const int tid = tid_fresh();
     if (D == DP) { /* 16-byte copies (aligned as stage's float4 loads) */
 #pragma unroll
         for (int it = 0; it < DP * ROWS / (4 * NT); it++) {
-            const int e = it * NT + threadIdx.x, t = e % (DP / 4) * 4, row = e / (DP / 4);
+            const int e = it * NT + tid, t = e % (DP / 4) * 4, row = e / (DP / 4);
             cp_async_16(dst + row * DP + t, row < have ? src + (int64_t)row * D + t : src, row < have);
         }
         return;
     }
 #pragma unroll 4
     for (int it = 0; it < DP * ROWS / NT; it++) {
-        const int e = it * NT + threadIdx.x, t = e % DP, row = e / DP;
+        const int e = it * NT + tid, t = e % DP, row = e / DP;
         const bool ok = t < D && row < have;
         cp_async_4(dst + row * DP + t, ok ? src + (int64_t)row * D + t : src, ok);
     }
 }
 template <int DP, int KP>
 __device__ __forceinline__ void stage_kt_async(float *dst, const float *src, int D, int have) {
+    const int tid = tid_fresh();
     static_assert(KP % 32 == 4 && DP % 8 == 0 && KB == 64, "a warp's copies: 4 keys x 8 t, one bank each");
 #pragma unroll 4
     for (int it = 0; it < DP * KB / NT; it++) { /* a warp: 8 consecutive t (a 32-byte sector) of 4 keys, whose
                                                 * places t KP + key fall in 32 distinct banks (a warp of 32 keys
                                                 * at one t, stage_kt's order, read 32 sectors a copy: the forward
                                                 * 6% slower than with stage_kt, H200) */
-        const int e = it * NT + threadIdx.x, key = (e >> 3) & (KB - 1), t = (e >> 9) * 8 + (e & 7);
+        const int e = it * NT + tid, key = (e >> 3) & (KB - 1), t = (e >> 9) * 8 + (e & 7);
         const bool ok = t < D && key < have;
         cp_async_4(dst + t * KP + key, ok ? src + (int64_t)key * D + t : src, ok);
     }
