@@ -40,6 +40,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     /* softmax terms whose exps interleave (terms): 4 in the flash kernels; 2 in the baseline's, where 4 spilled
      * (H100: naive's forward 5-20% slower at 4, within the spread at 2) */
     constexpr int TG = BASE ? 2 : 4;
+    constexpr bool FR = BASE || CAUSAL; /* stage_tid<FR> */
     extern __shared__ __align__(16) char smem[];
     float *sq = (float *)smem, *sk = sq + DP * BQ, *sv = T::SPLIT ? sk + DP * KP : sk;
     float *se = sk + DP * KP + (T::SPLIT ? KB * DP : 0);
@@ -54,7 +55,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     const int here = (int)(Nq - i0 < BQ ? Nq - i0 : BQ);
     const int hw = here - w * R < 0 ? 0 : here - w * R < R ? here - w * R : R; /* the warp's rows */
     const int64_t iw = i0 + w * R;
-    stage<DP, BQ>(sq, BQ, 1, cx.qf + (bh * Nq + i0) * D, D, here); /* Q^T [t][row] */
+    stage<DP, BQ, FR>(sq, BQ, 1, cx.qf + (bh * Nq + i0) * D, D, here); /* Q^T [t][row] */
     float *ew = se + w * KB * EP;
     /* the element-wise passes' lane: row r = lane % R, keys lane / R + SPREAD k of a block */
     const int r = lane % R;
@@ -65,15 +66,15 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
      * a CTA barrier before and after */
     auto stage_kv = [&](int64_t jb0, int ncta, bool need_v) {
         __syncthreads(); /* the previous block's readers of K, V and E are done */
-        if constexpr (T::QUAD) stage_kt<DP, KP>(sk, cx.kf + (bhk * Nk + jb0) * D, D, ncta);
-        else stage<DP, KB>(sk, KP, 1, cx.kf + (bhk * Nk + jb0) * D, D, ncta); /* K^T [t][key] */
-        if (T::SPLIT && need_v) stage<DP, KB>(sv, 1, DP, cx.vf + (bhk * Nk + jb0) * D, D, ncta);
+        if constexpr (T::QUAD) stage_kt<DP, KP, FR>(sk, cx.kf + (bhk * Nk + jb0) * D, D, ncta);
+        else stage<DP, KB, FR>(sk, KP, 1, cx.kf + (bhk * Nk + jb0) * D, D, ncta); /* K^T [t][key] */
+        if (T::SPLIT && need_v) stage<DP, KB, FR>(sv, 1, DP, cx.vf + (bhk * Nk + jb0) * D, D, ncta);
         __syncthreads();
     };
     /* V of the keys jb0 .. jb0 + ncta - 1 into its buffer (K's where it has none), between two CTA barriers */
     auto stage_v = [&](int64_t jb0, int ncta) {
         __syncthreads();
-        stage<DP, KB>(sv, 1, DP, cx.vf + (bhk * Nk + jb0) * D, D, ncta);
+        stage<DP, KB, FR>(sv, 1, DP, cx.vf + (bhk * Nk + jb0) * D, D, ncta);
         __syncthreads();
     };
     /* V where K was (no buffer of its own), once every warp's scores are done; every thread calls it */
@@ -380,7 +381,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
             for (int64_t j0 = jb0; j0 < Nk; j0 += bkv) {
                 const int nc = ncta_of(j0);
                 if (nc) {
-                    if constexpr (ASYNC) stage_kt_async<DP, KP>(sk, cx.kf + (bhk * Nk + j0) * D, D, nc);
+                    if constexpr (ASYNC) stage_kt_async<DP, KP, FR>(sk, cx.kf + (bhk * Nk + j0) * D, D, nc);
                     cp_async_commit();
                     return;
                 }
@@ -398,7 +399,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
             if constexpr (ASYNC) { /* K landed; every warp's P.V of the last block done, so V's buffer is free */
                 cp_async_wait_all();
                 __syncthreads();
-                stage_rows_async<DP, KB>(sv, cx.vf + (bhk * Nk + jb0) * D, D, ncta);
+                stage_rows_async<DP, KB, FR>(sv, cx.vf + (bhk * Nk + jb0) * D, D, ncta);
                 cp_async_commit();
             } else {
                 stage_kv(jb0, ncta, true);

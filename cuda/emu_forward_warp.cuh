@@ -61,11 +61,15 @@ template <bool LEAN, class F> __device__ __forceinline__ void lean_kind(int k, F
     else f(std::integral_constant<int, -1>{});
 }
 
-/* threadIdx.x read where it is used: the staging's indices (a thread's rows and columns of each copy, and their
- * bounds) derive from it, and from threadIdx.x the compiler hoisted them to the kernel's start, where they stayed
- * live through every loop (the baseline's kernel: ~60 registers held across its first pass's product loop, whose own
- * are 44). A volatile read cannot be hoisted, so each staging computes its indices again. */
-__device__ __forceinline__ int tid_fresh() {
+/* The staging's thread index. FRESH: read where it is used (a volatile read, which the compiler cannot hoist), so
+ * that each staging computes its copies' indices again. From threadIdx.x the compiler hoisted every copy's indices
+ * and bounds to the kernel's start, where they stayed live through every loop: the baseline's kernel held ~60
+ * registers across its first pass's product loop (whose own are 44), spilled 160 / 412 bytes, and ptxas loaded the
+ * product loops' operands just before their FMAs; FRESH, none spilled and every loop keeps its loads a step ahead.
+ * H200: naive's forward 6% faster at D 64, 14-15% causal; the causal flash kernels 0.7-1.7%; the unmasked flash kernels
+ * 1.7% slower (fa2, paper; D 64), which keep threadIdx.x (FRESH false, warp_tile). */
+template <bool FRESH> __device__ __forceinline__ int stage_tid() {
+    if constexpr (!FRESH) return threadIdx.x;
     int t;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
     return t;
@@ -74,9 +78,9 @@ __device__ __forceinline__ int tid_fresh() {
 /* Rows [0, have) of src (row pitch D: keys, or query rows) into dst[row * pitch_r + t * pitch_t], zeros for t >= D
  * and rows >= have, for t < DP and rows < ROWS; consecutive threads read consecutive t (coalesced), and every load of
  * a thread is in flight at once. Ends without a barrier. */
-template <int DP, int ROWS>
+template <int DP, int ROWS, bool FRESH>
 __device__ __forceinline__ void stage(float *dst, int pitch_t, int pitch_r, const float *src, int D, int have) {
-    const int tid = tid_fresh();
+    const int tid = stage_tid<FRESH>();
     static_assert(DP * ROWS % (4 * NT) == 0, "whole passes");
     if (D == DP) { /* rows of DP floats, contiguous: float4 loads (16-byte aligned: the buffers' rows are 256 or 512 B) */
         const float4 *s4 = (const float4 *)src;
@@ -103,9 +107,9 @@ __device__ __forceinline__ void stage(float *dst, int pitch_t, int pitch_r, cons
 /* K^T [t][key] (pitch KP) of keys [0, have) of src (row pitch D), zeros for t >= D and keys >= have, t < DP: lanes
  * across keys, so the transposing stores are conflict-free at a pitch of four keys' multiple; a thread's loads are in
  * flight at once. Ends without a barrier. */
-template <int DP, int KP>
+template <int DP, int KP, bool FRESH>
 __device__ __forceinline__ void stage_kt(float *dst, const float *src, int D, int have) {
-    const int tid = tid_fresh();
+    const int tid = stage_tid<FRESH>();
     static_assert(DP * KB % (4 * NT) == 0, "whole passes");
     if (D == DP) { /* float4 along t (16-byte aligned: rows of DP floats) */
 #pragma unroll
@@ -126,9 +130,9 @@ __device__ __forceinline__ void stage_kt(float *dst, const float *src, int D, in
 
 /* stage<DP, ROWS>(dst, 1, DP, ...) and stage_kt<DP, KP> as cp.async copies (common.cuh; zeros where `valid` is false):
  * the same values in the same places, landing while the CTA computes. The caller commits, waits and syncs. */
-template <int DP, int ROWS>
+template <int DP, int ROWS, bool FRESH>
 __device__ __forceinline__ void stage_rows_async(float *dst, const float *src, int D, int have) {
-    const int tid = tid_fresh();
+    const int tid = stage_tid<FRESH>();
     if (D == DP) { /* 16-byte copies (aligned as stage's float4 loads) */
 #pragma unroll
         for (int it = 0; it < DP * ROWS / (4 * NT); it++) {
@@ -144,9 +148,9 @@ __device__ __forceinline__ void stage_rows_async(float *dst, const float *src, i
         cp_async_4(dst + row * DP + t, ok ? src + (int64_t)row * D + t : src, ok);
     }
 }
-template <int DP, int KP>
+template <int DP, int KP, bool FRESH>
 __device__ __forceinline__ void stage_kt_async(float *dst, const float *src, int D, int have) {
-    const int tid = tid_fresh();
+    const int tid = stage_tid<FRESH>();
     static_assert(KP % 32 == 4 && DP % 8 == 0 && KB == 64, "a warp's copies: 4 keys x 8 t, one bank each");
 #pragma unroll 4
     for (int it = 0; it < DP * KB / NT; it++) { /* a warp: 8 consecutive t (a 32-byte sector) of 4 keys, whose
