@@ -409,7 +409,8 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
              * live across the product loops decides whether ptxas keeps their next operands' loads a step ahead.
              * With the counts, m_new and l_new live across them, the causal kernel loaded each operand just before
              * its FMA (ncu, H100, Nq 128 Nk 4096: its short-scoreboard stalls twice the unmasked kernel's, 9%
-             * slower; after, 2% on an H200). The unmasked kernel measured 1-2% slower so (H200): it keeps its order */
+             * slower; after, with stage_tid's fresh index too, 2.4% on an H200). The unmasked kernel measured 1.2-1.7%
+             * slower so (H200): it keeps its order */
             const int kw = hw ? vis{causal, n, hw, iw + Nk - Nq - jb0 + 1}.of(hw - 1) : 0;
             double mnew = m, lnew = 0, factor = 0;
             if (CAUSAL && kw) scores();
