@@ -104,13 +104,20 @@ __device__ __forceinline__ float score_of(const fast_args &a, float acc, int64_t
                       ATT_STREAM(ATT_SCORE_SCALED, bh), idx);
 }
 
-/* The softmax term's first event, x = R_softmax(s - m), an fp32 value (term_of). */
-template <bool LEAN, int K = -1>
+/* The softmax term's first event, x = R_softmax(s - m), an fp32 value (term_of). X32: a bf16 difference in fp32 where
+ * the kernel measured faster so (the warp kernels at D <= 64, H100: paper bf16's causal forward 1.8% faster; at D 128 1-2%
+ * slower, and an fp16 difference, whose rounding is two conversions, 1-3% slower) */
+template <bool LEAN, int K = -1, bool X32 = false>
 __device__ __forceinline__ float term_x(const fast_args &a, float s, double m, float mf, int64_t bh, int64_t i,
                                         int64_t j) {
     const emu_ctx &cx = a.cx;
     if (LEAN) { /* every event a conversion (dbl_round), no index */
         const int ksm = K >= 0 ? K : flt_kind_at(a.lean, LK_SOFTMAX);
+        if constexpr (X32 && K == FLT_BF16) /* s and m values of K too (s: K the score stage's kind; m: a maximum of
+                                             * such s, unless a kv_outer state rounded it): the fp32 difference
+                                             * rounded to K is R_K(s - m), as the fp64 one (docs/numerics.md;
+                                             * benchmarks/exhaustive_rounding.py's sums) */
+            if (flt_kind_at(a.lean, LK_SCORE) == K && flt_round(K, mf) == mf) return flt_round(K, __fsub_rn(s, mf));
         return ksm == FLT_F32 ? __fsub_rn(s, mf) : dbl_round(ksm, (double)s - m);
     }
     /* s - m of two fp32 values: one fp32 rounding when the stage is fp32 (double rounding is innocuous) */

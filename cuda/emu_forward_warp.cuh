@@ -61,6 +61,34 @@ template <bool LEAN, class F> __device__ __forceinline__ void lean_kind(int k, F
     else f(std::integral_constant<int, -1>{});
 }
 
+/* The flash kernels' stage kinds fixed at compile time for the presets' policies (SIG > 0: sig_at<SIG>, the SG_
+ * entries of SIGS[SIG - 1]; warp_sig picks it), or read from the arguments at run time (SIG 0). A kernel compiled
+ * for one policy holds one loop of each kind instead of one for every kind (with_kind), and its registers are that
+ * path's. The host picks a SIG only where the policy has these kinds, an fp32 row sum, deferred normalisation and
+ * the q_outer order. */
+enum { SG_SCORE, SG_SOFT, SG_P, SG_OFORM, SG_EXP2, SG_N };
+constexpr int N_SIGS = 4;
+constexpr int SIGS[N_SIGS][SG_N] = {
+    {FLT_F32, FLT_F32, FLT_BF16, O_F32, 1},              /* fa2 bf16 */
+    {FLT_F32, FLT_F32, FLT_F16, O_F32, 1},               /* fa2 fp16 */
+    {FLT_BF16, FLT_BF16, FLT_BF16, O_N16 + FLT_BF16, 0}, /* paper bf16 */
+    {FLT_F16, FLT_F16, FLT_F16, O_N16 + FLT_F16, 0},     /* paper fp16 */
+};
+template <int SIG, int G> __host__ __device__ constexpr int sig_at() { return SIGS[SIG - 1][G]; }
+
+/* f(K) with K the kind of stage G: SIG's, else with_kind(k, f) (LEAN) or f(-1) (lean_kind). */
+template <int SIG, int G, bool LEAN, class F> __device__ __forceinline__ void sig_kind(int k, F &&f) {
+    if constexpr (SIG > 0) f(std::integral_constant<int, sig_at<SIG, G>()>{});
+    else if constexpr (LEAN) with_kind(k, f);
+    else f(std::integral_constant<int, -1>{});
+}
+
+/* f(E2) with E2 the exp's form: SIG's, else with_exp's. */
+template <int SIG, class F> __device__ __forceinline__ void sig_exp(int exp2_form, F &&f) {
+    if constexpr (SIG > 0) f(std::integral_constant<int, sig_at<SIG, SG_EXP2>()>{});
+    else with_exp(exp2_form, f);
+}
+
 /* The staging's thread index. FRESH: read where it is used (a volatile read, which the compiler cannot hoist), so
  * that each staging computes its copies' indices again. From threadIdx.x the compiler hoisted every copy's indices
  * and bounds to the kernel's start, where they stayed live through every loop: the baseline's kernel held ~60

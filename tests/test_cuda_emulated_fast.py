@@ -141,6 +141,30 @@ def test_warp_kernel_is_tiled_kernel(D, causal, monkeypatch):
         assert differing(wo, to) == 0 and differing(wl, tl) == 0, f"{kind} {policy} {kw}: warp kernel != tiled kernel"
 
 
+@pytest.mark.parametrize("D", [40, 64, 100, 128])
+def test_preset_kernels_are_run_time_kinds_kernel(D, monkeypatch):
+    """fa2's and paper's flash forwards run warp kernels compiled for their stage kinds (cuda/emu_forward_warp_sig.cu)
+    where those measured faster (causal, or D > 64); FADEV_EMU_SIG=0 runs the one that reads the kinds at run time.
+    Both formats, causal and not, grouped-query heads, a short last block, scores wide enough that the softmax terms
+    run from 1 through underflow: the same bits, and the generic kernels' (D 100: the CPU's too). The kernel that ran
+    is named by the profiler: a dispatch that fell back to the run-time kinds would fail here."""
+    q, k, v = make_qkv(41, 1, 4, 2, 150, 203, D, spread=5.0)
+    for sig, policy in enumerate((Policy.fa2("bf16"), Policy.fa2("fp16"), Policy.paper("bf16"), Policy.paper("fp16")), 1):
+        for causal in (False, True):
+            monkeypatch.setenv("FADEV_EMU_SIG", "0")
+            ro, rl = forward("flash", q, k, v, policy, monkeypatch, False, causal=causal)
+            monkeypatch.delenv("FADEV_EMU_SIG")
+            assert_fast_is_generic("flash", q, k, v, policy, monkeypatch, cpu=D == 100, causal=causal)
+            so, sl = forward("flash", q, k, v, policy, monkeypatch, False, causal=causal)
+            assert differing(so, ro) == 0 and differing(sl, rl) == 0, f"{policy} D {D} causal {causal}"
+        names = kernels_run("flash", policy, monkeypatch, generic=False, causal=True)
+        assert f"warp_kernel<2, true, false, true, false, {sig}>" in names, names
+        monkeypatch.setenv("FADEV_EMU_SIG", "0")
+        names = kernels_run("flash", policy, monkeypatch, generic=False, causal=True)
+        monkeypatch.delenv("FADEV_EMU_SIG")
+        assert "warp_kernel<2, true, false, true, false, 0>" in names, names
+
+
 @pytest.mark.parametrize("D", [33, 40, 64])
 @pytest.mark.parametrize("Nq,Nk", [(300, 70), (70, 300), (129, 129)])
 def test_warp_kernel_async_staging_is_generic(D, Nq, Nk, monkeypatch):
@@ -178,12 +202,12 @@ def test_baseline_score_store_is_recomputation(D, causal, monkeypatch):
 def test_baseline_score_store_switches(monkeypatch):
     """The store's kernel runs by default, and FADEV_EMU_KEEP=0 (or too small a budget) runs the recomputing one."""
     names = kernels_run("baseline", Policy.naive("bf16"), monkeypatch, generic=False)
-    assert "warp_kernel<2, true, true, false, true>" in names, names
+    assert "warp_kernel<2, true, true, false, true, 0>" in names, names
     for env, value in (("FADEV_EMU_KEEP", "0"), ("FADEV_CUDA_SCRATCH_BYTES", "4096")):
         monkeypatch.setenv(env, value)
         names = kernels_run("baseline", Policy.naive("bf16"), monkeypatch, generic=False)
         monkeypatch.delenv(env)
-        assert "warp_kernel<2, true, true, false, false>" in names and "false, true>" not in names, (env, names)
+        assert "warp_kernel<2, true, true, false, false, 0>" in names and "false, true, 0>" not in names, (env, names)
 
 
 @pytest.mark.parametrize("exp2", [False, True])
@@ -363,7 +387,7 @@ def test_exp_table_forward_is_computed_forward(fmt, exp, monkeypatch):
 # ---------------------------------------------------------------- which kernels run
 
 
-def kernels_run(kind, policy, monkeypatch, generic):
+def kernels_run(kind, policy, monkeypatch, generic, causal=False):
     """Names of the CUDA kernels one forward + backward launches (torch.profiler), for a 1 x 2 x 80 x 64 problem."""
     torch = pytest.importorskip("torch")
     from torch.profiler import ProfilerActivity, profile
@@ -372,8 +396,8 @@ def kernels_run(kind, policy, monkeypatch, generic):
                 else (fadev.baseline_attention, fadev.baseline_attention_backward))
     monkeypatch.setenv("FADEV_EMU_GENERIC", "1" if generic else "0")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out, lse = fwd(q, k, v, policy, return_lse=True, device="cuda")
-        bwd(q, k, v, out, lse, do, policy, device="cuda")
+        out, lse = fwd(q, k, v, policy, return_lse=True, device="cuda", causal=causal)
+        bwd(q, k, v, out, lse, do, policy, device="cuda", causal=causal)
         torch.cuda.synchronize()
     return " | ".join(e.key for e in prof.key_averages())
 
@@ -402,10 +426,11 @@ NAIVE_ROWS_BF16 = pair_kinds(F32, F32, F32, BF, F32, F32, F32, BF, BF)
 
 
 @pytest.mark.parametrize("kind,preset,expected", [
-    ("flash", "fa2", ["warp_kernel<2, true, false, false, false>", "pair_fast_kernel<1, 0>", "dkv_fast_kernel", "dq_fast_kernel"]),
-    ("flash", "paper", ["warp_kernel<2, true, false, false, false>", f"pair_fast_kernel<2, {PAPER_BF16}>", "dkv_fast_kernel",
-                        "dq_fast_kernel"]),
-    ("baseline", "naive", ["warp_kernel<2, true, true, false, true>", f"pair_fast_kernel<2, {NAIVE_BF16}>",
+    ("flash", "fa2", ["warp_kernel<2, true, false, false, false, 0>", "pair_fast_kernel<1, 0>", "dkv_fast_kernel",
+                      "dq_fast_kernel"]),
+    ("flash", "paper", ["warp_kernel<2, true, false, false, false, 0>", f"pair_fast_kernel<2, {PAPER_BF16}>",
+                        "dkv_fast_kernel", "dq_fast_kernel"]),
+    ("baseline", "naive", ["warp_kernel<2, true, true, false, true, 0>", f"pair_fast_kernel<2, {NAIVE_BF16}>",
                            *(f"rows_{k}_kernel<{NAIVE_ROWS_BF16}>" for k in ("soft", "delta", "ds"))]),
 ])
 def test_presets_take_the_lean_kernels(kind, preset, expected, monkeypatch):
