@@ -29,17 +29,19 @@ fadev_status launch_of(const fast_args &a, int64_t ctas) {
 int emu_warp::warp_sig(const fast_args &a) {
     const emu_ctx &cx = a.cx;
     const char *off = getenv("FADEV_EMU_SIG");
-    if ((off && strcmp(off, "0") == 0) || a.baseline || !a.lean || cx.pr.normalize == FADEV_EAGER ||
-        cx.pr.loop_order == FADEV_KV_OUTER || cx.sum_acc.kind != ATT_F32)
-        return 0;
-    if (cx.pr.dim <= 64 && !cx.pr.causal) return 0; /* the run-time kinds' kernel measured faster there (H100, paper's
-                                                     * forward 3% at D 64; fa2's within 0.4%), and slower in every
-                                                     * other (causal, D 128: fa2 0.4-2.6%, paper 1-2.8%) */
-    const int oform = a.o32 ? O_F32 : a.o16 ? O_N16 + a.o16 : -1; /* with_o_form's */
+    if ((off && strcmp(off, "0") == 0) || !a.lean || cx.sum_acc.kind != ATT_F32) return 0;
+    if (a.baseline && !a.s_keep) return 0;
+    if (!a.baseline && (cx.pr.normalize == FADEV_EAGER || cx.pr.loop_order == FADEV_KV_OUTER)) return 0;
+    if (!a.baseline && cx.pr.dim <= 64 && !cx.pr.causal) return 0; /* the run-time kinds' kernel measured faster
+                                                                    * there (H100, paper's forward 3% at D 64; fa2's
+                                                                    * within 0.4%), and slower in every other (causal,
+                                                                    * D 128: fa2 0.4-2.6%, paper 1-2.8%) */
+    const int oform = a.baseline ? 0 : a.o32 ? O_F32 : a.o16 ? O_N16 + a.o16 : -1; /* with_o_form's */
     for (int s = 0; s < N_SIGS; s++) {
         const int *g = SIGS[s];
-        if (flt_kind_at(a.lean, LK_SCORE) == g[SG_SCORE] && flt_kind_at(a.lean, LK_SOFTMAX) == g[SG_SOFT] &&
-            a.p_kind == g[SG_P] && oform == g[SG_OFORM] && cx.exp2 == g[SG_EXP2])
+        if (g[SG_BASE] == a.baseline && flt_kind_at(a.lean, LK_SCORE) == g[SG_SCORE] &&
+            flt_kind_at(a.lean, LK_SOFTMAX) == g[SG_SOFT] && a.p_kind == g[SG_P] && oform == g[SG_OFORM] &&
+            cx.exp2 == g[SG_EXP2])
             return s + 1;
     }
     return 0;

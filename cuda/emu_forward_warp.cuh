@@ -61,18 +61,21 @@ template <bool LEAN, class F> __device__ __forceinline__ void lean_kind(int k, F
     else f(std::integral_constant<int, -1>{});
 }
 
-/* The flash kernels' stage kinds fixed at compile time for the presets' policies (SIG > 0: sig_at<SIG>, the SG_
+/* The warp kernels' stage kinds fixed at compile time for the presets' policies (SIG > 0: sig_at<SIG>, the SG_
  * entries of SIGS[SIG - 1]; warp_sig picks it), or read from the arguments at run time (SIG 0). A kernel compiled
  * for one policy holds one loop of each kind instead of one for every kind (with_kind), and its registers are that
- * path's. The host picks a SIG only where the policy has these kinds, an fp32 row sum, deferred normalisation and
- * the q_outer order. */
-enum { SG_SCORE, SG_SOFT, SG_P, SG_OFORM, SG_EXP2, SG_N };
-constexpr int N_SIGS = 4;
+ * path's. The host picks a SIG only where the policy has these kinds and an fp32 row sum (the flash kernels: also
+ * deferred normalisation and the q_outer order; the baseline's: its score store). SG_BASE: the baseline's (its
+ * SG_OFORM unused). */
+enum { SG_BASE, SG_SCORE, SG_SOFT, SG_P, SG_OFORM, SG_EXP2, SG_N };
+constexpr int N_SIGS = 6;
 constexpr int SIGS[N_SIGS][SG_N] = {
-    {FLT_F32, FLT_F32, FLT_BF16, O_F32, 1},              /* fa2 bf16 */
-    {FLT_F32, FLT_F32, FLT_F16, O_F32, 1},               /* fa2 fp16 */
-    {FLT_BF16, FLT_BF16, FLT_BF16, O_N16 + FLT_BF16, 0}, /* paper bf16 */
-    {FLT_F16, FLT_F16, FLT_F16, O_N16 + FLT_F16, 0},     /* paper fp16 */
+    {0, FLT_F32, FLT_F32, FLT_BF16, O_F32, 1},              /* fa2 bf16 */
+    {0, FLT_F32, FLT_F32, FLT_F16, O_F32, 1},               /* fa2 fp16 */
+    {0, FLT_BF16, FLT_BF16, FLT_BF16, O_N16 + FLT_BF16, 0}, /* paper bf16 */
+    {0, FLT_F16, FLT_F16, FLT_F16, O_N16 + FLT_F16, 0},     /* paper fp16 */
+    {1, FLT_BF16, FLT_F32, FLT_BF16, 0, 0},                 /* naive bf16 (the baseline) */
+    {1, FLT_F16, FLT_F32, FLT_F16, 0, 0},                   /* naive fp16 */
 };
 template <int SIG, int G> __host__ __device__ constexpr int sig_at() { return SIGS[SIG - 1][G]; }
 

@@ -1,6 +1,6 @@
-/* The warp forward's flash kernels compiled for the presets' stage kinds (SIGS, emu_forward_warp.cuh: fa2's and the
- * paper's, bf16 and fp16): D <= 64 causal, and D <= 128 with and without the mask (warp_sig: where they measured
- * faster). A file of their own, so that nvcc compiles them beside the run-time kinds' kernels (emu_forward_warp.cu). */
+/* The warp forward's kernels compiled for the presets' stage kinds (SIGS, emu_forward_warp.cuh; bf16 and fp16): fa2's
+ * and paper's flash kernels at D <= 64 causal and at D <= 128 with and without the mask (warp_sig: where they
+ * measured faster), naive's baseline kernels (with the score store) at both. A file of their own, so that nvcc compiles them beside the run-time kinds' kernels (emu_forward_warp.cu). */
 #include "emu_forward_warp_tile.cuh"
 
 namespace emu_warp {
@@ -9,6 +9,12 @@ namespace {
 
 template <int SIG> fadev_status launch_one(const fast_args &a, int64_t ctas) {
     const bool causal = a.cx.pr.causal;
+    if constexpr (sig_at<SIG, SG_BASE>()) { /* with the score store (warp_sig) */
+        if (a.cx.pr.dim <= 64)
+            return causal ? launch<2, true, true, true, true, SIG>(a, ctas)
+                          : launch<2, true, true, false, true, SIG>(a, ctas);
+        return causal ? launch<4, true, true, true, true, SIG>(a, ctas) : launch<4, true, true, false, true, SIG>(a, ctas);
+    }
     if (a.cx.pr.dim <= 64) {
         if (!causal) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "emulated attention: no such kernel");
         return launch<2, true, false, true, false, SIG>(a, ctas);

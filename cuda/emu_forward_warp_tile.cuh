@@ -131,7 +131,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
         bool done = false;
         if constexpr (LEAN)
             if ((double)(float)lr == lr)
-                with_kind(a.p_kind, [&](auto PK) {
+                sig_kind<SIG, SG_P, true>(a.p_kind, [&](auto PK) {
                     constexpr int K = decltype(PK)::value;
                     if constexpr (K == FLT_BF16 || K == FLT_F16) {
                         for (int key = lane / R; key < nr; key += SPREAD)

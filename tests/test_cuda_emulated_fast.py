@@ -144,7 +144,8 @@ def test_warp_kernel_is_tiled_kernel(D, causal, monkeypatch):
 @pytest.mark.parametrize("D", [40, 64, 100, 128])
 def test_preset_kernels_are_run_time_kinds_kernel(D, monkeypatch):
     """fa2's and paper's flash forwards run warp kernels compiled for their stage kinds (cuda/emu_forward_warp_sig.cu)
-    where those measured faster (causal, or D > 64); FADEV_EMU_SIG=0 runs the one that reads the kinds at run time.
+    where those measured faster (causal, or D > 64), and naive's baseline forward too (with its score store);
+    FADEV_EMU_SIG=0 runs the one that reads the kinds at run time.
     Both formats, causal and not, grouped-query heads, a short last block, scores wide enough that the softmax terms
     run from 1 through underflow: the same bits, and the generic kernels' (D 100: the CPU's too). The kernel that ran
     is named by the profiler: a dispatch that fell back to the run-time kinds would fail here."""
@@ -163,6 +164,16 @@ def test_preset_kernels_are_run_time_kinds_kernel(D, monkeypatch):
         names = kernels_run("flash", policy, monkeypatch, generic=False, causal=True)
         monkeypatch.delenv("FADEV_EMU_SIG")
         assert "warp_kernel<2, true, false, true, false, 0>" in names, names
+    for sig, policy in ((5, Policy.naive("bf16")), (6, Policy.naive("fp16"))):
+        for causal in (False, True):
+            monkeypatch.setenv("FADEV_EMU_SIG", "0")
+            ro, rl = forward("baseline", q, k, v, policy, monkeypatch, False, causal=causal)
+            monkeypatch.delenv("FADEV_EMU_SIG")
+            assert_fast_is_generic("baseline", q, k, v, policy, monkeypatch, cpu=D == 100, causal=causal)
+            so, sl = forward("baseline", q, k, v, policy, monkeypatch, False, causal=causal)
+            assert differing(so, ro) == 0 and differing(sl, rl) == 0, f"{policy} D {D} causal {causal}"
+        names = kernels_run("baseline", policy, monkeypatch, generic=False, causal=True)
+        assert f"warp_kernel<2, true, true, true, true, {sig}>" in names, names
 
 
 @pytest.mark.parametrize("D", [33, 40, 64])
@@ -202,12 +213,13 @@ def test_baseline_score_store_is_recomputation(D, causal, monkeypatch):
 def test_baseline_score_store_switches(monkeypatch):
     """The store's kernel runs by default, and FADEV_EMU_KEEP=0 (or too small a budget) runs the recomputing one."""
     names = kernels_run("baseline", Policy.naive("bf16"), monkeypatch, generic=False)
-    assert "warp_kernel<2, true, true, false, true, 0>" in names, names
+    assert "warp_kernel<2, true, true, false, true, 5>" in names, names
     for env, value in (("FADEV_EMU_KEEP", "0"), ("FADEV_CUDA_SCRATCH_BYTES", "4096")):
         monkeypatch.setenv(env, value)
         names = kernels_run("baseline", Policy.naive("bf16"), monkeypatch, generic=False)
         monkeypatch.delenv(env)
-        assert "warp_kernel<2, true, true, false, false, 0>" in names and "false, true, 0>" not in names, (env, names)
+        assert "warp_kernel<2, true, true, false, false, 0>" in names, (env, names)
+        assert "warp_kernel<2, true, true, false, true" not in names, (env, names)
 
 
 @pytest.mark.parametrize("exp2", [False, True])
@@ -430,7 +442,7 @@ NAIVE_ROWS_BF16 = pair_kinds(F32, F32, F32, BF, F32, F32, F32, BF, BF)
                       "dq_fast_kernel"]),
     ("flash", "paper", ["warp_kernel<2, true, false, false, false, 0>", f"pair_fast_kernel<2, {PAPER_BF16}>",
                         "dkv_fast_kernel", "dq_fast_kernel"]),
-    ("baseline", "naive", ["warp_kernel<2, true, true, false, true, 0>", f"pair_fast_kernel<2, {NAIVE_BF16}>",
+    ("baseline", "naive", ["warp_kernel<2, true, true, false, true, 5>", f"pair_fast_kernel<2, {NAIVE_BF16}>",
                            *(f"rows_{k}_kernel<{NAIVE_ROWS_BF16}>" for k in ("soft", "delta", "ds"))]),
 ])
 def test_presets_take_the_lean_kernels(kind, preset, expected, monkeypatch):
