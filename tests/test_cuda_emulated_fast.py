@@ -150,30 +150,26 @@ def test_preset_kernels_are_run_time_kinds_kernel(D, monkeypatch):
     run from 1 through underflow: the same bits, and the generic kernels' (D 100: the CPU's too). The kernel that ran
     is named by the profiler: a dispatch that fell back to the run-time kinds would fail here."""
     q, k, v = make_qkv(41, 1, 4, 2, 150, 203, D, spread=5.0)
-    for sig, policy in enumerate((Policy.fa2("bf16"), Policy.fa2("fp16"), Policy.paper("bf16"), Policy.paper("fp16")), 1):
+    presets = [("flash", sig, Policy.preset(name, fmt)) for sig, (name, fmt) in
+               enumerate([("fa2", "bf16"), ("fa2", "fp16"), ("paper", "bf16"), ("paper", "fp16")], 1)]
+    presets += [("baseline", 5, Policy.naive("bf16")), ("baseline", 6, Policy.naive("fp16"))]
+    for kind, sig, policy in presets:
         for causal in (False, True):
             monkeypatch.setenv("FADEV_EMU_SIG", "0")
-            ro, rl = forward("flash", q, k, v, policy, monkeypatch, False, causal=causal)
+            ro, rl = forward(kind, q, k, v, policy, monkeypatch, False, causal=causal)
             monkeypatch.delenv("FADEV_EMU_SIG")
-            assert_fast_is_generic("flash", q, k, v, policy, monkeypatch, cpu=D == 100, causal=causal)
-            so, sl = forward("flash", q, k, v, policy, monkeypatch, False, causal=causal)
-            assert differing(so, ro) == 0 and differing(sl, rl) == 0, f"{policy} D {D} causal {causal}"
-        names = kernels_run("flash", policy, monkeypatch, generic=False, causal=True)
-        assert f"warp_kernel<2, true, false, true, false, {sig}>" in names, names
+            assert_fast_is_generic(kind, q, k, v, policy, monkeypatch, cpu=D == 100, causal=causal)
+            so, sl = forward(kind, q, k, v, policy, monkeypatch, False, causal=causal)
+            assert differing(so, ro) == 0 and differing(sl, rl) == 0, f"{kind} {policy} D {D} causal {causal}"
+        # the kernel's template arguments: DC 2, LEAN, BASE, CAUSAL, KEEP (the baseline's score store), SIG
+        base = "true, true" if kind == "baseline" else "false, true"
+        keep = "true" if kind == "baseline" else "false"
+        names = kernels_run(kind, policy, monkeypatch, generic=False, causal=True)
+        assert f"warp_kernel<2, true, {base}, {keep}, {sig}>" in names, names
         monkeypatch.setenv("FADEV_EMU_SIG", "0")
-        names = kernels_run("flash", policy, monkeypatch, generic=False, causal=True)
+        names = kernels_run(kind, policy, monkeypatch, generic=False, causal=True)
         monkeypatch.delenv("FADEV_EMU_SIG")
-        assert "warp_kernel<2, true, false, true, false, 0>" in names, names
-    for sig, policy in ((5, Policy.naive("bf16")), (6, Policy.naive("fp16"))):
-        for causal in (False, True):
-            monkeypatch.setenv("FADEV_EMU_SIG", "0")
-            ro, rl = forward("baseline", q, k, v, policy, monkeypatch, False, causal=causal)
-            monkeypatch.delenv("FADEV_EMU_SIG")
-            assert_fast_is_generic("baseline", q, k, v, policy, monkeypatch, cpu=D == 100, causal=causal)
-            so, sl = forward("baseline", q, k, v, policy, monkeypatch, False, causal=causal)
-            assert differing(so, ro) == 0 and differing(sl, rl) == 0, f"{policy} D {D} causal {causal}"
-        names = kernels_run("baseline", policy, monkeypatch, generic=False, causal=True)
-        assert f"warp_kernel<2, true, true, true, true, {sig}>" in names, names
+        assert f"warp_kernel<2, true, {base}, {keep}, 0>" in names, names
 
 
 @pytest.mark.parametrize("D", [33, 40, 64])
