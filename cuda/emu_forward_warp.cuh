@@ -55,12 +55,6 @@ struct vis {
     }
 };
 
-/* with_kind(k, f) in the lean kernels; f(-1) (the kinds read at run time) in the others. */
-template <bool LEAN, class F> __device__ __forceinline__ void lean_kind(int k, F &&f) {
-    if constexpr (LEAN) with_kind(k, f);
-    else f(std::integral_constant<int, -1>{});
-}
-
 /* The warp kernels' stage kinds fixed at compile time for the presets' policies (SIG > 0: sig_at<SIG>, the SG_
  * entries of SIGS[SIG - 1]; warp_sig picks it), or read from the arguments at run time (SIG 0). A kernel compiled
  * for one policy holds one loop of each kind instead of one for every kind (with_kind), and its registers are that
@@ -79,7 +73,8 @@ constexpr int SIGS[N_SIGS][SG_N] = {
 };
 template <int SIG, int G> __host__ __device__ constexpr int sig_at() { return SIGS[SIG - 1][G]; }
 
-/* f(K) with K the kind of stage G: SIG's, else with_kind(k, f) (LEAN) or f(-1) (lean_kind). */
+/* f(K) with K the kind of stage G: SIG's, else with_kind(k, f) in the lean kernels and f(-1) (the kinds read at run
+ * time) in the others. */
 template <int SIG, int G, bool LEAN, class F> __device__ __forceinline__ void sig_kind(int k, F &&f) {
     if constexpr (SIG > 0) f(std::integral_constant<int, sig_at<SIG, G>()>{});
     else if constexpr (LEAN) with_kind(k, f);
