@@ -269,15 +269,15 @@ static inline int flt_kinds_of(const att_stage *const *st, int n) {
 __host__ __device__ __forceinline__ int flt_kind_at(int kinds, int k) { return kinds >> (2 + 2 * k) & 3; }
 
 /* R(x) of an fp32 value x for a stage of kind fk other than FLT_EVENT (a NaN x: a NaN, its payload not part of the
- * spec). bf16 and fp16: the hardware's nearest-even conversions (cvt.rn.bf16x2.f32, cvt.rn.f16.f32; subnormals, ties
- * and overflow to inf as the formats' own rounding), two instructions where bf16's rule on the encoding, (u + 0x7FFF
- * + lsb) & 0xFFFF0000 behind a NaN test, took six (paper's fp16 forward, rounding so, was 6% faster than its bf16
- * one, H100). fadev_cuda_round_check compares the two for every fp32 input. */
+ * spec). bf16 and fp16: the hardware's nearest-even conversions (subnormals, ties and overflow to inf as the formats'
+ * own rounding; fadev_cuda_round_check compares them with the rule on the encoding for every fp32 input): bf16's the
+ * packed cvt.rn.bf16x2.f32 (F2FP; the single conversion is F2F, the slower pipe) and a shift, two instructions where
+ * the rule, (u + 0x7FFF + lsb) & 0xFFFF0000 behind a NaN test, took six. Both computed and one selected: with a
+ * branch on a kind read at run time, ptxas duplicated whole unrolled blocks per kind (fa2's backward pair kernel
+ * 3,656 -> 18,496 instructions); so, every kernel is smaller than with the rule (sm_90 SASS). */
 __device__ __forceinline__ float flt_round(int fk, float x) {
-    if (fk == FLT_F32) return x;
-    if (fk == FLT_BF16) return __low2float(__floats2bfloat162_rn(x, 0.f)); /* the packed conversion (F2FP): the
-                                                                             * single one is F2F, on the slower pipe */
-    return __half2float(__float2half_rn(x)); /* FLT_F16 */
+    const float b = __low2float(__floats2bfloat162_rn(x, 0.f)), h = __half2float(__float2half_rn(x));
+    return fk == FLT_F32 ? x : fk == FLT_BF16 ? b : h;
 }
 
 /* R(x) of an fp64 value x for a stage of kind fk other than FLT_EVENT, as one event at that stage gives it: an fp32
