@@ -1,6 +1,6 @@
-/* The emulated forward's warp kernels (emu_forward_warp_tile.cuh): their launch for the policies whose stage kinds are
- * read at run time (emu_forward_warp_sig.cu launches the presets', compiled for their kinds), the baseline's score
- * store, and the host's choice among them. */
+/* The emulated forward's warp kernels (emu_forward_warp_tile.cuh): the flash kernels' launch for the policies whose
+ * stage kinds are read at run time (emu_forward_warp_base.cu launches the baseline's, emu_forward_warp_sig.cu the
+ * presets', compiled for their kinds), the baseline's score store, and the host's choice among them. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -11,17 +11,9 @@ using namespace emu_warp;
 
 namespace {
 
-/* the baseline with or without its score store (a kernel each: the store's branches in the recomputing kernel cost
- * it registers) */
-template <int DC, bool LEAN, bool CAUSAL>
-fadev_status launch_base(const fast_args &a, int64_t ctas) {
-    return a.s_keep ? launch<DC, LEAN, true, CAUSAL, true>(a, ctas) : launch<DC, LEAN, true, CAUSAL, false>(a, ctas);
-}
-
 template <int DC, bool LEAN>
-fadev_status launch_of(const fast_args &a, int64_t ctas) {
-    if (a.cx.pr.causal) return a.baseline ? launch_base<DC, LEAN, true>(a, ctas) : launch<DC, LEAN, false, true>(a, ctas);
-    return a.baseline ? launch_base<DC, LEAN, false>(a, ctas) : launch<DC, LEAN, false, false>(a, ctas);
+fadev_status launch_flash(const fast_args &a, int64_t ctas) {
+    return a.cx.pr.causal ? launch<DC, LEAN, false, true>(a, ctas) : launch<DC, LEAN, false, false>(a, ctas);
 }
 
 } // namespace
@@ -86,6 +78,7 @@ fadev_status emu_fwd::warp_forward(const emu_ctx &cx, double *out, double *lse, 
     FADEV_TRY(keep_plan(a, bq, keep, ctas));
     if (a.lean) FADEV_TRY(exp_table_of(flt_kind_at(a.lean, LK_SOFTMAX), cx.exp2, a.etab));
     if (const int sig = warp_sig(a)) return launch_sig(a, ctas, sig);
-    if (d64) return a.lean ? launch_of<2, true>(a, ctas) : launch_of<2, false>(a, ctas);
-    return a.lean ? launch_of<4, true>(a, ctas) : launch_of<4, false>(a, ctas);
+    if (baseline) return launch_base(a, ctas);
+    if (d64) return a.lean ? launch_flash<2, true>(a, ctas) : launch_flash<2, false>(a, ctas);
+    return a.lean ? launch_flash<4, true>(a, ctas) : launch_flash<4, false>(a, ctas);
 }

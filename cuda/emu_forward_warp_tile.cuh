@@ -540,6 +540,10 @@ fadev_status launch(const fast_args &a, int64_t ctas) {
 int warp_sig(const fast_args &a);
 fadev_status launch_sig(const fast_args &a, int64_t ctas, int sig);
 
+/* The baseline's kernel with the stage kinds read at run time (emu_forward_warp_base.cu): with its score store where
+ * a.s_keep is set, else recomputing the scores. */
+fadev_status launch_base(const fast_args &a, int64_t ctas);
+
 } // namespace emu_warp
 
 #endif /* FADEV_EMU_FORWARD_WARP_TILE_CUH */
