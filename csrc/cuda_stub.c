@@ -89,6 +89,8 @@ fadev_status fadev_cuda_quot_check(int bf16, int naive, uint64_t *mismatches, ui
     return FADEV_ERR_NO_CUDA;
 }
 
+fadev_status fadev_cuda_round_check(int bf16, int naive, uint64_t *mismatches) { return FADEV_ERR_NO_CUDA; }
+
 fadev_status fadev_cuda_native_tiles(int dim, int backward, int warp_rows, int mma, int32_t *tiles, int max_pairs,
                                      int *count) {
     if (count) *count = 0;

@@ -365,6 +365,10 @@ fadev_status fadev_cuda_exp_table_check(int bf16, int exp2_form, int ref_form, u
  * division's (quot_round) for bf16 (bf16 != 0) or fp16 P, every e in [0, 1] and 53,248 values of l in [1, 2^13): *mismatches
  * of *pairs; naive != 0 checks the reciprocal's product rounded without the bounds' test instead (it must differ). */
 fadev_status fadev_cuda_quot_check(int bf16, int naive, uint64_t *mismatches, uint64_t *pairs);
+/* The emulated kernels' rounding of an fp32 value to bf16 (bf16 != 0) or fp16 (flt_round, cuda/emu.cuh: the hardware's
+ * conversions) against the rule on the encoding, for all 2^32 fp32 inputs (NaN: any NaN): *mismatches; naive != 0
+ * checks truncation instead (it must differ). */
+fadev_status fadev_cuda_round_check(int bf16, int naive, uint64_t *mismatches);
 
 /* Native FlashAttention-2-style kernel on the tensor cores (native_forward.cu, native_backward.cu): fp16 or bf16
  * inputs and outputs, fp32 accumulation (mma.sync), online softmax in fp32 with exp2. q, out, dout, dq:

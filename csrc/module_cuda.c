@@ -334,6 +334,21 @@ static PyObject *py_cuda_quot_check(PyObject *self, PyObject *args) {
     return Py_BuildValue("KK", (unsigned long long)bad, (unsigned long long)pairs);
 }
 
+static PyObject *py_cuda_round_check(PyObject *self, PyObject *args) {
+    const char *fmt;
+    int naive = 0;
+    if (!PyArg_ParseTuple(args, "s|p", &fmt, &naive)) return NULL;
+    if (strcmp(fmt, "bf16") != 0 && strcmp(fmt, "fp16") != 0)
+        return PyErr_Format(PyExc_ValueError, "fmt must be 'bf16' or 'fp16', got %R", PyTuple_GET_ITEM(args, 0));
+    uint64_t bad = 0;
+    fadev_status st;
+    Py_BEGIN_ALLOW_THREADS
+    st = fadev_cuda_round_check(fmt[0] == 'b', naive, &bad);
+    Py_END_ALLOW_THREADS
+    if (st != FADEV_OK) return raise_device_status(st, "round_check (cuda)");
+    return PyLong_FromUnsignedLongLong(bad);
+}
+
 /* ------------------------------------------------------------ method table */
 
 PyMethodDef cuda_methods[] = {
@@ -366,6 +381,9 @@ PyMethodDef cuda_methods[] = {
     {"cuda_quot_check", py_cuda_quot_check, METH_VARARGS,
      "cuda_quot_check(fmt[, naive]) -> (mismatches, pairs): the emulated baseline's P = R_p(e / l) from l's reciprocal "
      "against the division, fmt 'bf16' or 'fp16'; naive: the reciprocal's product without the bounds' test"},
+    {"cuda_round_check", py_cuda_round_check, METH_VARARGS,
+     "cuda_round_check(fmt[, naive]) -> mismatches: the emulated kernels' rounding of fp32 values to fmt ('bf16' or "
+     "'fp16': the hardware's conversions) against the rule on the encoding, every fp32 input; naive: truncation"},
     {"cuda_exp_table_check", py_cuda_exp_table_check, METH_VARARGS,
      "cuda_exp_table_check(fmt, exp2[, ref_exp2]) -> (mismatches, lo, hi): the emulated forward's table of softmax "
      "terms for fmt 'bf16' or 'fp16' against the computation (exp2 form ref_exp2, default exp2) for every 16-bit value "

@@ -11,6 +11,7 @@
 #ifndef FADEV_EMU_CUH
 #define FADEV_EMU_CUH
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "common.cuh"
@@ -267,14 +268,16 @@ static inline int flt_kinds_of(const att_stage *const *st, int n) {
 /* The kind of stage k in flt_kinds_of's packing. */
 __host__ __device__ __forceinline__ int flt_kind_at(int kinds, int k) { return kinds >> (2 + 2 * k) & 3; }
 
-/* R(x) of an fp32 value x for a stage of kind fk other than FLT_EVENT (and a NaN x as itself for every kind). */
+/* R(x) of an fp32 value x for a stage of kind fk other than FLT_EVENT (a NaN x: a NaN, its payload not part of the
+ * spec). bf16 and fp16: the hardware's nearest-even conversions (subnormals, ties and overflow to inf as the formats'
+ * own rounding; fadev_cuda_round_check compares them with the rule on the encoding for every fp32 input): bf16's the
+ * packed cvt.rn.bf16x2.f32 (F2FP; the single conversion is F2F, the slower pipe) and a shift, two instructions where
+ * the rule, (u + 0x7FFF + lsb) & 0xFFFF0000 behind a NaN test, took six. Both computed and one selected: with a
+ * branch on a kind read at run time, ptxas duplicated whole unrolled blocks per kind (fa2's backward pair kernel
+ * 3,656 -> 18,496 instructions); so, every kernel is smaller than with the rule (sm_90 SASS). */
 __device__ __forceinline__ float flt_round(int fk, float x) {
-    if (fk == FLT_F32 || x != x) return x; /* NaN stays NaN (payloads are not part of the spec) */
-    if (fk == FLT_BF16) {
-        const unsigned u = __float_as_uint(x);
-        return __uint_as_float((u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u);
-    }
-    return __half2float(__float2half_rn(x)); /* FLT_F16 */
+    const float b = __low2float(__floats2bfloat162_rn(x, 0.f)), h = __half2float(__float2half_rn(x));
+    return fk == FLT_F32 ? x : fk == FLT_BF16 ? b : h;
 }
 
 /* R(x) of an fp64 value x for a stage of kind fk other than FLT_EVENT, as one event at that stage gives it: an fp32

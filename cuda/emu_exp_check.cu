@@ -1,4 +1,5 @@
-/* fadev_cuda_quot_check (the baseline's P = R_p(e / l) from l's reciprocal: quot_round_rcp against quot_round) and
+/* fadev_cuda_round_check (flt_round's conversions against bf16's rule on the encoding), fadev_cuda_quot_check (the
+ * baseline's P = R_p(e / l) from l's reciprocal: quot_round_rcp against quot_round) and
  * fadev_cuda_exp_check: emu_exp_fast (emu.cuh: libdevice's exp and exp2 transcribed, constants in constant memory)
  * against CUDA's exp and exp2 themselves (emu_exp), bit for bit, for every fp32 input in a range of encodings: the
  * fast kernels call emu_exp_fast only on fp32 values (their softmax terms), so the full range 0 .. 2^32 proves them
@@ -44,6 +45,43 @@ __global__ void quot_check_kernel(unsigned ne, int naive, unsigned long long *ba
 }
 
 } // namespace
+
+namespace {
+
+/* flt_round (the hardware's conversions) against the encoding rule for every fp32 input (a NaN against a NaN); with
+ * `naive`, truncation in flt_round's place (the check's own test that it sees a difference). */
+template <int K>
+__global__ void round_check_kernel(int naive, unsigned long long *bad) {
+    unsigned long long mine = 0;
+    for (uint64_t u = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; u < (1ull << 32); u += (uint64_t)gridDim.x * blockDim.x) {
+        const float x = __uint_as_float((unsigned)u);
+        float want;
+        if (x != x) want = x;
+        else if (K == FLT_BF16) want = __uint_as_float(((unsigned)u + 0x7FFFu + (((unsigned)u >> 16) & 1u)) & 0xFFFF0000u);
+        else want = __half2float(__float2half_rn(x)); /* fp16's encoding rule is the conversion itself: the NaN differs */
+        const float got = !naive ? flt_round(K, x)
+                          : K == FLT_BF16 ? __uint_as_float((unsigned)u & 0xFFFF0000u) : __half2float(__float2half_rz(x));
+        mine += want != want ? got == got : fadev_bits_of(got) != fadev_bits_of(want);
+    }
+    if (mine) atomicAdd(bad, mine);
+}
+
+} // namespace
+
+extern "C" fadev_status fadev_cuda_round_check(int bf16, int naive, uint64_t *mismatches) {
+    if (!mismatches) return FADEV_ERR_INVALID_ARGUMENT;
+    FADEV_TRY(fadev_cuda_require_device());
+    device_buffer<unsigned long long> bad;
+    FADEV_TRY(bad.alloc(1, "fadev_cuda_round_check: cudaMalloc"));
+    CUDA_TRY(cudaMemsetAsync(bad.ptr, 0, sizeof(unsigned long long), 0));
+    if (bf16) round_check_kernel<FLT_BF16><<<4096, 256>>>(naive != 0, bad.ptr);
+    else round_check_kernel<FLT_F16><<<4096, 256>>>(naive != 0, bad.ptr);
+    unsigned long long host = 0;
+    CUDA_TRY(cudaGetLastError());
+    CUDA_TRY(cudaMemcpy(&host, bad.ptr, sizeof host, cudaMemcpyDeviceToHost));
+    *mismatches = host;
+    return FADEV_OK;
+}
 
 extern "C" fadev_status fadev_cuda_quot_check(int bf16, int naive, uint64_t *mismatches, uint64_t *pairs) {
     if (!mismatches || !pairs) return FADEV_ERR_INVALID_ARGUMENT;

@@ -371,6 +371,17 @@ def test_quotient_from_reciprocal_is_the_division(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_rounding_by_conversion_is_the_rule(fmt):
+    """The kernels round fp32 values to bf16 and fp16 with the hardware's conversions (flt_round): the rule on the
+    encoding's value for all 2^32 fp32 inputs (a NaN for a NaN); truncation differs (the check can fail)."""
+    from fadev import _core
+    assert _core.cuda_round_check(fmt) == 0
+    assert _core.cuda_round_check(fmt, True) > 10 ** 9
+    with pytest.raises(ValueError, match="fmt"):
+        _core.cuda_round_check("fp8")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
 @pytest.mark.parametrize("exp", ["exp", "exp2"])
 def test_exp_table_forward_is_computed_forward(fmt, exp, monkeypatch):
     """paper's forward with its softmax terms from the table == without it (FADEV_EMU_EXP_TABLE=0) == the generic
