@@ -86,18 +86,20 @@ __device__ __forceinline__ float r_dbl(const att_stage &st, double x, uint64_t s
  * score kind, known at compile time (the kernel dispatched on it); -1: read from the arguments. C32: the product in
  * fp32 where a.c12 allows (the baseline's warp kernels: naive's forward 2-4% faster, H100; in the flash kernels, which
  * fa2 and paper share, the code cost fa2 registers and 2-3%) */
+__device__ __forceinline__ bool score_c32(const fast_args &a, int ks, float acc, float &s) { /* true: s is the value */
+    const float p = __fmul_rn(a.cf, flt_round(ks, acc)); /* c r exact in fp32 where normal (a.c12) */
+    s = flt_round(ks, p);
+    return fabsf(p) >= 0x1p-126f; /* an overflow is inf in both; NaN: false */
+}
 template <bool LEAN, int K = -1, bool C32 = false>
 __device__ __forceinline__ float score_of(const fast_args &a, float acc, int64_t bh, int64_t i, int64_t j) {
     const emu_ctx &cx = a.cx;
     if (K >= 0 ? K == FLT_F32 : cx.score.kind == ATT_F32) return __fmul_rn((float)cx.c, acc);
     if (LEAN) {
         const int ks = K >= 0 ? K : flt_kind_at(a.lean, LK_SCORE);
-        const float r = flt_round(ks, acc); /* acc is an fp32 value: dbl_round(ks, acc)'s */
-        if (C32 && K != FLT_F32 && a.c12) { /* c r exact in fp32 where normal (a.c12); an overflow is inf in both */
-            const float p = __fmul_rn(a.cf, r);
-            if (fabsf(p) >= 0x1p-126f) return flt_round(ks, p);
-        }
-        return dbl_round(ks, cx.c * (double)r);
+        float s;
+        if (C32 && K != FLT_F32 && a.c12 && score_c32(a, ks, acc, s)) return s;
+        return dbl_round(ks, cx.c * (double)flt_round(ks, acc)); /* acc is an fp32 value: dbl_round(ks, acc)'s */
     }
     const uint64_t idx = ATT_INDEX(i, j, 0);
     return (float)rnd(cx.score, cx.c * rnd(cx.score, (double)acc, ATT_STREAM(ATT_SCORE_DOT, bh), idx),
@@ -172,14 +174,17 @@ __device__ __forceinline__ float quot_round(int fk, float e, float l) {
  * even) is monotone: where it maps both bounds to one value, that value is R_K(e / l). Else (the quotient within
  * about 2^-20 of a midpoint of K: about one in 2^11 for bf16, 2^8 for fp16; or q0 tiny) quot_round. */
 template <int K>
-__device__ __forceinline__ float quot_round_rcp(float e, float l, float rl) {
+__device__ __forceinline__ bool quot_rcp_fast(float e, float rl, float &p) { /* true: p is the value; else quot_round */
     const float q0 = __fmul_rn(e, rl);
-    if (q0 == 0.f && e == 0.f) return 0.f; /* +0 / l: quot_round's +0 */
-    if (q0 >= 0x1p-125f && q0 <= 1.f) {
-        const float lo = flt_round(K, __fmul_rd(q0, 1.f - 0x1p-21f)), hi = flt_round(K, __fmul_ru(q0, 1.f + 0x1p-21f));
-        if (lo == hi) return lo;
-    }
-    return quot_round(K, e, l);
+    const float lo = flt_round(K, __fmul_rd(q0, 1.f - 0x1p-21f)), hi = flt_round(K, __fmul_ru(q0, 1.f + 0x1p-21f));
+    const bool zero = q0 == 0.f && e == 0.f; /* +0 / l: quot_round's +0 */
+    p = zero ? 0.f : lo;
+    return zero || (q0 >= 0x1p-125f && q0 <= 1.f && lo == hi);
+}
+template <int K>
+__device__ __forceinline__ float quot_round_rcp(float e, float l, float rl) {
+    float p;
+    return quot_rcp_fast<K>(e, rl, p) ? p : quot_round(K, e, l);
 }
 
 /* f(std::integral_constant<int, 1>{}) for the exp2 form, else f(...<int, 0>{}): a loop's exp fixed at compile time. */

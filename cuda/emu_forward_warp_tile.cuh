@@ -34,6 +34,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     using T = tile<DC>;
     constexpr int R = T::R, BQ = T::BQ, DP = T::DP, EP = T::EP, KP = T::KP, SPREAD = 32 / R;
     constexpr int KL = T::KL, KS = T::KS, SR = T::SR, CL = T::CL, CS = T::CS, RL = T::RL;
+    static_assert(KB / SPREAD <= 32, "a lane's keys of a block: a 32-bit mask");
     /* softmax terms whose exps interleave (terms): 4 in the flash kernels; 2 in the baseline's, where 4 spilled
      * (H100: naive's forward 5-20% slower at 4, within the spread at 2) */
     constexpr int TG = BASE ? 2 : 4;
@@ -110,6 +111,25 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
      * value depends on (exp(+-0) = 1; lse = m + log l is 0 + log l). */
     auto round_scores = [&](int64_t jb0, int nr, float &mx, int &nan) {
         sig_kind<SIG, SG_SCORE, LEAN>(flt_kind_at(a.lean, LK_SCORE), [&](auto KS) {
+            constexpr int K = decltype(KS)::value;
+            if constexpr (LEAN && (BASE || SIG) && (K == FLT_BF16 || K == FLT_F16))
+                if (a.c12) { /* score_of's fp32 product; the few it cannot settle (zeros, subnormals, NaNs) after the
+                              * loop, from a mask of the lane's keys, so that the loop has no branch */
+                    unsigned slow = 0;
+#pragma unroll 4
+                    for (int key = lane / R, b = 0; key < nr; key += SPREAD, b++) {
+                        float s;
+                        if (score_c32(a, K, er[key * EP], s)) er[key * EP] = s, mx = fmaxf(mx, s); /* not a NaN */
+                        else slow |= 1u << b;
+                    }
+                    for (; slow; slow &= slow - 1) {
+                        const int key = lane / R + SPREAD * (__ffs(slow) - 1);
+                        const float s = score_of<LEAN, K, true>(a, er[key * EP], bh, i, jb0 + key);
+                        er[key * EP] = s;
+                        nan |= s != s, mx = fmaxf(mx, s);
+                    }
+                    return;
+                }
 #pragma unroll 2
             for (int key = lane / R; key < nr; key += SPREAD) {
                 const float s = score_of<LEAN, decltype(KS)::value, BASE || SIG>(a, er[key * EP], bh, i, jb0 + key);
@@ -126,7 +146,9 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     };
     /* P = R_p(e / l) of the lane's keys below nr in E, in place: with p's kind known at compile time, bf16 or fp16,
      * and l an fp32 value, from l's reciprocal rl (quot_round_rcp). The division's loop was 19% of naive's forward
-     * (ncu source counters, H100, D 64); with the reciprocal the forward is 5% faster (H200, D 64 and causal) */
+     * (ncu source counters, H100, D 64); with the reciprocal the forward is 5% faster (H200, D 64 and causal). The
+     * few quotients the reciprocal cannot settle (about one in 2^11 for bf16, 2^8 for fp16) are divided after the
+     * loop, from a mask of the lane's keys, so that the loop has no branch */
     auto p_quotients = [&](int64_t jb0, int nr, double lr, float rl) {
         bool done = false;
         if constexpr (LEAN)
@@ -134,8 +156,17 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                 sig_kind<SIG, SG_P, true>(a.p_kind, [&](auto PK) {
                     constexpr int K = decltype(PK)::value;
                     if constexpr (K == FLT_BF16 || K == FLT_F16) {
-                        for (int key = lane / R; key < nr; key += SPREAD)
-                            er[key * EP] = quot_round_rcp<K>(er[key * EP], (float)lr, rl);
+                        unsigned slow = 0; /* bit b: key lane / R + SPREAD b needs the division (KB / SPREAD <= 32) */
+#pragma unroll 4
+                        for (int key = lane / R, b = 0; key < nr; key += SPREAD, b++) {
+                            float p;
+                            if (quot_rcp_fast<K>(er[key * EP], rl, p)) er[key * EP] = p;
+                            else slow |= 1u << b;
+                        }
+                        for (; slow; slow &= slow - 1) {
+                            const int key = lane / R + SPREAD * (__ffs(slow) - 1);
+                            er[key * EP] = quot_round(K, er[key * EP], (float)lr);
+                        }
                         done = true;
                     }
                 });
