@@ -302,12 +302,18 @@ static PyObject *py_cuda_exp_check(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(bad);
 }
 
+/* The checks' fmt argument (args' first): 'bf16' or 'fp16', else 0 with a ValueError naming it. */
+static int fmt16_ok(const char *fmt, PyObject *args) {
+    if (strcmp(fmt, "bf16") == 0 || strcmp(fmt, "fp16") == 0) return 1;
+    PyErr_Format(PyExc_ValueError, "fmt must be 'bf16' or 'fp16', got %R", PyTuple_GET_ITEM(args, 0));
+    return 0;
+}
+
 static PyObject *py_cuda_exp_table_check(PyObject *self, PyObject *args) {
     const char *fmt;
     int exp2_form, ref_form = -1;
     if (!PyArg_ParseTuple(args, "sp|p", &fmt, &exp2_form, &ref_form)) return NULL;
-    if (strcmp(fmt, "bf16") != 0 && strcmp(fmt, "fp16") != 0)
-        return PyErr_Format(PyExc_ValueError, "fmt must be 'bf16' or 'fp16', got %R", PyTuple_GET_ITEM(args, 0));
+    if (!fmt16_ok(fmt, args)) return NULL;
     if (ref_form < 0) ref_form = exp2_form;
     uint64_t bad = 0;
     int lo = 0, hi = 0;
@@ -323,8 +329,7 @@ static PyObject *py_cuda_quot_check(PyObject *self, PyObject *args) {
     const char *fmt;
     int naive = 0;
     if (!PyArg_ParseTuple(args, "s|p", &fmt, &naive)) return NULL;
-    if (strcmp(fmt, "bf16") != 0 && strcmp(fmt, "fp16") != 0)
-        return PyErr_Format(PyExc_ValueError, "fmt must be 'bf16' or 'fp16', got %R", PyTuple_GET_ITEM(args, 0));
+    if (!fmt16_ok(fmt, args)) return NULL;
     uint64_t bad = 0, pairs = 0;
     fadev_status st;
     Py_BEGIN_ALLOW_THREADS
@@ -338,8 +343,7 @@ static PyObject *py_cuda_round_check(PyObject *self, PyObject *args) {
     const char *fmt;
     int naive = 0;
     if (!PyArg_ParseTuple(args, "s|p", &fmt, &naive)) return NULL;
-    if (strcmp(fmt, "bf16") != 0 && strcmp(fmt, "fp16") != 0)
-        return PyErr_Format(PyExc_ValueError, "fmt must be 'bf16' or 'fp16', got %R", PyTuple_GET_ITEM(args, 0));
+    if (!fmt16_ok(fmt, args)) return NULL;
     uint64_t bad = 0;
     fadev_status st;
     Py_BEGIN_ALLOW_THREADS
