@@ -1,4 +1,4 @@
-/* fadev_cuda_round_check (flt_round's conversions against bf16's rule on the encoding), fadev_cuda_quot_check (the
+/* fadev_cuda_round_check (flt_round's conversions against the rule on the encoding), fadev_cuda_quot_check (the
  * baseline's P = R_p(e / l) from l's reciprocal: quot_round_rcp against quot_round) and
  * fadev_cuda_exp_check: emu_exp_fast (emu.cuh: libdevice's exp and exp2 transcribed, constants in constant memory)
  * against CUDA's exp and exp2 themselves (emu_exp), bit for bit, for every fp32 input in a range of encodings: the
@@ -48,8 +48,31 @@ __global__ void quot_check_kernel(unsigned ne, int naive, unsigned long long *ba
 
 namespace {
 
-/* flt_round (the hardware's conversions) against the encoding rule for every fp32 input (a NaN against a NaN); with
- * `naive`, truncation in flt_round's place (the check's own test that it sees a difference). */
+/* fp16's nearest-even rounding of the fp32 value of encoding u (not a NaN) by the rule on the encoding, without the
+ * conversion it checks: 10 fraction bits where the result is normal, a multiple of 2^-24 below 2^-14, inf from 65520
+ * (65504 and half its ulp; that tie goes to the even 2^16) */
+__host__ __device__ inline float f16_rule(unsigned u) {
+    const unsigned a = u & 0x7FFFFFFFu;
+    union { unsigned u; float f; } r;
+    if (a >= 0x477FF000u) {
+        r.u = 0x7F800000u;
+    } else if (a >= 0x38800000u) { /* >= 2^-14 */
+        r.u = (a + 0xFFFu + ((a >> 13) & 1u)) & 0xFFFFE000u;
+    } else { /* n 2^-24, n the nearest-even integer to a's value / 2^-24 = m 2^-s */
+        const int e = (int)(a >> 23), s = 126 - (e ? e : 1);
+        const unsigned m = e ? (a & 0x7FFFFFu) | 0x800000u : a & 0x7FFFFFu;
+        unsigned n = 0;
+        if (s <= 25) {
+            const unsigned rem = m & ((1u << s) - 1u), half = 1u << (s - 1);
+            n = (m >> s) + (rem > half || (rem == half && ((m >> s) & 1u)));
+        }
+        r.f = (float)n * 0x1p-24f;
+    }
+    return u >> 31 ? -r.f : r.f;
+}
+
+/* flt_round (the hardware's conversions) against the rule on the encoding for every fp32 input (a NaN against a
+ * NaN); with `naive`, truncation in flt_round's place (the check's own test that it sees a difference). */
 template <int K>
 __global__ void round_check_kernel(int naive, unsigned long long *bad) {
     unsigned long long mine = 0;
@@ -58,7 +81,7 @@ __global__ void round_check_kernel(int naive, unsigned long long *bad) {
         float want;
         if (x != x) want = x;
         else if (K == FLT_BF16) want = __uint_as_float(((unsigned)u + 0x7FFFu + (((unsigned)u >> 16) & 1u)) & 0xFFFF0000u);
-        else want = __half2float(__float2half_rn(x)); /* fp16's encoding rule is the conversion itself: the NaN differs */
+        else want = f16_rule((unsigned)u);
         const float got = !naive ? flt_round(K, x)
                           : K == FLT_BF16 ? __uint_as_float((unsigned)u & 0xFFFF0000u) : __half2float(__float2half_rz(x));
         mine += want != want ? got == got : fadev_bits_of(got) != fadev_bits_of(want);

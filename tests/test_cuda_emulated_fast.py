@@ -373,7 +373,8 @@ def test_quotient_from_reciprocal_is_the_division(fmt):
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
 def test_rounding_by_conversion_is_the_rule(fmt):
     """The kernels round fp32 values to bf16 and fp16 with the hardware's conversions (flt_round): the rule on the
-    encoding's value for all 2^32 fp32 inputs (a NaN for a NaN); truncation differs (the check can fail)."""
+    encoding's value for all 2^32 fp32 inputs (a NaN for a NaN; fp16's rule an integer one, f16_rule, not the
+    conversion it checks); truncation differs (the check can fail)."""
     from fadev import _core
     assert _core.cuda_round_check(fmt) == 0
     assert _core.cuda_round_check(fmt, True) > 10 ** 9
