@@ -35,9 +35,9 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     constexpr int R = T::R, BQ = T::BQ, DP = T::DP, EP = T::EP, KP = T::KP, SPREAD = 32 / R;
     constexpr int KL = T::KL, KS = T::KS, SR = T::SR, CL = T::CL, CS = T::CS, RL = T::RL;
     static_assert(KB / SPREAD <= 32, "a lane's keys of a block: a 32-bit mask");
-    /* softmax terms whose exps interleave (terms): 4 in the flash kernels; 2 in the baseline's, where 4 spilled
-     * (H100: naive's forward 5-20% slower at 4, within the spread at 2) */
-    constexpr int TG = BASE ? 2 : 4;
+    /* softmax terms whose exps interleave (terms): 4, but 2 in the baseline's kernels other than the presets' with
+     * the store (their terms a pass of their own), where 4 spilled (H100: naive 5-20% slower at 4) */
+    constexpr int TG = BASE && !(KEEP && SIG) ? 2 : 4;
     constexpr bool FR = BASE || CAUSAL; /* stage_tid<FR> */
     extern __shared__ __align__(16) char smem[];
     float *sq = (float *)smem, *sk = sq + DP * BQ, *sv = T::SPLIT ? sk + DP * KP : sk;
