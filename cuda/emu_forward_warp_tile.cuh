@@ -35,9 +35,9 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     constexpr int R = T::R, BQ = T::BQ, DP = T::DP, EP = T::EP, KP = T::KP, SPREAD = 32 / R;
     constexpr int KL = T::KL, KS = T::KS, SR = T::SR, CL = T::CL, CS = T::CS, RL = T::RL;
     static_assert(KB / SPREAD <= 32, "a lane's keys of a block: a 32-bit mask");
-    /* softmax terms whose exps interleave (terms): 4 in the flash kernels; 2 in the baseline's, where 4 spilled
-     * (H100: naive's forward 5-20% slower at 4, within the spread at 2) */
-    constexpr int TG = BASE ? 2 : 4;
+    /* softmax terms whose exps interleave (terms): 4, but 2 in the baseline's kernels other than the presets' with
+     * the store (their terms a pass of their own), where 4 spilled (H100: naive 5-20% slower at 4) */
+    constexpr int TG = BASE && !(KEEP && SIG) ? 2 : 4;
     constexpr bool FR = BASE || CAUSAL; /* stage_tid<FR> */
     extern __shared__ __align__(16) char smem[];
     float *sq = (float *)smem, *sk = sq + DP * BQ, *sv = T::SPLIT ? sk + DP * KP : sk;
@@ -318,6 +318,18 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
          * place, the third reads e (one exp an element, not two); without, every pass computes the scores again,
          * the third the terms too (the same events, the same values) */
         float *keep = KEEP ? a.s_keep + ((int64_t)blockIdx.x * W + w) * ((Nk + KB - 1) / KB) * KB * R : nullptr;
+        /* D <= 64 with the store: the first pass's K and the last pass's V as cp.async copies (stage_kv's and
+         * stage_v's values and places) landing while the CTA computes; two CTA barriers a slice, as before. Their
+         * synchronous staging held ~20% of naive's D 64 forward's samples (ncu source counters, H100) */
+        constexpr bool BASYNC = KEEP && T::SPLIT;
+        auto bprefetch = [&](int64_t jb0, bool v) { /* K (or V) of the slice from jb0, where any row sees it */
+            if constexpr (BASYNC) {
+                const int nc = jb0 < Nk ? (int)emu_visible(cx.pr, i0 + here - 1, jb0, KB < Nk - jb0 ? KB : Nk - jb0) : 0;
+                if (nc && v) stage_rows_async<DP, KB, FR>(sv, cx.vf + (bhk * Nk + jb0) * D, D, nc);
+                if (nc && !v) stage_kt_async<DP, KP, FR>(sk, cx.kf + (bhk * Nk + jb0) * D, D, nc);
+                cp_async_commit();
+            }
+        };
         float mx = -INFINITY;
         int nan = 0, nown_all = 0;
         double rs = 0;
@@ -330,6 +342,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
             const double lr = __shfl_sync(FULL, l, r);
             const float rl = __frcp_rn((float)lr); /* quot_round_rcp's, where l is an fp32 value */
             const bool fresh = pass == 0 || !KEEP; /* this pass computes the scores */
+            if (BASYNC && pass != 1) bprefetch(0, pass == 2);
             for (int64_t jb0 = 0; jb0 < Nk; jb0 += KB) {
                 const int n = (int)(KB < Nk - jb0 ? KB : Nk - jb0);
                 const int ncta = (int)emu_visible(cx.pr, i0 + here - 1, jb0, n);
@@ -351,11 +364,16 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                             if (k0 + g * SPREAD < kw) er[(k0 + g * SPREAD) * EP] = t[g];
                     }
                 }
-                if (fresh) stage_kv(jb0, ncta, pass == 2);
-                else if (pass == 2) stage_v(jb0, ncta);
+                if (BASYNC && fresh) { /* the slice's K landed; then every warp's scores done: K's buffer is free */
+                    cp_async_wait_all(), __syncthreads();
+                    if (kw) scores();
+                    __syncthreads(), bprefetch(jb0 + KB, false);
+                } else if (fresh) {
+                    stage_kv(jb0, ncta, pass == 2);
+                    if (kw) scores();
+                } else if (pass == 2 && !BASYNC) stage_v(jb0, ncta);
                 if (kw) {
                     if (fresh) {
-                        scores();
                         float unused = -INFINITY;
                         int unused_nan = 0;
                         round_scores(jb0, nr, pass == 0 ? mx : unused, pass == 0 ? nan : unused_nan);
@@ -378,7 +396,9 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
                 }
                 if (pass < 2) continue;
                 if (fresh) stage_v_late(jb0, ncta);
+                if constexpr (BASYNC) cp_async_wait_all(), __syncthreads(); /* the slice's V landed */
                 if (kw) pv_add(o, kw);
+                if constexpr (BASYNC) __syncthreads(), bprefetch(jb0 + KB, true); /* every warp's P.V done */
             }
             if (pass == 0) {
 #pragma unroll
