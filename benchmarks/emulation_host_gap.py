@@ -1,0 +1,82 @@
+"""Where an emulated forward's time through the API goes beyond its kernels (needs a CUDA GPU).
+
+    python benchmarks/emulation_host_gap.py [preset:fmt:mask:D ...]   (default: the four cases below)
+
+For each case (B 1, H 16, N 4096, CUDA float64 in and out, after a warm-up call), four numbers, ms:
+- api: CUDA events around one call, the median (min-max) of 9, as bench_emulation.py times it;
+- preloaded: the same, with the GPU given 2e6 cycles of torch.cuda._sleep before the start event, so that the
+  host's work before the first launch runs while the GPU is still busy: the call's GPU time alone, gaps between its
+  kernels included;
+- kernels: the GPU time of the call's kernels under torch.profiler, the median (min-max) of 5 calls;
+- host: perf_counter around one call on a pre-loaded GPU (the launches do not wait), the median of 9.
+preloaded ~ kernels says the call's kernels run back to back; api - preloaded is then the host's time before the
+first launch, exposed. Validated first: the pre-loaded call's outputs equal the plain call's bit for bit.
+"""
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fadev
+
+CASES = ("naive:bf16:causal:64", "naive:bf16:plain:64", "paper:fp16:causal:64", "paper:bf16:plain:64")
+
+
+def events(fn, pre):
+    ts = []
+    for _ in range(9):
+        if pre:
+            torch.cuda._sleep(int(pre))
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts), min(ts), max(ts)
+
+
+def kernels(fn):
+    ks = []
+    for _ in range(5):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        ks.append(sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3)
+    return statistics.median(ks), min(ks), max(ks)
+
+
+def host(fn):
+    hs = []
+    for _ in range(9):
+        torch.cuda._sleep(int(2e6))
+        t = time.perf_counter()
+        fn()
+        hs.append((time.perf_counter() - t) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(hs)
+
+
+def main(cases):
+    print(torch.cuda.get_device_name(), torch.__version__, "B 1, H 16, N 4096; ms")
+    for case in cases:
+        preset, fmt, mask, D = case.split(":")
+        D, causal = int(D), mask == "causal"
+        g = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(1, 16, 4096, D, generator=g, dtype=torch.float64).cuda() for _ in range(3))
+        fwd = fadev.baseline_attention if preset == "naive" else fadev.flash_attention
+        fn = lambda: fwd(q, k, v, f"{preset}:{fmt}", causal=causal, return_lse=True)  # noqa: E731
+        ref = fn()
+        torch.cuda._sleep(int(2e6))
+        again = fn()
+        if not all(torch.equal(a, b) for a, b in zip(ref, again)):
+            raise SystemExit(f"{case}: the pre-loaded call's outputs differ from the plain call's")
+        a, b, kk = events(fn, 0), events(fn, 2e6), kernels(fn)
+        print(f"{case:24s} api {a[0]:.3f} ({a[1]:.3f}-{a[2]:.3f})  preloaded {b[0]:.3f} ({b[1]:.3f}-{b[2]:.3f})  "
+              f"kernels {kk[0]:.3f} ({kk[1]:.3f}-{kk[2]:.3f})  host {host(fn):.3f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or CASES)
