@@ -152,20 +152,30 @@ def bench_cpu(args):
 # ------------------------------------------------------------------ CUDA
 
 
-def cuda_ms(fn, repeat):
-    """Median ms of fn() by CUDA events, after a warm-up call."""
+def cuda_times(fn, repeat, pre=0):
+    """ms of fn() by CUDA events, ``repeat`` times after a warm-up call. With ``pre``, the GPU is first given that many
+    cycles of torch.cuda._sleep, so that the host's work before fn()'s first launch runs while the GPU is still busy
+    (emulation_host_gap.py)."""
     import torch
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeat):
+        if pre:
+            torch.cuda._sleep(int(pre))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return times
+
+
+def cuda_ms(fn, repeat):
+    """Median ms of fn() by CUDA events, after a warm-up call."""
+    times = sorted(cuda_times(fn, repeat))
+    return times[len(times) // 2]
 
 
 def kernels_ms(fn):

@@ -7,7 +7,7 @@ For each case (B 1, H 16, N 4096, CUDA float64 in and out, after a warm-up call)
 - preloaded: the same, with the GPU given 2e6 cycles of torch.cuda._sleep before the start event, so that the
   host's work before the first launch runs while the GPU is still busy: the call's GPU time alone, gaps between its
   kernels included;
-- kernels: the GPU time of the call's kernels under torch.profiler, the median (min-max) of 5 calls;
+- kernels: the GPU time of the call's kernels under torch.profiler (bench_emulation.py's), the median (min-max) of 5;
 - host: perf_counter around one call on a pre-loaded GPU (the launches do not wait), the median of 9.
 preloaded ~ kernels says the call's kernels run back to back; api - preloaded is then the host's time before the
 first launch, exposed. Validated first: the pre-loaded call's outputs equal the plain call's bit for bit.
@@ -17,35 +17,15 @@ import sys
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import fadev
+from bench_emulation import cuda_times, kernels_ms
 
 CASES = ("naive:bf16:causal:64", "naive:bf16:plain:64", "paper:fp16:causal:64", "paper:bf16:plain:64")
 
 
-def events(fn, pre):
-    ts = []
-    for _ in range(9):
-        if pre:
-            torch.cuda._sleep(int(pre))
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts), min(ts), max(ts)
-
-
-def kernels(fn):
-    ks = []
-    for _ in range(5):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        ks.append(sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3)
-    return statistics.median(ks), min(ks), max(ks)
+def spread(ms):
+    return statistics.median(ms), min(ms), max(ms)
 
 
 def host(fn):
@@ -59,11 +39,21 @@ def host(fn):
     return statistics.median(hs)
 
 
+def parse(case):
+    """preset:fmt:mask:D -> (preset, fmt, causal, D)"""
+    parts = case.split(":")
+    if len(parts) != 4 or parts[2] not in ("causal", "plain") or not parts[3].isdigit():
+        raise SystemExit(f"case {case!r}: expected preset:fmt:mask:D, mask causal or plain, e.g. naive:bf16:causal:64")
+    return parts[0], parts[1], parts[2] == "causal", int(parts[3])
+
+
 def main(cases):
+    cases = [parse(c) for c in cases]
+    if not torch.cuda.is_available():
+        raise SystemExit("emulation_host_gap.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     print(torch.cuda.get_device_name(), torch.__version__, "B 1, H 16, N 4096; ms")
-    for case in cases:
-        preset, fmt, mask, D = case.split(":")
-        D, causal = int(D), mask == "causal"
+    for preset, fmt, causal, D in cases:
+        case = f"{preset}:{fmt}:{'causal' if causal else 'plain'}:{D}"
         g = torch.Generator().manual_seed(1)
         q, k, v = (torch.randn(1, 16, 4096, D, generator=g, dtype=torch.float64).cuda() for _ in range(3))
         fwd = fadev.baseline_attention if preset == "naive" else fadev.flash_attention
@@ -73,7 +63,8 @@ def main(cases):
         again = fn()
         if not all(torch.equal(a, b) for a, b in zip(ref, again)):
             raise SystemExit(f"{case}: the pre-loaded call's outputs differ from the plain call's")
-        a, b, kk = events(fn, 0), events(fn, 2e6), kernels(fn)
+        a, b = spread(cuda_times(fn, 9)), spread(cuda_times(fn, 9, pre=2e6))
+        kk = spread([kernels_ms(fn) for _ in range(5)])
         print(f"{case:24s} api {a[0]:.3f} ({a[1]:.3f}-{a[2]:.3f})  preloaded {b[0]:.3f} ({b[1]:.3f}-{b[2]:.3f})  "
               f"kernels {kk[0]:.3f} ({kk[1]:.3f}-{kk[2]:.3f})  host {host(fn):.3f}")
 
