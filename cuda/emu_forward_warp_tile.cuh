@@ -60,8 +60,7 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     const int64_t i = iw + r;
     float *er = ew + r;
 
-    /* K of the keys jb0 .. jb0 + ncta - 1 into shared memory, and V with `need_v` where it has a buffer of its own;
-     * a CTA barrier before and after */
+    /* K of keys jb0 .. + ncta - 1 into shared memory (V too with `need_v`, where it has a buffer); barriers around */
     auto stage_kv = [&](int64_t jb0, int ncta, bool need_v) {
         __syncthreads(); /* the previous block's readers of K, V and E are done */
         if constexpr (T::QUAD) stage_kt<DP, KP, FR>(sk, cx.kf + (bhk * Nk + jb0) * D, D, ncta);
