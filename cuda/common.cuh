@@ -24,8 +24,14 @@ fadev_status fadev_cuda_end(int asynchronous, const char *where);
 /* Device scratch one emulated call may hold: min(2 GiB, a third of the free memory), lowered by the environment's
  * FADEV_CUDA_SCRATCH_BYTES (tests: small problems chunked as large ones are). */
 fadev_status fadev_cuda_scratch_budget(size_t *budget);
-/* The current device's SM count in *sms. */
+/* Whether `bytes` of scratch fit that budget, in *fits; without asking the driver for the free memory where the
+ * device's memory pool already holds that much unused (a call's score store, kept by the pool since the last call). */
+fadev_status fadev_cuda_scratch_fits(size_t bytes, int *fits);
+/* The current device's SM count, and the most dynamic shared memory a block may opt in to (read once a device). */
 fadev_status fadev_cuda_sm_count(int *sms);
+fadev_status fadev_cuda_smem_optin(int *bytes);
+/* cudaFuncSetAttribute(kernel, MaxDynamicSharedMemorySize, bytes) on the current device, once: again only to grow it. */
+fadev_status fadev_cuda_smem_attr(const void *kernel, int bytes);
 
 #define CUDA_TRY(call)                                                   \
     do {                                                                 \

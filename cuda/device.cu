@@ -3,6 +3,12 @@
  * compiled here for the device), keyed by the same Philox counter, so the result is bit-identical
  * to fadev_round_f64 for every mode. Host pointers in and out; the copy is part of the call. */
 #include <stdlib.h>
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <utility>
+
 #include "common.cuh"
 #include "../csrc/round.h"
 
@@ -46,10 +52,62 @@ fadev_status fadev_cuda_scratch_budget(size_t *budget) {
     return FADEV_OK;
 }
 
-fadev_status fadev_cuda_sm_count(int *sms) {
+fadev_status fadev_cuda_scratch_fits(size_t bytes, int *fits) {
+    *fits = 0;
+    const char *cap_text = getenv("FADEV_CUDA_SCRATCH_BYTES");
+    const size_t cap = cap_text ? (size_t)strtoull(cap_text, NULL, 10) : 0;
+    if (bytes > ((size_t)2 << 30) || (cap > 0 && bytes > cap)) return FADEV_OK;
+    int device = 0, pools = 0;
+    CUDA_TRY(cudaGetDevice(&device));
+    CUDA_TRY(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device));
+    if (pools) { /* memory the pool holds and no allocation uses: taking it takes nothing from anyone */
+        cudaMemPool_t pool;
+        unsigned long long reserved = 0, used = 0; /* the attributes are cuuint64_t */
+        CUDA_TRY(cudaDeviceGetDefaultMemPool(&pool, device));
+        CUDA_TRY(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
+        CUDA_TRY(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
+        if (reserved >= used && reserved - used >= bytes) return *fits = 1, FADEV_OK;
+    }
+    size_t budget = 0;
+    FADEV_TRY(fadev_cuda_scratch_budget(&budget));
+    *fits = bytes <= budget;
+    return FADEV_OK;
+}
+
+/* Values of a device that do not change while the process runs, read from the driver once a device: an emulated
+ * call asked for them on every call, between its launches (issue 24: the host's time of a call). 0: not read yet. */
+namespace {
+constexpr int MAX_DEVICES = 64;
+std::atomic<int> sm_counts[MAX_DEVICES], smem_optins[MAX_DEVICES];
+
+fadev_status device_value(std::atomic<int> *cache, cudaDeviceAttr attr, int *value) {
     int device = 0;
     CUDA_TRY(cudaGetDevice(&device));
-    CUDA_TRY(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device));
+    const bool kept = device >= 0 && device < MAX_DEVICES;
+    if (kept && (*value = cache[device].load(std::memory_order_relaxed)) > 0) return FADEV_OK;
+    CUDA_TRY(cudaDeviceGetAttribute(value, attr, device));
+    if (kept) cache[device].store(*value, std::memory_order_relaxed);
+    return FADEV_OK;
+}
+} // namespace
+
+fadev_status fadev_cuda_sm_count(int *sms) { return device_value(sm_counts, cudaDevAttrMultiProcessorCount, sms); }
+
+fadev_status fadev_cuda_smem_optin(int *bytes) {
+    return device_value(smem_optins, cudaDevAttrMaxSharedMemoryPerBlockOptin, bytes);
+}
+
+fadev_status fadev_cuda_smem_attr(const void *kernel, int bytes) {
+    /* (kernel, device) -> the size set: set once a device, again only to grow it */
+    static std::mutex mu;
+    static std::map<std::pair<const void *, int>, int> set;
+    int device = 0;
+    CUDA_TRY(cudaGetDevice(&device));
+    std::lock_guard<std::mutex> hold(mu);
+    int &have = set[{kernel, device}];
+    if (have >= bytes) return FADEV_OK;
+    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    have = bytes;
     return FADEV_OK;
 }
 

@@ -358,16 +358,15 @@ fadev_status run_forward(const double *q, const double *k, const double *v, doub
     FADEV_TRY(m.alloc("emulated attention: O and P.V partial sums"));
     a.o_scratch = m.at<double>(o_o);
     a.pv_scratch = m.at<double>(o_pv);
-    int device = 0, smem_max = 0;
-    CUDA_TRY(cudaGetDevice(&device));
-    CUDA_TRY(cudaDeviceGetAttribute(&smem_max, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    int smem_max = 0;
+    FADEV_TRY(fadev_cuda_smem_optin(&smem_max));
     a.chunk = MAX_CHUNK;
     a.narrow = att_inside_fp32(&policy->score) && att_inside_fp32(&policy->softmax) && att_inside_fp32(&policy->p);
     while (a.chunk > 8 && smem_bytes(params->dim, cx.qk_float, cx.pv_float, a.narrow, a.chunk) > (size_t)smem_max)
         a.chunk /= 2;
     const size_t smem = smem_bytes(params->dim, cx.qk_float, cx.pv_float, a.narrow, a.chunk);
     const void *kernel = flash ? (const void *)flash_kernel : (const void *)baseline_kernel;
-    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    FADEV_TRY(fadev_cuda_smem_attr(kernel, (int)smem));
     if (flash) flash_kernel<<<(unsigned)ctas, ROWS, smem>>>(a);
     else baseline_kernel<<<(unsigned)ctas, ROWS, smem>>>(a);
     return fadev_cuda_end(params->asynchronous, flash ? "emulated flash attention" : "emulated baseline attention");

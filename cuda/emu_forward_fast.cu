@@ -439,7 +439,7 @@ fadev_status emu_fast_forward(const emu_ctx &cx, double *out, double *lse, int b
     const int d64 = cx.pr.dim <= 64;
     const void *kernel = a.lean ? (d64 ? (const void *)fast_kernel<4, true> : (const void *)fast_kernel<8, true>)
                                 : (d64 ? (const void *)fast_kernel<4, false> : (const void *)fast_kernel<8, false>);
-    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    FADEV_TRY(fadev_cuda_smem_attr(kernel, (int)smem));
     if (a.lean && d64) fast_kernel<4, true><<<(unsigned)ctas, NT, smem>>>(a);
     else if (a.lean) fast_kernel<8, true><<<(unsigned)ctas, NT, smem>>>(a);
     else if (d64) fast_kernel<4, false><<<(unsigned)ctas, NT, smem>>>(a);

@@ -47,7 +47,8 @@ int emu_fwd::warp_forward_ok(const emu_ctx &cx, int baseline) {
 }
 
 /* The baseline's grid and score store: every resident CTA (2 an SM) a slot of BQ x Nk fp32 scores, where they fit
- * in fadev_cuda_scratch_budget (min(2 GiB, a third of the free memory); FADEV_CUDA_SCRATCH_BYTES), FADEV_EMU_KEEP=0 turns
+ * in the scratch budget (fadev_cuda_scratch_fits: min(2 GiB, a third of the free memory), FADEV_CUDA_SCRATCH_BYTES;
+ * or memory the pool holds unused, as it holds the last call's store), FADEV_EMU_KEEP=0 turns
  * the store off -- else a CTA per unit, every pass computing the scores. Storing them saves two of the baseline's
  * four product chains a score (2 D FMAs; the first pass's maxima need every score before any term) for 12 bytes of
  * memory traffic a score (one store, two loads). */
@@ -59,9 +60,9 @@ static fadev_status keep_plan(fast_args &a, int64_t bq, device_buffer<float> &ke
     FADEV_TRY(fadev_cuda_sm_count(&sms));
     const int64_t slots = a.units < 2 * (int64_t)sms ? a.units : 2 * (int64_t)sms;
     const int64_t per = bq * ((a.cx.pr.seq_kv + KB - 1) / KB) * KB; /* floats a slot */
-    size_t budget = 0;
-    FADEV_TRY(fadev_cuda_scratch_budget(&budget));
-    if ((size_t)(slots * per) > budget / sizeof(float)) return FADEV_OK;
+    int fits = 0;
+    FADEV_TRY(fadev_cuda_scratch_fits((size_t)(slots * per) * sizeof(float), &fits));
+    if (!fits) return FADEV_OK;
     FADEV_TRY(keep.alloc((size_t)(slots * per), "emulated baseline attention: scores"));
     a.s_keep = keep.ptr, grid = slots;
     return FADEV_OK;

@@ -578,7 +578,7 @@ template <int DC, bool LEAN, bool BASE, bool CAUSAL, bool KEEP = false, int SIG 
 fadev_status launch(const fast_args &a, int64_t ctas) {
     const size_t smem = tile<DC>::bytes;
     auto kernel = warp_kernel<DC, LEAN, BASE, CAUSAL, KEEP, SIG>;
-    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    FADEV_TRY(fadev_cuda_smem_attr((const void *)kernel, (int)smem));
     kernel<<<(unsigned)ctas, NT, smem>>>(a);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
