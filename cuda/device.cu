@@ -52,33 +52,11 @@ fadev_status fadev_cuda_scratch_budget(size_t *budget) {
     return FADEV_OK;
 }
 
-fadev_status fadev_cuda_scratch_fits(size_t bytes, int *fits) {
-    *fits = 0;
-    const char *cap_text = getenv("FADEV_CUDA_SCRATCH_BYTES");
-    const size_t cap = cap_text ? (size_t)strtoull(cap_text, NULL, 10) : 0;
-    if (bytes > ((size_t)2 << 30) || (cap > 0 && bytes > cap)) return FADEV_OK;
-    int device = 0, pools = 0;
-    CUDA_TRY(cudaGetDevice(&device));
-    CUDA_TRY(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, device));
-    if (pools) { /* memory the pool holds and no allocation uses: taking it takes nothing from anyone */
-        cudaMemPool_t pool;
-        unsigned long long reserved = 0, used = 0; /* the attributes are cuuint64_t */
-        CUDA_TRY(cudaDeviceGetDefaultMemPool(&pool, device));
-        CUDA_TRY(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrReservedMemCurrent, &reserved));
-        CUDA_TRY(cudaMemPoolGetAttribute(pool, cudaMemPoolAttrUsedMemCurrent, &used));
-        if (reserved >= used && reserved - used >= bytes) return *fits = 1, FADEV_OK;
-    }
-    size_t budget = 0;
-    FADEV_TRY(fadev_cuda_scratch_budget(&budget));
-    *fits = bytes <= budget;
-    return FADEV_OK;
-}
-
 /* Values of a device that do not change while the process runs, read from the driver once a device: an emulated
  * call asked for them on every call, between its launches (issue 24: the host's time of a call). 0: not read yet. */
 namespace {
 constexpr int MAX_DEVICES = 64;
-std::atomic<int> sm_counts[MAX_DEVICES], smem_optins[MAX_DEVICES];
+std::atomic<int> sm_counts[MAX_DEVICES], smem_optins[MAX_DEVICES], pool_support[MAX_DEVICES];
 
 fadev_status device_value(std::atomic<int> *cache, cudaDeviceAttr attr, int *value) {
     int device = 0;
@@ -90,6 +68,35 @@ fadev_status device_value(std::atomic<int> *cache, cudaDeviceAttr attr, int *val
     return FADEV_OK;
 }
 } // namespace
+
+fadev_status fadev_cuda_scratch_fits(size_t bytes, int *fits) {
+    *fits = 0;
+    const char *cap_text = getenv("FADEV_CUDA_SCRATCH_BYTES");
+    const size_t cap = cap_text ? (size_t)strtoull(cap_text, NULL, 10) : 0;
+    if (bytes > ((size_t)2 << 30) || (cap > 0 && bytes > cap)) return FADEV_OK;
+    int device = 0, pools = 0;
+    CUDA_TRY(cudaGetDevice(&device));
+    FADEV_TRY(device_value(pool_support, cudaDevAttrMemoryPoolsSupported, &pools));
+    if (pools && device >= 0 && device < MAX_DEVICES) { /* memory the pool holds and no allocation uses: taking it
+                                                         * takes nothing from anyone */
+        static cudaMemPool_t default_pools[MAX_DEVICES]; /* read once a device (call_once orders it for every thread) */
+        static std::once_flag once[MAX_DEVICES];
+        std::call_once(once[device], [device] {
+            if (cudaDeviceGetDefaultMemPool(&default_pools[device], device) != cudaSuccess)
+                default_pools[device] = nullptr, cudaGetLastError();
+        });
+        unsigned long long reserved = 0, used = 0; /* the attributes are cuuint64_t */
+        if (default_pools[device]) {
+            CUDA_TRY(cudaMemPoolGetAttribute(default_pools[device], cudaMemPoolAttrReservedMemCurrent, &reserved));
+            CUDA_TRY(cudaMemPoolGetAttribute(default_pools[device], cudaMemPoolAttrUsedMemCurrent, &used));
+        }
+        if (reserved >= used && reserved - used >= bytes) return *fits = 1, FADEV_OK;
+    }
+    size_t budget = 0;
+    FADEV_TRY(fadev_cuda_scratch_budget(&budget));
+    *fits = bytes <= budget;
+    return FADEV_OK;
+}
 
 fadev_status fadev_cuda_sm_count(int *sms) { return device_value(sm_counts, cudaDevAttrMultiProcessorCount, sms); }
 

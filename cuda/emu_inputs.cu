@@ -83,9 +83,14 @@ fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const 
                               {v, rv, fv32, mags + hq + hk, hk, params->seq_kv, ATT_IN_V}}};
     const unsigned threads = 256;
     const int64_t longest = params->seq_q > params->seq_kv ? params->seq_q : params->seq_kv;
-    unsigned per_head = emu_blocks((size_t)(longest * D), threads);
-    if (per_head > 32) per_head = 32; /* 32 elements a thread at D 64 (H200: with 2 or 4 times as many blocks the
-                                       * kernel was slower) */
+    /* blocks a head: at least 32 elements a thread, at most 32 blocks, and about 2048 blocks in all where there are
+     * many heads (at least 8 a head). H200, the kernel's time by blocks a head (8 / 14 / 20 / 32 / 64): B 1, H 16,
+     * N 4096, D 64: 53 / 59 / 56 / 53 / 56 us; D 128: 103 / 112 / 105 / 100 / 102; B 8, H 8/4, N 1024 (the Llama
+     * step's): 41 / 45 / 53 / 54 / 97; B 16, H 16, 128 queries, 4096 keys: 499 / 517 / 542 / 553 / 608 */
+    const int64_t by_count = 2048 / (3 * hq) > 8 ? 2048 / (3 * hq) : 8;
+    int64_t blocks = (longest * D + threads * 32 - 1) / (threads * 32);
+    blocks = blocks < by_count ? blocks : by_count;
+    const unsigned per_head = (unsigned)(blocks < 1 ? 1 : blocks > 32 ? 32 : blocks);
     for (int64_t h0 = 0; h0 < hq; h0 += 65535) { /* gridDim.y is at most 65535; K/V have no more heads than Q */
         const int64_t hn = hq - h0 < 65535 ? hq - h0 : 65535;
         round_inputs_kernel<<<dim3(per_head, (unsigned)hn, 3), threads>>>(jobs, D, cx->input, h0);
