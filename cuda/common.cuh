@@ -27,9 +27,11 @@ fadev_status fadev_cuda_scratch_budget(size_t *budget);
 /* Whether `bytes` of scratch fit that budget, in *fits; without asking the driver for the free memory where the
  * device's memory pool already holds that much unused (a call's score store, kept by the pool since the last call). */
 fadev_status fadev_cuda_scratch_fits(size_t bytes, int *fits);
-/* The current device's SM count, and the most dynamic shared memory a block may opt in to (read once a device). */
+/* The current device's SM count, the most dynamic shared memory a block may opt in to, its compute capability (each
+ * read once a device). */
 fadev_status fadev_cuda_sm_count(int *sms);
 fadev_status fadev_cuda_smem_optin(int *bytes);
+fadev_status fadev_cuda_capability(int *major, int *minor);
 /* cudaFuncSetAttribute(kernel, MaxDynamicSharedMemorySize, bytes) on the current device, once: again only to grow it. */
 fadev_status fadev_cuda_smem_attr(const void *kernel, int bytes);
 

@@ -52,19 +52,22 @@ fadev_status fadev_cuda_scratch_budget(size_t *budget) {
     return FADEV_OK;
 }
 
-/* Values of a device that do not change while the process runs, read from the driver once a device: an emulated
- * call asked for them on every call, between its launches (issue 24: the host's time of a call). 0: not read yet. */
+/* Values of a device that do not change while the process runs, read from the driver once a device: the emulated
+ * and native calls asked for them on every call (issue 24: the host's time of a call). Kept as value + 1; 0: not
+ * read yet. */
 namespace {
 constexpr int MAX_DEVICES = 64;
-std::atomic<int> sm_counts[MAX_DEVICES], smem_optins[MAX_DEVICES], pool_support[MAX_DEVICES];
+std::atomic<int> sm_counts[MAX_DEVICES], smem_optins[MAX_DEVICES], pool_support[MAX_DEVICES], cc_major[MAX_DEVICES],
+    cc_minor[MAX_DEVICES];
 
 fadev_status device_value(std::atomic<int> *cache, cudaDeviceAttr attr, int *value) {
     int device = 0;
     CUDA_TRY(cudaGetDevice(&device));
     const bool kept = device >= 0 && device < MAX_DEVICES;
-    if (kept && (*value = cache[device].load(std::memory_order_relaxed)) > 0) return FADEV_OK;
+    const int have = kept ? cache[device].load(std::memory_order_relaxed) : 0;
+    if (have > 0) return *value = have - 1, FADEV_OK;
     CUDA_TRY(cudaDeviceGetAttribute(value, attr, device));
-    if (kept) cache[device].store(*value, std::memory_order_relaxed);
+    if (kept) cache[device].store(*value + 1, std::memory_order_relaxed);
     return FADEV_OK;
 }
 } // namespace
@@ -102,6 +105,11 @@ fadev_status fadev_cuda_sm_count(int *sms) { return device_value(sm_counts, cuda
 
 fadev_status fadev_cuda_smem_optin(int *bytes) {
     return device_value(smem_optins, cudaDevAttrMaxSharedMemoryPerBlockOptin, bytes);
+}
+
+fadev_status fadev_cuda_capability(int *major, int *minor) {
+    FADEV_TRY(device_value(cc_major, cudaDevAttrComputeCapabilityMajor, major));
+    return device_value(cc_minor, cudaDevAttrComputeCapabilityMinor, minor);
 }
 
 fadev_status fadev_cuda_smem_attr(const void *kernel, int bytes) {

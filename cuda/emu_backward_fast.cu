@@ -425,8 +425,7 @@ static sums_cut cut_of(int64_t rows, int64_t D, int64_t gn, int causal, bool wid
 template <typename T, int R, bool PAIRED, int C>
 fadev_status sums_dkv_launch(const bwd_args &a, const T *sa, const T *sb, const sums_cut &c, int last_chunk) {
     constexpr size_t smem = sums_smem_bytes<R, C>(); /* above 48 KB at R = 8: opted in */
-    CUDA_TRY(cudaFuncSetAttribute(dkv_fast_kernel<T, R, PAIRED, C>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)smem));
+    FADEV_TRY(fadev_cuda_smem_attr((const void *)dkv_fast_kernel<T, R, PAIRED, C>, (int)smem));
     const dim3 both(c.grid.x, c.grid.y, 2 * c.grid.z);
     dkv_fast_kernel<T, R, PAIRED, C><<<both, NT, smem>>>(a, sa, sb, last_chunk, c.paired, (int)c.grid.z);
     return FADEV_OK;
@@ -446,8 +445,7 @@ fadev_status sums_dkv(const bwd_args &a, const T *sa, const T *sb, const sums_cu
 template <typename T, int R, bool PAIRED>
 fadev_status sums_dq_launch(const bwd_args &a, const T *sb, const sums_cut &c) {
     constexpr size_t smem = sums_smem_bytes<R>();
-    CUDA_TRY(cudaFuncSetAttribute(dq_fast_kernel<T, R, PAIRED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  (int)smem));
+    FADEV_TRY(fadev_cuda_smem_attr((const void *)dq_fast_kernel<T, R, PAIRED>, (int)smem));
     dq_fast_kernel<T, R, PAIRED><<<c.grid, NT, smem>>>(a, sb, c.paired);
     return FADEV_OK;
 }

@@ -375,7 +375,7 @@ fadev_status launch(golden_args a, int max_smem) {
         return fadev_cuda_fail_msg(FADEV_ERR_OVERFLOW, "fadev_cuda_golden_attention: grid too large");
     const unsigned grid = (unsigned)(a.m_blocks * a.heads_total * a.chunks);
     auto kernel = golden_kernel<DQK, DV, BLOCK_N>;
-    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    FADEV_TRY(fadev_cuda_smem_attr((const void *)kernel, (int)smem));
     kernel<<<grid, 32 * warps, smem>>>(a);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;
@@ -400,10 +400,9 @@ extern "C" fadev_status fadev_cuda_golden_attention(const double *q, const doubl
         !mul_ok(&n_kv, pr->dim))
         return FADEV_ERR_OVERFLOW;
     FADEV_TRY(fadev_cuda_require_device());
-    int device = 0, major = 0, max_smem = 0;
-    CUDA_TRY(cudaGetDevice(&device));
-    CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    CUDA_TRY(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    int major = 0, minor = 0, max_smem = 0;
+    FADEV_TRY(fadev_cuda_capability(&major, &minor));
+    FADEV_TRY(fadev_cuda_smem_optin(&max_smem));
     if (major < 8)
         return fadev_cuda_fail_msg(FADEV_ERR_CUDA, "fadev_cuda_golden_attention: needs fp64 tensor cores "
                                                    "(compute capability 8.0 or newer)");

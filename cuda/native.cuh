@@ -547,7 +547,7 @@ static inline int native_aligned(const void *p, uintptr_t a) { return ((uintptr_
  * 48 KB it must be); every backward launcher's launch (the dK/dV kernels, both dQ passes). */
 static inline fadev_status native_bwd_launch(void (*kernel)(native_bwd_args), int64_t ctas, int threads, int smem,
                                              const native_bwd_args &a) {
-    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    FADEV_TRY(fadev_cuda_smem_attr((const void *)kernel, (int)smem));
     kernel<<<(unsigned)ctas, threads, smem, a.stream>>>(a);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;

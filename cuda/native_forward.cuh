@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(BQ * 2 / MI) native_forward_kernel(const nativ
 template <typename T, int D, int BQ, int BKV, int MI>
 static inline fadev_status native_forward_launch(const native_fwd_args &a, int64_t ctas) {
     constexpr int smem = native_fwd_smem<D, BQ, BKV>();
-    CUDA_TRY(cudaFuncSetAttribute(native_forward_kernel<T, D, BQ, BKV, MI>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    FADEV_TRY(fadev_cuda_smem_attr((const void *)native_forward_kernel<T, D, BQ, BKV, MI>, (int)smem));
     native_forward_kernel<T, D, BQ, BKV, MI><<<(unsigned)ctas, BQ * 2 / MI, smem, a.stream>>>(a);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;

@@ -151,7 +151,7 @@ fadev_status tma_launch(const fadev_native_params *p, const native_fwd_args &a, 
         return FADEV_OK; /* *ran stays false: the cp.async kernel runs */
     constexpr int smem = tma_smem<D, BKV, STAGES>();
     auto kernel = native_forward_tma_kernel<T, D, BKV, STAGES, PP>;
-    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    FADEV_TRY(fadev_cuda_smem_attr((const void *)kernel, (int)smem));
     kernel<<<(unsigned)ctas, TMA_THREADS, smem, a.stream>>>(a, maps);
     CUDA_TRY(cudaGetLastError());
     *ran = true;

@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(BQ * 2, 1) native_forward_wgmma_kernel(const n
 template <typename T, int D, int BQ, int BKV>
 static fadev_status native_wgmma_launch(const native_fwd_args &a, int64_t ctas) {
     constexpr int smem = native_wgmma_smem<D, BQ, BKV>();
-    CUDA_TRY(cudaFuncSetAttribute(native_forward_wgmma_kernel<T, D, BQ, BKV>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    FADEV_TRY(fadev_cuda_smem_attr((const void *)native_forward_wgmma_kernel<T, D, BQ, BKV>, (int)smem));
     native_forward_wgmma_kernel<T, D, BQ, BKV><<<(unsigned)ctas, BQ * 2, smem, a.stream>>>(a);
     CUDA_TRY(cudaGetLastError());
     return FADEV_OK;

@@ -157,7 +157,7 @@ fadev_status bwd_tma_run(void (*kernel)(native_bwd_args, bwd_maps), const fadev_
                          bool *ran, int dq_cols = 0) {
     bwd_maps maps;
     if (!bwd_tma_maps<T>(&maps, p, a, d, q_rows, kv_rows, dq_cols)) return FADEV_OK;
-    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    FADEV_TRY(fadev_cuda_smem_attr((const void *)kernel, (int)smem));
     kernel<<<(unsigned)ctas, threads, smem, a.stream>>>(a, maps);
     CUDA_TRY(cudaGetLastError());
     *ran = true;

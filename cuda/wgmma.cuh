@@ -30,10 +30,8 @@
 
 /* The wgmma kernels run only where they were built for: compute capability 9.0 (sm_90a). */
 static inline fadev_status native_require_hopper() {
-    int device = 0, major = 0, minor = 0;
-    CUDA_TRY(cudaGetDevice(&device));
-    CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    int major = 0, minor = 0;
+    FADEV_TRY(fadev_cuda_capability(&major, &minor));
     if (major != 9 || minor != 0)
         return native_bad(FADEV_ERR_INVALID_ARGUMENT, "native attention: mma='wgmma' needs a Hopper GPU (compute "
                                                       "capability 9.0); use mma='sync'");
