@@ -8,7 +8,9 @@ For each case (B 1, H 16, N 4096, CUDA float64 in and out, after a warm-up call)
   host's work before the first launch runs while the GPU is still busy: the call's GPU time alone, gaps between its
   kernels included;
 - kernels: the GPU time of the call's kernels under torch.profiler (bench_emulation.py's), the median (min-max) of 5;
-- host: perf_counter around one call on a pre-loaded GPU (the launches do not wait), the median of 9.
+- host: perf_counter around one call on a pre-loaded GPU (the launches do not wait), the median of 9;
+- queued: 9 calls back to back between one pair of events, per call (bench_emulation.py's queued_ms), as a training
+  loop or a sweep queues them.
 preloaded ~ kernels says the call's kernels run back to back; api - preloaded is then the host's time before the
 first launch, exposed. Validated first: the pre-loaded call's outputs equal the plain call's bit for bit.
 """
@@ -19,7 +21,7 @@ import time
 import torch
 
 import fadev
-from bench_emulation import cuda_times, kernels_ms
+from bench_emulation import cuda_times, kernels_ms, queued_ms
 
 CASES = ("naive:bf16:causal:64", "naive:bf16:plain:64", "paper:fp16:causal:64", "paper:bf16:plain:64")
 
@@ -66,7 +68,7 @@ def main(cases):
         a, b = spread(cuda_times(fn, 9)), spread(cuda_times(fn, 9, pre=2e6))
         kk = spread([kernels_ms(fn) for _ in range(5)])
         print(f"{case:24s} api {a[0]:.3f} ({a[1]:.3f}-{a[2]:.3f})  preloaded {b[0]:.3f} ({b[1]:.3f}-{b[2]:.3f})  "
-              f"kernels {kk[0]:.3f} ({kk[1]:.3f}-{kk[2]:.3f})  host {host(fn):.3f}")
+              f"kernels {kk[0]:.3f} ({kk[1]:.3f}-{kk[2]:.3f})  host {host(fn):.3f}  queued {queued_ms(fn, 9):.3f}")
 
 
 if __name__ == "__main__":
