@@ -34,7 +34,7 @@ import numpy as np
 
 import fadev
 from fadev import _core
-from timing import best_seconds
+from timing import best_seconds, cuda_window_seconds
 
 PRESETS = ("fa2", "paper", "naive")
 FORMATS = ("bf16", "fp16")
@@ -185,13 +185,7 @@ def queued_ms(fn, repeat):
     import torch
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeat
+    return cuda_window_seconds(fn, repeat) * 1e3
 
 
 def kernels_ms(fn):

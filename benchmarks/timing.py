@@ -26,6 +26,18 @@ def with_threads(n, fn):
         fadev.set_num_threads(old)
 
 
+def cuda_window_seconds(fn, calls):
+    """Seconds a call when ``calls`` fn() calls are queued back to back between one pair of CUDA events."""
+    import torch
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / calls
+
+
 def cuda_seconds(fn, repeat=5, window=5e-3):
     """Median GPU time of one fn() call in seconds (CUDA events), after a warm-up call. Each timed window holds
     enough back-to-back calls to last about ``window`` seconds (at most 20): a single call of a short kernel would
@@ -34,15 +46,5 @@ def cuda_seconds(fn, repeat=5, window=5e-3):
     import torch
     fn()
     torch.cuda.synchronize()
-
-    def window_seconds(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3 / calls
-
-    calls = int(min(20, max(1, window / window_seconds(1))))
-    return statistics.median(window_seconds(calls) for _ in range(repeat))
+    calls = int(min(20, max(1, window / cuda_window_seconds(fn, 1))))
+    return statistics.median(cuda_window_seconds(fn, calls) for _ in range(repeat))
