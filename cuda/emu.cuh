@@ -35,6 +35,8 @@ struct emu_ctx : att_plan {
     const float *qf, *kf, *vf;
     const emu_mag *qmag;        /* per query head */
     const emu_mag *kmag, *vmag; /* per K/V head */
+    unsigned *ticket; /* the call's work counter, 0 once emu_prepare's reset kernel ran: a persistent kernel's CTAs
+                       * draw their next unit from it (emu_forward_warp_tile.cuh) */
 };
 
 /* The general rounding (other formats, stochastic rounding, values off the fast paths' range) out of line. */
@@ -166,8 +168,10 @@ __device__ __forceinline__ int emu_products_fit_f32(double amin, double amax, do
 __device__ __forceinline__ double emu_mag_min(const emu_mag &m) { return fadev_double_of(m.min_bits); }
 __device__ __forceinline__ double emu_mag_max(const emu_mag &m) { return fadev_double_of(m.max_bits); }
 
-/* The records' starting values (no value seen yet), set on the device (no host copy, no synchronisation). */
-static __global__ void emu_mag_reset_kernel(emu_mag *m, int64_t n) {
+/* The records' starting values (no value seen yet), set on the device (no host copy, no synchronisation); the work
+ * counter `ticket` (where not null) to 0. */
+static __global__ void emu_mag_reset_kernel(emu_mag *m, int64_t n, unsigned *ticket) {
+    if (ticket && blockIdx.x == 0 && threadIdx.x == 0) *ticket = 0;
     for (int64_t x = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; x < n; x += (int64_t)gridDim.x * blockDim.x)
         m[x] = emu_mag{0x7FF0000000000000ull, 0, 1};
 }

@@ -72,7 +72,7 @@ fadev_status emu_fwd::warp_forward(const emu_ctx &cx, double *out, double *lse, 
     const int d64 = cx.pr.dim <= 64;
     const int64_t bq = d64 ? tile<2>::BQ : tile<4>::BQ;
     fast_args a = fast_args_of(cx, out, lse, baseline, (int)bq);
-    a.units = cx.pr.batch * cx.pr.heads * ctas_per_head(a);
+    a.units = cx.pr.batch * cx.pr.heads * a.tiles;
     if (a.units >= (int64_t)1 << 31) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "emulated attention: grid too large");
     device_buffer<float> keep;
     int64_t ctas = 0;

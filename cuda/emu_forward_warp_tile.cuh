@@ -529,45 +529,36 @@ __device__ __forceinline__ void warp_tile(const fast_args &a, int64_t bh, int64_
     }
 }
 
-/* CTAs per query head: a CTA a row tile, except the causal baseline's, where a CTA takes two, the p-th longest and
- * the p-th shortest, so that the CTAs striding over its units (the score store's slots) have about the same work.
- * The causal flash kernels take one tile a CTA, the longest tiles first (the CTAs a multiprocessor takes as others
- * finish are the shorter ones): the pair's loop, live across the tile's code, cost its product loops their loads a
- * step ahead. H200, against the pairs: D 64 causal fa2 1.4% faster, paper fp16 0.8%, paper bf16 1.5% slower; D 128
- * causal 1.5-2.1% faster; grids of fewer CTAs than the GPU holds (B 2, H 6, N 1000) 13-22% faster */
-__host__ __device__ __forceinline__ int64_t ctas_per_head(const fast_args &a) {
-    return a.cx.pr.causal && a.baseline ? (a.tiles + 1) / 2 : a.tiles;
-}
-
-/* Work unit u: a row tile; causal, the flash kernels' u-th longest, the baseline's two: the p-th longest and the p-th
- * shortest (ctas_per_head). */
+/* Work unit u: row tile u % tiles of query head u / tiles; causal, the u-th longest tile (query head u % heads, tile
+ * tiles - 1 - u / heads), so that the CTAs that take the units in order take the longest first. */
 template <int DC, bool LEAN, bool BASE, bool CAUSAL, bool KEEP, int SIG>
 __device__ __forceinline__ void warp_unit(const fast_args &a, int64_t u) {
-    if constexpr (!CAUSAL) { /* a kernel of its own: the pair's loop state cost the tile's registers (spills) */
+    if constexpr (!CAUSAL) {
         warp_tile<DC, LEAN, BASE, KEEP, false, SIG>(a, u / a.tiles, u % a.tiles);
-    } else if constexpr (!BASE) {
+    } else {
         const int64_t heads = a.units / a.tiles; /* query heads of the call, B H */
         warp_tile<DC, LEAN, BASE, KEEP, true, SIG>(a, u % heads, a.tiles - 1 - u / heads);
-    } else {
-#pragma unroll 1
-        for (int k = 0; k < 2; k++) { /* a loop: the tile's code inlined once; its indices recomputed, not kept */
-            const int64_t per = ctas_per_head(a), p = u % per, last = a.tiles - 1 - p;
-            if (k && p == last) break;
-            if (k) __syncthreads(); /* the first tile's readers of shared memory are done */
-            warp_tile<DC, LEAN, BASE, KEEP, true, SIG>(a, u / per, !k ? last : p);
-        }
     }
 }
 
-/* A CTA per unit; with the baseline's score store, the CTAs stride over the units (a.s_keep holds one resident
- * CTA's scores each). */
+/* A CTA per unit; with the baseline's score store (a.s_keep: a slot for each resident CTA), a resident CTA per slot
+ * that takes unit blockIdx.x, then the next unit not yet taken (a.cx.ticket, drawn while the CTA computes its unit).
+ * Why not a fixed stride: the causal tiles differ in length, and 2 CTAs an SM of 132 took 16 heads' tiles in pairs
+ * (the p-th longest and the p-th shortest, 66 64-key slices each) on 256 slots, 8 left idle; taken as they free, the
+ * 512 tiles fill the 264 slots (64 slices each, the longest first). The tile's work and bits do not depend on
+ * which CTA computes it. */
 template <int DC, bool LEAN, bool BASE, bool CAUSAL, bool KEEP, int SIG>
 __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fast_args a) {
     if constexpr (KEEP) {
+        __shared__ int64_t next[2]; /* the next unit, by parity of the CTA's count of units: read after the barrier
+                                     * that ends a unit, written again two units later */
+        int it = 0;
 #pragma unroll 1
-        for (int64_t u = blockIdx.x; u < a.units; u += gridDim.x) {
-            if (u != blockIdx.x) __syncthreads(); /* the last unit's readers of shared memory are done */
+        for (int64_t u = blockIdx.x; u < a.units; it++) {
+            if (threadIdx.x == 0) next[it & 1] = (int64_t)gridDim.x + atomicAdd(a.cx.ticket, 1u);
             warp_unit<DC, LEAN, BASE, CAUSAL, KEEP, SIG>(a, u);
+            __syncthreads(); /* the unit's readers of shared memory are done; next[it & 1] is written */
+            u = next[it & 1];
         }
     } else {
         warp_unit<DC, LEAN, BASE, CAUSAL, KEEP, SIG>(a, blockIdx.x);

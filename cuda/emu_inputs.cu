@@ -65,18 +65,20 @@ fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const 
     /* the fp64 copies only where a generic kernel may read every head: 8 of the 20 bytes an element the rounding
      * wrote (H100: 112 us of fa2's 2.8 ms D 64 forward, the kernel at ~75% of the memory bandwidth) */
     const size_t n64 = fp64 || !emu_fast_forward_ok(*cx, pol) ? 1 : 0;
-    /* one allocation: q, k, v in fp64, their fp32 copies where the float tier may be used, the magnitudes */
+    /* one allocation: q, k, v in fp64, their fp32 copies where the float tier may be used, the magnitudes, the work
+     * counter */
     device_arena &m = store->mem;
     const size_t oq = m.add(n64 * nq * 8), ok = m.add(n64 * nk * 8), ov = m.add(n64 * nk * 8),
                  oqf = m.add(fq ? nq * 4 : 0), okf = m.add(fq ? nk * 4 : 0), ovf = m.add(fv ? nk * 4 : 0),
-                 omag = m.add((hq + 2 * hk) * sizeof(emu_mag));
+                 omag = m.add((hq + 2 * hk) * sizeof(emu_mag)), oticket = m.add(sizeof(unsigned));
     FADEV_TRY(m.alloc("emulated attention: rounded inputs"));
     double *rq = m.at<double>(oq), *rk = m.at<double>(ok), *rv = m.at<double>(ov);
     float *fq32 = m.at<float>(oqf), *fk32 = m.at<float>(okf), *fv32 = m.at<float>(ovf);
     emu_mag *mags = m.at<emu_mag>(omag);
     cx->q = rq, cx->k = rk, cx->v = rv, cx->qf = fq32, cx->kf = fk32, cx->vf = fv32;
     cx->qmag = mags, cx->kmag = mags + hq, cx->vmag = mags + hq + hk;
-    emu_mag_reset_kernel<<<emu_blocks((size_t)(hq + 2 * hk), 256), 256>>>(mags, hq + 2 * hk);
+    cx->ticket = m.at<unsigned>(oticket);
+    emu_mag_reset_kernel<<<emu_blocks((size_t)(hq + 2 * hk), 256), 256>>>(mags, hq + 2 * hk, cx->ticket);
     CUDA_TRY(cudaGetLastError());
     const round_jobs jobs = {{{q, rq, fq32, mags, hq, params->seq_q, ATT_IN_Q},
                               {k, rk, fk32, mags + hq, hk, params->seq_kv, ATT_IN_K},
