@@ -542,7 +542,9 @@ __device__ __forceinline__ void warp_unit(const fast_args &a, int64_t u) {
 }
 
 /* A CTA per unit; with the baseline's score store (a.s_keep: a slot for each resident CTA), a resident CTA per slot
- * that takes unit blockIdx.x, then the next unit not yet taken (a.cx.ticket, drawn while the CTA computes its unit).
+ * that takes unit blockIdx.x, then, as it finishes one, the next unit not yet taken (a.cx.ticket). Drawn when the
+ * CTA starts a unit instead (the atomic's latency hidden), the draws fixed every CTA's second unit at the start:
+ * a fixed assignment, 24-26% slower than the pairs at D 64 causal (H200).
  * Why not a fixed stride: the causal tiles differ in length, and 2 CTAs an SM of 132 took 16 heads' tiles in pairs
  * (the p-th longest and the p-th shortest, 66 64-key slices each) on 256 slots, 8 left idle; taken as they free, the
  * 512 tiles fill the 264 slots (64 slices each, the longest first). The tile's work and bits do not depend on
@@ -555,8 +557,8 @@ __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fas
         int it = 0;
 #pragma unroll 1
         for (int64_t u = blockIdx.x; u < a.units; it++) {
-            if (threadIdx.x == 0) next[it & 1] = (int64_t)gridDim.x + atomicAdd(a.cx.ticket, 1u);
             warp_unit<DC, LEAN, BASE, CAUSAL, KEEP, SIG>(a, u);
+            if (threadIdx.x == 0) next[it & 1] = (int64_t)gridDim.x + atomicAdd(a.cx.ticket, 1u);
             __syncthreads(); /* the unit's readers of shared memory are done; next[it & 1] is written */
             u = next[it & 1];
         }
