@@ -541,17 +541,23 @@ __device__ __forceinline__ void warp_unit(const fast_args &a, int64_t u) {
     }
 }
 
-/* A CTA per unit; with the baseline's score store (a.s_keep: a slot for each resident CTA), a resident CTA per slot
- * that takes unit blockIdx.x, then, as it finishes one, the next unit not yet taken (a.cx.ticket). Drawn when the
- * CTA starts a unit instead (the atomic's latency hidden), the draws fixed every CTA's second unit at the start:
- * a fixed assignment, 24-26% slower than the pairs at D 64 causal (H200).
- * Why not a fixed stride: the causal tiles differ in length, and 2 CTAs an SM of 132 took 16 heads' tiles in pairs
- * (the p-th longest and the p-th shortest, 66 64-key slices each) on 256 slots, 8 left idle; taken as they free, the
- * 512 tiles fill the 264 slots (64 slices each, the longest first). The tile's work and bits do not depend on
- * which CTA computes it. */
+/* A CTA per unit; with the baseline's score store (a.s_keep: a slot for each resident CTA), a resident CTA per slot.
+ * Unmasked, every tile is alike, and the CTAs stride over them. Causal, a CTA takes unit blockIdx.x, then, as it
+ * finishes one, the next unit not yet taken (a.cx.ticket): the longest tiles first, each to the first slot that
+ * frees. Why: the tiles differ in length, and with a fixed stride the CTAs took them in pairs (the p-th longest and
+ * the p-th shortest: at B 1, H 16, N 4096, D 64, 66 64-key slices each, on 256 of the 264 slots an H200 holds);
+ * taken as the slots free, the 512 tiles fill all 264 (64 slices each). Drawn when a CTA starts a unit instead (the
+ * atomic's latency hidden), the draws fixed every CTA's second unit at the start: a fixed assignment, 24-26% slower
+ * than the pairs (H200). A tile's work and bits do not depend on which CTA computes it. */
 template <int DC, bool LEAN, bool BASE, bool CAUSAL, bool KEEP, int SIG>
 __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fast_args a) {
-    if constexpr (KEEP) {
+    if constexpr (KEEP && !CAUSAL) {
+#pragma unroll 1
+        for (int64_t u = blockIdx.x; u < a.units; u += gridDim.x) {
+            if (u != blockIdx.x) __syncthreads(); /* the last unit's readers of shared memory are done */
+            warp_unit<DC, LEAN, BASE, CAUSAL, KEEP, SIG>(a, u);
+        }
+    } else if constexpr (KEEP) {
         __shared__ int64_t next[2]; /* the next unit, by parity of the CTA's count of units: read after the barrier
                                      * that ends a unit, written again two units later */
         int it = 0;
