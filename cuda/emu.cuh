@@ -36,7 +36,7 @@ struct emu_ctx : att_plan {
     const emu_mag *qmag;        /* per query head */
     const emu_mag *kmag, *vmag; /* per K/V head */
     unsigned *ticket; /* the call's work counter, 0 once emu_prepare's reset kernel ran: a persistent kernel's CTAs
-                       * draw their next unit from it (emu_forward_warp_tile.cuh) */
+                       * draw their next unit from it (emu_forward_warp_grid.cuh) */
 };
 
 /* The general rounding (other formats, stochastic rounding, values off the fast paths' range) out of line. */

@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "emu_forward_warp_tile.cuh"
+#include "emu_forward_warp_grid.cuh"
 
 using namespace emu_fwd;
 using namespace emu_warp;
@@ -72,7 +72,15 @@ fadev_status emu_fwd::warp_forward(const emu_ctx &cx, double *out, double *lse, 
     const int d64 = cx.pr.dim <= 64;
     const int64_t bq = d64 ? tile<2>::BQ : tile<4>::BQ;
     fast_args a = fast_args_of(cx, out, lse, baseline, (int)bq);
-    a.units = cx.pr.batch * cx.pr.heads * a.tiles;
+    /* the causal baseline's units: pairs of tiles where they fill the resident slots (2 CTAs an SM) in one round
+     * with at most an eighth idle, else single tiles (warp_kernel) */
+    if (baseline && cx.pr.causal && a.tiles > 1) {
+        int sms = 0;
+        FADEV_TRY(fadev_cuda_sm_count(&sms));
+        const int64_t pairs = cx.pr.batch * cx.pr.heads * ((a.tiles + 1) / 2), slots = 2 * (int64_t)sms;
+        a.paired = pairs <= slots && 8 * pairs >= 7 * slots;
+    }
+    a.units = cx.pr.batch * cx.pr.heads * (a.paired ? (a.tiles + 1) / 2 : a.tiles);
     if (a.units >= (int64_t)1 << 31) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "emulated attention: grid too large");
     device_buffer<float> keep;
     int64_t ctas = 0;

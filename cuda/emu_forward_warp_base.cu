@@ -3,7 +3,7 @@
  * run-time kinds' kernels, in a file of their own so that nvcc compiles them beside the flash kernels
  * (emu_forward_warp.cu): the longest compile of the build, 130 s for both, is 78 s so (sm_90, nvcc 13.0, the 2-core
  * dev box, 2026-11-28). */
-#include "emu_forward_warp_tile.cuh"
+#include "emu_forward_warp_grid.cuh"
 
 namespace emu_warp {
 

@@ -1,7 +1,7 @@
 /* The warp forward's kernels compiled for the presets' stage kinds (SIGS, emu_forward_warp.cuh; bf16 and fp16): fa2's
  * and paper's flash kernels at D <= 64 causal and at D <= 128 with and without the mask (warp_sig: where they
  * measured faster), naive's baseline kernels (with the score store) at both. A file of their own, so that nvcc compiles them beside the run-time kinds' kernels (emu_forward_warp.cu). */
-#include "emu_forward_warp_tile.cuh"
+#include "emu_forward_warp_grid.cuh"
 
 namespace emu_warp {
 
