@@ -206,6 +206,22 @@ def test_baseline_score_store_is_recomputation(D, causal, monkeypatch):
             assert differing(kept[0], again[0]) == 0 and differing(kept[1], again[1]) == 0, f"{policy} {env}"
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_causal_baseline_units_are_pairs_or_tiles(D, monkeypatch):
+    """The causal baseline's store kernel takes its units as its CTAs free (a counter each call zeroes): pairs of row
+    tiles (the p-th longest and the p-th shortest) where they fill the resident slots (2 CTAs an SM) in one round with
+    at most an eighth idle, else single tiles. Three ragged row tiles a head (two pairs), Nk > Nq: as many heads as
+    this GPU has SMs (pairs fill every slot), half as many (pairs would leave half idle: a tile a unit, fewer units
+    than slots) and three times as many (a tile a unit, more units than slots: the CTAs draw again). The same bits as
+    the generic kernels."""
+    torch = pytest.importorskip("torch")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = 128 if D == 64 else 64  # the warp kernel's row tile at this D
+    for heads in (sms, sms // 2, 3 * sms):
+        q, k, v = make_qkv(41, 1, heads, heads, 2 * rows + 37, 2 * rows + 60, D, spread=2.0)
+        assert_fast_is_generic("baseline", q, k, v, Policy.naive("bf16"), monkeypatch, causal=True)
+
+
 def test_baseline_score_store_switches(monkeypatch):
     """The store's kernel runs by default, and FADEV_EMU_KEEP=0 (or too small a budget) runs the recomputing one."""
     names = kernels_run("baseline", Policy.naive("bf16"), monkeypatch, generic=False)
