@@ -419,7 +419,7 @@ fast_args emu_fwd::fast_args_of(const emu_ctx &cx, double *out, double *lse, int
     const att_stage &fac = cx.pr.normalize == FADEV_EAGER ? cx.stats : cx.rescale;
     a.o16 = a.lean && (koa == FLT_BF16 || koa == FLT_F16) && flt_kind_of(fac) == koa ? koa : 0;
     a.tiles = (cx.pr.seq_q + rows_per_cta - 1) / rows_per_cta;
-    a.units = 0, a.s_keep = nullptr, a.paired = 0;
+    a.units = 0, a.s_keep = nullptr, a.pairing = 0;
     a.etab = exp_tab{nullptr, 0, 0};
     a.cf = (float)cx.c;
     uint32_t cbits;

@@ -44,7 +44,7 @@ struct fast_args {
     float *s_keep;    /* the warp kernel's baseline: each resident CTA's scores of pass 0, read by passes 1 and 2
                        * (emu_forward_warp.cu); NULL: every pass computes them */
     int baseline;
-    int paired;       /* the causal baseline's warp kernel: a unit is two row tiles, the p-th longest and shortest */
+    int pairing;      /* the causal baseline's warp kernel's units (emu_forward_warp_grid.cuh): PAIR_ constants */
     int p_kind;       /* how R_p rounds an fp32 value (flt_kind) */
     int so_kind;      /* flt_kind of state_out */
     int lean;         /* the lean kernel's stage kinds (fast_lean; flt_kinds_of's packing, LK_ order) */

@@ -72,15 +72,20 @@ fadev_status emu_fwd::warp_forward(const emu_ctx &cx, double *out, double *lse, 
     const int d64 = cx.pr.dim <= 64;
     const int64_t bq = d64 ? tile<2>::BQ : tile<4>::BQ;
     fast_args a = fast_args_of(cx, out, lse, baseline, (int)bq);
-    /* the causal baseline's units: pairs of tiles where they fill the resident slots (2 CTAs an SM) in one round
-     * with at most an eighth idle, else single tiles (warp_kernel) */
-    if (baseline && cx.pr.causal && a.tiles > 1) {
+    /* the causal baseline's units (emu_forward_warp_grid.cuh): where they fill the resident slots (2 CTAs an SM)
+     * with at most an eighth idle, the shifted pairs (units of T tile-lengths) if they end in one round, else the
+     * end pairs (T + 1) if they fit in one; otherwise single tiles. At B 1, H 16, N 4096, D 64 on 132 SMs: 256 units
+     * of T and 16 middles of T / 2 on 264 slots, where the end pairs were 256 of T + 1 */
+    const int64_t heads = cx.pr.batch * cx.pr.heads, T = a.tiles;
+    a.units = heads * T;
+    if (baseline && cx.pr.causal && T > 1) {
         int sms = 0;
         FADEV_TRY(fadev_cuda_sm_count(&sms));
-        const int64_t pairs = cx.pr.batch * cx.pr.heads * ((a.tiles + 1) / 2), slots = 2 * (int64_t)sms;
-        a.paired = pairs <= slots && 8 * pairs >= 7 * slots;
+        const int64_t slots = 2 * (int64_t)sms, full = heads * (1 + (T - 1) / 2), mid = (T - 1) % 2 ? heads : 0;
+        const int64_t ends = heads * ((T + 1) / 2);
+        if (full + (mid + 1) / 2 <= slots && 8 * (full + mid) >= 7 * slots) a.pairing = PAIR_SHIFTED, a.units = full + mid;
+        else if (ends <= slots && 8 * ends >= 7 * slots) a.pairing = PAIR_ENDS, a.units = ends;
     }
-    a.units = cx.pr.batch * cx.pr.heads * (a.paired ? (a.tiles + 1) / 2 : a.tiles);
     if (a.units >= (int64_t)1 << 31) return fadev_cuda_fail_msg(FADEV_ERR_INVALID_ARGUMENT, "emulated attention: grid too large");
     device_buffer<float> keep;
     int64_t ctas = 0;

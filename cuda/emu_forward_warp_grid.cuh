@@ -7,9 +7,14 @@
 
 namespace emu_warp {
 
+/* The causal baseline's units (fast_args::pairing; warp_forward chooses): a tile each; the p-th longest and the p-th
+ * shortest tile of a head (T + 1 tile-lengths, a tile of index t being t + 1 long); or the longest alone and the
+ * (p + 2)-th longest with the p-th shortest (T each), the middle tile alone where T - 1 is odd (T / 2), those last. */
+enum { PAIR_NONE = 0, PAIR_ENDS = 1, PAIR_SHIFTED = 2 };
+
 /* Work unit u: row tile u % tiles of query head u / tiles; causal, the u-th longest tile (query head u % heads, tile
- * tiles - 1 - u / heads), so that CTAs that take the units in order take the longest first; a.paired (the causal
- * baseline), two tiles of query head u / per: the p-th longest and the p-th shortest (p = u % per). */
+ * tiles - 1 - u / heads), so that CTAs that take the units in order take the longest first; the causal baseline's
+ * pairs (a.pairing) as above. */
 template <int DC, bool LEAN, bool BASE, bool CAUSAL, bool KEEP, int SIG>
 __device__ __forceinline__ void warp_unit(const fast_args &a, int64_t u) {
     if constexpr (!CAUSAL) {
@@ -20,15 +25,24 @@ __device__ __forceinline__ void warp_unit(const fast_args &a, int64_t u) {
     } else {
 #pragma unroll 1
         for (int k = 0; k < 2; k++) { /* a loop: the tile's code inlined once; its indices recomputed, not kept */
+            const int64_t T = a.tiles, heads = a.cx.pr.batch * a.cx.pr.heads;
             int64_t bh, t;
-            if (a.paired) {
-                const int64_t per = (a.tiles + 1) / 2, p = u % per, last = a.tiles - 1 - p;
+            if (a.pairing == PAIR_ENDS) {
+                const int64_t per = (T + 1) / 2, p = u % per, last = T - 1 - p;
                 if (k && p == last) break;
                 bh = u / per, t = k ? p : last;
+            } else if (a.pairing == PAIR_SHIFTED) {
+                const int64_t per = 1 + (T - 1) / 2, j = u % per; /* the units of T; past heads * per, the middles */
+                if (u >= heads * per) {
+                    if (k) break;
+                    bh = u - heads * per, t = (T - 2) / 2;
+                } else {
+                    if (k && j == 0) break;
+                    bh = u / per, t = j == 0 ? T - 1 : k ? j - 1 : T - 1 - j;
+                }
             } else {
                 if (k) break;
-                const int64_t heads = a.units / a.tiles;
-                bh = u % heads, t = a.tiles - 1 - u / heads;
+                bh = u % heads, t = T - 1 - u / heads;
             }
             if (k) __syncthreads(); /* the first tile's readers of shared memory are done */
             warp_tile<DC, LEAN, BASE, KEEP, true, SIG>(a, bh, t);
@@ -40,8 +54,8 @@ __device__ __forceinline__ void warp_unit(const fast_args &a, int64_t u) {
  * Unmasked, every tile is alike, and the CTAs stride over them. Causal, a CTA takes unit blockIdx.x, then, as it
  * finishes one, the next unit not yet taken (a.cx.ticket): the longest first, each to the first slot that frees.
  * Units of single tiles where pairs would leave slots idle or take more than one round (warp_forward). H200, against
- * pairs everywhere: B 1 H 16 N 4096 D 128 3% faster, B 2 H 6 N 1000 D 72 10%, B 1 H 4 N 777 D 100 18%; at D 64
- * (256 pairs on 264 slots) 1-3% slower, so pairs there. Drawn when a CTA starts a unit (the atomic's latency hidden),
+ * the first pairs everywhere: B 1 H 16 N 4096 D 128 3% faster, B 2 H 6 N 1000 D 72 10%, B 1 H 4 N 777 D 100 18%; at
+ * D 64 (256 pairs on 264 slots) 1-3% slower: the single tiles' tail. Drawn when a CTA starts a unit (the atomic's latency hidden),
  * the draws fixed every CTA's second unit at once: 24-26% slower. A tile's work and bits do not depend on which CTA
  * computes it. */
 template <int DC, bool LEAN, bool BASE, bool CAUSAL, bool KEEP, int SIG>

@@ -208,17 +208,18 @@ def test_baseline_score_store_is_recomputation(D, causal, monkeypatch):
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_causal_baseline_units_are_pairs_or_tiles(D, monkeypatch):
-    """The causal baseline's store kernel takes its units as its CTAs free (a counter each call zeroes): pairs of row
-    tiles (the p-th longest and the p-th shortest) where they fill the resident slots (2 CTAs an SM) in one round with
-    at most an eighth idle, else single tiles. Three ragged row tiles a head (two pairs), Nk > Nq: as many heads as
-    this GPU has SMs (pairs fill every slot), half as many (pairs would leave half idle: a tile a unit, fewer units
-    than slots) and three times as many (a tile a unit, more units than slots: the CTAs draw again). The same bits as
-    the generic kernels."""
+    """The causal baseline's store kernel takes its units as its CTAs free (a counter each call zeroes), units that
+    warp_forward chooses from the resident slots (2 CTAs an SM): a head's longest tile alone and its other tiles in
+    pairs of T tile-lengths, with the middle tile alone where T - 1 is odd (shifted); the p-th longest with the p-th
+    shortest (ends); or single tiles. Ragged row tiles, Nk > Nq, head counts from this GPU's SM count s: 3 tiles and
+    s heads (shifted, no middle), 4 tiles and 3 s / 4 heads (shifted with middles), 8 tiles and s / 2 heads (ends),
+    3 tiles and s / 2 heads (single, fewer units than slots) or 3 s heads (single, more units than slots: the CTAs
+    draw again). The same bits as the generic kernels."""
     torch = pytest.importorskip("torch")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = 128 if D == 64 else 64  # the warp kernel's row tile at this D
-    for heads in (sms, sms // 2, 3 * sms):
-        q, k, v = make_qkv(41, 1, heads, heads, 2 * rows + 37, 2 * rows + 60, D, spread=2.0)
+    for tiles, heads in ((3, sms), (4, 3 * sms // 4), (8, sms // 2), (3, sms // 2), (3, 3 * sms)):
+        q, k, v = make_qkv(41, 1, heads, heads, (tiles - 1) * rows + 37, (tiles - 1) * rows + 60, D, spread=2.0)
         assert_fast_is_generic("baseline", q, k, v, Policy.naive("bf16"), monkeypatch, causal=True)
 
 
