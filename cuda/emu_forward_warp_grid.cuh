@@ -53,11 +53,10 @@ __device__ __forceinline__ void warp_unit(const fast_args &a, int64_t u) {
 /* A CTA per unit; with the baseline's score store (a.s_keep: a slot for each resident CTA), a resident CTA per slot.
  * Unmasked, every tile is alike, and the CTAs stride over them. Causal, a CTA takes unit blockIdx.x, then, as it
  * finishes one, the next unit not yet taken (a.cx.ticket): the longest first, each to the first slot that frees.
- * Units of single tiles where pairs would leave slots idle or take more than one round (warp_forward). H200, against
- * the first pairs everywhere: B 1 H 16 N 4096 D 128 3% faster, B 2 H 6 N 1000 D 72 10%, B 1 H 4 N 777 D 100 18%; at
- * D 64 (256 pairs on 264 slots) 1-3% slower: the single tiles' tail. Drawn when a CTA starts a unit (the atomic's latency hidden),
- * the draws fixed every CTA's second unit at once: 24-26% slower. A tile's work and bits do not depend on which CTA
- * computes it. */
+ * H200, against the end pairs everywhere: single tiles 3% faster at B 1 H 16 N 4096 D 128, 10% at B 2 H 6 N 1000
+ * D 72, 18% at B 1 H 4 N 777 D 100, but 1-3% slower at D 64 (the single tiles' tail); there the shifted pairs 2.6%
+ * faster. Drawn when a CTA starts a unit (the atomic's latency hidden), the draws fixed every CTA's second unit at
+ * once: 24-26% slower. A tile's work and bits do not depend on which CTA computes it. */
 template <int DC, bool LEAN, bool BASE, bool CAUSAL, bool KEEP, int SIG>
 __global__ void __launch_bounds__(NT, 2) warp_kernel(const __grid_constant__ fast_args a) {
     if constexpr (KEEP && !CAUSAL) {
