@@ -42,12 +42,17 @@ static void keep_pool(void) {
     cudaGetLastError();
 }
 
+/* FADEV_CUDA_SCRATCH_BYTES (tests: small problems chunked as large ones are), 0 where unset */
+static size_t scratch_cap() {
+    const char *text = getenv("FADEV_CUDA_SCRATCH_BYTES");
+    return text ? (size_t)strtoull(text, NULL, 10) : 0;
+}
+
 fadev_status fadev_cuda_scratch_budget(size_t *budget) {
     size_t free_bytes = 0, total_bytes = 0;
     CUDA_TRY(cudaMemGetInfo(&free_bytes, &total_bytes));
     *budget = free_bytes / 3 < ((size_t)2 << 30) ? free_bytes / 3 : ((size_t)2 << 30);
-    const char *cap_text = getenv("FADEV_CUDA_SCRATCH_BYTES");
-    const size_t cap = cap_text ? (size_t)strtoull(cap_text, NULL, 10) : 0;
+    const size_t cap = scratch_cap();
     if (cap > 0 && cap < *budget) *budget = cap;
     return FADEV_OK;
 }
@@ -74,8 +79,7 @@ fadev_status device_value(std::atomic<int> *cache, cudaDeviceAttr attr, int *val
 
 fadev_status fadev_cuda_scratch_fits(size_t bytes, int *fits) {
     *fits = 0;
-    const char *cap_text = getenv("FADEV_CUDA_SCRATCH_BYTES");
-    const size_t cap = cap_text ? (size_t)strtoull(cap_text, NULL, 10) : 0;
+    const size_t cap = scratch_cap();
     if (bytes > ((size_t)2 << 30) || (cap > 0 && bytes > cap)) return FADEV_OK;
     int device = 0, pools = 0;
     CUDA_TRY(cudaGetDevice(&device));
