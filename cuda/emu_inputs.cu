@@ -21,6 +21,14 @@ struct round_jobs {
     round_job t[3];
 };
 
+/* FK: the input stage's flt_kind (emu.cuh). FLT_EVENT: each value's event (att_round_fast, else the general
+ * rounding), the magnitudes on its fp64 encoding. FLT_F32, FLT_BF16, FLT_F16 (the presets' inputs): a finite value
+ * by dbl_round, which is that event's value for every finite fp64 input (emu.cuh: a conversion, or round to odd at
+ * fp32 and the format's nearest-even conversion), and the magnitudes on the result's fp32 encoding: the result is an
+ * fp32 value, so its magnitude's order and its fp64 encoding (the conversion is exact) are the fp64 value's; a
+ * non-finite value takes the event's own path, whose result is non-finite too. H200, B 1 H 16 N 4096 D 64 (fa2's
+ * inputs, fp32 copies only): the events' kernel 54 us (SM 63% busy, DRAM 60%: ncu, benchmarks/README.md). */
+template <int FK>
 __global__ void round_inputs_kernel(const __grid_constant__ round_jobs jobs, int64_t dim, att_stage in, int64_t head0) {
     const round_job &j = jobs.t[blockIdx.z];
     const int64_t head = head0 + blockIdx.y, per_head = j.rows * dim;
@@ -30,18 +38,34 @@ __global__ void round_inputs_kernel(const __grid_constant__ round_jobs jobs, int
     float *f_out = j.dstf ? j.dstf + head * per_head : nullptr;
     const uint64_t stream = ATT_STREAM(j.stage_id, head);
     unsigned long long lo = 0x7FF0000000000000ull, hi = 0;
+    unsigned lo32 = 0x7F800000u, hi32 = 0; /* FK != FLT_EVENT: the magnitudes' fp32 encodings */
     int finite = 1;
     /* UNR elements a thread in flight, their loads issued before any is rounded, and the general rounding out of line
      * (inlined, it held 66 registers). H200, fa2's D 64 inputs (150 MB read and written): one at a time and 64 blocks
      * a head, 70 us; this, 54 us (the bandwidth bound is ~31 us) */
     constexpr int UNR = 8;
     const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-    auto put = [&](int64_t e, double v) {
-        double x; /* emu_round's own fast path first: the event index (two 64-bit divisions) only where it is read */
+    auto event = [&](int64_t e, double v) { /* emu_round's own fast path first: the event index (two 64-bit
+                                             * divisions) only where it is read */
+        double x;
         if (!att_round_fast(&in, v, &x)) x = emu_round_general(&in, v, stream, ATT_INDEX(e / dim, e % dim, 0));
         if (d_out) d_out[e] = x;
         if (f_out) f_out[e] = (float)x;
-        emu_mag_put(lo, hi, finite, x);
+        return x;
+    };
+    auto put = [&](int64_t e, double v) {
+        if constexpr (FK == FLT_EVENT) {
+            emu_mag_put(lo, hi, finite, event(e, v));
+        } else if (!(fabs(v) <= 1.7976931348623157e308)) {
+            event(e, v), finite = 0;
+        } else {
+            const float x = dbl_round(FK, v);
+            if (d_out) d_out[e] = (double)x;
+            if (f_out) f_out[e] = x;
+            const unsigned m = __float_as_uint(x) & 0x7FFFFFFFu;
+            if (m >= 0x7F800000u) finite = 0; /* rounded to an infinity */
+            else if (m) lo32 = m < lo32 ? m : lo32, hi32 = m > hi32 ? m : hi32;
+        }
     };
     int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
     for (; e + (UNR - 1) * stride < per_head; e += UNR * stride) {
@@ -52,6 +76,10 @@ __global__ void round_inputs_kernel(const __grid_constant__ round_jobs jobs, int
         for (int u = 0; u < UNR; u++) put(e + u * stride, v[u]);
     }
     for (; e < per_head; e += stride) put(e, s[e]);
+    if constexpr (FK != FLT_EVENT) { /* fp32 +inf (nothing seen) is fp64's +inf: the records' starting value */
+        lo = fadev_bits_of((double)__uint_as_float(lo32));
+        hi = fadev_bits_of((double)__uint_as_float(hi32));
+    }
     emu_mag_flush(j.mag + head, lo, hi, finite);
 }
 
@@ -95,7 +123,13 @@ fadev_status emu_prepare(emu_ctx *cx, emu_inputs *store, const double *q, const 
     const unsigned per_head = (unsigned)(blocks < 1 ? 1 : blocks > 32 ? 32 : blocks);
     for (int64_t h0 = 0; h0 < hq; h0 += 65535) { /* gridDim.y is at most 65535; K/V have no more heads than Q */
         const int64_t hn = hq - h0 < 65535 ? hq - h0 : 65535;
-        round_inputs_kernel<<<dim3(per_head, (unsigned)hn, 3), threads>>>(jobs, D, cx->input, h0);
+        const dim3 grid(per_head, (unsigned)hn, 3);
+        switch (flt_kind_of(cx->input)) {
+        case FLT_F32: round_inputs_kernel<FLT_F32><<<grid, threads>>>(jobs, D, cx->input, h0); break;
+        case FLT_BF16: round_inputs_kernel<FLT_BF16><<<grid, threads>>>(jobs, D, cx->input, h0); break;
+        case FLT_F16: round_inputs_kernel<FLT_F16><<<grid, threads>>>(jobs, D, cx->input, h0); break;
+        default: round_inputs_kernel<FLT_EVENT><<<grid, threads>>>(jobs, D, cx->input, h0);
+        }
         CUDA_TRY(cudaGetLastError());
     }
     return FADEV_OK;

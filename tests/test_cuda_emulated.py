@@ -139,3 +139,41 @@ def test_gpu_deterministic():
     a = fadev.flash_attention(q, k, v, "paper:bf16", device="cuda")
     b = fadev.flash_attention(q, k, v, "paper:bf16", device="cuda")
     assert differing(a, b) == 0
+
+
+def rounding_hazards(fmt, shape, seed):
+    """fp64 inputs at the edges of rounding to ``fmt`` (bf16 or fp16), in random order, signs and binades: its
+    nearest-even ties exactly, ties nudged by 2^-40 of the value either way (rounding through fp32 first puts those
+    on the tie, and to even: double rounding), the same in the format's subnormals, values past fp32's exponent
+    range, and fp64 subnormals. Every value rounds to a finite value in fmt."""
+    rng = np.random.default_rng(seed)
+    p, emin = {"bf16": (8, -126), "fp16": (11, -14)}[fmt]
+    n = int(np.prod(shape))
+    frac = rng.integers(0, 2 ** (p - 1), n) * 2.0 ** (1 - p)               # a value of fmt in [1, 2)
+    tie = 1 + frac + 2.0 ** -p                                              # half-way to the next one
+    nudge = rng.choice([-1.0, 0.0, 1.0], n) * 2.0 ** -40
+    x = (tie + nudge) * 2.0 ** rng.integers(-6, 7, n)
+    sub = rng.random(n) < 0.15                                              # fmt's subnormals: the same, scaled
+    x[sub] = ((rng.integers(0, 64, sub.sum()) + 0.5) * (1 + nudge[sub])) * 2.0 ** (emin - p + 1)
+    x[rng.random(n) < 0.03] = 1e-310                                        # fp64 subnormals: 0 in fmt
+    if fmt == "bf16":
+        x[rng.random(n) < 0.03] = 2.0 ** -160 * 3                           # below fp32's subnormals: 0 too
+    return (x * rng.choice([-1.0, 1.0], n)).reshape(shape)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("preset", ["fa2", "paper", "naive"])
+def test_inputs_rounding_hazards_match_cpu_bits(fmt, preset):
+    """The inputs' rounding (cuda/emu_inputs.cu: bf16 and fp16 inputs by round to odd at fp32 and the format's
+    conversion) on values where rounding through fp32 would differ: the outputs (fast path) and the rounded values
+    (with one key, out = R(v) for paper, up to a zero's sign: its O chain starts at +0) are the CPU's."""
+    shape = (1, 2, 70, 40)
+    q, k, v = (rounding_hazards(fmt, shape, seed) for seed in (31, 32, 33))
+    through_fp32 = fadev.round(v.astype(np.float32).astype(np.float64), fmt)
+    assert differing(fadev.round(v, fmt), through_fp32) > 100, "the inputs must hold double-rounding cases"
+    policy = Policy.preset(preset, fmt)
+    for kind in ("flash", "baseline"):
+        assert_same(kind, q, k, v, policy, causal=True)
+    one = v[:, :, :1]
+    out = fadev.flash_attention(q, k[:, :, :1], one, Policy.paper(fmt), device="cuda")
+    assert np.array_equal(out, np.broadcast_to(fadev.round(one, fmt), out.shape))
