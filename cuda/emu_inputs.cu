@@ -27,7 +27,8 @@ struct round_jobs {
  * fp32 and the format's nearest-even conversion), and the magnitudes on the result's fp32 encoding: the result is an
  * fp32 value, so its magnitude's order and its fp64 encoding (the conversion is exact) are the fp64 value's; a
  * non-finite value takes the event's own path, whose result is non-finite too. H200, B 1 H 16 N 4096 D 64 (fa2's
- * inputs, fp32 copies only): the events' kernel 54 us (SM 63% busy, DRAM 60%: ncu, benchmarks/README.md). */
+ * inputs, fp32 copies only): the events' kernel 54 us (SM 63% busy, DRAM 60%), by kind 48-50 us (SM 37.5%, DRAM
+ * 66%, L2 81%: the loads bound it; ncu and A/B in benchmarks/README.md). */
 template <int FK>
 __global__ void round_inputs_kernel(const __grid_constant__ round_jobs jobs, int64_t dim, att_stage in, int64_t head0) {
     const round_job &j = jobs.t[blockIdx.z];
