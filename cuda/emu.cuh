@@ -35,7 +35,7 @@ struct emu_ctx : att_plan {
     const float *qf, *kf, *vf;
     const emu_mag *qmag;        /* per query head */
     const emu_mag *kmag, *vmag; /* per K/V head */
-    unsigned *ticket; /* the call's work counter, 0 once emu_prepare's reset kernel ran: a persistent kernel's CTAs
+    unsigned *ticket; /* the call's work counter, 0 once emu_prepare's rounding kernel ran: a persistent kernel's CTAs
                        * draw their next unit from it (emu_forward_warp_grid.cuh) */
 };
 
@@ -168,10 +168,9 @@ __device__ __forceinline__ int emu_products_fit_f32(double amin, double amax, do
 __device__ __forceinline__ double emu_mag_min(const emu_mag &m) { return fadev_double_of(m.min_bits); }
 __device__ __forceinline__ double emu_mag_max(const emu_mag &m) { return fadev_double_of(m.max_bits); }
 
-/* The records' starting values (no value seen yet), set on the device (no host copy, no synchronisation); the work
- * counter `ticket` (where not null) to 0. */
-static __global__ void emu_mag_reset_kernel(emu_mag *m, int64_t n, unsigned *ticket) {
-    if (ticket && blockIdx.x == 0 && threadIdx.x == 0) *ticket = 0;
+/* The records' starting values (no value seen yet), set on the device (no host copy, no synchronisation): the
+ * backward's records of Q and dO (emu_mag_flush's atomics; the inputs' rounding needs none, emu_inputs.cu). */
+static __global__ void emu_mag_reset_kernel(emu_mag *m, int64_t n) {
     for (int64_t x = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; x < n; x += (int64_t)gridDim.x * blockDim.x)
         m[x] = emu_mag{0x7FF0000000000000ull, 0, 1};
 }
@@ -183,11 +182,9 @@ __device__ __forceinline__ void emu_mag_put(unsigned long long &lo, unsigned lon
     else if (m) lo = m < lo ? m : lo, hi = m > hi ? m : hi;
 }
 
-/* The block's magnitudes into *rec: warp shuffles, shared memory, then one atomic per block; every thread of the
- * block calls it (it synchronises the block). One atomic per thread, or per warp, is what it replaces: the records
- * of all heads share a few L2 lines, and their atomics serialised there (0.76 ms a call at B 8, H 8, N 1024, D 64
- * on an H200, a third of the emulated Llama step; torch.profiler, benchmarks/README.md). */
-__device__ __forceinline__ void emu_mag_flush(emu_mag *rec, unsigned long long lo, unsigned long long hi, int finite) {
+/* The block's magnitudes reduced: warp shuffles, then shared memory; thread 0 ends with the block's, the others with
+ * their warp's. Every thread of the block calls it (it synchronises the block). */
+__device__ __forceinline__ void emu_mag_reduce_block(unsigned long long &lo, unsigned long long &hi, int &finite) {
     __shared__ unsigned long long lo_w[32], hi_w[32];
     __shared__ int finite_w[32];
     for (int o = 16; o > 0; o >>= 1) {
@@ -204,6 +201,15 @@ __device__ __forceinline__ void emu_mag_flush(emu_mag *rec, unsigned long long l
         lo = lo_w[w] < lo ? lo_w[w] : lo, hi = hi_w[w] > hi ? hi_w[w] : hi;
         finite &= finite_w[w];
     }
+}
+
+/* The block's magnitudes into *rec (emu_mag_reset_kernel's starting values): one atomic per block. One atomic per
+ * thread, or per warp, is what it replaces: the records of all heads share a few L2 lines, and their atomics
+ * serialised there (0.76 ms a call at B 8, H 8, N 1024, D 64 on an H200, a third of the emulated Llama step;
+ * torch.profiler, benchmarks/README.md). */
+__device__ __forceinline__ void emu_mag_flush(emu_mag *rec, unsigned long long lo, unsigned long long hi, int finite) {
+    emu_mag_reduce_block(lo, hi, finite);
+    if (threadIdx.x) return;
     atomicMin(&rec->min_bits, lo);
     atomicMax(&rec->max_bits, hi);
     if (!finite) atomicAnd(&rec->finite, 0);

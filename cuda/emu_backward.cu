@@ -399,7 +399,7 @@ fadev_status run_backward(const double *q, const double *k, const double *v, con
     CUDA_TRY(cudaMemsetAsync(dk, 0, n_kv * sizeof(double), 0));
     CUDA_TRY(cudaMemsetAsync(dv, 0, n_kv * sizeof(double), 0));
 
-    emu_mag_reset_kernel<<<grid_of(2 * G, THREADS) < 1024 ? grid_of(2 * G, THREADS) : 1024, THREADS>>>(mags, 2 * G, nullptr);
+    emu_mag_reset_kernel<<<grid_of(2 * G, THREADS) < 1024 ? grid_of(2 * G, THREADS) : 1024, THREADS>>>(mags, 2 * G);
     CUDA_TRY(cudaGetLastError());
     unsigned per_head = emu_blocks((size_t)(Nq * D), THREADS);
     per_head = per_head > 64 ? 64 : per_head;

@@ -177,3 +177,47 @@ def test_inputs_rounding_hazards_match_cpu_bits(fmt, preset):
     one = v[:, :, :1]
     out = fadev.flash_attention(q, k[:, :, :1], one, Policy.paper(fmt), device="cuda")
     assert np.array_equal(out, np.broadcast_to(fadev.round(one, fmt), out.shape))
+
+
+def offset_view(x, torch):
+    """x as a contiguous float64 CUDA tensor whose data starts 8 bytes into its storage: 8-byte aligned, not 16."""
+    base = torch.zeros(x.size + 1, dtype=torch.float64, device="cuda")
+    base[1:] = torch.from_numpy(x.reshape(-1)).cuda()
+    view = base[1:].view(x.shape)
+    assert view.data_ptr() % 16 == 8
+    return view
+
+
+@pytest.mark.parametrize("preset", ["fa2", "naive"])
+def test_inputs_in_pairs_and_one_by_one_match_cpu_bits(preset):
+    """The inputs' rounding reads two values a load where D is even and the inputs 16-byte aligned, else one
+    (cuda/emu_inputs.cu): inputs 8 bytes off (a view into a larger tensor), an odd D, and the aligned even D, with
+    non-finite values in one head (its magnitudes) and rounding hazards, all give the CPU's bits."""
+    torch = pytest.importorskip("torch")
+    for D in (40, 33):
+        q, k, v = (rounding_hazards("bf16", (1, 3, 70, D), seed) for seed in (41, 42, 43))
+        v[0, 2, 5, 3] = np.inf
+        policy = Policy.preset(preset, "bf16")
+        fn = fadev.flash_attention if preset == "fa2" else fadev.baseline_attention
+        co, cl = fn(q, k, v, policy, causal=True, return_lse=True)
+        for place in ("aligned", "offset"):
+            if place == "aligned":
+                tq, tk, tv = (torch.from_numpy(x).cuda() for x in (q, k, v))
+            else:
+                tq, tk, tv = (offset_view(x, torch) for x in (q, k, v))
+            go, gl = fn(tq, tk, tv, policy, causal=True, return_lse=True)
+            n_out, n_lse = differing(go.cpu().numpy(), co), differing(gl.cpu().numpy(), cl)
+            assert n_out == 0 and n_lse == 0, f"{preset} D {D} {place}: {n_out} out, {n_lse} lse elements differ"
+
+
+def test_many_heads_magnitudes_match_cpu_bits():
+    """The magnitudes' records are folded by each head's last block, with per-device counters that every call
+    leaves at 0 (cuda/emu_inputs.cu): more heads than the counters first hold (they grow), then fewer, then the
+    first call again, one head of each call non-finite, every output the CPU's."""
+    big = make_qkv(51, 1, 1500, 1500, 3, 5, 4)
+    small = make_qkv(52, 2, 4, 2, 60, 60, 16)
+    for q, k, v in (big, small, big):
+        q, k, v = q.copy(), k.copy(), v.copy()
+        k[0, 1, 2, 3] = np.nan
+        for kind in ("flash", "baseline"):
+            assert_same(kind, q, k, v, Policy.fa2("bf16"))
