@@ -182,16 +182,21 @@ __device__ __forceinline__ void emu_mag_put(unsigned long long &lo, unsigned lon
     else if (m) lo = m < lo ? m : lo, hi = m > hi ? m : hi;
 }
 
-/* The block's magnitudes reduced: warp shuffles, then shared memory; thread 0 ends with the block's, the others with
- * their warp's. Every thread of the block calls it (it synchronises the block). */
-__device__ __forceinline__ void emu_mag_reduce_block(unsigned long long &lo, unsigned long long &hi, int &finite) {
-    __shared__ unsigned long long lo_w[32], hi_w[32];
-    __shared__ int finite_w[32];
+/* The warp's magnitudes reduced by shuffles: every lane ends with the warp's. Every lane of the warp calls it. */
+__device__ __forceinline__ void emu_mag_reduce_warp(unsigned long long &lo, unsigned long long &hi, int &finite) {
     for (int o = 16; o > 0; o >>= 1) {
         const unsigned long long lo2 = __shfl_xor_sync(0xFFFFFFFFu, lo, o), hi2 = __shfl_xor_sync(0xFFFFFFFFu, hi, o);
         lo = lo2 < lo ? lo2 : lo, hi = hi2 > hi ? hi2 : hi;
     }
     finite = __all_sync(0xFFFFFFFFu, finite);
+}
+
+/* The block's magnitudes reduced: each warp's, then shared memory; thread 0 ends with the block's, the others with
+ * their warp's. Every thread of the block calls it (it synchronises the block). */
+__device__ __forceinline__ void emu_mag_reduce_block(unsigned long long &lo, unsigned long long &hi, int &finite) {
+    __shared__ unsigned long long lo_w[32], hi_w[32];
+    __shared__ int finite_w[32];
+    emu_mag_reduce_warp(lo, hi, finite);
     const unsigned warp = threadIdx.x / 32, warps = (blockDim.x + 31) / 32;
     __syncthreads(); /* an earlier call's reads of lo_w ... are done */
     if (threadIdx.x % 32 == 0) lo_w[warp] = lo, hi_w[warp] = hi, finite_w[warp] = finite;

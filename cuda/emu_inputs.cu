@@ -57,11 +57,7 @@ __device__ __forceinline__ void flush_head(const round_jobs &jobs, emu_mag *rec,
         lo = l2 < lo ? l2 : lo, hi = h2 > hi ? h2 : hi;
         finite &= __ldcg(&part[b].finite);
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        const unsigned long long lo2 = __shfl_xor_sync(0xFFFFFFFFu, lo, o), hi2 = __shfl_xor_sync(0xFFFFFFFFu, hi, o);
-        lo = lo2 < lo ? lo2 : lo, hi = hi2 > hi ? hi2 : hi;
-    }
-    finite = __all_sync(0xFFFFFFFFu, finite);
+    emu_mag_reduce_warp(lo, hi, finite);
     if (threadIdx.x) return;
     *rec = emu_mag{lo, hi, finite};
     jobs.count[slot] = 0;

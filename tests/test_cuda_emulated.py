@@ -213,11 +213,15 @@ def test_inputs_in_pairs_and_one_by_one_match_cpu_bits(preset):
 def test_many_heads_magnitudes_match_cpu_bits():
     """The magnitudes' records are folded by each head's last block, with per-device counters that every call
     leaves at 0 (cuda/emu_inputs.cu): more heads than the counters first hold (they grow), then fewer, then the
-    first call again, one head of each call non-finite, every output the CPU's."""
-    big = make_qkv(51, 1, 1500, 1500, 3, 5, 4)
+    first shape again with an infinite V value at a key rows 0 and 1 do not see. Its head must go to the generic
+    launch: the fast path's +0 products (P of a masked key) times inf would make those rows NaN, so records left
+    from the first call (all finite) would change the outputs. Every output the CPU's."""
+    q, k, v = make_qkv(51, 1, 1500, 1500, 3, 5, 4)
     small = make_qkv(52, 2, 4, 2, 60, 60, 16)
-    for q, k, v in (big, small, big):
-        q, k, v = q.copy(), k.copy(), v.copy()
-        k[0, 1, 2, 3] = np.nan
+    w = v.copy()
+    w[0, 7, 4, 0] = np.inf  # causal, bottom-right: row i sees keys 0 .. i + 2
+    for qq, kk, vv in ((q, k, v), small, (q, k, w)):
         for kind in ("flash", "baseline"):
-            assert_same(kind, q, k, v, Policy.fa2("bf16"))
+            assert_same(kind, qq, kk, vv, Policy.fa2("bf16"), causal=True)
+    out = fadev.flash_attention(q, k, w, "fa2:bf16", causal=True, device="cuda")
+    assert np.isfinite(out[0, 7, :2, 0]).all() and not np.isfinite(out[0, 7, 2, 0]), "the inf must be where it matters"
