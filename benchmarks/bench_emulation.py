@@ -18,13 +18,15 @@ format's error of the fp64 answer.
 D, halved when causal), CUDA float64 tensors in and out through fadev's public API, median of --repeat
 torch.cuda.Event timings after a warm-up, beside the fp32 SIMT matrix product (torch.matmul on float32 with
 torch.backends.cuda.matmul.allow_tf32 = False, 2 n^3 flops) measured in the same run; "kernels" is the GPU's time in
-the call's kernels alone (torch.profiler), the rest of the call's time being the GPU waiting for the host. Validated
+the call's kernels alone (torch.profiler, run after every other timing: CUPTI stays attached once a profiler ran,
+and later launches cost more host time), the rest of the call's time being the GPU waiting for the host. Validated
 first: on a small problem the GPU's outputs equal the CPU's bit for bit (any NaN equal to any NaN, docs/numerics.md
 "GPU").
 --tiled adds the forward on the kernel the warp kernel replaced (FADEV_EMU_WARP=0: cuda/emu_forward_fast.cu's tiled
 kernel), timed in the same run, and the speed-up over it.
 """
 import argparse
+import functools
 import math
 import os
 import sys
@@ -231,39 +233,45 @@ def bench_cuda(args):
     half = 0.5 if args.causal else 1.0
     base = args.batch * args.heads * args.n ** 2 * args.dim * half
     simt = simt_tflops(args.repeat)
-    rows = []
+    timed = {}
     for preset in PRESETS:
         fwd, bwd = kernels(preset)
         for fmt in FORMATS:
             pol = f"{preset}:{fmt}"
             out, lse = fwd(q, k, v, pol, causal=args.causal, return_lse=True)
+            f = functools.partial(fwd, q, k, v, pol, causal=args.causal, return_lse=True)
+            b = functools.partial(bwd, q, k, v, out, lse, dout, pol, causal=args.causal)
             times = {}
             for generic in ((False,) if args.fast_only else (False, True)):  # the GPU's generic kernels beside
                 os.environ["FADEV_EMU_GENERIC"] = "1" if generic else "0"
                 reps = 1 if generic else args.repeat
-                times[generic] = (cuda_ms(lambda: fwd(q, k, v, pol, causal=args.causal, return_lse=True), reps),
-                                  cuda_ms(lambda: bwd(q, k, v, out, lse, dout, pol, causal=args.causal), reps))
+                times[generic] = (cuda_ms(f, reps), cuda_ms(b, reps))
             os.environ.pop("FADEV_EMU_GENERIC", None)
-            busy = (kernels_ms(lambda: fwd(q, k, v, pol, causal=args.causal, return_lse=True)),
-                    kernels_ms(lambda: bwd(q, k, v, out, lse, dout, pol, causal=args.causal)))
-            queued = (queued_ms(lambda: fwd(q, k, v, pol, causal=args.causal, return_lse=True), args.repeat),
-                      queued_ms(lambda: bwd(q, k, v, out, lse, dout, pol, causal=args.causal), args.repeat))
+            queued = (queued_ms(f, args.repeat), queued_ms(b, args.repeat))
             tiled = None
             if args.tiled:
                 os.environ["FADEV_EMU_WARP"] = "0"
                 try:
-                    tiled = cuda_ms(lambda: fwd(q, k, v, pol, causal=args.causal, return_lse=True), args.repeat)
+                    tiled = cuda_ms(f, args.repeat)
                 finally:
                     os.environ.pop("FADEV_EMU_WARP", None)
-            for x, (direction, flops) in enumerate((("forward", 4 * base), ("backward", 10 * base))):
-                ms = times[False][x]
-                tf = flops / (ms * 1e-3) / 1e12
-                gen = f"{times[True][x]:.1f} | {times[True][x] / ms:.1f}x" if True in times else "- | -"
-                row = (f"| {pol} | {direction} | {ms:.1f} | {tf:.2f} | {100 * tf / simt:.1f}% | {busy[x]:.1f} | "
-                       f"{flops / (busy[x] * 1e-3) / 1e12:.2f} | {flops / (queued[x] * 1e-3) / 1e12:.2f} | {gen} |")
-                if args.tiled:
-                    row += f" {tiled:.1f} | {tiled / ms:.2f}x |" if x == 0 else " - | - |"
-                rows.append(row)
+            timed[pol] = (f, b, times, queued, tiled)
+    # the Llama step, then the kernels' time under torch.profiler, last: after a profiler has run, CUPTI stays
+    # attached (pytorch/pytorch#144455) and every later launch costs more host time, which the per-call column
+    # would count (H200: a call's rate 1.6% below its kernels' before the first profiler, 6-7% after)
+    steps = llama_step(args.step_steps) if args.step else None
+    rows = []
+    for pol, (f, b, times, queued, tiled) in timed.items():
+        busy = (kernels_ms(f), kernels_ms(b))
+        for x, (direction, flops) in enumerate((("forward", 4 * base), ("backward", 10 * base))):
+            ms = times[False][x]
+            tf = flops / (ms * 1e-3) / 1e12
+            gen = f"{times[True][x]:.1f} | {times[True][x] / ms:.1f}x" if True in times else "- | -"
+            row = (f"| {pol} | {direction} | {ms:.1f} | {tf:.2f} | {100 * tf / simt:.1f}% | {busy[x]:.1f} | "
+                   f"{flops / (busy[x] * 1e-3) / 1e12:.2f} | {flops / (queued[x] * 1e-3) / 1e12:.2f} | {gen} |")
+            if args.tiled:
+                row += f" {tiled:.1f} | {tiled / ms:.2f}x |" if x == 0 else " - | - |"
+            rows.append(row)
     shape = describe(args)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; {shape}; CUDA float64 in/out; median of "
           f"{args.repeat}; fp32 SIMT matmul (TF32 off) {simt:.1f} TFLOP/s in this run; generic: the same call "
@@ -274,20 +282,24 @@ def bench_cuda(args):
         head += " tiled ms | over tiled |"
     print(head + "\n|" + "---|" * (head.count("|") - 1))
     print("\n".join(rows))
-    if args.step:
-        llama_step(args.step_steps)
+    if steps:
+        steps()
 
 
 def llama_step(steps):
     """The training step of bench_step.py (its Llama, data and optimizer) on sdpa, fadev native and the emulated
-    presets, in this program (benchmarks/bench_step.py documents it)."""
+    presets, in this program (benchmarks/bench_step.py documents it): measured now, printed by the function it
+    returns."""
     import bench_step
     from fadev.training import lm
     config = lm.LMConfig(hidden=512, layers=8, heads=8, heads_kv=4, ffn=1376, seq=1024, batch=8, lr=3e-4)
     losses, times, _ = bench_step.measure(("sdpa", "native", "fa2", "paper"), config, steps, 2, "cuda")
-    print(f"\nLlama {lm.parameters(config):,} parameters, batch 8 x 1024, bf16 autocast, AdamW; 2 rounds of {steps} "
-          f"steps per arm, alternating\n")
-    bench_step.print_steps(losses, times)
+
+    def show():
+        print(f"\nLlama {lm.parameters(config):,} parameters, batch 8 x 1024, bf16 autocast, AdamW; 2 rounds of "
+              f"{steps} steps per arm, alternating\n")
+        bench_step.print_steps(losses, times)
+    return show
 
 
 def main():

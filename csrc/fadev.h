@@ -124,6 +124,8 @@ typedef enum fadev_exp_form { FADEV_EXP = 0, FADEV_EXP2 = 1 } fadev_exp_form;
 
 /* Shapes and options of one attention call. q: (batch, heads, seq_q, dim); k, v: (batch, heads_kv,
  * seq_kv, dim); out: like q; lse: (batch, heads, seq_q). All contiguous float64. */
+typedef struct fadev_late_outputs fadev_late_outputs; /* below */
+
 typedef struct fadev_attention_params {
     int64_t batch;      /* B */
     int64_t heads;      /* H: query heads */
@@ -141,7 +143,19 @@ typedef struct fadev_attention_params {
     int32_t asynchronous; /* CUDA emulated and golden kernels: 0 (the default) the call synchronises the device before it returns;
                              1 its kernels stay queued on the legacy default stream (PyTorch's default stream) and it
                              returns after the launches, as a CUDA library call. The CPU ignores it. */
+    const fadev_late_outputs *late; /* CUDA emulated forward: NULL, or where its out and lse come from (below; the
+                                       entry's out and lse are then NULL). The CPU ignores it. */
 } fadev_attention_params;
+
+/* A CUDA emulated forward's outputs, asked for once its first kernel (the inputs' rounding) is queued: fill(ctx,
+ * ptrs) sets ptrs[0] to out and ptrs[1] to lse (device pointers), so that the caller allocates its results while the
+ * GPU rounds the inputs, not before the GPU has work (fadev.cuda_plans' replay: H200, 12-40 us of a call's host time
+ * before its first kernel, benchmarks/README.md). A status other than FADEV_OK ends the call with that status; the
+ * rounding already queued writes only the call's own scratch. */
+struct fadev_late_outputs {
+    fadev_status (*fill)(void *ctx, void **ptrs);
+    void *ctx;
+};
 
 /* ---------------------------------------------------------------- metrics (metrics.c) */
 

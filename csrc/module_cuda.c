@@ -119,6 +119,7 @@ typedef struct device_entry {
     int native;       /* 1: then the native options (dtype, deterministic, warp_rows, mma) */
     device_fn run;
     int queued;       /* 1: a trailing stream argument (0, the legacy default stream) may make the call asynchronous */
+    int late;         /* > 0: in a queued call one callable may stand for the last `late` pointers (late_fill) */
 } device_entry;
 
 static fadev_status run_baseline(void *const *p, const device_options *o) {
@@ -153,16 +154,16 @@ static fadev_status run_native_backward(void *const *p, const device_options *o)
 
 #define POLICIES (NEEDS_POLICY | NEEDS_POLICY_BACKWARD)
 
-static const device_entry baseline_entry = {"baseline_attention (cuda)", 5, NEEDS_POLICY, 0, run_baseline, 1};
-static const device_entry flash_entry = {"flash_attention (cuda)", 5, NEEDS_POLICY, 0, run_flash, 1};
-static const device_entry golden_entry = {"golden_attention (cuda)", 5, 0, 0, run_golden, 1};
+static const device_entry baseline_entry = {"baseline_attention (cuda)", 5, NEEDS_POLICY, 0, run_baseline, 1, 2};
+static const device_entry flash_entry = {"flash_attention (cuda)", 5, NEEDS_POLICY, 0, run_flash, 1, 2};
+static const device_entry golden_entry = {"golden_attention (cuda)", 5, 0, 0, run_golden, 1, 0};
 static const device_entry baseline_backward_entry = {"baseline_attention_backward (cuda)", 9, POLICIES, 0,
-                                                     run_baseline_backward, 1};
+                                                     run_baseline_backward, 1, 0};
 static const device_entry flash_backward_entry = {"flash_attention_backward (cuda)", 9, POLICIES, 0,
-                                                  run_flash_backward, 1};
-static const device_entry native_forward_entry = {"native_attention (cuda)", 5, 0, 1, run_native_forward, 0};
+                                                  run_flash_backward, 1, 0};
+static const device_entry native_forward_entry = {"native_attention (cuda)", 5, 0, 1, run_native_forward, 0, 0};
 static const device_entry native_backward_entry = {"native_attention_backward (cuda)", 10, 0, 1, run_native_backward,
-                                                   0};
+                                                   0, 0};
 
 /* The shape, the call spec and (native) the native options at items first.. of args into o; 0 with an exception. */
 static int parse_tail(const device_entry *e, PyObject *args, Py_ssize_t first, device_options *o) {
@@ -209,20 +210,60 @@ static int parse_tail_kept(const device_entry *e, PyObject *args, Py_ssize_t fir
     return 1;
 }
 
+/* A queued forward's outputs from a callable (fadev_late_outputs): called once the call's first kernel is queued,
+ * with the GIL taken back for it, alloc() must return (pointers, value): a tuple of the entry's `n` output pointers
+ * and what the call returns. fadev.cuda_plans' replay passes one that allocates its result tensors, so that their
+ * allocation runs while the GPU rounds the inputs. */
+typedef struct late_call {
+    const device_entry *e;
+    PyObject *alloc;
+    PyObject *value; /* alloc's value, once it gave valid pointers */
+    int failed;      /* 1: alloc raised or returned something else; its exception is set */
+} late_call;
+
+static fadev_status late_fill(void *ctx, void **ptrs) {
+    late_call *c = (late_call *)ctx;
+    const PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject *r = PyObject_CallNoArgs(c->alloc), *p = NULL;
+    int ok = r != NULL;
+    if (ok) {
+        p = PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 2 ? PyTuple_GET_ITEM(r, 0) : NULL;
+        ok = p && PyTuple_Check(p) && PyTuple_GET_SIZE(p) == c->e->late;
+        if (!ok)
+            PyErr_Format(PyExc_TypeError, "%s: the outputs' callable must return (a tuple of %d device pointers, a "
+                         "value), got %.100s", c->e->name, c->e->late, Py_TYPE(r)->tp_name);
+    }
+    for (int x = 0; ok && x < c->e->late; x++) ok = parse_ptr(PyTuple_GET_ITEM(p, x), &ptrs[x]);
+    if (ok) {
+        c->value = PyTuple_GET_ITEM(r, 1);
+        Py_INCREF(c->value);
+    }
+    Py_XDECREF(r);
+    c->failed = !ok;
+    PyGILState_Release(gil);
+    return ok ? FADEV_OK : FADEV_ERR_INVALID_ARGUMENT;
+}
+
 /* The one dispatcher: args are the entry's pointers, shape, call spec (and native options); the kernel runs without
- * the GIL. */
+ * the GIL. A queued entry with `late` outputs may take, in place of those pointers, one callable (late_call) and then
+ * the stream argument: the call returns the callable's value. */
 static PyObject *device_call(const device_entry *e, PyObject *args) {
-    void *p[10];
+    void *p[10] = {NULL};
     device_options o;
     memset(&o, 0, sizeof o);
-    Py_ssize_t n_args = e->n_ptrs + 2 + e->native, given = PyTuple_GET_SIZE(args);
-    if (given != n_args && !(e->queued && given == n_args + 1))
+    const Py_ssize_t given = PyTuple_GET_SIZE(args), n_in = e->n_ptrs - e->late;
+    const int late = e->late && given > n_in && PyCallable_Check(PyTuple_GET_ITEM(args, n_in));
+    const Py_ssize_t n_ptrs = late ? n_in + 1 : e->n_ptrs, n_args = n_ptrs + 2 + e->native;
+    if (late && given != n_args + 1)
+        return PyErr_Format(PyExc_TypeError, "%s: expected %zd arguments (%zd device pointers, the outputs' callable, "
+                            "shape, call, stream), got %zd", e->name, n_args + 1, n_in, given);
+    if (!late && given != n_args && !(e->queued && given == n_args + 1))
         return PyErr_Format(PyExc_TypeError, "%s: expected %zd arguments (%d device pointers, shape, call%s%s), got %zd",
                             e->name, n_args, e->n_ptrs, e->native ? ", native options" : "",
                             e->queued ? "[, stream]" : "", given);
-    for (int x = 0; x < e->n_ptrs; x++)
+    for (Py_ssize_t x = 0; x < n_ptrs - late; x++)
         if (!parse_ptr(PyTuple_GET_ITEM(args, x), &p[x])) return NULL;
-    if (!parse_tail_kept(e, args, e->n_ptrs, &o)) return NULL;
+    if (!parse_tail_kept(e, args, n_ptrs, &o)) return NULL;
     if (given == n_args + 1) {
         const unsigned long long stream = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, n_args));
         if (PyErr_Occurred()) return NULL;
@@ -231,11 +272,19 @@ static PyObject *device_call(const device_entry *e, PyObject *args) {
                                 "and golden kernels queue there only), got %llu", e->name, stream);
         o.c.pr.asynchronous = 1;
     }
+    late_call lc = {e, late ? PyTuple_GET_ITEM(args, n_in) : NULL, NULL, 0};
+    const fadev_late_outputs outputs = {late_fill, &lc};
+    if (late) o.c.pr.late = &outputs;
     fadev_status st;
     Py_BEGIN_ALLOW_THREADS
     st = e->run(p, &o);
     Py_END_ALLOW_THREADS
-    if (st != FADEV_OK) return raise_device_status(st, e->name);
+    if (lc.failed) return NULL;
+    if (st != FADEV_OK) {
+        Py_XDECREF(lc.value);
+        return raise_device_status(st, e->name);
+    }
+    if (late) return lc.value;
     Py_RETURN_NONE;
 }
 

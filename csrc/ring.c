@@ -115,7 +115,7 @@ static fadev_status ring_check(const fadev_attention_params *pr, const fadev_rin
 }
 
 fadev_status fadev_ring_coverage(int64_t seq, int causal, const fadev_ring_params *ring, int32_t *count) {
-    fadev_attention_params pr = {1, 1, 1, seq, seq, 1, 1.0, causal, 1, 1, 0, 0, 0, 0};
+    fadev_attention_params pr = {1, 1, 1, seq, seq, 1, 1.0, causal, 1, 1, 0, 0, 0, 0, NULL};
     ring_geo g;
     fadev_status st = ring_check(&pr, ring, &g);
     if (st != FADEV_OK) return st;

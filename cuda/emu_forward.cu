@@ -335,11 +335,19 @@ __global__ void __launch_bounds__(ROWS) baseline_kernel(const fwd_args a) {
 
 fadev_status run_forward(const double *q, const double *k, const double *v, double *out, double *lse,
                          const fadev_attention_params *params, const fadev_policy *policy, int flash) {
-    FADEV_TRY(att_validate(q, k, v, out, params, policy, flash));
+    const fadev_late_outputs *late = params ? params->late : nullptr;
+    if (late && (out || lse || !late->fill)) return FADEV_ERR_INVALID_ARGUMENT;
+    FADEV_TRY(att_validate(q, k, v, late ? q : out, params, policy, flash)); /* late: out is checked once filled */
     FADEV_TRY(fadev_cuda_require_device());
     emu_ctx cx;
     emu_inputs store;
     FADEV_TRY(emu_prepare(&cx, &store, q, k, v, params, policy, flash && params->exp_form == FADEV_EXP2, 0));
+    if (late) { /* the rounding is queued: now the caller's outputs */
+        void *ptrs[2] = {nullptr, nullptr};
+        FADEV_TRY(late->fill(late->ctx, ptrs));
+        out = (double *)ptrs[0], lse = (double *)ptrs[1];
+        if (!out) return FADEV_ERR_INVALID_ARGUMENT;
+    }
     fwd_args a;
     a.cx = cx;
     /* the fast path (emu_forward_fast.cu) where the policy allows it: its launch computes the heads with finite

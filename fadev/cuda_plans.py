@@ -7,7 +7,8 @@ results) costs ~100 us of host time a call, during which a GPU that finished the
 0.3 ms of idle GPU a call at N 4096). So the first call of an argument set that ran queued on PyTorch's stream
 (fadev.cuda's module docstring: PyTorch tensors while PyTorch's current stream is the legacy default stream) leaves
 a plan: the binding's entry, its shape and call tuples, the results' shapes. A later call replays it -- allocates the
-results and calls the binding -- when every argument is the same: the policy the same object (or the same preset
+results and calls the binding (an emulated forward's binding allocates them itself, by a callable, once it has queued
+the inputs' rounding: the GPU works while the host allocates) -- when every argument is the same: the policy the same object (or the same preset
 string), every other option of the same type and value, every tensor a contiguous float64 CUDA tensor (no negative
 view) of the same shape on the current CUDA device, and PyTorch's current stream still the legacy default stream.
 Anything else takes the full path, which raises the errors; a replay gives the full path's results bit for bit (the
@@ -16,6 +17,7 @@ same binding call on the same pointers).
 from __future__ import annotations
 
 import sys
+from functools import partial
 from typing import NamedTuple
 
 from . import _core
@@ -33,6 +35,8 @@ class _Plan(NamedTuple):
     c: tuple        # the Call's C tuple
     results: tuple  # the shapes of the binding's results, in the caller's rank
     first: bool     # return the first result alone (a forward without its lse)
+    late: bool      # the binding allocates the results by a callable once its first kernel is queued (the emulated
+                    # forwards: their allocation then runs while the GPU rounds the inputs, not before it has work)
 
 
 _PLANS: dict = {}
@@ -74,9 +78,20 @@ def replay(entry, device, policy, options, tensors):
     plan = _PLANS.get(key)
     if plan is None or (named and plan.policy is not policy) or not _queued(dev):
         return key, None
-    results = [tensors[0].new_empty(s) for s in plan.results]  # float64 on q's device; ~1.5 us less than torch.empty
-    plan.entry(*(t.data_ptr() for t in tensors), *(r.data_ptr() for r in results), plan.shape, plan.c, 0)
-    return key, (results[0] if plan.first else tuple(results))
+    ptrs = tuple(t.data_ptr() for t in tensors)
+    if plan.late:  # the binding asks for the results once the inputs' rounding is queued
+        results = plan.entry(*ptrs, partial(_results, tensors[0].new_empty, plan.results), plan.shape, plan.c, 0)
+    else:
+        results = _results(tensors[0].new_empty, plan.results)[1]
+        plan.entry(*ptrs, *(r.data_ptr() for r in results), plan.shape, plan.c, 0)
+    return key, (results[0] if plan.first else results)
+
+
+def _results(new_empty, shapes):
+    """(their device pointers, the result tensors) of new tensors of ``shapes`` (float64 on q's device: new_empty,
+    ~1.5 us less than torch.empty)."""
+    results = tuple(new_empty(s) for s in shapes)
+    return tuple(r.data_ptr() for r in results), results
 
 
 def _queued(dev) -> bool:
@@ -95,7 +110,8 @@ def keep(key, gpu, policy, call, q4, k4, result):
         results += (tuple(result.shape[:-1]),)
     if len(_PLANS) >= _LIMIT:
         _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[key] = _Plan(policy, getattr(_core, key[0]), _shape(q4, k4), call.c, results, first)
+    late = key[0] in ("cuda_baseline_attention", "cuda_flash_attention")
+    _PLANS[key] = _Plan(policy, getattr(_core, key[0]), _shape(q4, k4), call.c, results, first, late)
     return result
 
 

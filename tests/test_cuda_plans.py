@@ -140,3 +140,52 @@ def test_plans_are_bounded(plans):
     want = fadev.flash_attention(q, k, v, "fa2:bf16", scale=0.25, device="cuda")
     got = fadev.flash_attention(q, k, v, "fa2:bf16", scale=0.25)
     np.testing.assert_array_equal(got.cpu().numpy(), want.cpu().numpy())
+
+
+@pytest.mark.parametrize("kind", ["baseline", "flash"])
+def test_late_outputs(plans, kind):
+    """An emulated forward's replay gives the binding a callable for its outputs (fadev_late_outputs), called once the
+    inputs' rounding is queued: the call returns the callable's value with the full path's bits. A callable that
+    raises, returns something else, or gives a null out pointer fails the call with a clear exception, and the next
+    call (whose rounding follows the failed call's on the stream) still gives the full path's bits."""
+    q, k, v, _ = tensors(59, (1, 3, 96, 48))
+    fwd = fadev.flash_attention if kind == "flash" else fadev.baseline_attention
+    want = fwd(q, k, v, "fa2:bf16" if kind == "flash" else "naive:bf16", causal=True, return_lse=True)
+    (plan,) = cuda_plans._PLANS.values()
+    assert plan.late
+    ptrs = tuple(t.data_ptr() for t in (q, k, v))
+
+    def call(alloc):
+        return plan.entry(*ptrs, alloc, plan.shape, plan.c, 0)
+
+    asked = []
+
+    def alloc():
+        asked.append(1)
+        return cuda_plans._results(q.new_empty, plan.results)
+
+    got = call(alloc)
+    assert len(asked) == 1 and isinstance(got, tuple) and len(got) == 2
+    same(got, want, f"{kind} late outputs")
+
+    class Refused(Exception):
+        pass
+
+    def refuse():
+        raise Refused("no memory for you")
+
+    with pytest.raises(Refused):
+        call(refuse)
+    with pytest.raises(TypeError, match="outputs' callable must return"):
+        call(lambda: (1, 2, 3))
+    with pytest.raises(TypeError, match="outputs' callable must return"):
+        call(lambda: ((q.data_ptr(),), None))  # one pointer, not two
+    with pytest.raises(TypeError, match="device pointer must be an int"):
+        call(lambda: (("out", "lse"), None))
+    with pytest.raises(ValueError):
+        call(lambda: ((0, 0), None))  # a null out
+    with pytest.raises(TypeError, match="outputs' callable, shape, call, stream"):
+        plan.entry(*ptrs, alloc, plan.shape, plan.c)  # the callable form is queued only
+    plans.route_fails()
+    got = fwd(q, k, v, "fa2:bf16" if kind == "flash" else "naive:bf16", causal=True, return_lse=True)
+    same(got, want, f"{kind} after the failed calls")
