@@ -225,3 +225,26 @@ def test_many_heads_magnitudes_match_cpu_bits():
             assert_same(kind, qq, kk, vv, Policy.fa2("bf16"), causal=True)
     out = fadev.flash_attention(q, k, w, "fa2:bf16", causal=True, device="cuda")
     assert np.isfinite(out[0, 7, :2, 0]).all() and not np.isfinite(out[0, 7, 2, 0]), "the inf must be where it matters"
+
+
+@pytest.mark.parametrize("D", [64, 100])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("preset", ["fa2", "paper", "naive"])
+def test_non_finite_q_in_one_row_tile_matches_cpu_bits(D, fmt, preset):
+    """Heads of several row tiles (128 rows at D 64, 64 at D 100; odd row counts) whose Q has a NaN in one row, a value
+    that overflows the format (fp16: 7e4) in another, an infinite K value, and heads with none, causal and not: the
+    fast launch computes the finite heads and the generic launch the others (emu_head_finite), and every output is
+    the CPU's; the rows without a non-finite value are finite."""
+    q, k, v = make_qkv(61, 1, 4, 2, 333, 301, D)
+    q[0, 0, 150, 3] = np.nan          # one row tile of head 0
+    q[0, 1, 20, 0] = 7e4 if fmt == "fp16" else 1e39  # overflows the format: inf once rounded
+    k[0, 1, 7, 2] = np.inf            # heads 2 and 3 (K/V head 1)
+    policy = Policy.preset(preset, fmt)
+    for causal in (False, True):
+        for kind in ("flash", "baseline"):
+            assert_same(kind, q, k, v, policy, causal=causal)
+        fn = fadev.baseline_attention if preset == "naive" else fadev.flash_attention
+        out = fn(q, k, v, policy, causal=causal, device="cuda")
+        clean = np.ones(out.shape[:3], bool)
+        clean[0, 0, 150] = clean[0, 1, 20] = False
+        assert np.isfinite(out[0, :2][clean[0, :2]]).all(), f"{preset} {fmt} D {D} causal={causal}"
