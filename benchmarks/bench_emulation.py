@@ -19,7 +19,7 @@ D, halved when causal), CUDA float64 tensors in and out through fadev's public A
 torch.cuda.Event timings after a warm-up, beside the fp32 SIMT matrix product (torch.matmul on float32 with
 torch.backends.cuda.matmul.allow_tf32 = False, 2 n^3 flops) measured in the same run; "kernels" is the GPU's time in
 the call's kernels alone (torch.profiler, run after every other timing: CUPTI stays attached once a profiler ran,
-and later launches cost more host time), the rest of the call's time being the GPU waiting for the host. Validated
+and later launches may cost more host time), the rest of the call's time being the GPU waiting for the host. Validated
 first: on a small problem the GPU's outputs equal the CPU's bit for bit (any NaN equal to any NaN, docs/numerics.md
 "GPU").
 --tiled adds the forward on the kernel the warp kernel replaced (FADEV_EMU_WARP=0: cuda/emu_forward_fast.cu's tiled
@@ -257,8 +257,9 @@ def bench_cuda(args):
                     os.environ.pop("FADEV_EMU_WARP", None)
             timed[pol] = (f, b, times, queued, tiled)
     # the Llama step, then the kernels' time under torch.profiler, last: after a profiler has run, CUPTI stays
-    # attached (pytorch/pytorch#144455) and every later launch costs more host time, which the per-call column
-    # would count (H200: a call's rate 1.6% below its kernels' before the first profiler, 6-7% after)
+    # attached (pytorch/pytorch#144455) and later launches may cost more host time, which the per-call column would
+    # count (H200, one run: the first preset's per-call rate 1.6% below its kernels', the presets timed after a
+    # profiler 5.9-6.8% below; a direct before/after check moved one preset of three)
     steps = llama_step(args.step_steps) if args.step else None
     rows = []
     for pol, (f, b, times, queued, tiled) in timed.items():
